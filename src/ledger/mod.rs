@@ -1,0 +1,469 @@
+//! The one place that talks to TigerBeetle.
+//!
+//! Every call here has a deadline (TigerBeetle requests never time out on their own, and dropping
+//! a request's future does not cancel it) and is bounded: at most `in_flight_max` calls are in
+//! flight, and a call beyond that is refused at once rather than queued. Each call runs in its own
+//! task that owns its in-flight permit until the ledger answers, so a dead ledger fills the bound
+//! and further calls fail fast instead of piling up inside the client.
+
+pub mod model;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tb::error::{CreateAccountErrorKind, CreateTransferErrorKind};
+use thiserror::Error;
+use tigerbeetle_unofficial as tb;
+use tokio::sync::{oneshot, Semaphore};
+use tracing::Instrument;
+
+use crate::metrics::{self, CallOutcome, LedgerErrorKind, Operation};
+use crate::plan::Plan;
+
+/// TigerBeetle answers at most this many transfers per `get_account_transfers` page in
+/// `--development` mode (32 KiB messages); production allows more, but pages this size work in both.
+const TRANSFERS_PAGE_LIMIT: u32 = 254;
+/// How many pages of holds [`Ledger::account_view`] reads before giving up on precision.
+const TRANSFERS_PAGES_MAX: usize = 16;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LedgerError {
+    #[error("ledger call {} missed its deadline", .operation.as_str())]
+    Timeout { operation: Operation },
+    #[error("too many ledger calls in flight ({in_flight_max})")]
+    Overloaded { in_flight_max: usize },
+    #[error("ledger client failed {}: {message}", .operation.as_str())]
+    Client {
+        operation: Operation,
+        message: String,
+    },
+    #[error("ledger answered {} with {message}", .operation.as_str())]
+    Unexpected {
+        operation: Operation,
+        message: String,
+    },
+}
+
+fn client_error(operation: Operation, error: impl std::fmt::Display) -> LedgerError {
+    LedgerError::Client {
+        operation,
+        message: error.to_string(),
+    }
+}
+
+impl LedgerError {
+    pub fn kind(&self) -> LedgerErrorKind {
+        match self {
+            LedgerError::Timeout { .. } => LedgerErrorKind::Timeout,
+            LedgerError::Overloaded { .. } => LedgerErrorKind::Overloaded,
+            LedgerError::Client { .. } => LedgerErrorKind::Client,
+            LedgerError::Unexpected { .. } => LedgerErrorKind::Unexpected,
+        }
+    }
+}
+
+/// The ledger's answer to a hold (a pending debit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldOutcome {
+    /// Credit is held. `answered_at` is when the ledger's reply arrived: the transfer's timestamp is
+    /// no later than that, so `answered_at + timeout` is a safe upper bound for its expiry.
+    Held { answered_at: Instant },
+    /// `exceeds_credits`: the caller's credit is all held. The decision is "limited".
+    ExceedsCredits,
+    /// `debit_account_not_found`: a new caller; provision, then retry once.
+    AccountNotFound,
+}
+
+/// A hold the ledger reports as still pending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub amount: u64,
+    /// When the ledger will release it, in ledger (wall-clock) time.
+    pub expires_at: SystemTime,
+}
+
+/// What the ledger says about one user account: its available credit and its live holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountView {
+    /// credits_posted − debits_posted: the credit when nothing is held.
+    pub credit: u64,
+    /// credits_posted − debits_posted − debits_pending.
+    pub available: u64,
+    /// Live holds, earliest expiry first. `complete` is false when there were too many to read.
+    pub holds: Vec<Hold>,
+    pub complete: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct LedgerSettings {
+    pub cluster_id: u128,
+    pub addresses: Vec<SocketAddr>,
+    pub ledger_id: u32,
+    pub in_flight_max: NonZeroUsize,
+}
+
+/// A handle on the ledger, cheap to clone; every clone shares one TigerBeetle client (which batches
+/// concurrent requests by itself).
+#[derive(Clone)]
+pub struct Ledger {
+    client: Arc<tb::Client>,
+    in_flight: Arc<Semaphore>,
+    in_flight_max: usize,
+    ledger_id: u32,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger")
+            .field("ledger_id", &self.ledger_id)
+            .field("in_flight_max", &self.in_flight_max)
+            .finish()
+    }
+}
+
+#[derive(Debug, Error)]
+#[error("cannot create the TigerBeetle client: {0}")]
+pub struct ConnectError(String);
+
+impl Ledger {
+    /// Creates the client. It connects lazily: a ledger that is down shows up as call timeouts.
+    pub fn connect(settings: &LedgerSettings) -> Result<Self, ConnectError> {
+        assert!(!settings.addresses.is_empty());
+        let addresses = settings
+            .addresses
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let client = tb::Client::new(settings.cluster_id, addresses)
+            .map_err(|e| ConnectError(e.to_string()))?;
+        Ok(Ledger {
+            client: Arc::new(client),
+            in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
+            in_flight_max: settings.in_flight_max.get(),
+            ledger_id: settings.ledger_id,
+        })
+    }
+
+    pub fn ledger_id(&self) -> u32 {
+        self.ledger_id
+    }
+
+    /// Places a hold of `amount` on the account for `timeout_seconds`: one round trip.
+    ///
+    /// If the caller stops waiting (deadline passed, or the request was dropped) and
+    /// `void_if_abandoned` is set, a hold that the ledger did create is voided when its answer
+    /// finally arrives, so a request that was refused (fail closed) never keeps credit held.
+    pub async fn hold(
+        &self,
+        account_id: u128,
+        amount: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> Result<HoldOutcome, LedgerError> {
+        let transfer = model::hold_transfer(account_id, self.ledger_id, amount, timeout_seconds);
+        let transfer_id = transfer.id();
+        let ledger_id = self.ledger_id;
+        let on_abandoned =
+            move |client: Arc<tb::Client>, outcome: &Result<HoldOutcome, LedgerError>| {
+                if void_if_abandoned && matches!(outcome, Ok(HoldOutcome::Held { .. })) {
+                    let void = tb::Transfer::new(tb::id())
+                        .with_pending_id(transfer_id)
+                        .with_ledger(ledger_id)
+                        .with_code(model::TRANSFER_CODE_REQUEST)
+                        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+                    tokio::spawn(async move {
+                        // Best effort: if it fails, the hold still expires after its timeout.
+                        if let Err(error) = client.create_transfers(vec![void]).await {
+                            tracing::warn!(%error, "could not void an abandoned hold; it will expire");
+                        }
+                    });
+                }
+            };
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(vec![transfer]).await {
+                    Ok(()) => Ok(HoldOutcome::Held {
+                        answered_at: Instant::now(),
+                    }),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        let error = errors.as_slice()[0];
+                        match error.kind() {
+                            CreateTransferErrorKind::ExceedsCredits => {
+                                Ok(HoldOutcome::ExceedsCredits)
+                            }
+                            CreateTransferErrorKind::DebitAccountNotFound => {
+                                Ok(HoldOutcome::AccountNotFound)
+                            }
+                            kind => Err(LedgerError::Unexpected {
+                                operation: Operation::CreateTransfers,
+                                message: format!("{kind:?}"),
+                            }),
+                        }
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            Some(on_abandoned),
+        )
+        .await
+    }
+
+    /// Creates the operator and the user account, then the grant: idempotent, so any number of
+    /// instances racing on the same new caller credit it exactly once (`exists` counts as success).
+    /// The grant goes only after the account exists: a fixed-id transfer that failed once would
+    /// answer `id_already_failed` forever.
+    pub async fn provision(
+        &self,
+        account_id: u128,
+        plan: &Plan,
+        deadline: Instant,
+    ) -> Result<(), LedgerError> {
+        let accounts = vec![
+            model::operator_account(self.ledger_id),
+            model::user_account(account_id, self.ledger_id, plan),
+        ];
+        self.call(
+            Operation::CreateAccounts,
+            deadline,
+            move |client| async move {
+                match client.create_accounts(accounts).await {
+                    Ok(()) => Ok(()),
+                    Err(tb::error::CreateAccountsError::Api(errors)) => {
+                        for error in errors.as_slice() {
+                            match error.kind() {
+                                CreateAccountErrorKind::Exists => {}
+                                kind => {
+                                    return Err(LedgerError::Unexpected {
+                                        operation: Operation::CreateAccounts,
+                                        message: format!("{kind:?}"),
+                                    })
+                                }
+                            }
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(client_error(Operation::CreateAccounts, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
+        )
+        .await?;
+
+        let grant = model::grant_transfer(account_id, self.ledger_id, plan);
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(vec![grant]).await {
+                    Ok(()) => Ok(()),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        match errors.as_slice()[0].kind() {
+                            CreateTransferErrorKind::Exists => Ok(()),
+                            kind => Err(LedgerError::Unexpected {
+                                operation: Operation::CreateTransfers,
+                                message: format!("grant: {kind:?}"),
+                            }),
+                        }
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
+        )
+        .await
+    }
+
+    /// Reads an account's available credit and its live holds (earliest expiry first), to tell a
+    /// limited caller exactly when enough credit comes back. Only called on the limited path.
+    pub async fn account_view(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<Option<AccountView>, LedgerError> {
+        let accounts = self
+            .call(
+                Operation::LookupAccounts,
+                deadline,
+                move |client| async move {
+                    client
+                        .lookup_accounts(vec![account_id])
+                        .await
+                        .map_err(|e| client_error(Operation::LookupAccounts, e))
+                },
+                None::<fn(Arc<tb::Client>, &Result<Vec<tb::Account>, LedgerError>)>,
+            )
+            .await?;
+        let Some(account) = accounts.first() else {
+            return Ok(None);
+        };
+        let credit = account
+            .credits_posted()
+            .saturating_sub(account.debits_posted());
+        let available = credit.saturating_sub(account.debits_pending());
+        let credit = u64::try_from(credit).unwrap_or(u64::MAX);
+        let available = u64::try_from(available).unwrap_or(u64::MAX);
+
+        // Every live hold was created within the longest window (plus clock slack) of now.
+        let now = SystemTime::now();
+        let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
+        let mut holds = Vec::new();
+        let mut complete = false;
+        for _ in 0..TRANSFERS_PAGES_MAX {
+            let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
+                .with_flags(tb::account::FilterFlags::DEBITS)
+                .with_timestamp_min(timestamp_min);
+            let page = self
+                .call(
+                    Operation::GetAccountTransfers,
+                    deadline,
+                    move |client| async move {
+                        client
+                            .get_account_transfers(Box::new(filter))
+                            .await
+                            .map_err(|e| client_error(Operation::GetAccountTransfers, e))
+                    },
+                    None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
+                )
+                .await?;
+            for transfer in &page {
+                let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
+                let expires_at =
+                    transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
+                if pending && transfer.timeout() > 0 && expires_at > now {
+                    holds.push(Hold {
+                        amount: u64::try_from(transfer.amount()).unwrap_or(u64::MAX),
+                        expires_at,
+                    });
+                }
+            }
+            match page.last() {
+                Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
+                    timestamp_min = last.timestamp() + Duration::from_nanos(1);
+                }
+                _ => {
+                    complete = true;
+                    break;
+                }
+            }
+        }
+        holds.sort_by_key(|h| h.expires_at);
+        Ok(Some(AccountView {
+            credit,
+            available,
+            holds,
+            complete,
+        }))
+    }
+
+    /// One cheap read, to tell whether the ledger answers (for `/readyz`).
+    pub async fn ping(&self, deadline: Instant) -> Result<(), LedgerError> {
+        self.call(
+            Operation::LookupAccounts,
+            deadline,
+            |client| async move {
+                client
+                    .lookup_accounts(vec![model::OPERATOR_ACCOUNT_ID])
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| client_error(Operation::LookupAccounts, e))
+            },
+            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
+        )
+        .await
+    }
+
+    /// Runs one ledger call in its own task under the in-flight bound, and waits for it until
+    /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting.
+    async fn call<T, F, Fut, A>(
+        &self,
+        operation: Operation,
+        deadline: Instant,
+        make: F,
+        on_abandoned: Option<A>,
+    ) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<tb::Client>) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+        A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
+    {
+        let result = self
+            .call_inner(operation, deadline, make, on_abandoned)
+            .await;
+        if let Err(error) = &result {
+            metrics::record_ledger_error(error.kind());
+        }
+        result
+    }
+
+    async fn call_inner<T, F, Fut, A>(
+        &self,
+        operation: Operation,
+        deadline: Instant,
+        make: F,
+        on_abandoned: Option<A>,
+    ) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<tb::Client>) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+        A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
+    {
+        let permit =
+            self.in_flight
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| LedgerError::Overloaded {
+                    in_flight_max: self.in_flight_max,
+                })?;
+        let span = tracing::info_span!(
+            "ledger",
+            otel.name = operation.as_str(),
+            otel.kind = "client",
+            db.system.name = "tigerbeetle",
+            db.operation.name = operation.as_str(),
+            ledger.outcome = tracing::field::Empty,
+        );
+        let (sender, receiver) = oneshot::channel();
+        let client = self.client.clone();
+        let future = make(client.clone());
+        let started = Instant::now();
+        tokio::spawn(
+            async move {
+                metrics::ledger_in_flight_add(1.0);
+                let result = future.await;
+                let outcome = if result.is_ok() {
+                    CallOutcome::Ok
+                } else {
+                    CallOutcome::Error
+                };
+                metrics::record_ledger_call(operation, outcome, started.elapsed().as_secs_f64());
+                metrics::ledger_in_flight_add(-1.0);
+                tracing::Span::current().record("ledger.outcome", outcome.as_str());
+                drop(permit);
+                if let Err(result) = sender.send(result) {
+                    if let Some(on_abandoned) = on_abandoned {
+                        on_abandoned(client, &result);
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        match tokio::time::timeout_at(deadline.into(), receiver).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(LedgerError::Unexpected {
+                operation,
+                message: "the ledger task ended without an answer".to_owned(),
+            }),
+            Err(_) => Err(LedgerError::Timeout { operation }),
+        }
+    }
+}

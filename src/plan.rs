@@ -1,0 +1,249 @@
+//! Plans (capacity per window) and how a caller's key maps to one.
+//!
+//! Invalid limits are unrepresentable: capacity and window are `NonZero*`, and a [`PlanBook`] can
+//! only be built with a default plan that exists and prefixes that name existing plans.
+
+use std::collections::HashMap;
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::Arc;
+
+use thiserror::Error;
+
+/// A named limit: `capacity` units of credit, each held for `window_seconds` after it is spent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    name: Arc<str>,
+    capacity: NonZeroU64,
+    window_seconds: NonZeroU32,
+}
+
+impl Plan {
+    /// Builds a plan. Names are metric label values, so they are short and plain.
+    pub fn new(
+        name: &str,
+        capacity: NonZeroU64,
+        window_seconds: NonZeroU32,
+    ) -> Result<Self, PlanError> {
+        let name_valid = !name.is_empty()
+            && name.len() <= PLAN_NAME_LENGTH_MAX
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !name_valid {
+            return Err(PlanError::InvalidName(name.to_owned()));
+        }
+        Ok(Plan {
+            name: name.into(),
+            capacity,
+            window_seconds,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn capacity(&self) -> NonZeroU64 {
+        self.capacity
+    }
+
+    pub fn window_seconds(&self) -> NonZeroU32 {
+        self.window_seconds
+    }
+}
+
+/// Plan names become metric labels and header tokens: keep them short (bounded label values).
+pub const PLAN_NAME_LENGTH_MAX: usize = 32;
+/// A bound on the number of plans, so the `plan` metric label stays a small set.
+pub const PLAN_COUNT_MAX: usize = 64;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum PlanError {
+    #[error("plan name {0:?} must be 1-{PLAN_NAME_LENGTH_MAX} characters of [A-Za-z0-9_-]")]
+    InvalidName(String),
+    #[error("plan {0:?} is defined twice")]
+    Duplicate(String),
+    #[error("there must be between 1 and {PLAN_COUNT_MAX} plans")]
+    Count,
+    #[error("plan {0:?} is referenced but not defined")]
+    Unknown(String),
+    #[error("key prefix must not be empty")]
+    EmptyPrefix,
+}
+
+/// What to do with a key that neither the keys file nor a prefix assigns to a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownKeys {
+    /// Any key gets its own account on the default plan (an open API with per-key limits).
+    DefaultPlan,
+    /// Only listed keys are served; others get 401.
+    Reject,
+}
+
+/// Index of a plan inside its [`PlanBook`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PlanId(u16);
+
+/// Every plan, and the rules that map a key to one.
+#[derive(Debug, Clone)]
+pub struct PlanBook {
+    plans: Vec<Plan>,
+    default_plan: PlanId,
+    /// Exact keys (from the keys file). Looked up first.
+    keys: HashMap<String, PlanId>,
+    /// Prefixes, longest first, so `pro_eu_` wins over `pro_`.
+    prefixes: Vec<(String, PlanId)>,
+    unknown_keys: UnknownKeys,
+}
+
+impl PlanBook {
+    pub fn new(
+        plans: Vec<Plan>,
+        default_plan: &str,
+        prefixes: impl IntoIterator<Item = (String, String)>,
+        keys: impl IntoIterator<Item = (String, String)>,
+        unknown_keys: UnknownKeys,
+    ) -> Result<Self, PlanError> {
+        if plans.is_empty() || plans.len() > PLAN_COUNT_MAX {
+            return Err(PlanError::Count);
+        }
+        for (i, plan) in plans.iter().enumerate() {
+            if plans[..i].iter().any(|p| p.name == plan.name) {
+                return Err(PlanError::Duplicate(plan.name().to_owned()));
+            }
+        }
+        let find = |name: &str| -> Result<PlanId, PlanError> {
+            plans
+                .iter()
+                .position(|p| p.name() == name)
+                .map(|i| PlanId(i as u16))
+                .ok_or_else(|| PlanError::Unknown(name.to_owned()))
+        };
+        let default_plan = find(default_plan)?;
+        let mut prefix_list = Vec::new();
+        for (prefix, plan) in prefixes {
+            if prefix.is_empty() {
+                return Err(PlanError::EmptyPrefix);
+            }
+            prefix_list.push((prefix, find(&plan)?));
+        }
+        prefix_list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        let mut key_map = HashMap::new();
+        for (key, plan) in keys {
+            key_map.insert(key, find(&plan)?);
+        }
+        Ok(PlanBook {
+            plans,
+            default_plan,
+            keys: key_map,
+            prefixes: prefix_list,
+            unknown_keys,
+        })
+    }
+
+    /// The plan for a key, or `None` when unknown keys are rejected and this key is unknown.
+    pub fn plan_for_key(&self, key: &str) -> Option<PlanId> {
+        if let Some(id) = self.keys.get(key) {
+            return Some(*id);
+        }
+        if let Some((_, id)) = self.prefixes.iter().find(|(p, _)| key.starts_with(p)) {
+            return Some(*id);
+        }
+        match self.unknown_keys {
+            UnknownKeys::DefaultPlan => Some(self.default_plan),
+            UnknownKeys::Reject => None,
+        }
+    }
+
+    /// The plan for callers identified by address rather than key.
+    pub fn default_plan(&self) -> PlanId {
+        self.default_plan
+    }
+
+    pub fn get(&self, id: PlanId) -> &Plan {
+        &self.plans[id.0 as usize]
+    }
+
+    pub fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// The smallest capacity of any plan: no route may cost more than this.
+    pub fn capacity_min(&self) -> NonZeroU64 {
+        self.plans
+            .iter()
+            .map(Plan::capacity)
+            .min()
+            .expect("at least one plan")
+    }
+
+    /// The longest window of any plan: every hold is released within it.
+    pub fn window_seconds_max(&self) -> NonZeroU32 {
+        self.plans
+            .iter()
+            .map(Plan::window_seconds)
+            .max()
+            .expect("at least one plan")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(name: &str, capacity: u64) -> Plan {
+        Plan::new(
+            name,
+            NonZeroU64::new(capacity).unwrap(),
+            NonZeroU32::new(30).unwrap(),
+        )
+        .unwrap()
+    }
+
+    fn book(unknown: UnknownKeys) -> PlanBook {
+        PlanBook::new(
+            vec![plan("free", 5), plan("basic", 50), plan("pro", 500)],
+            "free",
+            [
+                ("pro_".to_owned(), "pro".to_owned()),
+                ("pro_basic_".to_owned(), "basic".to_owned()),
+            ],
+            [("special".to_owned(), "pro".to_owned())],
+            unknown,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn keys_then_longest_prefix_then_default() {
+        let book = book(UnknownKeys::DefaultPlan);
+        let name = |k: &str| book.get(book.plan_for_key(k).unwrap()).name().to_owned();
+        assert_eq!(name("special"), "pro");
+        assert_eq!(name("pro_1"), "pro");
+        assert_eq!(name("pro_basic_1"), "basic");
+        assert_eq!(name("anything"), "free");
+    }
+
+    #[test]
+    fn unknown_keys_rejected_when_configured() {
+        let book = book(UnknownKeys::Reject);
+        assert!(book.plan_for_key("anything").is_none());
+        assert!(book.plan_for_key("pro_1").is_some());
+    }
+
+    #[test]
+    fn invalid_books_are_errors() {
+        let err = PlanBook::new(vec![plan("free", 5)], "gold", [], [], UnknownKeys::Reject);
+        assert_eq!(err.unwrap_err(), PlanError::Unknown("gold".into()));
+        let err = PlanBook::new(
+            vec![plan("free", 5), plan("free", 6)],
+            "free",
+            [],
+            [],
+            UnknownKeys::Reject,
+        );
+        assert_eq!(err.unwrap_err(), PlanError::Duplicate("free".into()));
+        assert!(Plan::new("has space", NonZeroU64::MIN, NonZeroU32::MIN).is_err());
+        assert!(Plan::new("", NonZeroU64::MIN, NonZeroU32::MIN).is_err());
+    }
+}
