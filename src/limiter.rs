@@ -1,0 +1,276 @@
+//! The decision: admit or limit one request of a caller, exactly, through the ledger.
+//!
+//! "Limited" is a value ([`Outcome::Limited`]), not an error. A ledger that fails or is too slow
+//! yields [`Outcome::FailedOpen`] or [`Outcome::FailedClosed`] according to the configured
+//! [`FailurePolicy`]; a decision never takes longer than the ledger deadline.
+
+use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::caller::CallerKey;
+use crate::ledger::{model, HoldOutcome, Ledger, LedgerError};
+use crate::local_view::{LocalQuota, LocalView};
+use crate::metrics::DecisionSource;
+use crate::plan::{PlanBook, PlanId};
+
+/// What to do when the ledger cannot decide in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Admit the request (availability over exactness).
+    Open,
+    /// Refuse it with 503 (exactness over availability).
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+pub struct LimiterSettings {
+    /// The deadline for one whole decision, provisioning included.
+    pub ledger_timeout: Duration,
+    pub failure_policy: FailurePolicy,
+    /// How many callers this instance remembers holds for (headers and local 429s).
+    pub local_callers_max: usize,
+    /// Added to every expiry this instance computes: TigerBeetle releases a hold a little after it
+    /// is due (~5 ms typically, at most ~100 ms).
+    pub expiry_margin: Duration,
+}
+
+/// The quota a response advertises (IETF `RateLimit` / `RateLimit-Policy` fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub limit: u64,
+    pub window_seconds: u32,
+    pub remaining: u64,
+    pub reset_seconds: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted,
+    Limited {
+        /// Whole seconds until enough credit is back for this cost (rounded up, at least 1).
+        retry_after_seconds: u64,
+        source: DecisionSource,
+    },
+    FailedOpen(LedgerError),
+    FailedClosed(LedgerError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub outcome: Outcome,
+    pub plan: PlanId,
+    /// The caller's account in the ledger: a non-secret id, safe for traces.
+    pub account_id: u128,
+    pub quota: Quota,
+}
+
+/// Shared by every worker: one ledger client, one local view.
+pub struct Limiter {
+    ledger: Ledger,
+    plans: Arc<PlanBook>,
+    settings: LimiterSettings,
+    local: LocalView,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("ledger", &self.ledger)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+fn whole_seconds_up(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+impl Limiter {
+    pub fn new(ledger: Ledger, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
+        let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
+        Limiter {
+            ledger,
+            plans,
+            settings,
+            local,
+        }
+    }
+
+    pub fn plans(&self) -> &PlanBook {
+        &self.plans
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn settings(&self) -> &LimiterSettings {
+        &self.settings
+    }
+
+    /// Decides one request of `cost` units for `key` on `plan`.
+    pub async fn check(&self, key: &CallerKey, plan_id: PlanId, cost: NonZeroU64) -> Decision {
+        let plan = self.plans.get(plan_id);
+        let capacity = plan.capacity().get();
+        let window_seconds = plan.window_seconds().get();
+        let account_id = model::user_account_id(self.ledger.ledger_id(), plan, key);
+        let cost = cost.get();
+        let quota = |local: LocalQuota| Quota {
+            limit: capacity,
+            window_seconds,
+            remaining: local.remaining,
+            reset_seconds: whole_seconds_up(local.reset_after),
+        };
+        let decision = |outcome: Outcome, local: LocalQuota| Decision {
+            outcome,
+            plan: plan_id,
+            account_id,
+            quota: quota(local),
+        };
+
+        let started = Instant::now();
+        if let Some(limit) = self.local.check(account_id, cost, started) {
+            return decision(
+                Outcome::Limited {
+                    retry_after_seconds: whole_seconds_up(limit.retry_after).max(1),
+                    source: DecisionSource::LocalCache,
+                },
+                limit.quota,
+            );
+        }
+
+        let deadline = started + self.settings.ledger_timeout;
+        let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
+        let mut result = self
+            .ledger
+            .hold(
+                account_id,
+                cost,
+                window_seconds,
+                deadline,
+                void_if_abandoned,
+            )
+            .await;
+        if let Ok(HoldOutcome::AccountNotFound) = result {
+            result = match self.ledger.provision(account_id, plan, deadline).await {
+                Ok(()) => {
+                    tracing::debug!(account_id = %format_args!("{account_id:032x}"), "provisioned");
+                    self.ledger
+                        .hold(
+                            account_id,
+                            cost,
+                            window_seconds,
+                            deadline,
+                            void_if_abandoned,
+                        )
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+        }
+
+        let now = Instant::now();
+        match result {
+            Ok(HoldOutcome::Held { answered_at }) => {
+                let local = self.local.record_hold(
+                    account_id,
+                    capacity,
+                    cost,
+                    answered_at,
+                    Duration::from_secs(window_seconds.into()),
+                    now,
+                );
+                decision(Outcome::Admitted, local)
+            }
+            Ok(HoldOutcome::ExceedsCredits) => {
+                let retry_after = self
+                    .retry_after_from_ledger(account_id, cost, deadline)
+                    .await;
+                let local = self.local.quota(account_id, capacity, Instant::now());
+                decision(
+                    Outcome::Limited {
+                        retry_after_seconds: whole_seconds_up(retry_after).max(1),
+                        source: DecisionSource::Ledger,
+                    },
+                    LocalQuota {
+                        remaining: 0,
+                        ..local
+                    },
+                )
+            }
+            Ok(HoldOutcome::AccountNotFound) => {
+                let error = LedgerError::Unexpected {
+                    operation: crate::metrics::Operation::CreateTransfers,
+                    message: "account not found right after provisioning".to_owned(),
+                };
+                crate::metrics::record_ledger_error(error.kind());
+                self.fail(error, account_id, capacity, decision)
+            }
+            Err(error) => self.fail(error, account_id, capacity, decision),
+        }
+    }
+
+    fn fail(
+        &self,
+        error: LedgerError,
+        account_id: u128,
+        capacity: u64,
+        decision: impl Fn(Outcome, LocalQuota) -> Decision,
+    ) -> Decision {
+        tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide");
+        let local = self.local.quota(account_id, capacity, Instant::now());
+        let outcome = match self.settings.failure_policy {
+            FailurePolicy::Open => Outcome::FailedOpen(error),
+            FailurePolicy::Closed => Outcome::FailedClosed(error),
+        };
+        decision(outcome, local)
+    }
+
+    /// Asks the ledger when enough credit comes back, and remembers the answer so the next
+    /// requests of this exhausted caller are answered locally. If the ledger cannot say within the
+    /// deadline, the longest window is a safe answer: every current hold is released by then.
+    async fn retry_after_from_ledger(
+        &self,
+        account_id: u128,
+        cost: u64,
+        deadline: Instant,
+    ) -> Duration {
+        let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        let fallback = window_max + self.settings.expiry_margin;
+        let view = self
+            .ledger
+            .account_view(account_id, self.plans.window_seconds_max().get(), deadline)
+            .await;
+        match view {
+            Ok(Some(view)) => {
+                let now = Instant::now();
+                self.local
+                    .replace(account_id, &view, window_max, now, SystemTime::now());
+                match self.local.check(account_id, cost, now) {
+                    Some(limit) => limit.retry_after,
+                    // Holds expired between the two calls: credit is back already.
+                    None => Duration::ZERO,
+                }
+            }
+            Ok(None) => fallback,
+            Err(error) => {
+                tracing::debug!(%error, "could not read holds; Retry-After falls back to the window");
+                fallback
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_round_up() {
+        assert_eq!(whole_seconds_up(Duration::ZERO), 0);
+        assert_eq!(whole_seconds_up(Duration::from_millis(1)), 1);
+        assert_eq!(whole_seconds_up(Duration::from_secs(2)), 2);
+        assert_eq!(whole_seconds_up(Duration::from_millis(2001)), 3);
+    }
+}

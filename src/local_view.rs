@@ -1,0 +1,354 @@
+//! This instance's memory of callers' holds: enough to fill the rate-limit headers without a
+//! second ledger round trip, and to answer 429 locally while a caller is known to be exhausted.
+//!
+//! Safety argument (why a local 429 is never wrong): a user account is credited exactly once with
+//! its plan's capacity, and only holds ever debit it. The holds this instance knows of are a subset
+//! of the account's holds, and each known hold's expiry is over-estimated (the reply time, not the
+//! ledger timestamp, plus a margin for TigerBeetle's expiry lag). So `capacity − known live holds`
+//! is an upper bound on the ledger's available credit: when a cost exceeds even that, the ledger
+//! would answer `exceeds_credits` too. The view only ever rejects; admitting is the ledger's alone.
+//!
+//! Bounded: at most `callers_max` callers, and at most [`HOLDS_PER_CALLER_MAX`] holds each (older
+//! holds are merged, keeping the later expiry, which only makes the view more conservative).
+
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::ledger::AccountView;
+
+pub const HOLDS_PER_CALLER_MAX: usize = 1024;
+const SHARD_COUNT: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LocalHold {
+    amount: u64,
+    expires_at: Instant,
+}
+
+#[derive(Debug)]
+struct CallerHolds {
+    /// The credit the account has when nothing is held (its grant, as the ledger last said).
+    credit: u64,
+    /// Known holds, in the order they were learned (expiries nearly ascending).
+    holds: VecDeque<LocalHold>,
+    held: u64,
+}
+
+impl CallerHolds {
+    fn new(credit: u64) -> Self {
+        CallerHolds {
+            credit,
+            holds: VecDeque::new(),
+            held: 0,
+        }
+    }
+
+    fn prune(&mut self, now: Instant) {
+        // Only the front is pruned: a later-expiring hold in front keeps the ones behind it (this
+        // only happens after a merge or a window change, and errs on the side of holding).
+        while let Some(front) = self.holds.front() {
+            if front.expires_at > now {
+                break;
+            }
+            self.held -= front.amount;
+            self.holds.pop_front();
+        }
+    }
+
+    fn push(&mut self, hold: LocalHold) {
+        if self.holds.len() == HOLDS_PER_CALLER_MAX {
+            let a = self.holds.pop_front().expect("full");
+            let b = self.holds.front_mut().expect("full");
+            b.amount += a.amount;
+            b.expires_at = b.expires_at.max(a.expires_at);
+        }
+        self.held += hold.amount;
+        self.holds.push_back(hold);
+        debug_assert_eq!(self.held, self.holds.iter().map(|h| h.amount).sum::<u64>());
+    }
+
+    fn available(&self) -> u64 {
+        self.credit.saturating_sub(self.held)
+    }
+
+    /// When `cost` will fit, assuming nobody else takes credit meanwhile.
+    fn fits_at(&self, cost: u64, now: Instant) -> Instant {
+        let mut available = self.available();
+        let mut at = now;
+        let mut release_at = now;
+        for hold in &self.holds {
+            if available >= cost {
+                break;
+            }
+            release_at = release_at.max(hold.expires_at);
+            available += hold.amount;
+            at = release_at;
+        }
+        at
+    }
+
+    fn quota(&self, now: Instant) -> LocalQuota {
+        let reset_at = self.holds.iter().map(|h| h.expires_at).max().unwrap_or(now);
+        LocalQuota {
+            remaining: self.available(),
+            reset_after: reset_at.saturating_duration_since(now),
+        }
+    }
+}
+
+/// The quota as this instance sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalQuota {
+    pub remaining: u64,
+    /// Until every known hold is released (the quota is whole again).
+    pub reset_after: Duration,
+}
+
+/// A caller this instance knows to be exhausted for a cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalLimit {
+    /// When the cost will fit again (waiting this long then succeeds, unless others spend first).
+    pub retry_after: Duration,
+    pub quota: LocalQuota,
+}
+
+pub struct LocalView {
+    shards: Box<[Mutex<HashMap<u128, CallerHolds>>]>,
+    callers_per_shard_max: usize,
+    /// Added to every expiry: TigerBeetle releases a hold up to ~100 ms after it is due.
+    expiry_margin: Duration,
+}
+
+impl LocalView {
+    pub fn new(callers_max: usize, expiry_margin: Duration) -> Self {
+        let shards = (0..SHARD_COUNT)
+            .map(|_| Mutex::new(HashMap::new()))
+            .collect::<Vec<_>>()
+            .into_boxed_slice();
+        LocalView {
+            shards,
+            callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT).max(1),
+            expiry_margin,
+        }
+    }
+
+    fn shard(&self, account_id: u128) -> std::sync::MutexGuard<'_, HashMap<u128, CallerHolds>> {
+        // Account ids are uniformly distributed hashes: the low bits pick a shard well.
+        let index = (account_id as usize) % SHARD_COUNT;
+        self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Some` when `cost` surely exceeds the caller's available credit right now.
+    pub fn check(&self, account_id: u128, cost: u64, now: Instant) -> Option<LocalLimit> {
+        let mut shard = self.shard(account_id);
+        let holds = shard.get_mut(&account_id)?;
+        holds.prune(now);
+        if holds.available() >= cost {
+            return None;
+        }
+        let fits_at = holds.fits_at(cost, now);
+        Some(LocalLimit {
+            retry_after: fits_at.saturating_duration_since(now),
+            quota: holds.quota(now),
+        })
+    }
+
+    /// Records a hold the ledger accepted; returns the caller's quota after it.
+    pub fn record_hold(
+        &self,
+        account_id: u128,
+        credit: u64,
+        amount: u64,
+        answered_at: Instant,
+        timeout: Duration,
+        now: Instant,
+    ) -> LocalQuota {
+        let hold = LocalHold {
+            amount,
+            expires_at: answered_at + timeout + self.expiry_margin,
+        };
+        let mut shard = self.shard(account_id);
+        let callers_max = self.callers_per_shard_max;
+        let holds = match shard.entry(account_id) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(_) => {
+                if shard.len() >= callers_max {
+                    shard.retain(|_, h| {
+                        h.prune(now);
+                        !h.holds.is_empty()
+                    });
+                }
+                if shard.len() >= callers_max {
+                    // Full of active callers: skip remembering this one. The ledger stays exact;
+                    // only the headers are less precise for it.
+                    let mut alone = CallerHolds::new(credit);
+                    alone.push(hold);
+                    return alone.quota(now);
+                }
+                shard
+                    .entry(account_id)
+                    .or_insert_with(|| CallerHolds::new(credit))
+            }
+        };
+        holds.prune(now);
+        holds.push(hold);
+        holds.quota(now)
+    }
+
+    /// Replaces what this instance knows of a caller by what the ledger just said.
+    pub fn replace(
+        &self,
+        account_id: u128,
+        view: &AccountView,
+        window_max: Duration,
+        now: Instant,
+        now_wall: SystemTime,
+    ) {
+        let mut holds = CallerHolds::new(view.credit);
+        for hold in &view.holds {
+            let remaining = hold
+                .expires_at
+                .duration_since(now_wall)
+                .unwrap_or(Duration::ZERO);
+            holds.push(LocalHold {
+                amount: hold.amount,
+                expires_at: now + remaining + self.expiry_margin,
+            });
+        }
+        // Holds the ledger counts but we could not list: assume they last a whole window.
+        let listed = holds.held;
+        let pending = view.credit.saturating_sub(view.available);
+        if pending > listed && !view.complete {
+            holds.push(LocalHold {
+                amount: pending - listed,
+                expires_at: now + window_max + self.expiry_margin,
+            });
+        }
+        self.shard(account_id).insert(account_id, holds);
+    }
+
+    /// The quota this instance knows for a caller (`credit` if it knows nothing).
+    pub fn quota(&self, account_id: u128, credit: u64, now: Instant) -> LocalQuota {
+        let mut shard = self.shard(account_id);
+        match shard.get_mut(&account_id) {
+            Some(holds) => {
+                holds.prune(now);
+                holds.quota(now)
+            }
+            None => LocalQuota {
+                remaining: credit,
+                reset_after: Duration::ZERO,
+            },
+        }
+    }
+
+    pub fn callers(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::Hold;
+    use proptest::prelude::*;
+
+    const MARGIN: Duration = Duration::from_millis(250);
+    const WINDOW: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn rejects_only_when_known_holds_exceed_credit() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        assert!(
+            view.check(7, 1, t0).is_none(),
+            "unknown callers go to the ledger"
+        );
+        for i in 0..5 {
+            let q = view.record_hold(7, 5, 1, t0, WINDOW, t0);
+            assert_eq!(q.remaining, 4 - i);
+        }
+        let limit = view.check(7, 1, t0).expect("exhausted");
+        assert_eq!(limit.retry_after, WINDOW + MARGIN);
+        assert_eq!(limit.quota.remaining, 0);
+        // Credit is back once the holds expire.
+        assert!(view.check(7, 1, t0 + WINDOW + MARGIN).is_none());
+    }
+
+    #[test]
+    fn retry_after_waits_for_enough_credit_for_the_cost() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        view.record_hold(1, 3, 1, t0, Duration::from_secs(10), t0);
+        view.record_hold(1, 3, 1, t0, Duration::from_secs(20), t0);
+        view.record_hold(1, 3, 1, t0, Duration::from_secs(30), t0);
+        let limit = view.check(1, 2, t0).unwrap();
+        assert_eq!(limit.retry_after, Duration::from_secs(20) + MARGIN);
+        assert_eq!(limit.quota.reset_after, Duration::from_secs(30) + MARGIN);
+    }
+
+    #[test]
+    fn ledger_view_replaces_local_knowledge() {
+        let view = LocalView::new(100, MARGIN);
+        let now = Instant::now();
+        let wall = SystemTime::now();
+        let ledger = AccountView {
+            credit: 5,
+            available: 0,
+            holds: (1..=5)
+                .map(|s| Hold {
+                    amount: 1,
+                    expires_at: wall + Duration::from_secs(s),
+                })
+                .collect(),
+            complete: true,
+        };
+        view.replace(9, &ledger, WINDOW, now, wall);
+        let limit = view.check(9, 2, now).unwrap();
+        assert_eq!(limit.retry_after, Duration::from_secs(2) + MARGIN);
+        let incomplete = AccountView {
+            holds: vec![],
+            complete: false,
+            ..ledger
+        };
+        view.replace(9, &incomplete, WINDOW, now, wall);
+        assert_eq!(view.check(9, 1, now).unwrap().retry_after, WINDOW + MARGIN);
+    }
+
+    #[test]
+    fn caller_count_is_bounded() {
+        let view = LocalView::new(64, MARGIN);
+        let now = Instant::now();
+        for id in 0..10_000u128 {
+            view.record_hold(id, 5, 1, now, WINDOW, now);
+        }
+        assert!(view.callers() <= 64, "{}", view.callers());
+    }
+
+    proptest! {
+        /// The local view never claims less held credit than the holds it was told about that are
+        /// still live (so it never under-rejects relative to its own knowledge), and merging under
+        /// the per-caller bound never releases credit early.
+        #[test]
+        fn merged_holds_release_no_earlier(
+            expiries in proptest::collection::vec(1u64..100, 1..3000),
+            probe in 0u64..120,
+        ) {
+            let view = LocalView::new(16, Duration::ZERO);
+            let t0 = Instant::now();
+            let credit = expiries.len() as u64;
+            for e in &expiries {
+                view.record_hold(1, credit, 1, t0, Duration::from_secs(*e), t0);
+            }
+            let at = t0 + Duration::from_secs(probe);
+            let truly_held = expiries.iter().filter(|e| **e > probe).count() as u64;
+            let quota = view.quota(1, credit, at);
+            prop_assert!(credit - quota.remaining >= truly_held);
+        }
+    }
+}
