@@ -1,0 +1,231 @@
+//! HTTP request latency with trace exemplars, in OpenMetrics text.
+//!
+//! `metrics-exporter-prometheus` cannot emit exemplars (metrics-rs/metrics#175), so this one
+//! histogram lives in a `prometheus-client` registry served on its own path
+//! (`/metrics/exemplars`). An exemplar is attached only when the request's trace is sampled, so
+//! every exemplar leads to a trace that was exported.
+
+use std::future::{ready, Ready};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::http::Method;
+use actix_web::Error;
+use futures_util::future::LocalBoxFuture;
+use opentelemetry::trace::TraceContextExt;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const HTTP_SERVER_REQUEST_DURATION: &str = "http_server_request_duration_seconds";
+
+/// Buckets from OpenTelemetry's HTTP semantic conventions, with finer steps below 5 ms where a
+/// healthy limiter lives.
+pub const HTTP_BUCKETS_SECONDS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub method: &'static str,
+    /// The matched route pattern (never the raw path: that would be unbounded).
+    pub route: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceExemplar {
+    pub trace_id: String,
+}
+
+type Histograms = Family<RequestLabels, HistogramWithExemplars<TraceExemplar>>;
+
+/// The registry and its one histogram family.
+pub struct HttpMetrics {
+    registry: Registry,
+    durations: Histograms,
+}
+
+impl Default for HttpMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HttpMetrics {
+    pub fn new() -> Self {
+        let durations: Histograms = Family::new_with_constructor(|| {
+            HistogramWithExemplars::new(HTTP_BUCKETS_SECONDS.iter().copied())
+        });
+        let mut registry = Registry::default();
+        registry.register_with_unit(
+            "http_server_request_duration",
+            "Duration of HTTP server requests, with trace exemplars",
+            prometheus_client::registry::Unit::Seconds,
+            durations.clone(),
+        );
+        HttpMetrics {
+            registry,
+            durations,
+        }
+    }
+
+    pub fn observe(&self, labels: RequestLabels, seconds: f64, trace_id: Option<String>) {
+        self.durations.get_or_create(&labels).observe(
+            seconds,
+            trace_id.map(|trace_id| TraceExemplar { trace_id }),
+            None,
+        );
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Bounded method label: the standard methods, everything else `_OTHER` (as OpenTelemetry does).
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::PATCH => "PATCH",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "_OTHER",
+    }
+}
+
+/// The current span's trace id, if the trace is sampled (so the exemplar leads somewhere).
+pub fn sampled_trace_id(span: &tracing::Span) -> Option<String> {
+    let context = span.context();
+    let span_ref = context.span();
+    let span_context = span_ref.span_context();
+    (span_context.is_valid() && span_context.is_sampled())
+        .then(|| span_context.trace_id().to_string())
+}
+
+/// Middleware that times every request into [`HttpMetrics`]. Wrap it inside the tracing
+/// middleware, so the request's span is current.
+#[derive(Clone)]
+pub struct RecordHttpMetrics {
+    metrics: Option<Arc<HttpMetrics>>,
+}
+
+impl RecordHttpMetrics {
+    pub fn new(metrics: Option<Arc<HttpMetrics>>) -> Self {
+        RecordHttpMetrics { metrics }
+    }
+}
+
+impl<S, B> Transform<S, ServiceRequest> for RecordHttpMetrics
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    type Response = ServiceResponse<B>;
+    type Error = Error;
+    type Transform = RecordHttpMetricsMiddleware<S>;
+    type InitError = ();
+    type Future = Ready<Result<Self::Transform, Self::InitError>>;
+
+    fn new_transform(&self, service: S) -> Self::Future {
+        ready(Ok(RecordHttpMetricsMiddleware {
+            service: Rc::new(service),
+            metrics: self.metrics.clone(),
+        }))
+    }
+}
+
+pub struct RecordHttpMetricsMiddleware<S> {
+    service: Rc<S>,
+    metrics: Option<Arc<HttpMetrics>>,
+}
+
+impl<S, B> Service<ServiceRequest> for RecordHttpMetricsMiddleware<S>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    type Response = ServiceResponse<B>;
+    type Error = Error;
+    type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    forward_ready!(service);
+
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        let Some(metrics) = self.metrics.clone() else {
+            return Box::pin(self.service.call(req));
+        };
+        let started = Instant::now();
+        let method = method_label(req.method());
+        let span = tracing::Span::current();
+        let future = self.service.call(req);
+        Box::pin(async move {
+            let response = future.await?;
+            let route = response
+                .request()
+                .match_pattern()
+                .unwrap_or_else(|| "unmatched".to_owned());
+            let labels = RequestLabels {
+                method,
+                route,
+                status: response.status().as_u16(),
+            };
+            metrics.observe(
+                labels,
+                started.elapsed().as_secs_f64(),
+                sampled_trace_id(&span),
+            );
+            Ok(response)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_openmetrics_with_exemplars() {
+        let metrics = HttpMetrics::new();
+        let labels = RequestLabels {
+            method: "GET",
+            route: "/greeting".into(),
+            status: 200,
+        };
+        metrics.observe(
+            labels.clone(),
+            0.003,
+            Some("0af7651916cd43dd8448eb211c80319c".into()),
+        );
+        metrics.observe(labels, 0.2, None);
+        let text = metrics.render();
+        assert!(
+            text.contains("# TYPE http_server_request_duration_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"http_server_request_duration_seconds_bucket{le="0.005",method="GET",route="/greeting",status="200"} 1 # {trace_id="0af7651916cd43dd8448eb211c80319c"} 0.003"#),
+            "{text}"
+        );
+        assert!(text.trim_end().ends_with("# EOF"), "{text}");
+        assert_eq!(
+            method_label(&Method::from_bytes(b"BREW").unwrap()),
+            "_OTHER"
+        );
+    }
+}

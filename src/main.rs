@@ -1,0 +1,138 @@
+//! The `ledger-limiter` service: `/greeting` behind the limiter, health, readiness and metrics.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use ledger_limiter::config::{EmbeddedFile, FileConfig, LedgerFile, Settings};
+use ledger_limiter::http_metrics::HttpMetrics;
+use ledger_limiter::startup::{Application, Exporters};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+/// Every flag also reads the environment variable named beside it, and overrides the config file.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "An exact, distributed rate limiter backed by TigerBeetle"
+)]
+struct Cli {
+    /// A TOML file overriding the built-in configuration (see config/default.toml).
+    #[arg(long, env = "LEDGER_LIMITER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to serve HTTP on, e.g. 0.0.0.0:8080 (port 0 picks a free port).
+    #[arg(long, env = "LEDGER_LIMITER_LISTEN")]
+    listen: Option<String>,
+    /// HTTP worker threads.
+    #[arg(long, env = "LEDGER_LIMITER_WORKERS")]
+    workers: Option<usize>,
+    /// TigerBeetle replica addresses (host:port, comma separated). None: run an embedded one.
+    #[arg(long, env = "LEDGER_LIMITER_LEDGER_ADDRESSES", value_delimiter = ',')]
+    ledger_addresses: Option<Vec<String>>,
+    /// TigerBeetle cluster id.
+    #[arg(long, env = "LEDGER_LIMITER_CLUSTER_ID")]
+    cluster_id: Option<u64>,
+    /// Deadline of one decision, in milliseconds.
+    #[arg(long, env = "LEDGER_LIMITER_LEDGER_TIMEOUT_MS")]
+    ledger_timeout_ms: Option<u64>,
+    /// What to do when the ledger cannot decide in time: "open" (admit) or "closed" (503).
+    #[arg(long, env = "LEDGER_LIMITER_FAILURE_POLICY")]
+    failure_policy: Option<String>,
+    /// Data directory of the embedded TigerBeetle.
+    #[arg(long, env = "LEDGER_LIMITER_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// The tigerbeetle binary for the embedded ledger.
+    #[arg(long, env = "LEDGER_LIMITER_TIGERBEETLE_BIN")]
+    tigerbeetle_bin: Option<PathBuf>,
+    /// Run the embedded TigerBeetle without --development (needs direct I/O and ~1 GiB data file).
+    #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION")]
+    embedded_production: bool,
+    /// Validate the configuration, print it, and exit.
+    #[arg(long)]
+    check_config: bool,
+}
+
+impl Cli {
+    fn overrides(&self) -> FileConfig {
+        FileConfig {
+            listen: self.listen.clone(),
+            workers: self.workers,
+            ledger: LedgerFile {
+                addresses: self.ledger_addresses.clone(),
+                cluster_id: self.cluster_id,
+                timeout_ms: self.ledger_timeout_ms,
+                failure_policy: self.failure_policy.clone(),
+                ..LedgerFile::default()
+            },
+            embedded: EmbeddedFile {
+                data_dir: self.data_dir.clone(),
+                tigerbeetle_bin: self.tigerbeetle_bin.clone(),
+                development: self.embedded_production.then_some(false),
+            },
+            ..FileConfig::default()
+        }
+    }
+}
+
+fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
+    let file = match &cli.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    Ok(Settings::with_overrides(file.merge(cli.overrides()))?)
+}
+
+#[actix_web::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let settings = match load_settings(&cli) {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("ledger-limiter: {error:#}");
+            std::process::exit(2);
+        }
+    };
+    if cli.check_config {
+        println!("configuration is valid:\n{settings:#?}");
+        return Ok(());
+    }
+
+    let mut telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
+    let prometheus = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(ledger_limiter::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
+            ledger_limiter::metrics::LEDGER_CALL_BUCKETS_SECONDS,
+        )?
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    // install_recorder() does not spawn the upkeep task that drains histogram buffers.
+    let upkeep = prometheus.clone();
+    actix_web::rt::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+
+    let exporters = Exporters {
+        prometheus: Some(prometheus),
+        http_metrics: Some(Arc::new(HttpMetrics::new())),
+    };
+    let application = Application::build(settings, exporters)
+        .await
+        .context("starting ledger-limiter")?;
+    if application.wait_for_ledger(Duration::from_secs(30)).await {
+        tracing::info!("ledger ready");
+    }
+    tracing::info!(
+        port = application.port(),
+        otlp = telemetry.exporting(),
+        "ledger-limiter listening on port {}",
+        application.port()
+    );
+    application.run_until_stopped().await?;
+    telemetry.shutdown();
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! Wiring: ledger (embedded or remote), limiter, HTTP server. Used by the binary and the tests.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::Server;
+use actix_web::{web, App, HttpResponse, HttpServer};
+use metrics_exporter_prometheus::PrometheusHandle;
+use thiserror::Error;
+use tracing_actix_web::TracingLogger;
+
+use crate::config::{resolve_addresses, ConfigError, LedgerLocation, Settings};
+use crate::http_metrics::{HttpMetrics, RecordHttpMetrics};
+use crate::ledger::{ConnectError, Ledger, LedgerSettings};
+use crate::limiter::Limiter;
+use crate::middleware::RateLimit;
+use crate::routes;
+use crate::supervisor::{EmbeddedLedger, EmbeddedOptions, SupervisorError};
+use crate::telemetry::LimiterRootSpan;
+
+#[derive(Debug, Error)]
+pub enum StartupError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Embedded(#[from] SupervisorError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        address: String,
+        source: std::io::Error,
+    },
+}
+
+/// What the service exports besides its routes.
+#[derive(Clone, Default)]
+pub struct Exporters {
+    /// Serves `GET /metrics` (Prometheus text) when set.
+    pub prometheus: Option<PrometheusHandle>,
+    /// Serves `GET /metrics/exemplars` (OpenMetrics with trace exemplars) when set.
+    pub http_metrics: Option<Arc<HttpMetrics>>,
+}
+
+/// A built, not yet running, service.
+pub struct Application {
+    server: Server,
+    port: u16,
+    limiter: Arc<Limiter>,
+    embedded: Option<EmbeddedLedger>,
+}
+
+impl Application {
+    pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
+        let (addresses, embedded) = match &settings.ledger {
+            LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
+            LedgerLocation::Embedded {
+                data_dir,
+                tigerbeetle_bin,
+                development,
+            } => {
+                let embedded = EmbeddedLedger::start(EmbeddedOptions {
+                    bin: tigerbeetle_bin.clone(),
+                    data_dir: data_dir.clone(),
+                    cluster_id: settings.cluster_id,
+                    development: *development,
+                })
+                .await?;
+                (vec![embedded.address()], Some(embedded))
+            }
+        };
+        let ledger = Ledger::connect(&LedgerSettings {
+            cluster_id: settings.cluster_id,
+            addresses,
+            ledger_id: crate::ledger::model::LEDGER_REQUEST_RATE,
+            in_flight_max: settings.in_flight_max,
+        })?;
+        crate::metrics::describe(&settings.plans);
+        let limiter = Arc::new(Limiter::new(
+            ledger,
+            settings.plans.clone(),
+            settings.limiter.clone(),
+        ));
+
+        let listener =
+            TcpListener::bind(&settings.listen).map_err(|source| StartupError::Listen {
+                address: settings.listen.clone(),
+                source,
+            })?;
+        let port = listener.local_addr().expect("bound").port();
+        let policy = settings.policy.clone();
+        let server_limiter = limiter.clone();
+        let server = HttpServer::new(move || {
+            let mut app = App::new()
+                .app_data(web::Data::from(server_limiter.clone()))
+                .wrap(RateLimit::new(server_limiter.clone(), policy.clone()))
+                .wrap(RecordHttpMetrics::new(exporters.http_metrics.clone()))
+                .wrap(TracingLogger::<LimiterRootSpan>::new())
+                .route("/greeting", web::get().to(routes::greeting))
+                .route("/healthz", web::get().to(routes::healthz))
+                .route("/readyz", web::get().to(routes::readyz));
+            if let Some(handle) = exporters.prometheus.clone() {
+                app = app.route(
+                    "/metrics",
+                    web::get().to(move || {
+                        let body = handle.render();
+                        async move {
+                            HttpResponse::Ok()
+                                .content_type("text/plain; version=0.0.4; charset=utf-8")
+                                .body(body)
+                        }
+                    }),
+                );
+            }
+            if let Some(metrics) = exporters.http_metrics.clone() {
+                app = app.route(
+                    "/metrics/exemplars",
+                    web::get().to(move || {
+                        let body = metrics.render();
+                        async move {
+                            HttpResponse::Ok()
+                                .content_type(crate::http_metrics::OPENMETRICS_CONTENT_TYPE)
+                                .body(body)
+                        }
+                    }),
+                );
+            }
+            app
+        })
+        .workers(settings.workers.get())
+        .shutdown_timeout(10)
+        .listen(listener)
+        .map_err(|source| StartupError::Listen {
+            address: settings.listen.clone(),
+            source,
+        })?
+        .run();
+
+        Ok(Application {
+            server,
+            port,
+            limiter,
+            embedded,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn limiter(&self) -> Arc<Limiter> {
+        self.limiter.clone()
+    }
+
+    /// Waits until the ledger answers (the TigerBeetle client's first request takes ~0.6 s),
+    /// so the first callers are not failed by the decision deadline. False if it never answers.
+    pub async fn wait_for_ledger(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = (Instant::now() + Duration::from_secs(2)).min(deadline);
+            match self.limiter.ledger().ping(attempt).await {
+                Ok(()) => return true,
+                Err(error) if Instant::now() >= deadline => {
+                    tracing::warn!(%error, "the ledger does not answer yet");
+                    return false;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    /// A handle to stop the server gracefully (what SIGINT/SIGTERM do).
+    pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
+        self.server.handle()
+    }
+
+    /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
+    pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        let result = self.server.await;
+        if let Some(embedded) = self.embedded {
+            embedded.stop().await;
+            tracing::info!("embedded TigerBeetle stopped");
+        }
+        result
+    }
+}

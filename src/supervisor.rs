@@ -1,0 +1,247 @@
+//! Runs a local single-replica TigerBeetle: formats the data file on first run, reuses it after,
+//! restarts the server on the same port if it dies, and stops it on shutdown (TigerBeetle exits
+//! when its stdin closes, so even a crash of this process stops it).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How long the server may take to print its port (formatting a production file takes longer).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// TigerBeetle exits at once when its stdin closes; a restarted one (fixed port, no stdin
+/// watchdog) is killed after this. Either way is safe: TigerBeetle is built for sudden stops.
+const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+const RESTART_BACKOFF: Duration = Duration::from_secs(1);
+const RESTARTS_MAX: u32 = 10;
+
+#[derive(Debug, Error)]
+pub enum SupervisorError {
+    #[error("TigerBeetle server not found at {0}: run `scripts/setup` (it builds one), or set embedded.tigerbeetle_bin / --tigerbeetle-bin, or give ledger addresses")]
+    BinaryMissing(PathBuf),
+    #[error("cannot create the data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("`tigerbeetle format` failed ({status}); see its output above")]
+    Format { status: String },
+    #[error("cannot run {bin}: {source}")]
+    Spawn {
+        bin: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("TigerBeetle did not report a port within {0:?}: {1}")]
+    NoPort(Duration, String),
+}
+
+#[derive(Debug, Clone)]
+pub struct EmbeddedOptions {
+    pub bin: PathBuf,
+    pub data_dir: PathBuf,
+    pub cluster_id: u128,
+    /// `--development`: any filesystem, small caches, 32 KiB requests. Not for benchmarks.
+    pub development: bool,
+}
+
+/// A supervised TigerBeetle process. Stop it with [`EmbeddedLedger::stop`].
+pub struct EmbeddedLedger {
+    address: SocketAddr,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl EmbeddedLedger {
+    pub async fn start(options: EmbeddedOptions) -> Result<Self, SupervisorError> {
+        if !options.bin.is_file() {
+            return Err(SupervisorError::BinaryMissing(options.bin.clone()));
+        }
+        std::fs::create_dir_all(&options.data_dir).map_err(|source| SupervisorError::DataDir {
+            path: options.data_dir.clone(),
+            source,
+        })?;
+        let file = options
+            .data_dir
+            .join(format!("{}_0.tigerbeetle", options.cluster_id));
+        if !file.exists() {
+            format(&options, &file).await?;
+        }
+        let (child, stdin, port) = spawn(&options, &file, None).await?;
+        let address = SocketAddr::from(([127, 0, 0, 1], port));
+        tracing::info!(%address, file = %file.display(), "embedded TigerBeetle started");
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(supervise(options, file, port, (child, stdin), stopped));
+        Ok(EmbeddedLedger {
+            address,
+            stop,
+            task,
+        })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Closes the server's stdin (it exits cleanly) and waits for it.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), SupervisorError> {
+    // Format into a temporary name, then rename: a format interrupted half-way never leaves a
+    // file that a later start would try to use.
+    let partial = file.with_extension("tigerbeetle.partial");
+    let _ = std::fs::remove_file(&partial);
+    let mut command = Command::new(&options.bin);
+    command
+        .arg("format")
+        .arg(format!("--cluster={}", options.cluster_id))
+        .arg("--replica=0")
+        .arg("--replica-count=1");
+    if options.development {
+        command.arg("--development");
+    }
+    let status = command
+        .arg(&partial)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .status()
+        .await
+        .map_err(|source| SupervisorError::Spawn {
+            bin: options.bin.clone(),
+            source,
+        })?;
+    if !status.success() {
+        return Err(SupervisorError::Format {
+            status: status.to_string(),
+        });
+    }
+    std::fs::rename(&partial, file).map_err(|source| SupervisorError::DataDir {
+        path: file.to_owned(),
+        source,
+    })
+}
+
+/// Starts the server; with no port it picks a free one and prints it (only `--addresses=0` does),
+/// with a port (a restart) it binds that one so the client's address stays right.
+async fn spawn(
+    options: &EmbeddedOptions,
+    file: &Path,
+    port: Option<u16>,
+) -> Result<(Child, std::io::PipeWriter, u16), SupervisorError> {
+    // TigerBeetle's watchdog treats any failed read of stdin as "closed", and a pipe made by
+    // tokio is non-blocking (reads fail with EAGAIN at once): hand it a blocking pipe of our own.
+    let (stdin_reader, stdin_writer) =
+        std::io::pipe().map_err(|source| SupervisorError::Spawn {
+            bin: options.bin.clone(),
+            source,
+        })?;
+    let mut command = Command::new(&options.bin);
+    command.arg("start").arg(match port {
+        None => "--addresses=0".to_owned(),
+        Some(port) => format!("--addresses=127.0.0.1:{port}"),
+    });
+    if options.development {
+        command.arg("--development");
+    }
+    let mut child = command
+        .arg(file)
+        .stdin(stdin_reader)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        // Its own process group: a Ctrl-C meant for us must not kill it before we stop it.
+        .process_group(0)
+        .spawn()
+        .map_err(|source| SupervisorError::Spawn {
+            bin: options.bin.clone(),
+            source,
+        })?;
+    // TigerBeetle logs to stderr; forward it at debug level so it is there when asked for.
+    if let Some(stderr) = child.stderr.take() {
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                tracing::debug!(target: "tigerbeetle", "{line}");
+            }
+        });
+    }
+    let stdout = child.stdout.take().expect("piped");
+    let mut lines = BufReader::new(stdout).lines();
+    if let Some(port) = port {
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        return Ok((child, stdin_writer, port));
+    }
+    let first = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
+    let port = match first {
+        Ok(Ok(Some(line))) => line.trim().parse::<u16>().map_err(|_| {
+            SupervisorError::NoPort(START_TIMEOUT, format!("unexpected first line {line:?}"))
+        })?,
+        Ok(Ok(None)) => {
+            let status = child
+                .wait()
+                .await
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            return Err(SupervisorError::NoPort(
+                START_TIMEOUT,
+                format!("it exited ({status}); run with RUST_LOG=tigerbeetle=debug to see why"),
+            ));
+        }
+        Ok(Err(e)) => return Err(SupervisorError::NoPort(START_TIMEOUT, e.to_string())),
+        Err(_) => return Err(SupervisorError::NoPort(START_TIMEOUT, "timed out".into())),
+    };
+    // Keep draining stdout so the server never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, stdin_writer, port))
+}
+
+async fn supervise(
+    options: EmbeddedOptions,
+    file: PathBuf,
+    port: u16,
+    (mut child, mut stdin): (Child, std::io::PipeWriter),
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut restarts = 0;
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                if *stopped.borrow() {
+                    return;
+                }
+                restarts += 1;
+                tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
+                if restarts > RESTARTS_MAX {
+                    tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy)");
+                    return;
+                }
+                tokio::time::sleep(RESTART_BACKOFF).await;
+                match spawn(&options, &file, Some(port)).await {
+                    Ok((next, next_stdin, _)) => {
+                        child = next;
+                        stdin = next_stdin;
+                    }
+                    Err(error) => tracing::error!(%error, "cannot restart embedded TigerBeetle"),
+                }
+            }
+            _ = stopped.changed() => {
+                // Closing stdin asks TigerBeetle to exit.
+                drop(stdin);
+                if tokio::time::timeout(STOP_TIMEOUT, child.wait()).await.is_err() {
+                    tracing::warn!("embedded TigerBeetle did not exit in time; killing it");
+                    let _ = child.kill().await;
+                }
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Tracing and OpenTelemetry: one server span per request (with the limiter's outcome), a child
+//! span per ledger call, exported over OTLP in batches when an OTLP endpoint is configured through
+//! the standard `OTEL_*` environment variables.
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::Error;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use thiserror::Error;
+use tracing::Span;
+use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+/// The server span of every request, with the limiter's fields declared (empty until recorded:
+/// `user.id` is the caller's account id, never the raw key).
+pub struct LimiterRootSpan;
+
+impl RootSpanBuilder for LimiterRootSpan {
+    fn on_request_start(request: &ServiceRequest) -> Span {
+        tracing_actix_web::root_span!(
+            request,
+            user.id = tracing::field::Empty,
+            ratelimit.key_id = tracing::field::Empty,
+            ratelimit.plan = tracing::field::Empty,
+            ratelimit.cost = tracing::field::Empty,
+            ratelimit.decision = tracing::field::Empty,
+            ratelimit.remaining = tracing::field::Empty,
+        )
+    }
+
+    fn on_request_end<B: MessageBody>(span: Span, outcome: &Result<ServiceResponse<B>, Error>) {
+        DefaultRootSpanBuilder::on_request_end(span, outcome);
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum TelemetryError {
+    #[error("cannot build the OTLP exporter: {0}")]
+    Exporter(String),
+    #[error("cannot install the tracing subscriber: {0}")]
+    Subscriber(String),
+}
+
+/// Flushes and shuts the tracer provider down when dropped (at the end of `main`).
+pub struct TelemetryGuard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl TelemetryGuard {
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some()
+    }
+
+    pub fn shutdown(&mut self) {
+        if let Some(provider) = self.provider.take() {
+            if let Err(error) = provider.shutdown() {
+                eprintln!("flushing traces failed: {error}");
+            }
+        }
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn env_set(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty())
+}
+
+/// Whether the environment asks for OTLP trace export.
+pub fn otlp_requested() -> bool {
+    let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"))
+        || std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v == "none");
+    !disabled
+        && (env_set("OTEL_EXPORTER_OTLP_ENDPOINT") || env_set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+}
+
+/// Builds a tracer provider exporting over OTLP/gRPC in batches, configured by `OTEL_*` variables
+/// (endpoint, headers, timeout, sampler, resource). Must run inside a Tokio runtime.
+pub fn otlp_tracer_provider(
+    default_service_name: &str,
+) -> Result<SdkTracerProvider, TelemetryError> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()
+        .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if !env_set("OTEL_SERVICE_NAME") {
+        resource = resource.with_service_name(default_service_name.to_owned());
+    }
+    Ok(SdkTracerProvider::builder()
+        .with_resource(resource.build())
+        .with_batch_exporter(exporter)
+        .build())
+}
+
+/// Installs the global subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`), and
+/// spans to OTLP when [`otlp_requested`]. W3C `traceparent` from callers is honoured.
+pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let provider = if otlp_requested() {
+        Some(otlp_tracer_provider(default_service_name)?)
+    } else {
+        None
+    };
+    let otel = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("ledger-limiter")));
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .map_err(|e| TelemetryError::Subscriber(e.to_string()))?;
+    if provider.is_some() {
+        opentelemetry::global::set_tracer_provider(provider.clone().expect("some"));
+    }
+    Ok(TelemetryGuard { provider })
+}
