@@ -1,0 +1,205 @@
+//! The `ledger-limiter` binary as a user runs it: embedded TigerBeetle, config errors, shutdown.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ledger-limiter");
+
+fn command(dir: &Path) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap())
+        .env("RUST_LOG", "info");
+    command
+}
+
+/// Starts the binary on port 0 and reads the port from its log line.
+fn start(dir: &Path, args: &[&str]) -> (Child, u16) {
+    let mut child = command(dir)
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let started = Instant::now();
+    let port = loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("binary exited before listening"))
+            .unwrap();
+        if let Some(rest) = line.split("listening on port ").nth(1) {
+            break rest
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u16>()
+                .unwrap();
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no port");
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (child, port)
+}
+
+fn sigterm_and_wait(mut child: Child) -> std::process::ExitStatus {
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "did not shut down"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn tigerbeetle_processes_using(dir: &Path) -> usize {
+    let out = Command::new("pgrep")
+        .args(["-f", &dir.display().to_string()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_ledger_runs_and_is_reused_and_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb = common::tigerbeetle_bin();
+    let data = dir.path().join("data");
+    let args = [
+        "--tigerbeetle-bin",
+        tb.to_str().unwrap(),
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let http = reqwest::Client::new();
+    let key = common::fresh_key("k_");
+
+    let (child, port) = start(dir.path(), &args);
+    for expected in [200, 200, 200, 200, 200, 429] {
+        let response = http
+            .get(format!("http://127.0.0.1:{port}/greeting"))
+            .header("X-Api-Key", &key)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), expected);
+    }
+    let ready = http
+        .get(format!("http://127.0.0.1:{port}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    let metrics = http
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    let metrics = metrics.text().await.unwrap();
+    assert!(metrics.contains("ledger_limiter_decisions_total{decision=\"admitted\",plan=\"free\",source=\"ledger\"} 5"), "{metrics}");
+    assert!(!metrics.contains(&key), "keys never reach metrics");
+    assert!(sigterm_and_wait(child).success());
+    assert!(
+        data.join("0_0.tigerbeetle").is_file(),
+        "data file formatted"
+    );
+    assert_eq!(
+        tigerbeetle_processes_using(&data),
+        0,
+        "embedded TigerBeetle stopped"
+    );
+
+    // A second run reuses the data file: the caller is still exhausted (holds last 30 s).
+    let (child, port) = start(dir.path(), &args);
+    let response = http
+        .get(format!("http://127.0.0.1:{port}/greeting"))
+        .header("X-Api-Key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        response.status(),
+        429,
+        "the ledger remembered the caller across restarts"
+    );
+    assert!(sigterm_and_wait(child).success());
+}
+
+#[test]
+fn bad_configuration_is_refused_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(Vec<&str>, Option<&str>, &str)> = vec![
+        (vec!["--ledger-timeout-ms", "0"], None, "ledger.timeout_ms"),
+        (
+            vec!["--failure-policy", "sometimes"],
+            None,
+            "ledger.failure_policy",
+        ),
+        (vec!["--workers", "0"], None, "workers"),
+        (
+            vec![],
+            Some("[plans.free]\ncapacity = 0\nwindow_seconds = 30\n"),
+            "plans.free.capacity",
+        ),
+        (
+            vec![],
+            Some("[plans.free]\ncapacity = 5\nwindow_seconds = 0\n"),
+            "plans.free.window_seconds",
+        ),
+        (
+            vec![],
+            Some("[routes.costs]\n\"/greeting\" = 6\n"),
+            "routes.costs.\"/greeting\"",
+        ),
+        (
+            vec![],
+            Some("[ledger]\ntimeout = 3\n"),
+            "unknown field `timeout`",
+        ),
+    ];
+    for (args, file, expected) in cases {
+        let mut command = command(dir.path());
+        command.arg("--check-config").args(&args);
+        if let Some(text) = file {
+            let path = dir.path().join("bad.toml");
+            std::fs::write(&path, text).unwrap();
+            command.arg("--config").arg(&path);
+        }
+        let output = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?} {file:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?} {file:?}: {stderr}");
+    }
+    let output = command(dir.path()).arg("--check-config").output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn environment_variables_configure_like_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = command(dir.path())
+        .arg("--check-config")
+        .env("LEDGER_LIMITER_FAILURE_POLICY", "sometimes")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("ledger.failure_policy"));
+}

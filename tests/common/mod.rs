@@ -1,0 +1,217 @@
+//! Test helpers: a real TigerBeetle process per test binary, and `spawn_app()` on port 0.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use ledger_limiter::config::{FileConfig, LedgerFile, PlanFile, RoutesFile, Settings};
+use ledger_limiter::limiter::Limiter;
+use ledger_limiter::startup::{Application, Exporters};
+
+pub fn tigerbeetle_bin() -> PathBuf {
+    let bin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/tigerbeetle");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run scripts/setup (scripts/test does it for you)",
+        bin.display()
+    );
+    bin
+}
+
+/// A TigerBeetle server in --development mode on a free port. It exits when this test binary
+/// does: its stdin is a pipe held here, and TigerBeetle stops when its stdin closes.
+pub struct TestLedger {
+    pub address: SocketAddr,
+    child: Mutex<Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl TestLedger {
+    pub fn start() -> TestLedger {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("0_0.tigerbeetle");
+        let status = Command::new(tigerbeetle_bin())
+            .args([
+                "format",
+                "--cluster=0",
+                "--replica=0",
+                "--replica-count=1",
+                "--development",
+            ])
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run tigerbeetle format");
+        assert!(status.success(), "tigerbeetle format failed");
+        let mut child = Command::new(tigerbeetle_bin())
+            .args(["start", "--addresses=0", "--development"])
+            .arg(&file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run tigerbeetle start");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let port: u16 = lines
+            .next()
+            .expect("tigerbeetle printed its port")
+            .unwrap()
+            .trim()
+            .parse()
+            .expect("a port number");
+        std::thread::spawn(move || for _ in lines {});
+        TestLedger {
+            address: SocketAddr::from(([127, 0, 0, 1], port)),
+            child: Mutex::new(child),
+            _dir: dir,
+        }
+    }
+
+    /// Kills the server (for failure tests that need a ledger that went away).
+    pub fn kill(&self) {
+        let mut child = self.child.lock().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// One TigerBeetle shared by the tests of a binary; tests keep apart by using fresh keys.
+pub fn shared_ledger() -> &'static TestLedger {
+    static LEDGER: OnceLock<TestLedger> = OnceLock::new();
+    LEDGER.get_or_init(TestLedger::start)
+}
+
+/// A key no other test uses.
+pub fn fresh_key(prefix: &str) -> String {
+    format!("{prefix}{:032x}", rand::random::<u128>())
+}
+
+/// An address where nothing listens: a ledger that is down.
+pub fn dead_address() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+pub struct TestApp {
+    pub address: String,
+    pub port: u16,
+    pub http: reqwest::Client,
+    pub limiter: Arc<Limiter>,
+    handle: actix_web::dev::ServerHandle,
+}
+
+impl TestApp {
+    pub async fn get(&self, path: &str, key: Option<&str>) -> reqwest::Response {
+        let mut request = self.http.get(format!("{}{path}", self.address));
+        if let Some(key) = key {
+            request = request.header("X-Api-Key", key);
+        }
+        request.send().await.expect("request sent")
+    }
+
+    pub async fn stop(&self) {
+        self.handle.stop(true).await;
+    }
+}
+
+pub fn plan(capacity: u64, window_seconds: u32) -> PlanFile {
+    PlanFile {
+        capacity,
+        window_seconds,
+    }
+}
+
+/// Test defaults: the shared ledger, port 0, a small free plan with a short window.
+pub fn test_config(ledger: SocketAddr) -> FileConfig {
+    FileConfig {
+        listen: Some("127.0.0.1:0".into()),
+        workers: Some(2),
+        ledger: LedgerFile {
+            addresses: Some(vec![ledger.to_string()]),
+            // Generous: the shared machine is slow at times, and only the failure tests need
+            // a short deadline (they set their own).
+            timeout_ms: Some(5_000),
+            ..LedgerFile::default()
+        },
+        plans: Some(
+            [
+                ("free".to_owned(), plan(5, 30)),
+                ("basic".to_owned(), plan(50, 30)),
+                ("pro".to_owned(), plan(500, 30)),
+            ]
+            .into(),
+        ),
+        key_prefixes: Some(Default::default()),
+        routes: RoutesFile {
+            exempt: Some(vec!["/healthz".into(), "/readyz".into()]),
+            costs: None,
+        },
+        ..FileConfig::default()
+    }
+}
+
+pub async fn spawn_app(config: FileConfig) -> TestApp {
+    let settings = Settings::with_overrides(config).expect("valid test configuration");
+    let application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    assert!(
+        application.wait_for_ledger(Duration::from_secs(20)).await,
+        "ledger not ready"
+    );
+    let port = application.port();
+    let limiter = application.limiter();
+    let handle = application.server_handle();
+    tokio::spawn(application.run_until_stopped());
+    TestApp {
+        address: format!("http://127.0.0.1:{port}"),
+        port,
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .unwrap(),
+        limiter,
+        handle,
+    }
+}
+
+/// Builds an app whose ledger never answers (no wait for readiness).
+pub async fn spawn_app_without_ledger(config: FileConfig) -> TestApp {
+    let settings = Settings::with_overrides(config).expect("valid test configuration");
+    let application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    let port = application.port();
+    let limiter = application.limiter();
+    let handle = application.server_handle();
+    tokio::spawn(application.run_until_stopped());
+    TestApp {
+        address: format!("http://127.0.0.1:{port}"),
+        port,
+        http: reqwest::Client::new(),
+        limiter,
+        handle,
+    }
+}
+
+/// Reads a response's `RateLimit` remaining (`r=`) parameter.
+pub fn remaining(response: &reqwest::Response) -> u64 {
+    let value = response
+        .headers()
+        .get("ratelimit")
+        .expect("RateLimit header")
+        .to_str()
+        .unwrap();
+    value
+        .split(';')
+        .find_map(|p| p.strip_prefix("r="))
+        .expect("r= parameter")
+        .parse()
+        .unwrap()
+}

@@ -1,0 +1,358 @@
+//! The limiter end to end: real HTTP over sockets, a real TigerBeetle process.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::future::join_all;
+use ledger_limiter::config::{CallerFile, FileConfig, LedgerFile, RoutesFile};
+use ledger_limiter::ledger::model;
+use tigerbeetle_unofficial as tb;
+
+fn header<'a>(response: &'a reqwest::Response, name: &str) -> &'a str {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} header missing"))
+        .to_str()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admits_capacity_then_limits_with_headers_then_admits_after_retry_after() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some([("free".to_owned(), plan(3, 2))].into());
+    let app = spawn_app(config).await;
+    let key = fresh_key("k_");
+
+    for expected_remaining in [2, 1, 0] {
+        let response = app.get("/greeting", Some(&key)).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(header(&response, "ratelimit-policy"), "\"free\";q=3;w=2");
+        assert_eq!(remaining(&response), expected_remaining);
+        assert_eq!(response.text().await.unwrap(), "hello");
+    }
+
+    let limited = app.get("/greeting", Some(&key)).await;
+    assert_eq!(limited.status(), 429);
+    assert_eq!(header(&limited, "content-type"), "application/problem+json");
+    assert_eq!(header(&limited, "ratelimit-policy"), "\"free\";q=3;w=2");
+    assert_eq!(remaining(&limited), 0);
+    let retry_after: u64 = header(&limited, "retry-after").parse().unwrap();
+    assert!((1..=3).contains(&retry_after), "Retry-After {retry_after}");
+    let body: serde_json::Value = limited.json().await.unwrap();
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["type"], "urn:ledger-limiter:problem:rate-limited");
+
+    // The next one is answered from this instance's memory of the exhausted caller.
+    let again = app.get("/greeting", Some(&key)).await;
+    assert_eq!(again.status(), 429);
+    let retry_after_again: u64 = header(&again, "retry-after").parse().unwrap();
+    assert!(retry_after_again <= retry_after);
+
+    // Waiting exactly Retry-After then succeeds.
+    tokio::time::sleep(Duration::from_secs(retry_after_again)).await;
+    let after = app.get("/greeting", Some(&key)).await;
+    assert_eq!(after.status(), 200, "admitted again after Retry-After");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_from_the_ledger_is_honoured_across_instances() {
+    // Instance A spends the credit; instance B has never seen the caller, so its 429 comes from
+    // the ledger (exceeds_credits), and its Retry-After from the ledger's holds.
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some([("free".to_owned(), plan(2, 3))].into());
+    let a = spawn_app(config.clone()).await;
+    let b = spawn_app(config).await;
+    let key = fresh_key("k_");
+    assert_eq!(a.get("/greeting", Some(&key)).await.status(), 200);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(a.get("/greeting", Some(&key)).await.status(), 200);
+
+    let limited = b.get("/greeting", Some(&key)).await;
+    assert_eq!(limited.status(), 429);
+    let retry_after: u64 = header(&limited, "retry-after").parse().unwrap();
+    // The oldest hold was placed ~1.1 s ago with a 3 s window: it is released in ~1.9 s.
+    assert!((1..=3).contains(&retry_after), "Retry-After {retry_after}");
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(retry_after)).await;
+    let after = b.get("/greeting", Some(&key)).await;
+    assert_eq!(after.status(), 200, "waited {:?}", started.elapsed());
+    a.stop().await;
+    b.stop().await;
+}
+
+async fn burst(apps: &[&TestApp], key: &str, path: &str, requests: usize) -> (usize, usize) {
+    let futures = (0..requests).map(|i| {
+        let app = apps[i % apps.len()];
+        async move { app.get(path, Some(key)).await.status().as_u16() }
+    });
+    let statuses = join_all(futures).await;
+    let admitted = statuses.iter().filter(|s| **s == 200).count();
+    let limited = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!(admitted + limited, requests, "statuses: {statuses:?}");
+    (admitted, limited)
+}
+
+fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> FileConfig {
+    let mut config = test_config(ledger);
+    config.plans = Some([("free".to_owned(), plan(capacity, 60))].into());
+    config.routes = RoutesFile {
+        exempt: None,
+        costs: Some([("/greeting".to_owned(), cost)].into()),
+    };
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_capacity_over_cost_admitted_under_concurrency() {
+    let ledger = shared_ledger();
+    for (capacity, cost) in [(10, 1), (10, 3), (7, 7)] {
+        let app = spawn_app(exactness_config(ledger.address, capacity, cost)).await;
+        let key = fresh_key("k_");
+        let (admitted, _) = burst(&[&app], &key, "/greeting", 300).await;
+        assert_eq!(
+            admitted as u64,
+            capacity / cost,
+            "capacity {capacity} cost {cost}"
+        );
+        app.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_across_two_instances_sharing_one_ledger() {
+    let ledger = shared_ledger();
+    let a = spawn_app(exactness_config(ledger.address, 25, 2)).await;
+    let b = spawn_app(exactness_config(ledger.address, 25, 2)).await;
+    let key = fresh_key("k_");
+    let (admitted, limited) = burst(&[&a, &b], &key, "/greeting", 400).await;
+    assert_eq!(admitted, 12);
+    assert_eq!(limited, 388);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_first_requests_provision_and_credit_exactly_once() {
+    let ledger = shared_ledger();
+    let a = spawn_app(exactness_config(ledger.address, 1000, 1)).await;
+    let b = spawn_app(exactness_config(ledger.address, 1000, 1)).await;
+    let key = fresh_key("k_");
+    let (admitted, _) = burst(&[&a, &b], &key, "/greeting", 200).await;
+    assert_eq!(
+        admitted, 200,
+        "every first request of a new caller is admitted"
+    );
+
+    // Look at the ledger itself: one account, credited once, with 200 units held.
+    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
+    let plans = a.limiter.plans();
+    let plan = plans.get(plans.default_plan());
+    let key =
+        ledger_limiter::caller::CallerKey::from_header_value("x-api-key", key.as_bytes(), 128)
+            .unwrap();
+    let account_id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &key);
+    let accounts = client.lookup_accounts(vec![account_id]).await.unwrap();
+    assert_eq!(accounts.len(), 1);
+    assert_eq!(accounts[0].credits_posted(), 1000, "credited exactly once");
+    assert_eq!(accounts[0].debits_pending(), 200);
+    assert_eq!(accounts[0].debits_posted(), 0);
+    let grants = client
+        .get_account_transfers(Box::new(
+            tb::account::Filter::new(account_id, 10).with_flags(tb::account::FilterFlags::CREDITS),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(grants.len(), 1);
+    assert_eq!(grants[0].id(), model::grant_transfer_id(account_id));
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plans_by_prefix_and_costs_by_route() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some(
+        [
+            ("free".to_owned(), plan(2, 60)),
+            ("pro".to_owned(), plan(8, 60)),
+        ]
+        .into(),
+    );
+    config.key_prefixes = Some([("pro_".to_owned(), "pro".to_owned())].into());
+    config.routes = RoutesFile {
+        exempt: Some(vec!["/healthz".into()]),
+        costs: Some([("/greeting".to_owned(), 2)].into()),
+    };
+    let app = spawn_app(config).await;
+    let free = fresh_key("free_");
+    let pro = fresh_key("pro_");
+
+    let (admitted, _) = burst(&[&app], &free, "/greeting", 10).await;
+    assert_eq!(admitted, 1, "free: capacity 2, cost 2");
+    let (admitted, _) = burst(&[&app], &pro, "/greeting", 10).await;
+    assert_eq!(admitted, 4, "pro: capacity 8, cost 2");
+    let response = app.get("/greeting", Some(&pro)).await;
+    assert_eq!(header(&response, "ratelimit-policy"), "\"pro\";q=8;w=60");
+    // Unrouted paths cost the default 1 and are limited too (404 still counts).
+    let response = app.get("/nope", Some(&fresh_key("pro_"))).await;
+    assert_eq!(response.status(), 404);
+    assert_eq!(remaining(&response), 7);
+    // Exempt paths need no key.
+    assert_eq!(app.get("/healthz", None).await.status(), 200);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_keys_get_problem_responses_before_any_ledger_call() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.caller = CallerFile {
+        unknown_keys: Some("reject".into()),
+        ..CallerFile::default()
+    };
+    config.key_prefixes = Some([("pro_".to_owned(), "pro".to_owned())].into());
+    let app = spawn_app(config).await;
+
+    let cases: Vec<(Option<Vec<u8>>, u16, &str)> = vec![
+        (None, 401, "missing-api-key"),
+        (Some(b"".to_vec()), 400, "invalid-api-key"),
+        (Some(vec![b'k'; 129]), 400, "invalid-api-key"),
+        (Some(b"pro_has space".to_vec()), 400, "invalid-api-key"),
+        (Some(b"pro_\ttab".to_vec()), 400, "invalid-api-key"),
+        (Some("pro_é".as_bytes().to_vec()), 400, "invalid-api-key"),
+        (Some(b"not-a-customer".to_vec()), 401, "unknown-api-key"),
+    ];
+    for (key, status, problem) in cases {
+        let mut request = app.http.get(format!("{}/greeting", app.address));
+        if let Some(key) = &key {
+            request = request.header(
+                "X-Api-Key",
+                reqwest::header::HeaderValue::from_bytes(key).unwrap(),
+            );
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), status, "key {key:?}");
+        assert_eq!(
+            header(&response, "content-type"),
+            "application/problem+json"
+        );
+        let body: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(
+            body["type"],
+            format!("urn:ledger-limiter:problem:{problem}")
+        );
+        assert_eq!(body["status"], status);
+        if let Some(key) = &key {
+            let shown = body.to_string();
+            if key.len() > 3 {
+                assert!(!shown.contains(&String::from_utf8_lossy(key).to_string()));
+            }
+        }
+    }
+    // The same key twice is ambiguous.
+    let response = app
+        .http
+        .get(format!("{}/greeting", app.address))
+        .header("X-Api-Key", "pro_a")
+        .header("X-Api-Key", "pro_b")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+
+    // None of them reached the ledger: no account exists for the unknown key.
+    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
+    let plans = app.limiter.plans();
+    for plan in plans.plans() {
+        let key = ledger_limiter::caller::CallerKey::from_header_value(
+            "x-api-key",
+            b"not-a-customer",
+            128,
+        )
+        .unwrap();
+        let id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &key);
+        assert!(client.lookup_accounts(vec![id]).await.unwrap().is_empty());
+    }
+    app.stop().await;
+}
+
+fn down_config(policy: &str) -> FileConfig {
+    let mut config = test_config(dead_address());
+    config.ledger = LedgerFile {
+        addresses: Some(vec![dead_address().to_string()]),
+        timeout_ms: Some(200),
+        failure_policy: Some(policy.into()),
+        ..LedgerFile::default()
+    };
+    config
+}
+
+async fn timed_burst(app: &TestApp, requests: usize) -> Vec<(u16, Duration, Option<String>)> {
+    let futures = (0..requests).map(|_| async {
+        let started = Instant::now();
+        let response = app.get("/greeting", Some(&fresh_key("k_"))).await;
+        let status = response.status().as_u16();
+        let elapsed = started.elapsed();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_owned());
+        (status, elapsed, content_type)
+    });
+    join_all(futures).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_down_fail_closed_answers_503_within_the_deadline() {
+    let app = spawn_app_without_ledger(down_config("closed")).await;
+    for (status, elapsed, content_type) in timed_burst(&app, 50).await {
+        assert_eq!(status, 503);
+        assert_eq!(content_type.as_deref(), Some("application/problem+json"));
+        assert!(
+            elapsed < Duration::from_millis(200 + 800),
+            "took {elapsed:?}"
+        );
+    }
+    assert_eq!(app.get("/readyz", None).await.status(), 503);
+    assert_eq!(app.get("/healthz", None).await.status(), 200);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_down_fail_open_admits_within_the_deadline() {
+    let app = spawn_app_without_ledger(down_config("open")).await;
+    for (status, elapsed, _) in timed_burst(&app, 50).await {
+        assert_eq!(status, 200);
+        assert!(
+            elapsed < Duration::from_millis(200 + 800),
+            "took {elapsed:?}"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
+    let ledger = TestLedger::start();
+    let mut config = test_config(ledger.address);
+    config.ledger.timeout_ms = Some(300);
+    let app = spawn_app(config).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    ledger.kill();
+    for (status, elapsed, _) in timed_burst(&app, 20).await {
+        assert_eq!(status, 503);
+        assert!(
+            elapsed < Duration::from_millis(300 + 800),
+            "took {elapsed:?}"
+        );
+    }
+    app.stop().await;
+}
