@@ -107,6 +107,19 @@ pub struct TestApp {
 }
 
 impl TestApp {
+    pub fn new(port: u16, limiter: Arc<Limiter>, handle: actix_web::dev::ServerHandle) -> Self {
+        TestApp {
+            address: format!("http://127.0.0.1:{port}"),
+            port,
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(64)
+                .build()
+                .unwrap(),
+            limiter,
+            handle,
+        }
+    }
+
     pub async fn get(&self, path: &str, key: Option<&str>) -> reqwest::Response {
         let mut request = self.http.get(format!("{}{path}", self.address));
         if let Some(key) = key {
@@ -149,7 +162,12 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
         ),
         key_prefixes: Some(Default::default()),
         routes: RoutesFile {
-            exempt: Some(vec!["/healthz".into(), "/readyz".into()]),
+            exempt: Some(vec![
+                "/healthz".into(),
+                "/readyz".into(),
+                "/metrics".into(),
+                "/metrics/*".into(),
+            ]),
             costs: None,
         },
         ..FileConfig::default()
@@ -165,20 +183,16 @@ pub async fn spawn_app(config: FileConfig) -> TestApp {
         application.wait_for_ledger(Duration::from_secs(20)).await,
         "ledger not ready"
     );
+    run(application)
+}
+
+/// Serves a built application in the background.
+pub fn run(application: Application) -> TestApp {
     let port = application.port();
     let limiter = application.limiter();
     let handle = application.server_handle();
     tokio::spawn(application.run_until_stopped());
-    TestApp {
-        address: format!("http://127.0.0.1:{port}"),
-        port,
-        http: reqwest::Client::builder()
-            .pool_max_idle_per_host(64)
-            .build()
-            .unwrap(),
-        limiter,
-        handle,
-    }
+    TestApp::new(port, limiter, handle)
 }
 
 /// Builds an app whose ledger never answers (no wait for readiness).
@@ -187,17 +201,7 @@ pub async fn spawn_app_without_ledger(config: FileConfig) -> TestApp {
     let application = Application::build(settings, Exporters::default())
         .await
         .expect("application builds");
-    let port = application.port();
-    let limiter = application.limiter();
-    let handle = application.server_handle();
-    tokio::spawn(application.run_until_stopped());
-    TestApp {
-        address: format!("http://127.0.0.1:{port}"),
-        port,
-        http: reqwest::Client::new(),
-        limiter,
-        handle,
-    }
+    run(application)
 }
 
 /// Reads a response's `RateLimit` remaining (`r=`) parameter.

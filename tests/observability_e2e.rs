@@ -1,0 +1,330 @@
+//! The user's journey, minus the screens: the real binary behind k6 load, scraped by a real
+//! Prometheus (exemplar storage on, the repo's own scrape config) and exporting spans to a real
+//! OTLP/gRPC receiver. Then: every dashboard query returns data, and every exemplar leads to a
+//! trace whose server span carries the caller and the decision.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tool(name: &str) -> PathBuf {
+    let path = repo().join(".tools").join(name);
+    assert!(
+        path.exists(),
+        "{} missing: run scripts/setup --all",
+        path.display()
+    );
+    path
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child when dropped, so a failing assertion never leaves a process behind.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_service(ledger: std::net::SocketAddr, otlp_endpoint: &str) -> (Guard, u16) {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--ledger-addresses",
+            &ledger.to_string(),
+        ])
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_endpoint)
+        .env("OTEL_SERVICE_NAME", "ledger-limiter-e2e")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port = loop {
+        let line = lines
+            .next()
+            .expect("service exited before listening")
+            .unwrap();
+        if let Some(rest) = line.split("listening on port ").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (Guard(child), port)
+}
+
+/// Prometheus with the repo's scrape config, pointed at the service and sped up to 1 s.
+fn start_prometheus(dir: &Path, service_port: u16) -> (Guard, u16) {
+    let config = std::fs::read_to_string(repo().join("prometheus/prometheus.yml"))
+        .unwrap()
+        .replace("app:8080", &format!("127.0.0.1:{service_port}"))
+        .replace("scrape_interval: 5s", "scrape_interval: 1s")
+        .replace("scrape_timeout: 4s", "scrape_timeout: 1s")
+        .replace("evaluation_interval: 5s", "evaluation_interval: 1s");
+    assert!(config.contains(&format!("127.0.0.1:{service_port}")));
+    let config_path = dir.join("prometheus.yml");
+    std::fs::write(&config_path, config).unwrap();
+    let port = free_port();
+    let child = Command::new(tool("prometheus"))
+        .arg(format!("--config.file={}", config_path.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .arg("--enable-feature=exemplar-storage")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (Guard(child), port)
+}
+
+async fn prometheus_query(
+    http: &reqwest::Client,
+    port: u16,
+    path: &str,
+    query: &[(&str, String)],
+) -> serde_json::Value {
+    let response = http
+        .get(format!("http://127.0.0.1:{port}{path}"))
+        .query(query)
+        .send()
+        .await
+        .unwrap();
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["status"], "success", "{path} {query:?}: {body}");
+    body["data"].clone()
+}
+
+/// The receiver shows values as `Some(AnyValue { value: Some(StringValue("x")) })`: unwrap them.
+fn attribute(span: &ExportedSpan, key: &str) -> Option<String> {
+    let raw = span.attributes.get(key)?;
+    let inner = raw.split_once("Value(")?.1;
+    let inner = inner.split_once(')')?.0;
+    Some(inner.trim_matches('"').to_owned())
+}
+
+fn dashboard_expressions() -> Vec<(String, String)> {
+    let output = Command::new(repo().join("scripts/check-stack"))
+        .arg("--print-exprs")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            (
+                v["panel"].as_str().unwrap().to_owned(),
+                v["expr"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
+    let ledger = common::shared_ledger();
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let endpoint = collector.endpoint();
+    // Drain the receiver continuously (its channel is small, and a full one stalls the exporter).
+    let spans: Arc<Mutex<Vec<ExportedSpan>>> = Arc::default();
+    let sink = spans.clone();
+    tokio::spawn(async move {
+        loop {
+            let batch = collector
+                .exported_spans(1, Duration::from_millis(200))
+                .await;
+            sink.lock().unwrap().extend(batch);
+        }
+    });
+
+    let (_service, service_port) = start_service(ledger.address, &endpoint);
+    let dir = tempfile::tempdir().unwrap();
+    let (_prometheus, prometheus_port) = start_prometheus(dir.path(), service_port);
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    while http
+        .get(format!("http://127.0.0.1:{prometheus_port}/-/ready"))
+        .send()
+        .await
+        .map(|r| !r.status().is_success())
+        .unwrap_or(true)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "Prometheus not ready"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The reference scenario, shortened: 20 callers for 10 s; its thresholds must hold.
+    let k6 = tokio::task::spawn_blocking(move || {
+        Command::new(tool("k6"))
+            .args(["run", "--quiet", "--no-color", "k6/reference.js"])
+            .current_dir(repo())
+            .env("BASE_URL", format!("http://127.0.0.1:{service_port}"))
+            .env("VUS", "20")
+            .env("DURATION", "10s")
+            .env("K6_NO_USAGE_REPORT", "true")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let k6_out = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&k6.stdout),
+        String::from_utf8_lossy(&k6.stderr)
+    );
+    assert!(k6.status.success(), "k6 thresholds failed:\n{k6_out}");
+    let load_ended = std::time::SystemTime::now();
+    // Let Prometheus scrape the final counts, and rate() windows fill.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    // 1. Every PromQL expression of the dashboard returns data.
+    let expressions = dashboard_expressions();
+    assert!(expressions.len() >= 8, "{expressions:?}");
+    for (panel, expr) in &expressions {
+        let expr = expr.replace("$__rate_interval", "1m");
+        let data = prometheus_query(
+            &http,
+            prometheus_port,
+            "/api/v1/query",
+            &[("query", expr.clone())],
+        )
+        .await;
+        let result = data["result"].as_array().unwrap();
+        assert!(
+            !result.is_empty(),
+            "panel {panel:?}: `{expr}` returned no data"
+        );
+    }
+
+    // 2. Exemplars exist, and each leads to a trace the OTLP receiver got.
+    let now = load_ended + Duration::from_secs(5);
+    let unix = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let data = prometheus_query(
+        &http,
+        prometheus_port,
+        "/api/v1/query_exemplars",
+        &[
+            (
+                "query",
+                "http_server_request_duration_seconds_bucket".to_owned(),
+            ),
+            ("start", format!("{}", unix(now) - 120.0)),
+            ("end", format!("{}", unix(now))),
+        ],
+    )
+    .await;
+    // Exemplars of every route (the scrapes are traced too); the limited route's are checked for
+    // the caller and the decision.
+    let mut all_trace_ids = HashSet::new();
+    let mut trace_ids = HashSet::new();
+    for series in data.as_array().unwrap() {
+        let route = series["seriesLabels"]["route"].as_str().unwrap_or_default();
+        for exemplar in series["exemplars"].as_array().unwrap() {
+            let trace_id = exemplar["labels"]["trace_id"].as_str().unwrap().to_owned();
+            all_trace_ids.insert(trace_id.clone());
+            if route == "/greeting" {
+                trace_ids.insert(trace_id);
+            }
+        }
+    }
+    assert!(
+        !trace_ids.is_empty(),
+        "no exemplars stored for /greeting: {data}"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let server_spans: BTreeMap<String, ExportedSpan> = loop {
+        let found: BTreeMap<String, ExportedSpan> = spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| {
+                s.attributes.contains_key("ratelimit.decision") && trace_ids.contains(&s.trace_id)
+            })
+            .map(|s| (s.trace_id.clone(), s.clone()))
+            .collect();
+        if found.len() == trace_ids.len() || Instant::now() > deadline {
+            break found;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let missing: Vec<_> = trace_ids
+        .iter()
+        .filter(|t| !server_spans.contains_key(*t))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "exemplar traces never exported: {missing:?}"
+    );
+    for span in server_spans.values() {
+        let user_id = attribute(span, "user.id").expect("user.id");
+        assert_eq!(user_id.len(), 32, "{span:?}");
+        let decision = attribute(span, "ratelimit.decision").unwrap();
+        assert!(
+            ["admitted", "limited"].contains(&decision.as_str()),
+            "{span:?}"
+        );
+        assert_eq!(span.kind, "SPAN_KIND_SERVER");
+    }
+
+    // 3. A 429's span carries the `limited` event; no span carries a raw key.
+    let all = spans.lock().unwrap().clone();
+    let limited: Vec<_> = all
+        .iter()
+        .filter(|s| attribute(s, "ratelimit.decision").as_deref() == Some("limited"))
+        .collect();
+    assert!(!limited.is_empty(), "no limited spans among {}", all.len());
+    for span in &limited {
+        assert!(span.events.iter().any(|e| e.name == "limited"), "{span:?}");
+    }
+    for span in &all {
+        let shown = format!("{:?} {:?}", span.attributes, span.events);
+        assert!(
+            !shown.contains("free_"),
+            "an API key reached a span: {shown}"
+        );
+    }
+    assert!(
+        all.iter()
+            .any(|s| s.name == "create_transfers" && s.kind == "SPAN_KIND_CLIENT"),
+        "ledger call spans exported"
+    );
+}

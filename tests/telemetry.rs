@@ -1,0 +1,239 @@
+//! Span attributes and metric names, in process: a real subscriber with the OpenTelemetry layer
+//! exporting to an in-memory exporter, and the real Prometheus recorder, against a real ledger.
+
+mod common;
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::*;
+use ledger_limiter::http_metrics::HttpMetrics;
+use ledger_limiter::startup::{Application, Exporters};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use tracing_subscriber::layer::SubscriberExt;
+
+struct Telemetry {
+    spans: InMemorySpanExporter,
+    prometheus: PrometheusHandle,
+}
+
+/// Process-wide: the subscriber and the recorder are globals, shared by actix's worker threads.
+fn telemetry() -> &'static Telemetry {
+    static TELEMETRY: OnceLock<Telemetry> = OnceLock::new();
+    TELEMETRY.get_or_init(|| {
+        opentelemetry::global::set_text_map_propagator(
+            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+        );
+        let spans = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(spans.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_subscriber::EnvFilter::new("info"))
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        let prometheus = PrometheusBuilder::new().install_recorder().unwrap();
+        Telemetry { spans, prometheus }
+    })
+}
+
+async fn spawn_observed_app(
+    config: ledger_limiter::config::FileConfig,
+) -> (TestApp, std::sync::Arc<HttpMetrics>) {
+    let t = telemetry();
+    let http_metrics = std::sync::Arc::new(HttpMetrics::new());
+    let settings = ledger_limiter::config::Settings::with_overrides(config).unwrap();
+    let application = Application::build(
+        settings,
+        Exporters {
+            prometheus: Some(t.prometheus.clone()),
+            http_metrics: Some(http_metrics.clone()),
+        },
+    )
+    .await
+    .unwrap();
+    assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
+    (run(application), http_metrics)
+}
+
+fn attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.to_string())
+}
+
+fn server_spans_of_trace(trace_id: &str) -> Vec<SpanData> {
+    telemetry()
+        .spans
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.span_context.trace_id().to_string() == trace_id)
+        .collect()
+}
+
+async fn traced_get(app: &TestApp, key: &str, trace_id: &str) -> reqwest::Response {
+    app.http
+        .get(format!("{}/greeting", app.address))
+        .header("X-Api-Key", key)
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some([("free".to_owned(), plan(1, 30))].into());
+    let (app, _) = spawn_observed_app(config).await;
+    let key = fresh_key("secret_");
+
+    let admitted_trace = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &admitted_trace).await.status(), 200);
+    let limited_trace = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &limited_trace).await.status(), 429);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let spans = server_spans_of_trace(&admitted_trace);
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "admitted");
+    assert_eq!(attribute(server, "ratelimit.plan").unwrap(), "free");
+    assert_eq!(attribute(server, "ratelimit.cost").unwrap(), "1");
+    let user_id = attribute(server, "user.id").unwrap();
+    assert_eq!(user_id.len(), 32, "the account id in hex: {user_id}");
+    assert_eq!(
+        server.parent_span_id.to_string(),
+        "00f067aa0ba902b7",
+        "traceparent honoured"
+    );
+    // Each ledger call is a child span of the server span, with its outcome.
+    let ledger_spans: Vec<_> = spans
+        .iter()
+        .filter(|s| attribute(s, "db.system.name").as_deref() == Some("tigerbeetle"))
+        .collect();
+    assert!(!ledger_spans.is_empty(), "ledger spans: {spans:#?}");
+    for span in &ledger_spans {
+        assert_eq!(span.parent_span_id, server.span_context.span_id());
+        assert_eq!(attribute(span, "ledger.outcome").as_deref(), Some("ok"));
+    }
+    assert!(ledger_spans.iter().any(|s| s.name == "create_transfers"));
+
+    let spans = server_spans_of_trace(&limited_trace);
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
+    assert_eq!(
+        attribute(server, "user.id").unwrap(),
+        user_id,
+        "same caller, same id"
+    );
+    assert!(
+        server.events.iter().any(|e| e.name == "limited"),
+        "a `limited` event: {:?}",
+        server.events
+    );
+
+    // The raw key is a secret: it is in no attribute or event of any span.
+    for span in telemetry().spans.get_finished_spans().unwrap() {
+        let shown = format!("{:?} {:?}", span.attributes, span.events);
+        assert!(!shown.contains(&key), "key leaked into {}", span.name);
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some([("free".to_owned(), plan(1, 30))].into());
+    let (app, http_metrics) = spawn_observed_app(config).await;
+    let key = fresh_key("secret_");
+    let sampled = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &sampled).await.status(), 200);
+    // Not sampled (flags 00): no exemplar may point at it.
+    let unsampled = format!("{:032x}", rand::random::<u128>());
+    let response = app
+        .http
+        .get(format!("{}/greeting", app.address))
+        .header("X-Api-Key", &key)
+        .header("traceparent", format!("00-{unsampled}-00f067aa0ba902b7-00"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 429);
+    assert_eq!(app.get("/greeting", None).await.status(), 401);
+
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    for expected in [
+        "# TYPE ledger_limiter_decisions_total counter",
+        "# TYPE ledger_limiter_ledger_errors_total counter",
+        "# TYPE ledger_limiter_ledger_in_flight gauge",
+        "ledger_limiter_ledger_call_duration_seconds",
+        "ledger_limiter_decisions_total{decision=\"rejected_key\",plan=\"none\",source=\"none\"}",
+        "ledger_limiter_decisions_total{decision=\"failed_closed\",plan=\"free\",source=\"none\"}",
+        "ledger_limiter_ledger_errors_total{kind=\"timeout\"}",
+        "operation=\"create_transfers\"",
+    ] {
+        assert!(text.contains(expected), "missing {expected}:\n{text}");
+    }
+    assert!(!text.contains(&key), "keys never become labels");
+    // Every label value is from a closed set (or a configured plan name).
+    for line in text.lines().filter(|l| l.starts_with("ledger_limiter_")) {
+        let labels = line
+            .split('{')
+            .nth(1)
+            .map(|l| l.split('}').next().unwrap())
+            .unwrap_or("");
+        for pair in labels.split(',').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap();
+            let value = value.trim_matches('"');
+            let allowed: &[&str] = match name {
+                "decision" => &[
+                    "admitted",
+                    "limited",
+                    "failed_open",
+                    "failed_closed",
+                    "rejected_key",
+                ],
+                "plan" => &["free", "basic", "pro", "none"],
+                "source" => &["ledger", "local_cache", "none"],
+                "kind" => &["timeout", "overloaded", "client", "unexpected"],
+                "operation" => &[
+                    "create_accounts",
+                    "create_transfers",
+                    "lookup_accounts",
+                    "get_account_transfers",
+                ],
+                "outcome" => &["ok", "error"],
+                "le" | "quantile" => continue,
+                other => panic!("unexpected label {other} in {line}"),
+            };
+            assert!(allowed.contains(&value), "{name}={value} in {line}");
+        }
+    }
+
+    let exemplars = app.get("/metrics/exemplars", None).await;
+    assert_eq!(
+        exemplars.headers().get("content-type").unwrap(),
+        ledger_limiter::http_metrics::OPENMETRICS_CONTENT_TYPE
+    );
+    let text = exemplars.text().await.unwrap();
+    assert!(text.contains(&format!("trace_id=\"{sampled}\"")), "{text}");
+    assert!(!text.contains(&unsampled), "{text}");
+    assert!(
+        text.contains("route=\"/greeting\",status=\"429\""),
+        "{text}"
+    );
+    assert!(http_metrics.render().contains(&sampled));
+    app.stop().await;
+}
