@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::caller::CallerKey;
-use crate::ledger::{model, HoldOutcome, Ledger, LedgerError};
+use crate::ledger::{model, AccountView, HoldOutcome, Ledger, LedgerError};
 use crate::local_view::{LocalQuota, LocalView};
 use crate::metrics::DecisionSource;
 use crate::plan::{PlanBook, PlanId};
@@ -142,72 +142,92 @@ impl Limiter {
 
         let deadline = started + self.settings.ledger_timeout;
         let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
-        let mut result = self
-            .ledger
-            .hold(
-                account_id,
-                cost,
-                window_seconds,
-                deadline,
-                void_if_abandoned,
-            )
-            .await;
-        if let Ok(HoldOutcome::AccountNotFound) = result {
-            result = match self.ledger.provision(account_id, plan, deadline).await {
-                Ok(()) => {
-                    tracing::debug!(account_id = %format_args!("{account_id:032x}"), "provisioned");
-                    self.ledger
-                        .hold(
-                            account_id,
-                            cost,
-                            window_seconds,
-                            deadline,
-                            void_if_abandoned,
-                        )
-                        .await
-                }
-                Err(e) => Err(e),
-            };
-        }
-
-        let now = Instant::now();
-        match result {
-            Ok(HoldOutcome::Held { answered_at }) => {
-                let local = self.local.record_hold(
+        let window_seconds_max = self.plans.window_seconds_max().get();
+        // At most one provisioning and one retry per decision: bounded work, within the deadline.
+        let mut provisioned = false;
+        let mut retried = false;
+        loop {
+            let result = self
+                .ledger
+                .hold(
                     account_id,
-                    capacity,
                     cost,
-                    answered_at,
-                    Duration::from_secs(window_seconds.into()),
-                    now,
-                );
-                decision(Outcome::Admitted, local)
-            }
-            Ok(HoldOutcome::ExceedsCredits) => {
-                let retry_after = self
-                    .retry_after_from_ledger(account_id, cost, deadline)
-                    .await;
-                let local = self.local.quota(account_id, capacity, Instant::now());
-                decision(
-                    Outcome::Limited {
-                        retry_after_seconds: whole_seconds_up(retry_after).max(1),
-                        source: DecisionSource::Ledger,
-                    },
-                    LocalQuota {
-                        remaining: 0,
-                        ..local
-                    },
+                    window_seconds,
+                    deadline,
+                    void_if_abandoned,
                 )
+                .await;
+            match result {
+                Ok(HoldOutcome::Held { answered_at }) => {
+                    let local = self.local.record_hold(
+                        account_id,
+                        capacity,
+                        cost,
+                        answered_at,
+                        Duration::from_secs(window_seconds.into()),
+                        Instant::now(),
+                    );
+                    return decision(Outcome::Admitted, local);
+                }
+                Ok(HoldOutcome::AccountNotFound) if !provisioned => {
+                    if let Err(error) = self.ledger.provision(account_id, plan, deadline).await {
+                        return self.fail(error, account_id, capacity, decision);
+                    }
+                    tracing::debug!(account_id = %format_args!("{account_id:032x}"), "provisioned");
+                    provisioned = true;
+                }
+                Ok(HoldOutcome::AccountNotFound) => {
+                    let error = LedgerError::Unexpected {
+                        operation: crate::metrics::Operation::CreateTransfers,
+                        message: "account not found right after provisioning".to_owned(),
+                    };
+                    crate::metrics::record_ledger_error(error.kind());
+                    return self.fail(error, account_id, capacity, decision);
+                }
+                Ok(HoldOutcome::ExceedsCredits) => {
+                    let view = self
+                        .ledger
+                        .account_view(account_id, window_seconds_max, deadline)
+                        .await;
+                    if !retried {
+                        match &view {
+                            Ok(Some(v)) if v.credit == 0 => {
+                                // The account exists but its grant has not landed yet: another
+                                // request is provisioning this new caller right now. Provisioning
+                                // is idempotent, so finish it here too (then the grant is surely
+                                // committed), and retry.
+                                if let Err(error) =
+                                    self.ledger.provision(account_id, plan, deadline).await
+                                {
+                                    return self.fail(error, account_id, capacity, decision);
+                                }
+                                retried = true;
+                                continue;
+                            }
+                            // Credit came back (or was granted) between the two calls: the
+                            // ledger would admit now, so ask it again rather than refuse.
+                            Ok(Some(v)) if v.available >= cost => {
+                                retried = true;
+                                continue;
+                            }
+                            _ => {}
+                        }
+                    }
+                    let retry_after = self.retry_after(account_id, cost, view);
+                    let local = self.local.quota(account_id, capacity, Instant::now());
+                    return decision(
+                        Outcome::Limited {
+                            retry_after_seconds: whole_seconds_up(retry_after).max(1),
+                            source: DecisionSource::Ledger,
+                        },
+                        LocalQuota {
+                            remaining: 0,
+                            ..local
+                        },
+                    );
+                }
+                Err(error) => return self.fail(error, account_id, capacity, decision),
             }
-            Ok(HoldOutcome::AccountNotFound) => {
-                let error = LedgerError::Unexpected {
-                    operation: crate::metrics::Operation::CreateTransfers,
-                    message: "account not found right after provisioning".to_owned(),
-                };
-                crate::metrics::record_ledger_error(error.kind());
-                self.fail(error, account_id, capacity, decision)
-            }
-            Err(error) => self.fail(error, account_id, capacity, decision),
         }
     }
 
@@ -227,21 +247,18 @@ impl Limiter {
         decision(outcome, local)
     }
 
-    /// Asks the ledger when enough credit comes back, and remembers the answer so the next
-    /// requests of this exhausted caller are answered locally. If the ledger cannot say within the
-    /// deadline, the longest window is a safe answer: every current hold is released by then.
-    async fn retry_after_from_ledger(
+    /// When enough credit comes back, from what the ledger said of the account; remembered, so the
+    /// next requests of this exhausted caller are answered locally. If the ledger could not say
+    /// within the deadline, the longest window is a safe answer: every current hold is released by
+    /// then.
+    fn retry_after(
         &self,
         account_id: u128,
         cost: u64,
-        deadline: Instant,
+        view: Result<Option<AccountView>, LedgerError>,
     ) -> Duration {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
         let fallback = window_max + self.settings.expiry_margin;
-        let view = self
-            .ledger
-            .account_view(account_id, self.plans.window_seconds_max().get(), deadline)
-            .await;
         match view {
             Ok(Some(view)) => {
                 let now = Instant::now();

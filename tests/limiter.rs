@@ -175,6 +175,32 @@ async fn racing_first_requests_provision_and_credit_exactly_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_callers_capacity_is_all_admitted_while_it_is_being_provisioned() {
+    // Requests trickle in while the first ones provision the account: one may find the account
+    // created but not yet credited. That must not become a false 429.
+    let ledger = shared_ledger();
+    let a = spawn_app(exactness_config(ledger.address, 50, 1)).await;
+    let b = spawn_app(exactness_config(ledger.address, 50, 1)).await;
+    for _ in 0..3 {
+        let key = fresh_key("k_");
+        let apps = [&a, &b];
+        // Staggered by 0.5 ms each, so that later ones arrive mid-provisioning.
+        let statuses = join_all((0..50).map(|i| {
+            let app = apps[i % 2];
+            let key = key.clone();
+            async move {
+                tokio::time::sleep(Duration::from_micros(500 * i as u64)).await;
+                app.get("/greeting", Some(&key)).await.status().as_u16()
+            }
+        }))
+        .await;
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_by_prefix_and_costs_by_route() {
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
