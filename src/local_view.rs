@@ -331,6 +331,43 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The safety property: against an exact model of the ledger (credit `capacity`, each
+        /// admitted request holds `cost` for `window`), the local view never refuses a request
+        /// unless the ledger refuses it too, or did so less than the expiry margin ago (the margin
+        /// covers TigerBeetle's expiry lag: the view errs towards refusing, never admitting).
+        #[test]
+        fn never_refuses_what_the_ledger_would_admit(
+            capacity in 1u64..20,
+            window_ms in 1u64..2000,
+            events in proptest::collection::vec((0u64..500, 1u64..5), 1..200),
+        ) {
+            let view = LocalView::new(16, MARGIN);
+            let window = Duration::from_millis(window_ms);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut ledger: Vec<(Instant, u64)> = Vec::new(); // (expires_at, amount)
+            for (gap_ms, cost) in events {
+                now += Duration::from_millis(gap_ms);
+                let held = |margin: Duration| -> u64 {
+                    ledger.iter().filter(|(e, _)| *e + margin > now).map(|(_, a)| a).sum()
+                };
+                let ledger_admits = capacity.saturating_sub(held(Duration::ZERO)) >= cost;
+                let ledger_admitted_all_margin_long = capacity.saturating_sub(held(MARGIN)) >= cost;
+                let local_refuses = view.check(1, cost, now).is_some();
+                prop_assert!(
+                    !(local_refuses && ledger_admitted_all_margin_long),
+                    "refused what the ledger has admitted for longer than the margin"
+                );
+                if !local_refuses && ledger_admits {
+                    // The ledger stamps the hold no later than its answer arrives.
+                    ledger.push((now + window, cost));
+                    view.record_hold(1, capacity, cost, now, window, now);
+                }
+            }
+        }
+
         /// The local view never claims less held credit than the holds it was told about that are
         /// still live (so it never under-rejects relative to its own knowledge), and merging under
         /// the per-caller bound never releases credit early.
