@@ -27,3 +27,8 @@ pub mod routes;
 pub mod startup;
 pub mod supervisor;
 pub mod telemetry;
+
+/// The README's Rust examples compile as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

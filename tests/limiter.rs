@@ -382,3 +382,64 @@ async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
     }
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_placed_after_its_request_was_refused_is_voided() {
+    let ledger = shared_ledger();
+    let key = fresh_key("k_");
+    // Provision the caller through a normal instance: one hold of 1.
+    let warm = spawn_app(exactness_config(ledger.address, 5, 1)).await;
+    assert_eq!(warm.get("/greeting", Some(&key)).await.status(), 200);
+
+    // A cold instance (its client's first request takes far longer than 1 ms) with a 1 ms
+    // deadline and the closed policy: the request is refused, but the hold still reaches the ledger.
+    let mut config = exactness_config(ledger.address, 5, 1);
+    config.ledger.timeout_ms = Some(1);
+    config.ledger.failure_policy = Some("closed".into());
+    let cold = spawn_app_without_ledger(config).await;
+    assert_eq!(cold.get("/greeting", Some(&key)).await.status(), 503);
+
+    // Once the late answer arrives, the hold is voided: only the first one is still pending.
+    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
+    let plans = warm.limiter.plans();
+    let plan = plans.get(plans.default_plan());
+    let caller =
+        ledger_limiter::caller::CallerKey::from_header_value("x-api-key", key.as_bytes(), 128)
+            .unwrap();
+    let account_id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &caller);
+    let started = Instant::now();
+    loop {
+        let account = client.lookup_accounts(vec![account_id]).await.unwrap()[0];
+        let transfers = client
+            .get_account_transfers(Box::new(
+                tb::account::Filter::new(account_id, 100)
+                    .with_flags(tb::account::FilterFlags::DEBITS),
+            ))
+            .await
+            .unwrap();
+        let voids = transfers
+            .iter()
+            .filter(|t| {
+                t.flags()
+                    .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+            })
+            .count();
+        if voids == 1 {
+            assert_eq!(
+                account.debits_pending(),
+                1,
+                "the late hold no longer holds credit"
+            );
+            assert_eq!(transfers.len(), 3, "first hold, late hold, its void");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never voided: {} transfers",
+            transfers.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    warm.stop().await;
+    cold.stop().await;
+}
