@@ -19,8 +19,20 @@ fn command(dir: &Path) -> Command {
     command
 }
 
+/// The running binary; killed if a test fails before stopping it, so nothing outlives the test.
+struct Running(Option<Child>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Starts the binary on port 0 and reads the port from its log line.
-fn start(dir: &Path, args: &[&str]) -> (Child, u16) {
+fn start(dir: &Path, args: &[&str]) -> (Running, u16) {
     let mut child = command(dir)
         .args(["--listen", "127.0.0.1:0"])
         .args(args)
@@ -47,10 +59,11 @@ fn start(dir: &Path, args: &[&str]) -> (Child, u16) {
         assert!(started.elapsed() < Duration::from_secs(60), "no port");
     };
     std::thread::spawn(move || for _ in lines {});
-    (child, port)
+    (Running(Some(child)), port)
 }
 
-fn sigterm_and_wait(mut child: Child) -> std::process::ExitStatus {
+fn sigterm_and_wait(mut running: Running) -> std::process::ExitStatus {
+    let mut child = running.0.take().expect("running");
     let pid = child.id().to_string();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let started = Instant::now();
