@@ -187,18 +187,21 @@ impl PlanBook {
     }
 }
 
+/// A plan with a 30-second window, for tests.
+#[cfg(test)]
+pub(crate) fn test_plan(name: &str, capacity: u64) -> Plan {
+    Plan::new(
+        name,
+        NonZeroU64::new(capacity).unwrap(),
+        NonZeroU32::new(30).unwrap(),
+    )
+    .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_plan as plan;
     use super::*;
-
-    fn plan(name: &str, capacity: u64) -> Plan {
-        Plan::new(
-            name,
-            NonZeroU64::new(capacity).unwrap(),
-            NonZeroU32::new(30).unwrap(),
-        )
-        .unwrap()
-    }
 
     fn book(unknown: UnknownKeys) -> PlanBook {
         PlanBook::new(

@@ -382,6 +382,7 @@ impl Ledger {
 
     /// Runs one ledger call in its own task under the in-flight bound, and waits for it until
     /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting.
+    /// Every failure is counted by kind.
     async fn call<T, F, Fut, A>(
         &self,
         operation: Operation,
@@ -395,35 +396,13 @@ impl Ledger {
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
         A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
     {
-        let result = self
-            .call_inner(operation, deadline, make, on_abandoned)
-            .await;
-        if let Err(error) = &result {
+        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            let error = LedgerError::Overloaded {
+                in_flight_max: self.in_flight_max,
+            };
             metrics::record_ledger_error(error.kind());
-        }
-        result
-    }
-
-    async fn call_inner<T, F, Fut, A>(
-        &self,
-        operation: Operation,
-        deadline: Instant,
-        make: F,
-        on_abandoned: Option<A>,
-    ) -> Result<T, LedgerError>
-    where
-        T: Send + 'static,
-        F: FnOnce(Arc<tb::Client>) -> Fut,
-        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
-        A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
-    {
-        let permit =
-            self.in_flight
-                .clone()
-                .try_acquire_owned()
-                .map_err(|_| LedgerError::Overloaded {
-                    in_flight_max: self.in_flight_max,
-                })?;
+            return Err(error);
+        };
         let span = tracing::info_span!(
             "ledger",
             otel.name = operation.as_str(),
@@ -457,13 +436,17 @@ impl Ledger {
             }
             .instrument(span),
         );
-        match tokio::time::timeout_at(deadline.into(), receiver).await {
+        let result = match tokio::time::timeout_at(deadline.into(), receiver).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(LedgerError::Unexpected {
                 operation,
                 message: "the ledger task ended without an answer".to_owned(),
             }),
             Err(_) => Err(LedgerError::Timeout { operation }),
+        };
+        if let Err(error) = &result {
+            metrics::record_ledger_error(error.kind());
         }
+        result
     }
 }

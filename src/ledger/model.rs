@@ -112,17 +112,8 @@ pub fn hold_transfer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plan as plan;
     use proptest::prelude::*;
-    use std::num::{NonZeroU32, NonZeroU64};
-
-    fn plan(name: &str, capacity: u64) -> Plan {
-        Plan::new(
-            name,
-            NonZeroU64::new(capacity).unwrap(),
-            NonZeroU32::new(30).unwrap(),
-        )
-        .unwrap()
-    }
 
     fn key(k: &str) -> CallerKey {
         CallerKey::from_header_value("x-api-key", k.as_bytes(), 128).unwrap()
