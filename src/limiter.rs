@@ -82,6 +82,8 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
+static FAILURE_LOGGED_SECOND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn whole_seconds_up(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
@@ -238,7 +240,12 @@ impl Limiter {
         capacity: u64,
         decision: impl Fn(Outcome, LocalQuota) -> Decision,
     ) -> Decision {
-        tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide");
+        // On the request's span always; in the log at most once a second (an outage must not
+        // turn into a log flood).
+        tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "ledger could not decide");
+        if crate::telemetry::log_throttle(&FAILURE_LOGGED_SECOND) {
+            tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide; applying the failure policy (logged at most once a second)");
+        }
         let local = self.local.quota(account_id, capacity, Instant::now());
         let outcome = match self.settings.failure_policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),

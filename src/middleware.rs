@@ -277,7 +277,13 @@ where
                     retry_after_seconds,
                     source,
                 } => {
-                    tracing::info!(retry_after_seconds, source = source.as_str(), "limited");
+                    // A span event for traces, not a log line: 429s can come by the thousand.
+                    tracing::info!(
+                        target: crate::telemetry::SPAN_EVENTS_TARGET,
+                        retry_after_seconds,
+                        source = source.as_str(),
+                        "limited"
+                    );
                     let detail = format!(
                         "plan {plan} allows {} units per {} s; retry after {retry_after_seconds} s",
                         decision.quota.limit, decision.quota.window_seconds

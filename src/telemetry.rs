@@ -13,6 +13,20 @@ use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer;
+
+/// Events with this target go to traces (as span events) but never to the log: they happen per
+/// request.
+pub const SPAN_EVENTS_TARGET: &str = "ledger_limiter::span_events";
+
+/// True at most once per wall-clock second per `last` (a throttle for per-request warnings).
+pub fn log_throttle(last: &std::sync::atomic::AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    last.swap(now, std::sync::atomic::Ordering::Relaxed) != now
+}
 
 /// The server span of every request, with the limiter's fields declared (empty until recorded:
 /// `user.id` is the caller's account id, never the raw key).
@@ -106,20 +120,30 @@ pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // The log: RUST_LOG (default info), never the per-request span events.
+    let log_filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info"))
+        .add_directive(
+            format!("{SPAN_EVENTS_TARGET}=off")
+                .parse()
+                .expect("a valid directive"),
+        );
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(log_filter);
     let provider = if otlp_requested() {
         Some(otlp_tracer_provider(default_service_name)?)
     } else {
         None
     };
-    let otel = provider
-        .as_ref()
-        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("ledger-limiter")));
+    // Traces: every INFO span and event, whatever the log level.
+    let otel = provider.as_ref().map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer("ledger-limiter"))
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
+    });
     tracing_subscriber::registry()
-        .with(filter)
         .with(fmt)
         .with(otel)
         .try_init()
