@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::caller::CallerKey;
 use crate::ledger::{model, AccountView, HoldOutcome, Ledger, LedgerError};
 use crate::local_view::{LocalQuota, LocalView};
-use crate::metrics::DecisionSource;
+use crate::metrics::{DecisionMetrics, DecisionSource};
 use crate::plan::{PlanBook, PlanId};
 
 /// What to do when the ledger cannot decide in time.
@@ -71,6 +71,7 @@ pub struct Limiter {
     plans: Arc<PlanBook>,
     settings: LimiterSettings,
     local: LocalView,
+    decisions: DecisionMetrics,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -89,13 +90,16 @@ fn whole_seconds_up(d: Duration) -> u64 {
 }
 
 impl Limiter {
+    /// Install the `metrics` recorder first: the decision counters bind to it here.
     pub fn new(ledger: Ledger, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
+        let decisions = DecisionMetrics::register(&plans);
         Limiter {
             ledger,
             plans,
             settings,
             local,
+            decisions,
         }
     }
 
@@ -109,6 +113,11 @@ impl Limiter {
 
     pub fn settings(&self) -> &LimiterSettings {
         &self.settings
+    }
+
+    /// The decision counters (registered with the recorder installed when the limiter was made).
+    pub fn decision_metrics(&self) -> &DecisionMetrics {
+        &self.decisions
     }
 
     /// Decides one request of `cost` units for `key` on `plan`.
@@ -183,7 +192,7 @@ impl Limiter {
                         operation: crate::metrics::Operation::CreateTransfers,
                         message: "account not found right after provisioning".to_owned(),
                     };
-                    crate::metrics::record_ledger_error(error.kind());
+                    self.ledger.metrics().record_error(error.kind());
                     return self.fail(error, account_id, capacity, decision);
                 }
                 Ok(HoldOutcome::ExceedsCredits) => {

@@ -5,9 +5,12 @@
 //! caller key or account id ever becomes a label (those go on spans). Every known label
 //! combination is registered at zero by [`describe`], so dashboards show 0 rather than "no data".
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram,
+};
 
-use crate::plan::PlanBook;
+use crate::plan::{PlanBook, PlanId};
 
 pub const DECISIONS_TOTAL: &str = "ledger_limiter_decisions_total";
 pub const LEDGER_CALL_DURATION_SECONDS: &str = "ledger_limiter_ledger_call_duration_seconds";
@@ -150,71 +153,117 @@ impl LedgerErrorKind {
     }
 }
 
-pub fn record_decision(decision: DecisionLabel, plan: &str, source: DecisionSource) {
-    counter!(
-        DECISIONS_TOTAL,
-        "decision" => decision.as_str(),
-        "plan" => plan.to_owned(),
-        "source" => source.as_str()
-    )
-    .increment(1);
+/// Handles for the ledger's metrics, made once (after the recorder is installed) so that recording
+/// on the hot path neither allocates nor hashes label sets.
+pub struct LedgerMetrics {
+    calls: Vec<Histogram>,
+    errors: Vec<Counter>,
+    in_flight: Gauge,
 }
 
-pub fn record_ledger_call(operation: Operation, outcome: CallOutcome, seconds: f64) {
-    histogram!(
-        LEDGER_CALL_DURATION_SECONDS,
-        "operation" => operation.as_str(),
-        "outcome" => outcome.as_str()
-    )
-    .record(seconds);
-}
-
-pub fn record_ledger_error(kind: LedgerErrorKind) {
-    counter!(LEDGER_ERRORS_TOTAL, "kind" => kind.as_str()).increment(1);
-}
-
-pub fn ledger_in_flight_add(delta: f64) {
-    gauge!(LEDGER_IN_FLIGHT).increment(delta);
-}
-
-/// Describes every metric and registers every valid label combination at zero.
-pub fn describe(plans: &PlanBook) {
-    describe_counter!(
-        DECISIONS_TOTAL,
-        "Rate-limit decisions, by decision, plan and where the decision came from"
-    );
-    describe_histogram!(
-        LEDGER_CALL_DURATION_SECONDS,
-        metrics::Unit::Seconds,
-        "Duration of TigerBeetle calls, by operation and outcome"
-    );
-    describe_counter!(
-        LEDGER_ERRORS_TOTAL,
-        "Ledger calls that failed (each one applies the failure policy), by kind"
-    );
-    describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
-
-    let mut plan_names: Vec<&str> = plans.plans().iter().map(|p| p.name()).collect();
-    plan_names.push(PLAN_NONE);
-    for plan in plan_names {
-        for decision in DecisionLabel::ALL {
-            for source in DecisionSource::ALL {
-                if valid_combination(decision, plan, source) {
-                    counter!(
-                        DECISIONS_TOTAL,
-                        "decision" => decision.as_str(),
-                        "plan" => plan.to_owned(),
-                        "source" => source.as_str()
+impl LedgerMetrics {
+    pub fn register() -> Self {
+        describe_histogram!(
+            LEDGER_CALL_DURATION_SECONDS,
+            metrics::Unit::Seconds,
+            "Duration of TigerBeetle calls, by operation and outcome"
+        );
+        describe_counter!(
+            LEDGER_ERRORS_TOTAL,
+            "Ledger calls that failed (each one applies the failure policy), by kind"
+        );
+        describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
+        let calls = Operation::ALL
+            .iter()
+            .flat_map(|operation| {
+                [CallOutcome::Ok, CallOutcome::Error].map(|outcome| {
+                    histogram!(
+                        LEDGER_CALL_DURATION_SECONDS,
+                        "operation" => operation.as_str(),
+                        "outcome" => outcome.as_str()
                     )
-                    .absolute(0);
+                })
+            })
+            .collect();
+        let errors = LedgerErrorKind::ALL
+            .iter()
+            .map(|kind| {
+                let counter = counter!(LEDGER_ERRORS_TOTAL, "kind" => kind.as_str());
+                counter.absolute(0);
+                counter
+            })
+            .collect();
+        let in_flight = gauge!(LEDGER_IN_FLIGHT);
+        in_flight.set(0.0);
+        LedgerMetrics {
+            calls,
+            errors,
+            in_flight,
+        }
+    }
+
+    pub fn record_call(&self, operation: Operation, outcome: CallOutcome, seconds: f64) {
+        self.calls[operation as usize * 2 + outcome as usize].record(seconds);
+    }
+
+    pub fn record_error(&self, kind: LedgerErrorKind) {
+        self.errors[kind as usize].increment(1);
+    }
+
+    pub fn in_flight_add(&self, delta: f64) {
+        self.in_flight.increment(delta);
+    }
+}
+
+/// Handles for `ledger_limiter_decisions_total`, one per valid (decision, plan, source), all
+/// registered at zero so dashboards show 0 rather than "no data".
+pub struct DecisionMetrics {
+    /// Indexed by [`DecisionMetrics::index`]; invalid combinations hold no-op counters.
+    counters: Vec<Counter>,
+}
+
+const SOURCES: usize = DecisionSource::ALL.len();
+const DECISIONS: usize = DecisionLabel::ALL.len();
+
+impl DecisionMetrics {
+    pub fn register(plans: &PlanBook) -> Self {
+        describe_counter!(
+            DECISIONS_TOTAL,
+            "Rate-limit decisions, by decision, plan and where the decision came from"
+        );
+        let mut plan_names: Vec<&str> = vec![PLAN_NONE];
+        plan_names.extend(plans.plans().iter().map(|p| p.name()));
+        let mut counters = Vec::with_capacity(plan_names.len() * DECISIONS * SOURCES);
+        for plan in plan_names {
+            for decision in DecisionLabel::ALL {
+                for source in DecisionSource::ALL {
+                    counters.push(if valid_combination(decision, plan, source) {
+                        let counter = counter!(
+                            DECISIONS_TOTAL,
+                            "decision" => decision.as_str(),
+                            "plan" => plan.to_owned(),
+                            "source" => source.as_str()
+                        );
+                        counter.absolute(0);
+                        counter
+                    } else {
+                        Counter::noop()
+                    });
                 }
             }
         }
+        DecisionMetrics { counters }
     }
-    for kind in LedgerErrorKind::ALL {
-        counter!(LEDGER_ERRORS_TOTAL, "kind" => kind.as_str()).absolute(0);
+
+    fn index(decision: DecisionLabel, plan: Option<PlanId>, source: DecisionSource) -> usize {
+        let plan = plan.map_or(0, |p| p.index() + 1);
+        (plan * DECISIONS + decision as usize) * SOURCES + source as usize
     }
-    gauge!(LEDGER_IN_FLIGHT).set(0.0);
+
+    /// Counts one decision; `plan` is `None` for a rejected key.
+    pub fn record(&self, decision: DecisionLabel, plan: Option<PlanId>, source: DecisionSource) {
+        self.counters[Self::index(decision, plan, source)].increment(1);
+    }
 }
 
 /// The `plan` label of decisions made before a plan is known (a rejected key).
@@ -237,6 +286,24 @@ fn valid_combination(decision: DecisionLabel, plan: &str, source: DecisionSource
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn enum_discriminants_index_their_handles() {
+        for (i, d) in DecisionLabel::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i);
+        }
+        for (i, s) in DecisionSource::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, o) in Operation::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+        for (i, k) in LedgerErrorKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i);
+        }
+        assert_eq!(CallOutcome::Ok as usize, 0);
+        assert_eq!(CallOutcome::Error as usize, 1);
+    }
 
     #[test]
     fn label_values_are_prometheus_friendly_and_unique() {

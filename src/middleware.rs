@@ -35,7 +35,7 @@ use futures_util::future::LocalBoxFuture;
 use crate::caller::{CallerKey, KeyError, KeySource, KEY_LENGTH_MAX_DEFAULT};
 use crate::headers;
 use crate::limiter::{Limiter, Outcome};
-use crate::metrics::{self, DecisionLabel, DecisionSource};
+use crate::metrics::{DecisionLabel, DecisionSource};
 use crate::problem::{self, ProblemKind};
 
 /// How requests map to callers and costs, and which paths are not limited.
@@ -231,9 +231,9 @@ where
             let (key, plan_id) = match identified {
                 Ok(found) => found,
                 Err(error) => {
-                    metrics::record_decision(
+                    limiter.decision_metrics().record(
                         DecisionLabel::RejectedKey,
-                        metrics::PLAN_NONE,
+                        None,
                         DecisionSource::None,
                     );
                     span.record(span_fields::DECISION, DecisionLabel::RejectedKey.as_str());
@@ -256,7 +256,9 @@ where
                 Outcome::Limited { source, .. } => *source,
                 Outcome::FailedOpen(_) | Outcome::FailedClosed(_) => DecisionSource::None,
             };
-            metrics::record_decision(label, plan, source);
+            limiter
+                .decision_metrics()
+                .record(label, Some(plan_id), source);
             span.record(
                 span_fields::USER_ID,
                 tracing::field::display(format_args!("{:032x}", decision.account_id)),

@@ -84,6 +84,13 @@ pub enum UnknownKeys {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PlanId(u16);
 
+impl PlanId {
+    /// The plan's position in its book (0-based).
+    pub fn index(self) -> usize {
+        self.0.into()
+    }
+}
+
 /// Every plan, and the rules that map a key to one.
 #[derive(Debug, Clone)]
 pub struct PlanBook {

@@ -76,7 +76,6 @@ impl Application {
             ledger_id: crate::ledger::model::LEDGER_REQUEST_RATE,
             in_flight_max: settings.in_flight_max,
         })?;
-        crate::metrics::describe(&settings.plans);
         let limiter = Arc::new(Limiter::new(
             ledger,
             settings.plans.clone(),

@@ -20,7 +20,7 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::{oneshot, Semaphore};
 use tracing::Instrument;
 
-use crate::metrics::{self, CallOutcome, LedgerErrorKind, Operation};
+use crate::metrics::{CallOutcome, LedgerErrorKind, LedgerMetrics, Operation};
 use crate::plan::Plan;
 
 /// TigerBeetle answers at most this many transfers per `get_account_transfers` page in
@@ -113,6 +113,7 @@ pub struct Ledger {
     in_flight: Arc<Semaphore>,
     in_flight_max: usize,
     ledger_id: u32,
+    metrics: Arc<LedgerMetrics>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -145,11 +146,16 @@ impl Ledger {
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
             ledger_id: settings.ledger_id,
+            metrics: Arc::new(LedgerMetrics::register()),
         })
     }
 
     pub fn ledger_id(&self) -> u32 {
         self.ledger_id
+    }
+
+    pub fn metrics(&self) -> &LedgerMetrics {
+        &self.metrics
     }
 
     /// Places a hold of `amount` on the account for `timeout_seconds`: one round trip.
@@ -400,7 +406,7 @@ impl Ledger {
             let error = LedgerError::Overloaded {
                 in_flight_max: self.in_flight_max,
             };
-            metrics::record_ledger_error(error.kind());
+            self.metrics.record_error(error.kind());
             return Err(error);
         };
         let span = tracing::info_span!(
@@ -413,19 +419,20 @@ impl Ledger {
         );
         let (sender, receiver) = oneshot::channel();
         let client = self.client.clone();
+        let metrics = self.metrics.clone();
         let future = make(client.clone());
         let started = Instant::now();
         tokio::spawn(
             async move {
-                metrics::ledger_in_flight_add(1.0);
+                metrics.in_flight_add(1.0);
                 let result = future.await;
                 let outcome = if result.is_ok() {
                     CallOutcome::Ok
                 } else {
                     CallOutcome::Error
                 };
-                metrics::record_ledger_call(operation, outcome, started.elapsed().as_secs_f64());
-                metrics::ledger_in_flight_add(-1.0);
+                metrics.record_call(operation, outcome, started.elapsed().as_secs_f64());
+                metrics.in_flight_add(-1.0);
                 tracing::Span::current().record("ledger.outcome", outcome.as_str());
                 drop(permit);
                 if let Err(result) = sender.send(result) {
@@ -445,7 +452,7 @@ impl Ledger {
             Err(_) => Err(LedgerError::Timeout { operation }),
         };
         if let Err(error) = &result {
-            metrics::record_ledger_error(error.kind());
+            self.metrics.record_error(error.kind());
         }
         result
     }
