@@ -13,6 +13,7 @@ use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{filter_fn, FilterExt};
 use tracing_subscriber::Layer;
 
 /// Events with this target go to traces (as span events) but never to the log: they happen per
@@ -120,7 +121,9 @@ pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
-    // The log: RUST_LOG (default info), never the per-request span events.
+    // The log: events only (RUST_LOG, default info), never the per-request span events. Spans
+    // are for traces: keeping them from the log layer spares formatting their fields on every
+    // request, and without OTLP export they are not even created.
     let log_filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info"))
         .add_directive(
@@ -131,7 +134,7 @@ pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_filter(log_filter);
+        .with_filter(log_filter.and(filter_fn(|metadata| metadata.is_event())));
     let provider = if otlp_requested() {
         Some(otlp_tracer_provider(default_service_name)?)
     } else {
