@@ -259,15 +259,18 @@ where
             limiter
                 .decision_metrics()
                 .record(label, Some(plan_id), source);
-            span.record(
-                span_fields::USER_ID,
-                tracing::field::display(format_args!("{:032x}", decision.account_id)),
-            );
-            span.record(span_fields::KEY_ID, tracing::field::display(key.key_id()));
-            span.record(span_fields::PLAN, plan);
-            span.record(span_fields::COST, cost.get());
-            span.record(span_fields::DECISION, label.as_str());
-            span.record(span_fields::REMAINING, decision.quota.remaining);
+            // Only when traced: the key id costs a hash.
+            if !span.is_disabled() {
+                span.record(
+                    span_fields::USER_ID,
+                    tracing::field::display(format_args!("{:032x}", decision.account_id)),
+                );
+                span.record(span_fields::KEY_ID, tracing::field::display(key.key_id()));
+                span.record(span_fields::PLAN, plan);
+                span.record(span_fields::COST, cost.get());
+                span.record(span_fields::DECISION, label.as_str());
+                span.record(span_fields::REMAINING, decision.quota.remaining);
+            }
 
             match decision.outcome {
                 Outcome::Admitted | Outcome::FailedOpen(_) => {
