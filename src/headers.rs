@@ -4,6 +4,7 @@
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::limiter::Quota;
+use crate::plan::{PlanBook, PlanId};
 
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -19,16 +20,47 @@ pub fn ratelimit_value(plan: &str, quota: &Quota) -> String {
     format!("\"{plan}\";r={};t={}", quota.remaining, quota.reset_seconds)
 }
 
+/// `RateLimit-Policy` never changes for a plan: made once per plan, indexed by [`PlanId`].
+#[derive(Debug, Clone)]
+pub struct PolicyFields(Vec<HeaderValue>);
+
+impl PolicyFields {
+    pub fn new(plans: &PlanBook) -> Self {
+        PolicyFields(
+            plans
+                .plans()
+                .iter()
+                .map(|plan| {
+                    let value = format!(
+                        "\"{}\";q={};w={}",
+                        plan.name(),
+                        plan.capacity(),
+                        plan.window_seconds()
+                    );
+                    HeaderValue::from_str(&value).expect("plan names are header-safe")
+                })
+                .collect(),
+        )
+    }
+
+    pub fn get(&self, plan: PlanId) -> &HeaderValue {
+        &self.0[plan.index()]
+    }
+}
+
 /// Adds both fields, and `Retry-After` when given.
 pub fn insert(
     headers: &mut HeaderMap,
     plan: &str,
+    policy: &HeaderValue,
     quota: &Quota,
     retry_after_seconds: Option<u64>,
 ) {
-    let value = |s: String| HeaderValue::from_str(&s).expect("header values are ASCII");
-    headers.insert(RATELIMIT_POLICY, value(policy_value(plan, quota)));
-    headers.insert(RATELIMIT, value(ratelimit_value(plan, quota)));
+    headers.insert(RATELIMIT_POLICY, policy.clone());
+    headers.insert(
+        RATELIMIT,
+        HeaderValue::try_from(ratelimit_value(plan, quota)).expect("header values are ASCII"),
+    );
     if let Some(seconds) = retry_after_seconds {
         headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
     }
@@ -48,8 +80,19 @@ mod tests {
         };
         assert_eq!(policy_value("free", &quota), "\"free\";q=5;w=30");
         assert_eq!(ratelimit_value("free", &quota), "\"free\";r=3;t=27");
+        let book = PlanBook::new(
+            vec![crate::plan::test_plan("free", 5)],
+            "free",
+            [],
+            [],
+            crate::plan::UnknownKeys::DefaultPlan,
+        )
+        .unwrap();
+        let fields = PolicyFields::new(&book);
+        let policy = fields.get(book.default_plan());
+        assert_eq!(policy, policy_value("free", &quota).as_str());
         let mut headers = HeaderMap::new();
-        insert(&mut headers, "free", &quota, Some(12));
+        insert(&mut headers, "free", policy, &quota, Some(12));
         assert_eq!(headers.get("retry-after").unwrap(), "12");
         assert_eq!(
             headers.get("RateLimit-Policy").unwrap(),

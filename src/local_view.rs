@@ -34,6 +34,9 @@ struct CallerHolds {
     /// Known holds, in the order they were learned (expiries nearly ascending).
     holds: VecDeque<LocalHold>,
     held: u64,
+    /// The latest expiry of any known hold: exact while `holds` is not empty (a hold is only
+    /// pruned once everything in front of it expired, so the latest one goes last).
+    latest_expiry: Option<Instant>,
 }
 
 impl CallerHolds {
@@ -42,6 +45,7 @@ impl CallerHolds {
             credit,
             holds: VecDeque::new(),
             held: 0,
+            latest_expiry: None,
         }
     }
 
@@ -55,6 +59,9 @@ impl CallerHolds {
             self.held -= front.amount;
             self.holds.pop_front();
         }
+        if self.holds.is_empty() {
+            self.latest_expiry = None;
+        }
     }
 
     fn push(&mut self, hold: LocalHold) {
@@ -65,6 +72,10 @@ impl CallerHolds {
             b.expires_at = b.expires_at.max(a.expires_at);
         }
         self.held += hold.amount;
+        self.latest_expiry = Some(
+            self.latest_expiry
+                .map_or(hold.expires_at, |latest| latest.max(hold.expires_at)),
+        );
         self.holds.push_back(hold);
         debug_assert_eq!(self.held, self.holds.iter().map(|h| h.amount).sum::<u64>());
     }
@@ -90,7 +101,11 @@ impl CallerHolds {
     }
 
     fn quota(&self, now: Instant) -> LocalQuota {
-        let reset_at = self.holds.iter().map(|h| h.expires_at).max().unwrap_or(now);
+        debug_assert_eq!(
+            self.latest_expiry,
+            self.holds.iter().map(|h| h.expires_at).max()
+        );
+        let reset_at = self.latest_expiry.unwrap_or(now);
         LocalQuota {
             remaining: self.available(),
             reset_after: reset_at.saturating_duration_since(now),

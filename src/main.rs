@@ -119,6 +119,7 @@ async fn main() -> anyhow::Result<()> {
     let exporters = Exporters {
         prometheus: Some(prometheus),
         http_metrics: Some(Arc::new(HttpMetrics::new())),
+        trace_requests: telemetry.exporting(),
     };
     let application = Application::build(settings, exporters)
         .await

@@ -33,7 +33,7 @@ use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
 use crate::caller::{CallerKey, KeyError, KeySource, KEY_LENGTH_MAX_DEFAULT};
-use crate::headers;
+use crate::headers::{self, PolicyFields};
 use crate::limiter::{Limiter, Outcome};
 use crate::metrics::{DecisionLabel, DecisionSource};
 use crate::problem::{self, ProblemKind};
@@ -144,11 +144,17 @@ impl RateLimitPolicy {
 pub struct RateLimit {
     limiter: Arc<Limiter>,
     policy: Arc<RateLimitPolicy>,
+    policy_fields: Arc<PolicyFields>,
 }
 
 impl RateLimit {
     pub fn new(limiter: Arc<Limiter>, policy: Arc<RateLimitPolicy>) -> Self {
-        RateLimit { limiter, policy }
+        let policy_fields = Arc::new(PolicyFields::new(limiter.plans()));
+        RateLimit {
+            limiter,
+            policy,
+            policy_fields,
+        }
     }
 }
 
@@ -168,6 +174,7 @@ where
             service: Rc::new(service),
             limiter: self.limiter.clone(),
             policy: self.policy.clone(),
+            policy_fields: self.policy_fields.clone(),
         }))
     }
 }
@@ -176,6 +183,7 @@ pub struct RateLimitMiddleware<S> {
     service: Rc<S>,
     limiter: Arc<Limiter>,
     policy: Arc<RateLimitPolicy>,
+    policy_fields: Arc<PolicyFields>,
 }
 
 fn key_problem(error: &KeyError) -> ProblemKind {
@@ -215,6 +223,7 @@ where
         let service = self.service.clone();
         let limiter = self.limiter.clone();
         let policy = self.policy.clone();
+        let policy_fields = self.policy_fields.clone();
         Box::pin(async move {
             if policy.is_exempt(req.path()) {
                 return service.call(req).await.map(|r| r.map_into_left_body());
@@ -275,7 +284,13 @@ where
             match decision.outcome {
                 Outcome::Admitted | Outcome::FailedOpen(_) => {
                     let mut response = service.call(req).await?;
-                    headers::insert(response.headers_mut(), plan, &decision.quota, None);
+                    headers::insert(
+                        response.headers_mut(),
+                        plan,
+                        policy_fields.get(plan_id),
+                        &decision.quota,
+                        None,
+                    );
                     Ok(response.map_into_left_body())
                 }
                 Outcome::Limited {
@@ -297,6 +312,7 @@ where
                     headers::insert(
                         response.headers_mut(),
                         plan,
+                        policy_fields.get(plan_id),
                         &decision.quota,
                         Some(retry_after_seconds),
                     );
@@ -308,7 +324,13 @@ where
                         error.kind().as_str()
                     );
                     let mut response = problem::response(ProblemKind::LedgerUnavailable, &detail);
-                    headers::insert(response.headers_mut(), plan, &decision.quota, None);
+                    headers::insert(
+                        response.headers_mut(),
+                        plan,
+                        policy_fields.get(plan_id),
+                        &decision.quota,
+                        None,
+                    );
                     response
                         .headers_mut()
                         .insert(headers::RETRY_AFTER, HeaderValue::from_static("1"));

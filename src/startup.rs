@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix_web::dev::Server;
+use actix_web::middleware::Condition;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use thiserror::Error;
@@ -41,6 +42,9 @@ pub struct Exporters {
     pub prometheus: Option<PrometheusHandle>,
     /// Serves `GET /metrics/exemplars` (OpenMetrics with trace exemplars) when set.
     pub http_metrics: Option<Arc<HttpMetrics>>,
+    /// Wraps every request in a server span (W3C parent, request id). Only worth its cost when
+    /// spans go somewhere: the binary sets it when OTLP export is on.
+    pub trace_requests: bool,
 }
 
 /// A built, not yet running, service.
@@ -95,7 +99,10 @@ impl Application {
                 .app_data(web::Data::from(server_limiter.clone()))
                 .wrap(RateLimit::new(server_limiter.clone(), policy.clone()))
                 .wrap(RecordHttpMetrics::new(exporters.http_metrics.clone()))
-                .wrap(TracingLogger::<LimiterRootSpan>::new())
+                .wrap(Condition::new(
+                    exporters.trace_requests,
+                    TracingLogger::<LimiterRootSpan>::new(),
+                ))
                 .route("/greeting", web::get().to(routes::greeting))
                 .route("/healthz", web::get().to(routes::healthz))
                 .route("/readyz", web::get().to(routes::readyz));

@@ -10,10 +10,10 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use thiserror::Error;
 use tracing::Span;
 use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
+use tracing_subscriber::filter::{filter_fn, FilterExt};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
-use tracing_subscriber::filter::{filter_fn, FilterExt};
 use tracing_subscriber::Layer;
 
 /// Events with this target go to traces (as span events) but never to the log: they happen per

@@ -50,6 +50,7 @@ async fn spawn_observed_app(
         Exporters {
             prometheus: Some(t.prometheus.clone()),
             http_metrics: Some(http_metrics.clone()),
+            trace_requests: true,
         },
     )
     .await
