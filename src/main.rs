@@ -99,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let mut telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
+    let exporting_traces = telemetry.exporting();
     let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(ledger_limiter::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
@@ -119,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
     let exporters = Exporters {
         prometheus: Some(prometheus),
         http_metrics: Some(Arc::new(HttpMetrics::new())),
-        trace_requests: telemetry.exporting(),
+        trace_requests: exporting_traces,
     };
     let application = Application::build(settings, exporters)
         .await
@@ -129,11 +130,15 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!(
         port = application.port(),
-        otlp = telemetry.exporting(),
+        otlp = exporting_traces,
         "ledger-limiter listening on port {}",
         application.port()
     );
     application.run_until_stopped().await?;
-    telemetry.shutdown();
+    // Flush spans off the runtime: the OTLP exporter needs this runtime to make progress, so a
+    // blocking shutdown on it would wait for itself and drop the last batch.
+    tokio::task::spawn_blocking(move || telemetry.shutdown())
+        .await
+        .context("flushing traces")?;
     Ok(())
 }

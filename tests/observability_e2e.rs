@@ -328,3 +328,63 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         "ledger call spans exported"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_flushed_on_shutdown() {
+    let ledger = common::shared_ledger();
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let endpoint = collector.endpoint();
+    // A batch delay far longer than the test: only the shutdown flush can deliver the span.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--ledger-addresses",
+            &ledger.address.to_string(),
+        ])
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("OTEL_BSP_SCHEDULE_DELAY", "600000")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let port: u16 = {
+        use std::io::{BufRead, BufReader};
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let port = loop {
+            let line = lines
+                .next()
+                .expect("service exited before listening")
+                .unwrap();
+            if let Some(rest) = line.split("listening on port ").nth(1) {
+                break rest.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        port
+    };
+    let service = Guard(child);
+    let trace_id = format!("{:032x}", rand::random::<u128>());
+    let response = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/greeting"))
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let pid = service.0.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let spans = collector.exported_spans(1, Duration::from_secs(15)).await;
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.trace_id == trace_id && s.name == "GET /greeting"),
+        "the request's span was not flushed on shutdown: {:?}",
+        spans
+            .iter()
+            .map(|s| (&s.trace_id, &s.name))
+            .collect::<Vec<_>>()
+    );
+}
