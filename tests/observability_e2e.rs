@@ -45,7 +45,12 @@ impl Drop for Guard {
     }
 }
 
-fn start_service(ledger: std::net::SocketAddr, otlp_endpoint: &str) -> (Guard, u16) {
+/// The binary exporting to `otlp_endpoint` every 200 ms (`env` may override any variable).
+fn start_service(
+    ledger: std::net::SocketAddr,
+    otlp_endpoint: &str,
+    env: &[(&str, &str)],
+) -> (Guard, u16) {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"))
         .args([
@@ -58,6 +63,7 @@ fn start_service(ledger: std::net::SocketAddr, otlp_endpoint: &str) -> (Guard, u
         .env("OTEL_SERVICE_NAME", "ledger-limiter-e2e")
         .env("OTEL_BSP_SCHEDULE_DELAY", "200")
         .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -168,7 +174,7 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         }
     });
 
-    let (_service, service_port) = start_service(ledger.address, &endpoint);
+    let (_service, service_port) = start_service(ledger.address, &endpoint, &[]);
     let dir = tempfile::tempdir().unwrap();
     let (_prometheus, prometheus_port) = start_prometheus(dir.path(), service_port);
     let http = reqwest::Client::new();
@@ -335,36 +341,11 @@ async fn spans_are_flushed_on_shutdown() {
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let endpoint = collector.endpoint();
     // A batch delay far longer than the test: only the shutdown flush can deliver the span.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--ledger-addresses",
-            &ledger.address.to_string(),
-        ])
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-        .env("OTEL_BSP_SCHEDULE_DELAY", "600000")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let port: u16 = {
-        use std::io::{BufRead, BufReader};
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let port = loop {
-            let line = lines
-                .next()
-                .expect("service exited before listening")
-                .unwrap();
-            if let Some(rest) = line.split("listening on port ").nth(1) {
-                break rest.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
-        port
-    };
-    let service = Guard(child);
+    let (service, port) = start_service(
+        ledger.address,
+        &endpoint,
+        &[("OTEL_BSP_SCHEDULE_DELAY", "600000")],
+    );
     let trace_id = format!("{:032x}", rand::random::<u128>());
     let response = reqwest::Client::new()
         .get(format!("http://127.0.0.1:{port}/greeting"))
