@@ -91,8 +91,9 @@ impl PlanId {
     }
 }
 
-/// Every plan, and the rules that map a key to one.
-#[derive(Debug, Clone)]
+/// Every plan, and the rules that map a key to one. Its `Debug` shows how many keys are listed,
+/// never the keys.
+#[derive(Clone)]
 pub struct PlanBook {
     plans: Vec<Plan>,
     default_plan: PlanId,
@@ -101,6 +102,18 @@ pub struct PlanBook {
     /// Prefixes, longest first, so `pro_eu_` wins over `pro_`.
     prefixes: Vec<(String, PlanId)>,
     unknown_keys: UnknownKeys,
+}
+
+impl std::fmt::Debug for PlanBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlanBook")
+            .field("plans", &self.plans)
+            .field("default_plan", &self.get(self.default_plan).name())
+            .field("listed_keys", &self.keys.len())
+            .field("prefixes", &self.prefixes)
+            .field("unknown_keys", &self.unknown_keys)
+            .finish()
+    }
 }
 
 impl PlanBook {
@@ -232,6 +245,13 @@ mod tests {
         assert_eq!(name("pro_1"), "pro");
         assert_eq!(name("pro_basic_1"), "basic");
         assert_eq!(name("anything"), "free");
+    }
+
+    #[test]
+    fn debug_never_shows_listed_keys() {
+        let shown = format!("{:?}", book(UnknownKeys::Reject));
+        assert!(!shown.contains("special"), "{shown}");
+        assert!(shown.contains("listed_keys: 1"), "{shown}");
     }
 
     #[test]

@@ -216,3 +216,30 @@ fn environment_variables_configure_like_flags() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("ledger.failure_policy"));
 }
+
+#[test]
+fn check_config_never_prints_listed_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.txt");
+    std::fs::write(&keys, "sk_live_very_secret pro\n").unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, format!("[caller]\nkeys_file = {keys:?}\n")).unwrap();
+    let output = command(dir.path())
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let shown = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(shown.contains("listed_keys: 1"), "{shown}");
+    assert!(!shown.contains("sk_live_very_secret"), "{shown}");
+}
