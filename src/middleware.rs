@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
-use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::http::header::{HeaderMap, HeaderName};
 use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
@@ -281,16 +281,14 @@ where
                 span.record(span_fields::REMAINING, decision.quota.remaining);
             }
 
+            let add_fields = |headers: &mut HeaderMap, retry_after_seconds: Option<u64>| {
+                let policy = policy_fields.get(plan_id);
+                headers::insert(headers, plan, policy, &decision.quota, retry_after_seconds);
+            };
             match decision.outcome {
                 Outcome::Admitted | Outcome::FailedOpen(_) => {
                     let mut response = service.call(req).await?;
-                    headers::insert(
-                        response.headers_mut(),
-                        plan,
-                        policy_fields.get(plan_id),
-                        &decision.quota,
-                        None,
-                    );
+                    add_fields(response.headers_mut(), None);
                     Ok(response.map_into_left_body())
                 }
                 Outcome::Limited {
@@ -309,13 +307,7 @@ where
                         decision.quota.limit, decision.quota.window_seconds
                     );
                     let mut response = problem::response(ProblemKind::RateLimited, &detail);
-                    headers::insert(
-                        response.headers_mut(),
-                        plan,
-                        policy_fields.get(plan_id),
-                        &decision.quota,
-                        Some(retry_after_seconds),
-                    );
+                    add_fields(response.headers_mut(), Some(retry_after_seconds));
                     Ok(req.into_response(response).map_into_right_body())
                 }
                 Outcome::FailedClosed(error) => {
@@ -324,16 +316,8 @@ where
                         error.kind().as_str()
                     );
                     let mut response = problem::response(ProblemKind::LedgerUnavailable, &detail);
-                    headers::insert(
-                        response.headers_mut(),
-                        plan,
-                        policy_fields.get(plan_id),
-                        &decision.quota,
-                        None,
-                    );
-                    response
-                        .headers_mut()
-                        .insert(headers::RETRY_AFTER, HeaderValue::from_static("1"));
+                    // Worth retrying soon: the ledger, not the caller's credit, is the problem.
+                    add_fields(response.headers_mut(), Some(1));
                     Ok(req.into_response(response).map_into_right_body())
                 }
             }
