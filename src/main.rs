@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ledger_limiter::config::{EmbeddedFile, FileConfig, LedgerFile, Settings};
+use ledger_limiter::config::{CallerFile, EmbeddedFile, FileConfig, LedgerFile, Settings};
 use ledger_limiter::http_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -45,6 +45,18 @@ struct Cli {
     /// The tigerbeetle binary for the embedded ledger.
     #[arg(long, env = "LEDGER_LIMITER_TIGERBEETLE_BIN")]
     tigerbeetle_bin: Option<PathBuf>,
+    /// Where callers' identity comes from: "header" (an API key) or "peer-ip".
+    #[arg(long, env = "LEDGER_LIMITER_KEY_SOURCE")]
+    key_source: Option<String>,
+    /// The API key header (default X-Api-Key).
+    #[arg(long, env = "LEDGER_LIMITER_KEY_HEADER")]
+    key_header: Option<String>,
+    /// A file of "<key> <plan>" lines.
+    #[arg(long, env = "LEDGER_LIMITER_KEYS_FILE")]
+    keys_file: Option<PathBuf>,
+    /// Keys not in the keys file nor matching a prefix: "default-plan" or "reject" (401).
+    #[arg(long, env = "LEDGER_LIMITER_UNKNOWN_KEYS")]
+    unknown_keys: Option<String>,
     /// Run the embedded TigerBeetle without --development (needs direct I/O and ~1 GiB data file).
     #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION")]
     embedded_production: bool,
@@ -69,6 +81,13 @@ impl Cli {
                 data_dir: self.data_dir.clone(),
                 tigerbeetle_bin: self.tigerbeetle_bin.clone(),
                 development: self.embedded_production.then_some(false),
+            },
+            caller: CallerFile {
+                source: self.key_source.clone(),
+                header: self.key_header.clone(),
+                keys_file: self.keys_file.clone(),
+                unknown_keys: self.unknown_keys.clone(),
+                ..CallerFile::default()
             },
             ..FileConfig::default()
         }

@@ -163,6 +163,14 @@ fn bad_configuration_is_refused_naming_the_setting() {
             "ledger.failure_policy",
         ),
         (vec!["--workers", "0"], None, "workers"),
+        (vec!["--key-source", "cookie"], None, "caller.source"),
+        (vec!["--key-header", "bad header"], None, "caller.header"),
+        (vec!["--unknown-keys", "maybe"], None, "caller.unknown_keys"),
+        (
+            vec!["--keys-file", "/nonexistent/keys"],
+            None,
+            "caller.keys_file",
+        ),
         (
             vec![],
             Some("[plans.free]\ncapacity = 0\nwindow_seconds = 30\n"),
