@@ -4,15 +4,20 @@
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::limiter::Quota;
-use crate::plan::{PlanBook, PlanId};
+use crate::plan::{Plan, PlanBook, PlanId};
 
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub const RETRY_AFTER: HeaderName = actix_web::http::header::RETRY_AFTER;
 
 /// `"<plan>";q=<quota>;w=<window seconds>`. Plan names are `[A-Za-z0-9_-]`, safe in a string item.
-pub fn policy_value(plan: &str, quota: &Quota) -> String {
-    format!("\"{plan}\";q={};w={}", quota.limit, quota.window_seconds)
+pub fn policy_value(plan: &Plan) -> String {
+    format!(
+        "\"{}\";q={};w={}",
+        plan.name(),
+        plan.capacity(),
+        plan.window_seconds()
+    )
 }
 
 /// `"<plan>";r=<remaining>;t=<seconds until the quota is whole again>`.
@@ -31,13 +36,7 @@ impl PolicyFields {
                 .plans()
                 .iter()
                 .map(|plan| {
-                    let value = format!(
-                        "\"{}\";q={};w={}",
-                        plan.name(),
-                        plan.capacity(),
-                        plan.window_seconds()
-                    );
-                    HeaderValue::from_str(&value).expect("plan names are header-safe")
+                    HeaderValue::from_str(&policy_value(plan)).expect("plan names are header-safe")
                 })
                 .collect(),
         )
@@ -78,10 +77,11 @@ mod tests {
             remaining: 3,
             reset_seconds: 27,
         };
-        assert_eq!(policy_value("free", &quota), "\"free\";q=5;w=30");
+        let free = crate::plan::test_plan("free", 5);
+        assert_eq!(policy_value(&free), "\"free\";q=5;w=30");
         assert_eq!(ratelimit_value("free", &quota), "\"free\";r=3;t=27");
         let book = PlanBook::new(
-            vec![crate::plan::test_plan("free", 5)],
+            vec![free],
             "free",
             [],
             [],
@@ -90,7 +90,7 @@ mod tests {
         .unwrap();
         let fields = PolicyFields::new(&book);
         let policy = fields.get(book.default_plan());
-        assert_eq!(policy, policy_value("free", &quota).as_str());
+        assert_eq!(policy, "\"free\";q=5;w=30");
         let mut headers = HeaderMap::new();
         insert(&mut headers, "free", policy, &quota, Some(12));
         assert_eq!(headers.get("retry-after").unwrap(), "12");
