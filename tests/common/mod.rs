@@ -27,7 +27,6 @@ pub fn tigerbeetle_bin() -> PathBuf {
 pub struct TestLedger {
     pub address: SocketAddr,
     child: Mutex<Child>,
-    _dir: tempfile::TempDir,
 }
 
 impl TestLedger {
@@ -66,10 +65,13 @@ impl TestLedger {
             .parse()
             .expect("a port number");
         std::thread::spawn(move || for _ in lines {});
+        // TigerBeetle has its data file open by now: remove it at once, so its ~1 GiB is freed
+        // when the server exits, even though the shared server lives in a static that is never
+        // dropped (keeping the folder leaked one data file per test binary run).
+        drop(dir);
         TestLedger {
             address: SocketAddr::from(([127, 0, 0, 1], port)),
             child: Mutex::new(child),
-            _dir: dir,
         }
     }
 
