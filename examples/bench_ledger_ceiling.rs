@@ -18,9 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ledger_limiter::caller::CallerKey;
-use ledger_limiter::ledger::{model, HoldOutcome, Ledger, LedgerSettings};
-use ledger_limiter::plan::Plan;
+use ledger_limiter::ledger::model::UserAccount;
+use ledger_limiter::ledger::{model, HoldReply, Ledger, LedgerSettings};
 use tigerbeetle_unofficial as tb;
 
 struct Args {
@@ -167,29 +166,28 @@ async fn main() -> anyhow::Result<()> {
         in_flight_max: NonZeroUsize::new(65_536).unwrap(),
     })?;
     // A plan no benchmark can exhaust: every hold is admitted.
-    let plan = Plan::new(
-        "ceiling",
-        NonZeroU64::new(1 << 60).unwrap(),
-        NonZeroU32::new(60).unwrap(),
-    )?;
-    let window = plan.window_seconds().get();
+    let capacity = NonZeroU64::new(1 << 60).unwrap();
+    let window_seconds = NonZeroU32::new(60).unwrap();
+    let window = window_seconds.get();
     let accounts: Vec<u128> = (0..args.accounts)
         .map(|i| {
-            let key =
-                CallerKey::from_header_value("x-api-key", format!("ceiling-{i}").as_bytes(), 128)
-                    .expect("a valid key");
-            model::user_account_id(ledger.ledger_id(), &plan, &key)
+            let key = format!("ceiling-{i}");
+            model::user_account_id(ledger.ledger_id(), "ceiling", capacity, key.as_bytes())
         })
         .collect();
     let provisioning = Instant::now();
     let mut provisions = Vec::new();
     for account in accounts.iter().copied() {
         let ledger = ledger.clone();
-        let plan = plan.clone();
+        let account = UserAccount {
+            id: account,
+            capacity,
+            window_seconds,
+        };
         provisions.push(tokio::spawn(async move {
             // The first request of a new client takes ~0.6 s; be generous.
             ledger
-                .provision(account, &plan, Instant::now() + Duration::from_secs(30))
+                .provision(&account, Instant::now() + Duration::from_secs(30))
                 .await
         }));
     }
@@ -226,7 +224,7 @@ async fn main() -> anyhow::Result<()> {
                             async move {
                                 let deadline = Instant::now() + Duration::from_secs(5);
                                 match ledger.hold(account, 1, window, deadline, false).await {
-                                    Ok(HoldOutcome::Held { .. }) => Ok(true),
+                                    Ok(HoldReply::Held { .. }) => Ok(true),
                                     Ok(_) => Ok(false),
                                     Err(e) => Err(e.to_string()),
                                 }

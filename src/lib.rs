@@ -6,26 +6,21 @@
 //! credit is all held the ledger answers `exceeds_credits` and the request is limited. Holds expire
 //! after the plan's window and their credit returns. See `docs/ARCHITECTURE.md`.
 //!
-//! The pieces, from the outside in:
-//! - [`middleware::RateLimit`]: the actix-web middleware (`.wrap()` it around any app or scope);
-//! - [`limiter::Limiter`]: one decision, "limited" being a value, never an error;
-//! - [`ledger::Ledger`]: every TigerBeetle call, each with a deadline and a bound;
-//! - [`plan`], [`caller`], [`config`]: plans, keys, validated settings.
+//! The layers, each depending only on the ones below it:
+//! - [`startup`] and [`config`]: wiring and validated settings (the binary's concern);
+//! - [`http`]: the actix-web adapter ([`http::RateLimit`], [`http::RequestRules`]);
+//! - [`limiter`]: one decision, "limited" being a value, never an error; plans, caller keys, the
+//!   local view;
+//! - [`ledger`]: every TigerBeetle call, each with a deadline and a bound; the model; the embedded
+//!   server.
+//!
+//! [`telemetry`] stands beside them: the request span and the OTLP export.
 
-pub mod caller;
 pub mod config;
-pub mod headers;
-pub mod http_metrics;
+pub mod http;
 pub mod ledger;
 pub mod limiter;
-pub mod local_view;
-pub mod metrics;
-pub mod middleware;
-pub mod plan;
-pub mod problem;
-pub mod routes;
 pub mod startup;
-pub mod supervisor;
 pub mod telemetry;
 
 /// The README's Rust examples compile as doc tests.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ledger_limiter::config::{CallerFile, EmbeddedFile, FileConfig, LedgerFile, Settings};
-use ledger_limiter::http_metrics::HttpMetrics;
+use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
@@ -121,8 +121,8 @@ async fn main() -> anyhow::Result<()> {
     let exporting_traces = telemetry.exporting();
     let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(
-            Matcher::Full(ledger_limiter::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
-            ledger_limiter::metrics::LEDGER_CALL_BUCKETS_SECONDS,
+            Matcher::Full(ledger_limiter::ledger::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
+            ledger_limiter::ledger::metrics::LEDGER_CALL_BUCKETS_SECONDS,
         )?
         .install_recorder()
         .context("installing the Prometheus recorder")?;

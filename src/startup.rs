@@ -12,20 +12,19 @@ use thiserror::Error;
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{resolve_addresses, ConfigError, LedgerLocation, Settings};
-use crate::http_metrics::{HttpMetrics, RecordHttpMetrics};
-use crate::ledger::{ConnectError, Ledger, LedgerSettings};
+use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
+use crate::http::{routes, RateLimit};
+use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
+use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
 use crate::limiter::Limiter;
-use crate::middleware::RateLimit;
-use crate::routes;
-use crate::supervisor::{EmbeddedLedger, EmbeddedOptions, SupervisorError};
-use crate::telemetry::LimiterRootSpan;
+use crate::telemetry::span::LimiterRootSpan;
 
 #[derive(Debug, Error)]
 pub enum StartupError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Embedded(#[from] SupervisorError),
+    Embedded(#[from] EmbeddedError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("cannot listen on {address}: {source}")]
@@ -57,82 +56,31 @@ pub struct Application {
 
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
-        let (addresses, embedded) = match &settings.ledger {
-            LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
-            LedgerLocation::Embedded {
-                data_dir,
-                tigerbeetle_bin,
-                development,
-            } => {
-                let embedded = EmbeddedLedger::start(EmbeddedOptions {
-                    bin: tigerbeetle_bin.clone(),
-                    data_dir: data_dir.clone(),
-                    cluster_id: settings.cluster_id,
-                    development: *development,
-                })
-                .await?;
-                (vec![embedded.address()], Some(embedded))
-            }
-        };
-        let ledger = Ledger::connect(&LedgerSettings {
-            cluster_id: settings.cluster_id,
-            addresses,
-            ledger_id: crate::ledger::model::LEDGER_REQUEST_RATE,
-            in_flight_max: settings.in_flight_max,
-        })?;
+        let (ledger, embedded) = connect_ledger(&settings).await?;
         let limiter = Arc::new(Limiter::new(
             ledger,
             settings.plans.clone(),
             settings.limiter.clone(),
         ));
-
         let listener =
             TcpListener::bind(&settings.listen).map_err(|source| StartupError::Listen {
                 address: settings.listen.clone(),
                 source,
             })?;
-        let port = listener.local_addr().expect("bound").port();
-        let policy = settings.policy.clone();
-        let server_limiter = limiter.clone();
+        let port = listener
+            .local_addr()
+            .map_err(|source| StartupError::Listen {
+                address: settings.listen.clone(),
+                source,
+            })?
+            .port();
+        let rate_limit = RateLimit::new(limiter.clone(), settings.rules.clone());
+        let app_limiter = limiter.clone();
         let server = HttpServer::new(move || {
-            let mut app = App::new()
-                .app_data(web::Data::from(server_limiter.clone()))
-                .wrap(RateLimit::new(server_limiter.clone(), policy.clone()))
-                .wrap(RecordHttpMetrics::new(exporters.http_metrics.clone()))
-                .wrap(Condition::new(
-                    exporters.trace_requests,
-                    TracingLogger::<LimiterRootSpan>::new(),
-                ))
-                .route("/greeting", web::get().to(routes::greeting))
-                .route("/healthz", web::get().to(routes::healthz))
-                .route("/readyz", web::get().to(routes::readyz));
-            if let Some(handle) = exporters.prometheus.clone() {
-                app = app.route(
-                    "/metrics",
-                    web::get().to(move || {
-                        let body = handle.render();
-                        async move {
-                            HttpResponse::Ok()
-                                .content_type("text/plain; version=0.0.4; charset=utf-8")
-                                .body(body)
-                        }
-                    }),
-                );
-            }
-            if let Some(metrics) = exporters.http_metrics.clone() {
-                app = app.route(
-                    "/metrics/exemplars",
-                    web::get().to(move || {
-                        let body = metrics.render();
-                        async move {
-                            HttpResponse::Ok()
-                                .content_type(crate::http_metrics::OPENMETRICS_CONTENT_TYPE)
-                                .body(body)
-                        }
-                    }),
-                );
-            }
-            app
+            App::new()
+                .app_data(web::Data::from(app_limiter.clone()))
+                .configure(|config| operational_routes(config, &exporters))
+                .service(limited_routes(rate_limit.clone(), &exporters))
         })
         .workers(settings.workers.get())
         .shutdown_timeout(10)
@@ -190,4 +138,91 @@ impl Application {
         }
         result
     }
+}
+
+/// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.
+async fn connect_ledger(
+    settings: &Settings,
+) -> Result<(Ledger, Option<EmbeddedLedger>), StartupError> {
+    let (addresses, embedded) = match &settings.ledger {
+        LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
+        LedgerLocation::Embedded {
+            data_dir,
+            tigerbeetle_bin,
+            development,
+        } => {
+            let embedded = EmbeddedLedger::start(EmbeddedOptions {
+                bin: tigerbeetle_bin.clone(),
+                data_dir: data_dir.clone(),
+                cluster_id: settings.cluster_id,
+                development: *development,
+            })
+            .await?;
+            (vec![embedded.address()], Some(embedded))
+        }
+    };
+    let ledger = Ledger::connect(&LedgerSettings {
+        cluster_id: settings.cluster_id,
+        addresses,
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: settings.in_flight_max,
+    })?;
+    Ok((ledger, embedded))
+}
+
+/// Health, readiness and metrics: outside the limiter, the request span and the request latency
+/// histogram, so probes and scrapes never show up as traffic (nor as exemplars on the dashboard).
+fn operational_routes(config: &mut web::ServiceConfig, exporters: &Exporters) {
+    config
+        .route("/healthz", web::get().to(routes::healthz))
+        .route("/readyz", web::get().to(routes::readyz));
+    if let Some(handle) = exporters.prometheus.clone() {
+        config.route(
+            "/metrics",
+            web::get().to(move || {
+                let body = handle.render();
+                async move {
+                    HttpResponse::Ok()
+                        .content_type("text/plain; version=0.0.4; charset=utf-8")
+                        .body(body)
+                }
+            }),
+        );
+    }
+    if let Some(metrics) = exporters.http_metrics.clone() {
+        config.route(
+            "/metrics/exemplars",
+            web::get().to(move || {
+                let body = metrics.render();
+                async move {
+                    HttpResponse::Ok()
+                        .content_type(OPENMETRICS_CONTENT_TYPE)
+                        .body(body)
+                }
+            }),
+        );
+    }
+}
+
+/// Every other path: traced, timed and rate-limited (an unknown path is charged, then 404s).
+fn limited_routes(
+    rate_limit: RateLimit,
+    exporters: &Exporters,
+) -> actix_web::Scope<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    web::scope("")
+        .wrap(rate_limit)
+        .wrap(RecordHttpMetrics::new(exporters.http_metrics.clone()))
+        .wrap(Condition::new(
+            exporters.trace_requests,
+            TracingLogger::<LimiterRootSpan>::new(),
+        ))
+        .route("/greeting", web::get().to(routes::greeting))
 }

@@ -2,68 +2,27 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_ledger-limiter");
+use common::{binary_command, start_binary, Guard};
 
 fn command(dir: &Path) -> Command {
-    let mut command = Command::new(BIN);
+    let mut command = binary_command();
+    command.current_dir(dir);
     command
-        .current_dir(dir)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap())
-        .env("RUST_LOG", "info");
-    command
-}
-
-/// The running binary; killed if a test fails before stopping it, so nothing outlives the test.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.0.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
 /// Starts the binary on port 0 and reads the port from its log line.
-fn start(dir: &Path, args: &[&str]) -> (Running, u16) {
-    let mut child = command(dir)
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("binary starts");
-    let stderr = child.stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines();
-    let started = Instant::now();
-    let port = loop {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("binary exited before listening"))
-            .unwrap();
-        if let Some(rest) = line.split("listening on port ").nth(1) {
-            break rest
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .parse::<u16>()
-                .unwrap();
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "no port");
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (Running(Some(child)), port)
+fn start(dir: &Path, args: &[&str]) -> (Guard, u16) {
+    let mut command = command(dir);
+    command.args(["--listen", "127.0.0.1:0"]).args(args);
+    start_binary(command)
 }
 
-fn sigterm_and_wait(mut running: Running) -> std::process::ExitStatus {
-    let mut child = running.0.take().expect("running");
+fn sigterm_and_wait(mut running: Guard) -> std::process::ExitStatus {
+    let mut child = running.take();
     let pid = child.id().to_string();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let started = Instant::now();
@@ -80,11 +39,7 @@ fn sigterm_and_wait(mut running: Running) -> std::process::ExitStatus {
 }
 
 fn tigerbeetle_processes_using(dir: &Path) -> usize {
-    let out = Command::new("pgrep")
-        .args(["-f", &dir.display().to_string()])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().count()
+    tigerbeetle_pids(dir).len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,6 +103,74 @@ async fn embedded_ledger_runs_and_is_reused_and_stopped() {
         response.status(),
         429,
         "the ledger remembered the caller across restarts"
+    );
+    assert!(sigterm_and_wait(child).success());
+}
+
+/// The pids of the TigerBeetle servers serving files under `dir` (not the binary, whose own
+/// arguments name `dir` too).
+fn tigerbeetle_pids(dir: &Path) -> Vec<String> {
+    let out = Command::new("pgrep")
+        .args(["-f", &format!("tigerbeetle start .*{}", dir.display())])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb = common::tigerbeetle_bin();
+    let data = dir.path().join("data");
+    let args = [
+        "--tigerbeetle-bin",
+        tb.to_str().unwrap(),
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let http = reqwest::Client::new();
+    let (child, port) = start(dir.path(), &args);
+    let url = format!("http://127.0.0.1:{port}/greeting");
+    let status = |key: &str| {
+        let request = http.get(&url).header("X-Api-Key", key.to_owned());
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    let exhausted = common::fresh_key("k_");
+    for _ in 0..5 {
+        assert_eq!(status(&exhausted).await, 200);
+    }
+    assert_eq!(status(&exhausted).await, 429);
+
+    let pids = tigerbeetle_pids(&data);
+    assert_eq!(pids.len(), 1, "one embedded TigerBeetle: {pids:?}");
+    Command::new("kill")
+        .args(["-KILL", &pids[0]])
+        .status()
+        .unwrap();
+
+    // While it is down, requests follow the failure policy (closed: 503); then the supervisor
+    // restarts it on the same port and the same data file, and the client finds it again.
+    let started = Instant::now();
+    let fresh = common::fresh_key("k_");
+    loop {
+        let answer = status(&fresh).await;
+        if answer == 200 {
+            break;
+        }
+        assert_eq!(answer, 503, "down means the failure policy");
+        assert!(started.elapsed() < Duration::from_secs(30), "not recovered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let restarted = tigerbeetle_pids(&data);
+    assert_eq!(restarted.len(), 1, "{restarted:?}");
+    assert_ne!(restarted, pids, "a new process");
+    assert_eq!(
+        status(&exhausted).await,
+        429,
+        "the data survived: the caller is still exhausted"
     );
     assert!(sigterm_and_wait(child).success());
 }

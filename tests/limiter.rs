@@ -151,12 +151,7 @@ async fn racing_first_requests_provision_and_credit_exactly_once() {
 
     // Look at the ledger itself: one account, credited once, with 200 units held.
     let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
-    let plans = a.limiter.plans();
-    let plan = plans.get(plans.default_plan());
-    let key =
-        ledger_limiter::caller::CallerKey::from_header_value("x-api-key", key.as_bytes(), 128)
-            .unwrap();
-    let account_id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &key);
+    let account_id = account_id(&a, &key);
     let accounts = client.lookup_accounts(vec![account_id]).await.unwrap();
     assert_eq!(accounts.len(), 1);
     assert_eq!(accounts[0].credits_posted(), 1000, "credited exactly once");
@@ -245,6 +240,7 @@ async fn bad_keys_get_problem_responses_before_any_ledger_call() {
     };
     config.key_prefixes = Some([("pro_".to_owned(), "pro".to_owned())].into());
     let app = spawn_app(config).await;
+    let calls_before = app.limiter.ledger().calls_started();
 
     let cases: Vec<(Option<Vec<u8>>, u16, &str)> = vec![
         (None, 401, "missing-api-key"),
@@ -293,19 +289,11 @@ async fn bad_keys_get_problem_responses_before_any_ledger_call() {
         .unwrap();
     assert_eq!(response.status(), 400);
 
-    // None of them reached the ledger: no account exists for the unknown key.
-    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
-    let plans = app.limiter.plans();
-    for plan in plans.plans() {
-        let key = ledger_limiter::caller::CallerKey::from_header_value(
-            "x-api-key",
-            b"not-a-customer",
-            128,
-        )
-        .unwrap();
-        let id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &key);
-        assert!(client.lookup_accounts(vec![id]).await.unwrap().is_empty());
-    }
+    // None of them reached the ledger: not one call was started.
+    assert_eq!(app.limiter.ledger().calls_started(), calls_before);
+    // The counter does count: a valid key costs a call.
+    assert_eq!(app.get("/greeting", Some("pro_valid")).await.status(), 200);
+    assert!(app.limiter.ledger().calls_started() > calls_before);
     app.stop().await;
 }
 
@@ -401,12 +389,7 @@ async fn a_hold_placed_after_its_request_was_refused_is_voided() {
 
     // Once the late answer arrives, the hold is voided: only the first one is still pending.
     let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
-    let plans = warm.limiter.plans();
-    let plan = plans.get(plans.default_plan());
-    let caller =
-        ledger_limiter::caller::CallerKey::from_header_value("x-api-key", key.as_bytes(), 128)
-            .unwrap();
-    let account_id = model::user_account_id(model::LEDGER_REQUEST_RATE, plan, &caller);
+    let account_id = account_id(&warm, &key);
     let started = Instant::now();
     loop {
         let account = client.lookup_accounts(vec![account_id]).await.unwrap()[0];
@@ -442,4 +425,119 @@ async fn a_hold_placed_after_its_request_was_refused_is_voided() {
     }
     warm.stop().await;
     cold.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_in_flight_bound_refuses_at_once_and_holds_nothing() {
+    let ledger = shared_ledger();
+    let mut config = exactness_config(ledger.address, 1000, 1);
+    config.ledger.in_flight_max = Some(1);
+    let app = spawn_app(config).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let requests = (0..64).map(|_| async {
+        let response = app.get("/greeting", Some(&key)).await;
+        let status = response.status().as_u16();
+        (status, response.text().await.unwrap())
+    });
+    let results = join_all(requests).await;
+    let admitted = results.iter().filter(|(s, _)| *s == 200).count();
+    let overloaded = results
+        .iter()
+        .filter(|(s, body)| *s == 503 && body.contains("(overloaded)"))
+        .count();
+    assert!(overloaded > 0, "one call in flight at most: {results:?}");
+    assert_eq!(admitted + overloaded, results.len(), "{results:?}");
+    // Exact: a refused request holds nothing, every admitted one holds one unit.
+    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
+    let account = client
+        .lookup_accounts(vec![account_id(&app, &key)])
+        .await
+        .unwrap()[0];
+    assert_eq!(account.debits_pending(), 1 + admitted as u128);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_open_answer_carries_the_rate_limit_fields() {
+    let app = spawn_app_without_ledger(down_config("open")).await;
+    let response = app.get("/greeting", Some(&fresh_key("k_"))).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "ratelimit-policy"), "\"free\";q=5;w=30");
+    // Nothing is known of the caller: its whole quota.
+    assert_eq!(header(&response, "ratelimit"), "\"free\";r=5;t=0");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_by_peer_address_are_limited_on_the_default_plan() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    // A plan of this test's own: every test here calls from 127.0.0.1.
+    let plan_name = format!("anon{:08x}", rand::random::<u32>());
+    config.plans = Some([(plan_name.clone(), plan(3, 30))].into());
+    config.default_plan = Some(plan_name.clone());
+    config.caller = CallerFile {
+        source: Some("peer-ip".into()),
+        ..CallerFile::default()
+    };
+    let app = spawn_app(config).await;
+    for expected in [200, 200, 200, 429] {
+        // No key at all: the address is the caller.
+        let response = app.get("/greeting", None).await;
+        assert_eq!(response.status(), expected);
+        let policy = format!("\"{plan_name}\";q=3;w=30");
+        assert_eq!(header(&response, "ratelimit-policy"), policy);
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
+    use ledger_limiter::ledger::model::UserAccount;
+    use ledger_limiter::ledger::{HoldReply, Ledger, LedgerSettings};
+    use ledger_limiter::ledger::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
+    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+
+    let ledger = Ledger::connect(&LedgerSettings {
+        cluster_id: 0,
+        addresses: vec![shared_ledger().address],
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: NonZeroUsize::new(8192).unwrap(),
+    })
+    .unwrap();
+    let capacity = NonZeroU64::new(10_000).unwrap();
+    let key = fresh_key("listing_");
+    let account = UserAccount {
+        id: model::user_account_id(1, "listing", capacity, key.as_bytes()),
+        capacity,
+        window_seconds: NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = || Instant::now() + Duration::from_secs(20);
+    ledger.provision(&account, deadline()).await.unwrap();
+    let readable = TRANSFERS_PAGES_MAX * TRANSFERS_PAGE_LIMIT as usize;
+    let holds = readable + 10;
+    for chunk in (0..holds).collect::<Vec<_>>().chunks(1024) {
+        let placed = join_all(
+            chunk
+                .iter()
+                .map(|_| ledger.hold(account.id, 1, 60, deadline(), false)),
+        )
+        .await;
+        assert!(placed
+            .iter()
+            .all(|p| matches!(p, Ok(HoldReply::Held { .. }))));
+    }
+    let view = ledger
+        .account_view(account.id, 60, deadline())
+        .await
+        .unwrap()
+        .expect("the account exists");
+    assert!(
+        !view.complete,
+        "{holds} holds cannot be listed in {readable}"
+    );
+    assert_eq!(view.holds.len(), readable);
+    assert_eq!(view.credit, capacity.get());
+    assert_eq!(view.available, capacity.get() - holds as u64);
 }

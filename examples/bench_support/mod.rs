@@ -1,36 +1,20 @@
 //! Shared by the comparison servers of `scripts/bench` (`bench_governor`, `bench_redis`): the
 //! command line, and the plans read from the same TOML file the bench passes to `ledger-limiter`,
-//! so every limiter enforces the same quotas on the same keys.
-//!
-//! Only the keys the benchmark uses are read: `default_plan`, `[plans.NAME]` (`capacity`,
-//! `window_seconds`) and `[key_prefixes]` (longest prefix wins, as in ledger-limiter). Everything
-//! else in the file (ledger addresses, ...) is ignored.
+//! through the library's own configuration and plan rules, so every limiter enforces the same
+//! quotas on the same keys.
 
 #![allow(dead_code)] // each example uses a different part of this module
 
-use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
+use ledger_limiter::config::{FileConfig, Settings};
+use ledger_limiter::limiter::plan::PlanBook;
 
 /// The header that names the caller, as in the bench configuration of ledger-limiter.
 pub const KEY_HEADER: &str = "x-api-key";
-
-#[derive(Debug, Deserialize)]
-struct PlanFile {
-    capacity: u64,
-    window_seconds: u32,
-}
-
-#[derive(Debug, Deserialize)]
-struct BenchFile {
-    default_plan: String,
-    plans: BTreeMap<String, PlanFile>,
-    #[serde(default)]
-    key_prefixes: BTreeMap<String, String>,
-}
 
 /// A quota: `capacity` requests per `window`.
 #[derive(Debug, Clone)]
@@ -44,53 +28,38 @@ pub struct BenchPlan {
 #[derive(Debug, Clone)]
 pub struct BenchPlans {
     pub plans: Vec<BenchPlan>,
-    default_plan: usize,
-    /// Longest first.
-    prefixes: Vec<(String, usize)>,
+    book: Arc<PlanBook>,
 }
 
 impl BenchPlans {
+    /// Reads and validates the file exactly as `ledger-limiter --config FILE` does.
     pub fn load(path: &std::path::Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let file: BenchFile =
-            toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let plans: Vec<BenchPlan> = file
+        let settings = FileConfig::load(path)
+            .and_then(Settings::with_overrides)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let plans = settings
             .plans
+            .plans()
             .iter()
-            .map(|(name, p)| BenchPlan {
-                name: name.clone(),
-                capacity: p.capacity,
-                window: Duration::from_secs(p.window_seconds.into()),
+            .map(|plan| BenchPlan {
+                name: plan.name().to_owned(),
+                capacity: plan.capacity().get(),
+                window: Duration::from_secs(plan.window_seconds().get().into()),
             })
             .collect();
-        let index = |name: &str| {
-            plans
-                .iter()
-                .position(|p| p.name == name)
-                .ok_or_else(|| format!("plan {name:?} is not defined"))
-        };
-        let default_plan = index(&file.default_plan)?;
-        let mut prefixes = file
-            .key_prefixes
-            .iter()
-            .map(|(prefix, plan)| Ok((prefix.clone(), index(plan)?)))
-            .collect::<Result<Vec<_>, String>>()?;
-        prefixes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         Ok(BenchPlans {
             plans,
-            default_plan,
-            prefixes,
+            book: settings.plans,
         })
     }
 
-    /// The index (into `plans`) of the plan for `key`.
+    /// The index (into `plans`) of the plan for `key`: the library's rule (listed keys, longest
+    /// prefix, default plan; an unknown key that would be refused counts on the default plan).
     pub fn plan_for_key(&self, key: &str) -> usize {
-        self.prefixes
-            .iter()
-            .find(|(prefix, _)| key.starts_with(prefix.as_str()))
-            .map(|(_, plan)| *plan)
-            .unwrap_or(self.default_plan)
+        self.book
+            .plan_for_key(key)
+            .unwrap_or(self.book.default_plan())
+            .index()
     }
 }
 

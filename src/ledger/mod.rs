@@ -6,11 +6,14 @@
 //! task that owns its in-flight permit until the ledger answers, so a dead ledger fills the bound
 //! and further calls fail fast instead of piling up inside the client.
 
+pub mod embedded;
+pub mod metrics;
 pub mod model;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -20,14 +23,14 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::{oneshot, Semaphore};
 use tracing::Instrument;
 
-use crate::metrics::{CallOutcome, LedgerErrorKind, LedgerMetrics, Operation};
-use crate::plan::Plan;
+use metrics::{CallStatus, LedgerErrorKind, LedgerMetrics, Operation};
+use model::UserAccount;
 
 /// TigerBeetle answers at most this many transfers per `get_account_transfers` page in
 /// `--development` mode (32 KiB messages); production allows more, but pages this size work in both.
-const TRANSFERS_PAGE_LIMIT: u32 = 254;
+pub const TRANSFERS_PAGE_LIMIT: u32 = 254;
 /// How many pages of holds [`Ledger::account_view`] reads before giving up on precision.
-const TRANSFERS_PAGES_MAX: usize = 16;
+pub const TRANSFERS_PAGES_MAX: usize = 16;
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum LedgerError {
@@ -45,6 +48,41 @@ pub enum LedgerError {
         operation: Operation,
         message: String,
     },
+}
+
+/// A child of the request's span. Outside one (an untraced request, a readiness probe) no span at
+/// all: a probe's call must not become a trace of its own.
+fn call_span(operation: Operation) -> tracing::Span {
+    if tracing::Span::current().is_disabled() {
+        return tracing::Span::none();
+    }
+    tracing::info_span!(
+        "ledger",
+        otel.name = operation.as_str(),
+        otel.kind = "client",
+        db.system.name = "tigerbeetle",
+        db.operation.name = operation.as_str(),
+        ledger.outcome = tracing::field::Empty,
+    )
+}
+
+/// A pending debit that the ledger has not released yet.
+fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<Hold> {
+    let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
+    let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
+    (pending && transfer.timeout() > 0 && expires_at > now).then(|| Hold {
+        amount: u64::try_from(transfer.amount()).unwrap_or(u64::MAX),
+        expires_at,
+    })
+}
+
+/// The client reported a failed call without naming the failed event: never seen, but an answer
+/// from outside, so an error rather than an index that could panic.
+fn no_event_error(operation: Operation) -> LedgerError {
+    LedgerError::Unexpected {
+        operation,
+        message: "an error without a failed event".to_owned(),
+    }
 }
 
 fn client_error(operation: Operation, error: impl std::fmt::Display) -> LedgerError {
@@ -67,7 +105,7 @@ impl LedgerError {
 
 /// The ledger's answer to a hold (a pending debit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HoldOutcome {
+pub enum HoldReply {
     /// Credit is held. `answered_at` is when the ledger's reply arrived: the transfer's timestamp is
     /// no later than that, so `answered_at + timeout` is a safe upper bound for its expiry.
     Held { answered_at: Instant },
@@ -114,6 +152,9 @@ pub struct Ledger {
     in_flight_max: usize,
     ledger_id: u32,
     metrics: Arc<LedgerMetrics>,
+    /// Every call started, refused ones included: lets an operator (and a test) see that a request
+    /// cost no ledger call at all.
+    calls_started: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -126,13 +167,19 @@ impl std::fmt::Debug for Ledger {
 }
 
 #[derive(Debug, Error)]
-#[error("cannot create the TigerBeetle client: {0}")]
-pub struct ConnectError(String);
+pub enum ConnectError {
+    #[error("no TigerBeetle replica address given")]
+    NoAddresses,
+    #[error("cannot create the TigerBeetle client: {0}")]
+    Client(String),
+}
 
 impl Ledger {
     /// Creates the client. It connects lazily: a ledger that is down shows up as call timeouts.
     pub fn connect(settings: &LedgerSettings) -> Result<Self, ConnectError> {
-        assert!(!settings.addresses.is_empty());
+        if settings.addresses.is_empty() {
+            return Err(ConnectError::NoAddresses);
+        }
         let addresses = settings
             .addresses
             .iter()
@@ -140,14 +187,20 @@ impl Ledger {
             .collect::<Vec<_>>()
             .join(",");
         let client = tb::Client::new(settings.cluster_id, addresses)
-            .map_err(|e| ConnectError(e.to_string()))?;
+            .map_err(|e| ConnectError::Client(e.to_string()))?;
         Ok(Ledger {
             client: Arc::new(client),
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
             ledger_id: settings.ledger_id,
             metrics: Arc::new(LedgerMetrics::register()),
+            calls_started: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// How many calls this handle (and its clones) started, refused ones included.
+    pub fn calls_started(&self) -> u64 {
+        self.calls_started.load(Ordering::Relaxed)
     }
 
     pub fn ledger_id(&self) -> u32 {
@@ -170,13 +223,13 @@ impl Ledger {
         timeout_seconds: u32,
         deadline: Instant,
         void_if_abandoned: bool,
-    ) -> Result<HoldOutcome, LedgerError> {
+    ) -> Result<HoldReply, LedgerError> {
         let transfer = model::hold_transfer(account_id, self.ledger_id, amount, timeout_seconds);
         let transfer_id = transfer.id();
         let ledger_id = self.ledger_id;
         let on_abandoned =
-            move |client: Arc<tb::Client>, outcome: &Result<HoldOutcome, LedgerError>| {
-                if void_if_abandoned && matches!(outcome, Ok(HoldOutcome::Held { .. })) {
+            move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
+                if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
                     let void = tb::Transfer::new(tb::id())
                         .with_pending_id(transfer_id)
                         .with_ledger(ledger_id)
@@ -195,17 +248,19 @@ impl Ledger {
             deadline,
             move |client| async move {
                 match client.create_transfers(vec![transfer]).await {
-                    Ok(()) => Ok(HoldOutcome::Held {
+                    Ok(()) => Ok(HoldReply::Held {
                         answered_at: Instant::now(),
                     }),
                     Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        let error = errors.as_slice()[0];
+                        let Some(error) = errors.as_slice().first() else {
+                            return Err(no_event_error(Operation::CreateTransfers));
+                        };
                         match error.kind() {
                             CreateTransferErrorKind::ExceedsCredits => {
-                                Ok(HoldOutcome::ExceedsCredits)
+                                Ok(HoldReply::ExceedsCredits)
                             }
                             CreateTransferErrorKind::DebitAccountNotFound => {
-                                Ok(HoldOutcome::AccountNotFound)
+                                Ok(HoldReply::AccountNotFound)
                             }
                             kind => Err(LedgerError::Unexpected {
                                 operation: Operation::CreateTransfers,
@@ -227,13 +282,12 @@ impl Ledger {
     /// answer `id_already_failed` forever.
     pub async fn provision(
         &self,
-        account_id: u128,
-        plan: &Plan,
+        account: &UserAccount,
         deadline: Instant,
     ) -> Result<(), LedgerError> {
         let accounts = vec![
             model::operator_account(self.ledger_id),
-            model::user_account(account_id, self.ledger_id, plan),
+            model::user_account(account, self.ledger_id),
         ];
         self.call(
             Operation::CreateAccounts,
@@ -262,7 +316,7 @@ impl Ledger {
         )
         .await?;
 
-        let grant = model::grant_transfer(account_id, self.ledger_id, plan);
+        let grant = model::grant_transfer(account, self.ledger_id);
         self.call(
             Operation::CreateTransfers,
             deadline,
@@ -270,7 +324,10 @@ impl Ledger {
                 match client.create_transfers(vec![grant]).await {
                     Ok(()) => Ok(()),
                     Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        match errors.as_slice()[0].kind() {
+                        let Some(error) = errors.as_slice().first() else {
+                            return Err(no_event_error(Operation::CreateTransfers));
+                        };
+                        match error.kind() {
                             CreateTransferErrorKind::Exists => Ok(()),
                             kind => Err(LedgerError::Unexpected {
                                 operation: Operation::CreateTransfers,
@@ -314,9 +371,25 @@ impl Ledger {
             .credits_posted()
             .saturating_sub(account.debits_posted());
         let available = credit.saturating_sub(account.debits_pending());
-        let credit = u64::try_from(credit).unwrap_or(u64::MAX);
-        let available = u64::try_from(available).unwrap_or(u64::MAX);
+        let (holds, complete) = self
+            .live_holds(account_id, window_seconds_max, deadline)
+            .await?;
+        Ok(Some(AccountView {
+            credit: u64::try_from(credit).unwrap_or(u64::MAX),
+            available: u64::try_from(available).unwrap_or(u64::MAX),
+            holds,
+            complete,
+        }))
+    }
 
+    /// The account's live holds, earliest expiry first, read in at most [`TRANSFERS_PAGES_MAX`]
+    /// pages; `false` when there were more than that.
+    async fn live_holds(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<(Vec<Hold>, bool), LedgerError> {
         // Every live hold was created within the longest window (plus clock slack) of now.
         let now = SystemTime::now();
         let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
@@ -339,17 +412,7 @@ impl Ledger {
                     None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
                 )
                 .await?;
-            for transfer in &page {
-                let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
-                let expires_at =
-                    transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
-                if pending && transfer.timeout() > 0 && expires_at > now {
-                    holds.push(Hold {
-                        amount: u64::try_from(transfer.amount()).unwrap_or(u64::MAX),
-                        expires_at,
-                    });
-                }
-            }
+            holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
                     timestamp_min = last.timestamp() + Duration::from_nanos(1);
@@ -361,12 +424,7 @@ impl Ledger {
             }
         }
         holds.sort_by_key(|h| h.expires_at);
-        Ok(Some(AccountView {
-            credit,
-            available,
-            holds,
-            complete,
-        }))
+        Ok((holds, complete))
     }
 
     /// One cheap read, to tell whether the ledger answers (for `/readyz`).
@@ -402,6 +460,7 @@ impl Ledger {
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
         A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
     {
+        self.calls_started.fetch_add(1, Ordering::Relaxed);
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
             let error = LedgerError::Overloaded {
                 in_flight_max: self.in_flight_max,
@@ -409,14 +468,7 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         };
-        let span = tracing::info_span!(
-            "ledger",
-            otel.name = operation.as_str(),
-            otel.kind = "client",
-            db.system.name = "tigerbeetle",
-            db.operation.name = operation.as_str(),
-            ledger.outcome = tracing::field::Empty,
-        );
+        let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
         let client = self.client.clone();
         let metrics = self.metrics.clone();
@@ -426,14 +478,14 @@ impl Ledger {
             async move {
                 metrics.in_flight_add(1.0);
                 let result = future.await;
-                let outcome = if result.is_ok() {
-                    CallOutcome::Ok
+                let status = if result.is_ok() {
+                    CallStatus::Ok
                 } else {
-                    CallOutcome::Error
+                    CallStatus::Error
                 };
-                metrics.record_call(operation, outcome, started.elapsed().as_secs_f64());
+                metrics.record_call(operation, status, started.elapsed().as_secs_f64());
                 metrics.in_flight_add(-1.0);
-                tracing::Span::current().record("ledger.outcome", outcome.as_str());
+                tracing::Span::current().record("ledger.outcome", status.as_str());
                 drop(permit);
                 if let Err(result) = sender.send(result) {
                     if let Some(on_abandoned) = on_abandoned {

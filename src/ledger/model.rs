@@ -11,11 +11,10 @@
 //! user account ids and grant ids have the top bit set (never 0, never an operator id, and
 //! `u128::MAX` is mapped away), request transfer ids are TigerBeetle time-based ids.
 
+use std::num::{NonZeroU32, NonZeroU64};
+
 use sha2::{Digest, Sha256};
 use tigerbeetle_unofficial as tb;
-
-use crate::caller::CallerKey;
-use crate::plan::Plan;
 
 /// The ledger that counts request credit. Later limits (per day, per token...) get their own.
 pub const LEDGER_REQUEST_RATE: u32 = 1;
@@ -51,16 +50,27 @@ fn derive_id(domain: &str, parts: &[&[u8]]) -> u128 {
     id
 }
 
+/// What the ledger needs to open and credit one user account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UserAccount {
+    pub id: u128,
+    /// The grant: credit when nothing is held.
+    pub capacity: NonZeroU64,
+    /// How long each hold lasts; recorded on the account for auditing.
+    pub window_seconds: NonZeroU32,
+}
+
 /// The user account for a caller on a plan. The plan's name and capacity are part of the identity,
-/// so a caller moved to another plan starts on a fresh account with that plan's grant.
-pub fn user_account_id(ledger: u32, plan: &Plan, key: &CallerKey) -> u128 {
+/// so a caller moved to another plan starts on a fresh account with that plan's grant. `key` is
+/// the caller's secret: it goes into the hash and nowhere else.
+pub fn user_account_id(ledger: u32, plan_name: &str, capacity: NonZeroU64, key: &[u8]) -> u128 {
     derive_id(
         "ledger-limiter/v1/account",
         &[
             &ledger.to_le_bytes(),
-            plan.name().as_bytes(),
-            &plan.capacity().get().to_le_bytes(),
-            key.expose_secret().as_bytes(),
+            plan_name.as_bytes(),
+            &capacity.get().to_le_bytes(),
+            key,
         ],
     )
 }
@@ -75,18 +85,18 @@ pub fn operator_account(ledger: u32) -> tb::Account {
     tb::Account::new(OPERATOR_ACCOUNT_ID, ledger, ACCOUNT_CODE_OPERATOR)
 }
 
-pub fn user_account(id: u128, ledger: u32, plan: &Plan) -> tb::Account {
-    tb::Account::new(id, ledger, ACCOUNT_CODE_USER)
+pub fn user_account(account: &UserAccount, ledger: u32) -> tb::Account {
+    tb::Account::new(account.id, ledger, ACCOUNT_CODE_USER)
         .with_flags(tb::account::Flags::DEBITS_MUST_NOT_EXCEED_CREDITS)
-        .with_user_data_64(plan.capacity().get())
-        .with_user_data_32(plan.window_seconds().get())
+        .with_user_data_64(account.capacity.get())
+        .with_user_data_32(account.window_seconds.get())
 }
 
-pub fn grant_transfer(user_account_id: u128, ledger: u32, plan: &Plan) -> tb::Transfer {
-    tb::Transfer::new(grant_transfer_id(user_account_id))
+pub fn grant_transfer(account: &UserAccount, ledger: u32) -> tb::Transfer {
+    tb::Transfer::new(grant_transfer_id(account.id))
         .with_debit_account_id(OPERATOR_ACCOUNT_ID)
-        .with_credit_account_id(user_account_id)
-        .with_amount(plan.capacity().get().into())
+        .with_credit_account_id(account.id)
+        .with_amount(account.capacity.get().into())
         .with_ledger(ledger)
         .with_code(TRANSFER_CODE_GRANT)
 }
@@ -112,28 +122,27 @@ pub fn hold_transfer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::test_plan as plan;
     use proptest::prelude::*;
 
-    fn key(k: &str) -> CallerKey {
-        CallerKey::from_header_value("x-api-key", k.as_bytes(), 128).unwrap()
+    fn id(ledger: u32, plan: &str, capacity: u64, key: &str) -> u128 {
+        user_account_id(
+            ledger,
+            plan,
+            NonZeroU64::new(capacity).unwrap(),
+            key.as_bytes(),
+        )
     }
 
     #[test]
     fn ids_are_deterministic_and_distinct() {
-        let free = plan("free", 5);
-        let a = user_account_id(LEDGER_REQUEST_RATE, &free, &key("a"));
-        assert_eq!(a, user_account_id(LEDGER_REQUEST_RATE, &free, &key("a")));
-        assert_ne!(a, user_account_id(LEDGER_REQUEST_RATE, &free, &key("b")));
-        assert_ne!(
-            a,
-            user_account_id(LEDGER_REQUEST_RATE, &plan("pro", 5), &key("a"))
-        );
-        assert_ne!(
-            a,
-            user_account_id(LEDGER_REQUEST_RATE, &plan("free", 6), &key("a"))
-        );
-        assert_ne!(a, user_account_id(2, &free, &key("a")));
+        let a = id(LEDGER_REQUEST_RATE, "free", 5, "a");
+        assert_eq!(a, id(LEDGER_REQUEST_RATE, "free", 5, "a"));
+        assert_ne!(a, id(LEDGER_REQUEST_RATE, "free", 5, "b"));
+        assert_ne!(a, id(LEDGER_REQUEST_RATE, "pro", 5, "a"));
+        assert_ne!(a, id(LEDGER_REQUEST_RATE, "free", 6, "a"));
+        assert_ne!(a, id(2, "free", 5, "a"));
+        // The length prefix keeps the parts apart.
+        assert_ne!(id(1, "fre", 5, "ea"), id(1, "free", 5, "a"));
         assert_ne!(grant_transfer_id(a), a);
         assert_eq!(grant_transfer_id(a), grant_transfer_id(a));
     }
@@ -141,7 +150,7 @@ mod tests {
     proptest! {
         #[test]
         fn user_ids_never_collide_with_reserved_ids(k in "[!-~]{1,64}", ledger in any::<u32>()) {
-            let id = user_account_id(ledger, &plan("free", 5), &key(&k));
+            let id = id(ledger, "free", 5, &k);
             prop_assert!(id != 0 && id != u128::MAX && id != OPERATOR_ACCOUNT_ID);
             prop_assert!(id & USER_ID_BIT != 0);
             let grant = grant_transfer_id(id);

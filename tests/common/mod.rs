@@ -9,8 +9,70 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use ledger_limiter::config::{FileConfig, LedgerFile, PlanFile, RoutesFile, Settings};
+use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
 use ledger_limiter::startup::{Application, Exporters};
+
+/// A child process (the binary, Prometheus, ...), killed when dropped: a failing test leaves
+/// nothing running.
+pub struct Guard(pub Option<Child>);
+
+impl Guard {
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+
+    /// Hands the process over (the caller now stops it).
+    pub fn take(&mut self) -> Child {
+        self.0.take().expect("running")
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts the `ledger-limiter` binary as `command` describes (with `--listen 127.0.0.1:0` among
+/// its arguments) and reads its port from its log line.
+pub fn start_binary(mut command: Command) -> (Guard, u16) {
+    let mut child = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    let stderr = child.stderr.take().expect("piped");
+    let mut guard = Guard(Some(child));
+    let mut lines = BufReader::new(stderr).lines();
+    let started = std::time::Instant::now();
+    let port = loop {
+        let Some(Ok(line)) = lines.next() else {
+            let status = guard.take().wait().map(|s| s.to_string());
+            panic!("the binary exited before listening: {status:?}");
+        };
+        if let Some(rest) = line.split("listening on port ").nth(1) {
+            let port = rest.split_whitespace().next().expect("a port");
+            break port.parse::<u16>().expect("a port number");
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no port");
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (guard, port)
+}
+
+/// The binary under test, with a clean environment (PATH and RUST_LOG=info only).
+pub fn binary_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"));
+    command
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "info");
+    command
+}
 
 pub fn tigerbeetle_bin() -> PathBuf {
     let bin = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/tigerbeetle");
@@ -204,6 +266,12 @@ pub async fn spawn_app_without_ledger(config: FileConfig) -> TestApp {
         .await
         .expect("application builds");
     run(application)
+}
+
+/// The ledger account of an API key on the app's plans (as the limiter derives it).
+pub fn account_id(app: &TestApp, key: &str) -> u128 {
+    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).expect("valid key");
+    app.limiter.account_of(&key).expect("the key has a plan")
 }
 
 /// Reads a response's `RateLimit` remaining (`r=`) parameter.

@@ -23,7 +23,6 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
-pub const HTTP_SERVER_REQUEST_DURATION: &str = "http_server_request_duration_seconds";
 
 /// Buckets from OpenTelemetry's HTTP semantic conventions, with finer steps below 5 ms where a
 /// healthy limiter lives.

@@ -11,14 +11,14 @@ use thiserror::Error;
 
 /// Keys longer than this are refused outright: they are bugs or attacks, and we hash every key.
 pub const KEY_LENGTH_MAX_DEFAULT: usize = 128;
+/// No configuration may accept keys longer than this.
+pub const KEY_LENGTH_MAX_LIMIT: usize = 4096;
 
-/// Where the caller's identity comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
-    /// An API key in a request header (`X-Api-Key` by default).
-    Header(actix_web::http::header::HeaderName),
-    /// The peer's IP address (behind a proxy, every caller would share one: use a header then).
-    PeerIp,
+/// The one rule for what a key may be, wherever keys come from (requests, the keys file):
+/// 1..=`length_max` bytes of visible ASCII (0x21..=0x7e), so a key is never blank, never contains
+/// spaces or control characters, and prints the same everywhere.
+pub fn is_valid_key(value: &[u8], length_max: usize) -> bool {
+    !value.is_empty() && value.len() <= length_max && value.iter().all(u8::is_ascii_graphic)
 }
 
 /// Why a request's key was refused. Each maps to a 4xx problem response.
@@ -40,9 +40,21 @@ pub enum KeyError {
     Unknown,
 }
 
+/// How a caller was identified, which decides how its plan is found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// An API key: the keys file, then the prefixes, then the unknown-keys rule pick its plan.
+    ApiKey,
+    /// A network address: always the default plan.
+    Address,
+}
+
 /// A validated caller key. Deliberately not `Display`: it is a secret.
 #[derive(Clone, PartialEq, Eq)]
-pub struct CallerKey(String);
+pub struct CallerKey {
+    secret: String,
+    kind: KeyKind,
+}
 
 impl fmt::Debug for CallerKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -57,40 +69,44 @@ impl CallerKey {
         value: &[u8],
         length_max: usize,
     ) -> Result<Self, KeyError> {
-        if value.is_empty() {
-            return Err(KeyError::Empty {
-                header: header.to_owned(),
+        if !is_valid_key(value, length_max) {
+            let header = header.to_owned();
+            return Err(if value.is_empty() {
+                KeyError::Empty { header }
+            } else if value.len() > length_max {
+                KeyError::TooLong { header, length_max }
+            } else {
+                KeyError::Malformed { header }
             });
         }
-        if value.len() > length_max {
-            return Err(KeyError::TooLong {
-                header: header.to_owned(),
-                length_max,
-            });
-        }
-        if !value.iter().all(|b| (0x21..=0x7e).contains(b)) {
-            return Err(KeyError::Malformed {
-                header: header.to_owned(),
-            });
-        }
-        // Every byte is ASCII, so this cannot fail.
-        let key = String::from_utf8(value.to_vec()).expect("visible ASCII is UTF-8");
-        Ok(CallerKey(key))
+        // Visible ASCII is UTF-8: the lossy conversion never replaces anything here.
+        let secret = String::from_utf8_lossy(value).into_owned();
+        Ok(CallerKey {
+            secret,
+            kind: KeyKind::ApiKey,
+        })
     }
 
     /// A caller identified by address: the key is the canonical text of the IP.
     pub fn from_ip(ip: IpAddr) -> Self {
-        CallerKey(format!("ip:{ip}"))
+        CallerKey {
+            secret: format!("ip:{ip}"),
+            kind: KeyKind::Address,
+        }
+    }
+
+    pub fn kind(&self) -> KeyKind {
+        self.kind
     }
 
     /// The secret itself, for plan lookup and account-id derivation only.
     pub fn expose_secret(&self) -> &str {
-        &self.0
+        &self.secret
     }
 
     /// A short, non-reversible identifier for logs and traces.
     pub fn key_id(&self) -> KeyId {
-        let digest = Sha256::digest(self.0.as_bytes());
+        let digest = Sha256::digest(self.secret.as_bytes());
         let mut id = [0u8; 8];
         id.copy_from_slice(&digest[..8]);
         KeyId(id)
@@ -158,6 +174,7 @@ mod tests {
             length_max in 1usize..32,
         ) {
             let accepted = CallerKey::from_header_value(H, &value, length_max).is_ok();
+            // Spelled out independently of `is_valid_key`: 0x21..=0x7e is visible ASCII.
             let expected = !value.is_empty()
                 && value.len() <= length_max
                 && value.iter().all(|b| (0x21..=0x7e).contains(b));

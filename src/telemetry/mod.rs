@@ -1,15 +1,12 @@
-//! Tracing and OpenTelemetry: one server span per request (with the limiter's outcome), a child
-//! span per ledger call, exported over OTLP in batches when an OTLP endpoint is configured through
-//! the standard `OTEL_*` environment variables.
+//! Tracing and OpenTelemetry: one server span per request (with the limiter's outcome, see
+//! [`span`]), a child span per ledger call, exported over OTLP in batches when an OTLP endpoint is
+//! configured through the standard `OTEL_*` environment variables.
 
-use actix_web::body::MessageBody;
-use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::Error;
+pub mod span;
+
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use thiserror::Error;
-use tracing::Span;
-use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
 use tracing_subscriber::filter::{filter_fn, FilterExt};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -27,28 +24,6 @@ pub fn log_throttle(last: &std::sync::atomic::AtomicU64) -> bool {
         .unwrap_or_default()
         .as_secs();
     last.swap(now, std::sync::atomic::Ordering::Relaxed) != now
-}
-
-/// The server span of every request, with the limiter's fields declared (empty until recorded:
-/// `user.id` is the caller's account id, never the raw key).
-pub struct LimiterRootSpan;
-
-impl RootSpanBuilder for LimiterRootSpan {
-    fn on_request_start(request: &ServiceRequest) -> Span {
-        tracing_actix_web::root_span!(
-            request,
-            user.id = tracing::field::Empty,
-            ratelimit.key_id = tracing::field::Empty,
-            ratelimit.plan = tracing::field::Empty,
-            ratelimit.cost = tracing::field::Empty,
-            ratelimit.decision = tracing::field::Empty,
-            ratelimit.remaining = tracing::field::Empty,
-        )
-    }
-
-    fn on_request_end<B: MessageBody>(span: Span, outcome: &Result<ServiceResponse<B>, Error>) {
-        DefaultRootSpanBuilder::on_request_end(span, outcome);
-    }
 }
 
 #[derive(Debug, Error)]

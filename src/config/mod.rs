@@ -9,22 +9,24 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::http::header::HeaderName;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::caller::{KeySource, KEY_LENGTH_MAX_DEFAULT};
+use crate::http::{RequestRules, RulesError};
+use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
-use crate::middleware::{RateLimitPolicy, RouteCosts};
-use crate::plan::{Plan, PlanBook, UnknownKeys};
+
+mod keys_file;
+
+pub use keys_file::KEYS_FILE_BYTES_MAX;
 
 /// The built-in configuration: the demo the README explains.
-pub const DEFAULT_CONFIG_TOML: &str = include_str!("../config/default.toml");
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
 
 /// Bounds on settings, so a typo cannot ask for something absurd.
 pub const LEDGER_TIMEOUT_MS_MAX: u64 = 60_000;
-pub const KEY_LENGTH_MAX_LIMIT: usize = 4096;
-pub const KEYS_FILE_BYTES_MAX: u64 = 64 * 1024 * 1024;
+pub const EXPIRY_MARGIN_MS_MAX: u64 = 10_000;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("invalid setting `{setting}`: {message}")]
@@ -174,105 +176,62 @@ pub struct Settings {
     pub in_flight_max: NonZeroUsize,
     pub limiter: LimiterSettings,
     pub plans: Arc<PlanBook>,
-    pub policy: Arc<RateLimitPolicy>,
+    pub rules: Arc<RequestRules>,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
     value.ok_or_else(|| invalid(setting, "is required"))
 }
 
+/// `value` must be one of `choices` (setting value, result).
+fn one_of<T: Copy>(value: String, setting: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
+    match choices.iter().find(|(name, _)| *name == value) {
+        Some((_, choice)) => Ok(*choice),
+        None => {
+            let names: Vec<String> = choices.iter().map(|(n, _)| format!("{n:?}")).collect();
+            Err(invalid(
+                setting,
+                format!("{value:?} is neither {}", names.join(" nor ")),
+            ))
+        }
+    }
+}
+
 impl Settings {
-    /// Validates a merged configuration. `base_dir` resolves relative paths in the keys file.
+    /// Validates a merged configuration; the first error names its setting.
     pub fn from_file_config(file: FileConfig) -> Result<Self, ConfigError> {
         let listen = require(file.listen, "listen")?;
         let workers = NonZeroUsize::new(require(file.workers, "workers")?)
             .ok_or_else(|| invalid("workers", "must be at least 1"))?;
-
-        let ledger_file = file.ledger;
-        let addresses = ledger_file.addresses.unwrap_or_default();
-        let ledger = if addresses.is_empty() {
-            LedgerLocation::Embedded {
-                data_dir: require(file.embedded.data_dir, "embedded.data_dir")?,
-                tigerbeetle_bin: require(
-                    file.embedded.tigerbeetle_bin,
-                    "embedded.tigerbeetle_bin",
-                )?,
-                development: file.embedded.development.unwrap_or(true),
-            }
-        } else {
-            for address in &addresses {
-                if address
-                    .rsplit_once(':')
-                    .and_then(|(_, p)| p.parse::<u16>().ok())
-                    .is_none()
-                {
-                    return Err(invalid(
-                        "ledger.addresses",
-                        format!("{address:?} is not host:port"),
-                    ));
-                }
-            }
-            LedgerLocation::Cluster { addresses }
-        };
-        let timeout_ms = require(ledger_file.timeout_ms, "ledger.timeout_ms")?;
-        if timeout_ms == 0 || timeout_ms > LEDGER_TIMEOUT_MS_MAX {
-            return Err(invalid(
-                "ledger.timeout_ms",
-                format!("must be between 1 and {LEDGER_TIMEOUT_MS_MAX}"),
-            ));
-        }
-        let failure_policy =
-            match require(ledger_file.failure_policy, "ledger.failure_policy")?.as_str() {
-                "open" => FailurePolicy::Open,
-                "closed" => FailurePolicy::Closed,
-                other => {
-                    return Err(invalid(
-                        "ledger.failure_policy",
-                        format!("{other:?} is neither \"open\" nor \"closed\""),
-                    ))
-                }
-            };
-        let in_flight_max =
-            NonZeroUsize::new(require(ledger_file.in_flight_max, "ledger.in_flight_max")?)
-                .ok_or_else(|| invalid("ledger.in_flight_max", "must be at least 1"))?;
-        let local_callers_max = require(ledger_file.local_callers_max, "ledger.local_callers_max")?;
-        let expiry_margin_ms = require(ledger_file.expiry_margin_ms, "ledger.expiry_margin_ms")?;
-        if expiry_margin_ms > 10_000 {
-            return Err(invalid("ledger.expiry_margin_ms", "must be at most 10000"));
-        }
-
-        let mut plans = Vec::new();
-        for (name, plan) in require(file.plans, "plans")? {
-            let setting = |field: &str| format!("plans.{name}.{field}");
-            let capacity = NonZeroU64::new(plan.capacity)
-                .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
-            let window = NonZeroU32::new(plan.window_seconds)
-                .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
-            plans.push(
-                Plan::new(&name, capacity, window)
-                    .map_err(|e| invalid(format!("plans.{name}"), e.to_string()))?,
-            );
-        }
-
+        let ledger = ledger_location(file.ledger.addresses.clone(), file.embedded)?;
+        let cluster_id = file.ledger.cluster_id.unwrap_or(0).into();
+        let in_flight_max = file.ledger.in_flight_max;
+        let in_flight_max = NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
+            .ok_or_else(|| invalid("ledger.in_flight_max", "must be at least 1"))?;
+        let limiter = limiter_settings(&file.ledger)?;
         let caller = file.caller;
         let key_length_max = caller.key_length_max.unwrap_or(KEY_LENGTH_MAX_DEFAULT);
-        if key_length_max == 0 || key_length_max > KEY_LENGTH_MAX_LIMIT {
-            return Err(invalid(
-                "caller.key_length_max",
-                format!("must be between 1 and {KEY_LENGTH_MAX_LIMIT}"),
-            ));
+        if !(1..=KEY_LENGTH_MAX_LIMIT).contains(&key_length_max) {
+            // Before the keys file is read with it; the builder checks it again for library users.
+            let error = RulesError::KeyLengthMax;
+            return Err(invalid(error.setting(), error.to_string()));
         }
-        let key_source = match require(caller.source, "caller.source")?.as_str() {
+        let keys = match &caller.keys_file {
+            Some(path) => keys_file::load(path, key_length_max)?,
+            None => Vec::new(),
+        };
+        let plans = plan_book(
+            file.plans,
+            file.default_plan,
+            file.key_prefixes,
+            keys,
+            caller.unknown_keys,
+        )?;
+        let mut rules = match require(caller.source, "caller.source")?.as_str() {
             "header" => {
-                let header = require(caller.header, "caller.header")?;
-                KeySource::Header(HeaderName::try_from(header.as_str()).map_err(|_| {
-                    invalid(
-                        "caller.header",
-                        format!("{header:?} is not a valid header name"),
-                    )
-                })?)
+                RequestRules::builder().key_header(require(caller.header, "caller.header")?)
             }
-            "peer-ip" => KeySource::PeerIp,
+            "peer-ip" => RequestRules::builder().peer_ip(),
             other => {
                 return Err(invalid(
                     "caller.source",
@@ -280,125 +239,124 @@ impl Settings {
                 ))
             }
         };
-        let unknown_keys = match require(caller.unknown_keys, "caller.unknown_keys")?.as_str() {
-            "default-plan" => UnknownKeys::DefaultPlan,
-            "reject" => UnknownKeys::Reject,
-            other => {
-                return Err(invalid(
-                    "caller.unknown_keys",
-                    format!("{other:?} is neither \"default-plan\" nor \"reject\""),
-                ))
-            }
-        };
-        let keys = match &caller.keys_file {
-            Some(path) => load_keys_file(path, key_length_max)?,
-            None => Vec::new(),
-        };
-        let default_plan = require(file.default_plan, "default_plan")?;
-        let prefixes = file.key_prefixes.unwrap_or_default();
-        let book = PlanBook::new(plans, &default_plan, prefixes, keys, unknown_keys)
-            .map_err(|e| invalid("plans", e.to_string()))?;
-
-        let mut costs = Vec::new();
+        rules = rules.key_length_max(key_length_max);
+        for pattern in file.routes.exempt.unwrap_or_default() {
+            rules = rules.exempt(pattern);
+        }
         for (route, cost) in file.routes.costs.unwrap_or_default() {
-            let setting = format!("routes.costs.\"{route}\"");
-            if !route.starts_with('/') {
-                return Err(invalid(setting, "routes must start with /"));
-            }
-            let cost =
-                NonZeroU64::new(cost).ok_or_else(|| invalid(&setting, "must be at least 1"))?;
-            if cost > book.capacity_min() {
-                return Err(invalid(
-                    setting,
-                    format!(
-                        "cost {cost} exceeds the smallest plan capacity ({}): such a request could never be admitted",
-                        book.capacity_min()
-                    ),
-                ));
-            }
-            costs.push((route, cost));
+            rules = rules.cost(route, cost);
         }
-        let exempt_paths = file.routes.exempt.unwrap_or_default();
-        if let Some(bad) = exempt_paths.iter().find(|p| !p.starts_with('/')) {
-            return Err(invalid(
-                "routes.exempt",
-                format!("{bad:?} must start with /"),
-            ));
-        }
-
+        let rules = rules
+            .build(&plans)
+            .map_err(|e| invalid(e.setting(), e.to_string()))?;
         Ok(Settings {
             listen,
             workers,
             ledger,
-            cluster_id: ledger_file.cluster_id.unwrap_or(0).into(),
+            cluster_id,
             in_flight_max,
-            limiter: LimiterSettings {
-                ledger_timeout: Duration::from_millis(timeout_ms),
-                failure_policy,
-                local_callers_max,
-                expiry_margin: Duration::from_millis(expiry_margin_ms),
-            },
-            plans: Arc::new(book),
-            policy: Arc::new(RateLimitPolicy {
-                key_source,
-                key_length_max,
-                exempt_paths,
-                route_costs: RouteCosts::new(costs),
-            }),
+            limiter,
+            plans: Arc::new(plans),
+            rules: Arc::new(rules),
         })
     }
 
     /// The built-in defaults with `overrides` applied.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
-        let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")
-            .expect("the built-in configuration parses");
+        let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
 }
 
-/// A keys file: one `key plan` pair per line; blank lines and `#` comments are skipped.
-fn load_keys_file(
-    path: &Path,
-    key_length_max: usize,
-) -> Result<Vec<(String, String)>, ConfigError> {
-    let setting = "caller.keys_file";
-    let metadata = std::fs::metadata(path)
-        .map_err(|e| invalid(setting, format!("cannot read {}: {e}", path.display())))?;
-    if metadata.len() > KEYS_FILE_BYTES_MAX {
+/// Replica addresses when given, else the embedded ledger.
+fn ledger_location(
+    addresses: Option<Vec<String>>,
+    embedded: EmbeddedFile,
+) -> Result<LedgerLocation, ConfigError> {
+    let addresses = addresses.unwrap_or_default();
+    if addresses.is_empty() {
+        return Ok(LedgerLocation::Embedded {
+            data_dir: require(embedded.data_dir, "embedded.data_dir")?,
+            tigerbeetle_bin: require(embedded.tigerbeetle_bin, "embedded.tigerbeetle_bin")?,
+            development: embedded.development.unwrap_or(true),
+        });
+    }
+    for address in &addresses {
+        let port = address.rsplit_once(':').map(|(_, p)| p.parse::<u16>());
+        if !matches!(port, Some(Ok(_))) {
+            return Err(invalid(
+                "ledger.addresses",
+                format!("{address:?} is not host:port"),
+            ));
+        }
+    }
+    Ok(LedgerLocation::Cluster { addresses })
+}
+
+fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError> {
+    let timeout_ms = require(ledger.timeout_ms, "ledger.timeout_ms")?;
+    if timeout_ms == 0 || timeout_ms > LEDGER_TIMEOUT_MS_MAX {
         return Err(invalid(
-            setting,
-            format!("larger than {KEYS_FILE_BYTES_MAX} bytes"),
+            "ledger.timeout_ms",
+            format!("must be between 1 and {LEDGER_TIMEOUT_MS_MAX}"),
         ));
     }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| invalid(setting, format!("cannot read {}: {e}", path.display())))?;
-    let mut keys = Vec::new();
-    for (index, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let mut fields = line.split_whitespace();
-        let (Some(key), Some(plan), None) = (fields.next(), fields.next(), fields.next()) else {
-            return Err(invalid(
-                setting,
-                format!("{}:{}: expected `<key> <plan>`", path.display(), index + 1),
-            ));
-        };
-        if key.len() > key_length_max || !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-            // Never echo the key: it is a secret.
-            return Err(invalid(
-                setting,
-                format!(
-                    "{}:{}: the key is not 1-{key_length_max} printable ASCII characters",
-                    path.display(),
-                    index + 1
-                ),
-            ));
-        }
-        keys.push((key.to_owned(), plan.to_owned()));
+    let policy = require(ledger.failure_policy.clone(), "ledger.failure_policy")?;
+    let failure_policy = one_of(
+        policy,
+        "ledger.failure_policy",
+        &[
+            ("open", FailurePolicy::Open),
+            ("closed", FailurePolicy::Closed),
+        ],
+    )?;
+    let local_callers_max = require(ledger.local_callers_max, "ledger.local_callers_max")?;
+    let expiry_margin_ms = require(ledger.expiry_margin_ms, "ledger.expiry_margin_ms")?;
+    if expiry_margin_ms > EXPIRY_MARGIN_MS_MAX {
+        return Err(invalid(
+            "ledger.expiry_margin_ms",
+            format!("must be at most {EXPIRY_MARGIN_MS_MAX}"),
+        ));
     }
-    Ok(keys)
+    Ok(LimiterSettings {
+        ledger_timeout: Duration::from_millis(timeout_ms),
+        failure_policy,
+        local_callers_max,
+        expiry_margin: Duration::from_millis(expiry_margin_ms),
+    })
+}
+
+fn plan_book(
+    plans: Option<BTreeMap<String, PlanFile>>,
+    default_plan: Option<String>,
+    prefixes: Option<BTreeMap<String, String>>,
+    keys: Vec<(String, String)>,
+    unknown_keys: Option<String>,
+) -> Result<PlanBook, ConfigError> {
+    let mut list = Vec::new();
+    for (name, plan) in require(plans, "plans")? {
+        let setting = |field: &str| format!("plans.{name}.{field}");
+        let capacity = NonZeroU64::new(plan.capacity)
+            .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
+        let window = NonZeroU32::new(plan.window_seconds)
+            .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
+        list.push(
+            Plan::new(&name, capacity, window)
+                .map_err(|e| invalid(format!("plans.{name}"), e.to_string()))?,
+        );
+    }
+    let unknown_keys = one_of(
+        require(unknown_keys, "caller.unknown_keys")?,
+        "caller.unknown_keys",
+        &[
+            ("default-plan", UnknownKeys::DefaultPlan),
+            ("reject", UnknownKeys::Reject),
+        ],
+    )?;
+    let default_plan = require(default_plan, "default_plan")?;
+    let prefixes = prefixes.unwrap_or_default();
+    PlanBook::new(list, &default_plan, prefixes, keys, unknown_keys)
+        .map_err(|e| invalid("plans", e.to_string()))
 }
 
 /// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only).
@@ -475,7 +433,7 @@ mod tests {
         ))
         .unwrap();
         let pro = s.plans.plan_for_key("k1").unwrap();
-        assert_eq!(s.plans.get(pro).name(), "pro");
+        assert_eq!(s.plans.get(pro).unwrap().name(), "pro");
         assert!(s.plans.plan_for_key("k3").is_none());
         std::fs::write(&path, "secret-key-123 pro extra\n").unwrap();
         let err = with(&format!("[caller]\nkeys_file = {:?}", path)).unwrap_err();

@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+use super::caller::{CallerKey, KeyKind};
+
 /// A named limit: `capacity` units of credit, each held for `window_seconds` after it is spent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -80,7 +82,8 @@ pub enum UnknownKeys {
     Reject,
 }
 
-/// Index of a plan inside its [`PlanBook`].
+/// Index of a plan inside its [`PlanBook`]. Only a book makes them; [`PlanBook::get`] answers
+/// `None` for an index it does not have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PlanId(u16);
 
@@ -102,13 +105,19 @@ pub struct PlanBook {
     /// Prefixes, longest first, so `pro_eu_` wins over `pro_`.
     prefixes: Vec<(String, PlanId)>,
     unknown_keys: UnknownKeys,
+    /// Kept from construction: read on every decision.
+    capacity_min: NonZeroU64,
+    window_seconds_max: NonZeroU32,
 }
 
 impl std::fmt::Debug for PlanBook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PlanBook")
             .field("plans", &self.plans)
-            .field("default_plan", &self.get(self.default_plan).name())
+            .field(
+                "default_plan",
+                &self.plans[self.default_plan.index()].name(),
+            )
             .field("listed_keys", &self.keys.len())
             .field("prefixes", &self.prefixes)
             .field("unknown_keys", &self.unknown_keys)
@@ -152,16 +161,33 @@ impl PlanBook {
         for (key, plan) in keys {
             key_map.insert(key, find(&plan)?);
         }
+        let capacity_min = plans.iter().map(Plan::capacity).min();
+        let window_seconds_max = plans.iter().map(Plan::window_seconds).max();
+        let (Some(capacity_min), Some(window_seconds_max)) = (capacity_min, window_seconds_max)
+        else {
+            return Err(PlanError::Count);
+        };
         Ok(PlanBook {
             plans,
             default_plan,
             keys: key_map,
             prefixes: prefix_list,
             unknown_keys,
+            capacity_min,
+            window_seconds_max,
         })
     }
 
-    /// The plan for a key, or `None` when unknown keys are rejected and this key is unknown.
+    /// The one rule that maps a caller to its plan: callers known by address get the default
+    /// plan; API keys are looked up by [`PlanBook::plan_for_key`].
+    pub fn plan_for(&self, key: &CallerKey) -> Option<PlanId> {
+        match key.kind() {
+            KeyKind::Address => Some(self.default_plan),
+            KeyKind::ApiKey => self.plan_for_key(key.expose_secret()),
+        }
+    }
+
+    /// The plan for an API key, or `None` when unknown keys are rejected and this key is unknown.
     pub fn plan_for_key(&self, key: &str) -> Option<PlanId> {
         if let Some(id) = self.keys.get(key) {
             return Some(*id);
@@ -180,8 +206,8 @@ impl PlanBook {
         self.default_plan
     }
 
-    pub fn get(&self, id: PlanId) -> &Plan {
-        &self.plans[id.0 as usize]
+    pub fn get(&self, id: PlanId) -> Option<&Plan> {
+        self.plans.get(id.index())
     }
 
     pub fn plans(&self) -> &[Plan] {
@@ -190,20 +216,12 @@ impl PlanBook {
 
     /// The smallest capacity of any plan: no route may cost more than this.
     pub fn capacity_min(&self) -> NonZeroU64 {
-        self.plans
-            .iter()
-            .map(Plan::capacity)
-            .min()
-            .expect("at least one plan")
+        self.capacity_min
     }
 
     /// The longest window of any plan: every hold is released within it.
     pub fn window_seconds_max(&self) -> NonZeroU32 {
-        self.plans
-            .iter()
-            .map(Plan::window_seconds)
-            .max()
-            .expect("at least one plan")
+        self.window_seconds_max
     }
 }
 
@@ -240,7 +258,10 @@ mod tests {
     #[test]
     fn keys_then_longest_prefix_then_default() {
         let book = book(UnknownKeys::DefaultPlan);
-        let name = |k: &str| book.get(book.plan_for_key(k).unwrap()).name().to_owned();
+        let name = |k: &str| {
+            let id = book.plan_for_key(k).unwrap();
+            book.get(id).unwrap().name().to_owned()
+        };
         assert_eq!(name("special"), "pro");
         assert_eq!(name("pro_1"), "pro");
         assert_eq!(name("pro_basic_1"), "basic");
@@ -259,6 +280,27 @@ mod tests {
         let book = book(UnknownKeys::Reject);
         assert!(book.plan_for_key("anything").is_none());
         assert!(book.plan_for_key("pro_1").is_some());
+    }
+
+    #[test]
+    fn addresses_get_the_default_plan_and_keys_their_rule() {
+        let book = book(UnknownKeys::Reject);
+        let address = CallerKey::from_ip("10.1.2.3".parse().unwrap());
+        assert_eq!(book.plan_for(&address), Some(book.default_plan()));
+        let listed = CallerKey::from_header_value("h", b"special", 64).unwrap();
+        assert_eq!(book.plan_for(&listed), book.plan_for_key("special"));
+        let unknown = CallerKey::from_header_value("h", b"nobody", 64).unwrap();
+        assert_eq!(book.plan_for(&unknown), None);
+    }
+
+    #[test]
+    fn ids_from_a_larger_book_are_not_found() {
+        let small = PlanBook::new(vec![plan("one", 1)], "one", [], [], UnknownKeys::Reject);
+        let large = book(UnknownKeys::DefaultPlan);
+        let pro = large.plan_for_key("pro_1").unwrap();
+        assert!(small.unwrap().get(pro).is_none());
+        assert_eq!(large.capacity_min().get(), 5);
+        assert_eq!(large.window_seconds_max().get(), 30);
     }
 
     #[test]

@@ -3,8 +3,8 @@
 
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::limiter::plan::{Plan, PlanBook, PlanId};
 use crate::limiter::Quota;
-use crate::plan::{Plan, PlanBook, PlanId};
 
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -25,37 +25,45 @@ pub fn ratelimit_value(plan: &str, quota: &Quota) -> String {
     format!("\"{plan}\";r={};t={}", quota.remaining, quota.reset_seconds)
 }
 
-/// `RateLimit-Policy` never changes for a plan: made once per plan, indexed by [`PlanId`].
+/// `RateLimit-Policy` never changes for a plan: made once per plan of a book, found by
+/// [`PlanId`].
 #[derive(Debug, Clone)]
-pub struct PolicyFields(Vec<HeaderValue>);
+pub struct PolicyHeaders(Vec<(Plan, HeaderValue)>);
 
-impl PolicyFields {
+impl PolicyHeaders {
     pub fn new(plans: &PlanBook) -> Self {
-        PolicyFields(
+        PolicyHeaders(
             plans
                 .plans()
                 .iter()
-                .map(|plan| {
-                    HeaderValue::from_str(&policy_value(plan)).expect("plan names are header-safe")
-                })
+                .map(|plan| (plan.clone(), policy_header(plan)))
                 .collect(),
         )
     }
 
-    pub fn get(&self, plan: PlanId) -> &HeaderValue {
-        &self.0[plan.index()]
+    /// The field for `plan`; made afresh for a plan of another book (a library user mixing
+    /// limiters) rather than showing a wrong one.
+    pub fn get(&self, id: PlanId, plan: &Plan) -> HeaderValue {
+        match self.0.get(id.index()) {
+            Some((known, value)) if known == plan => value.clone(),
+            _ => policy_header(plan),
+        }
     }
+}
+
+fn policy_header(plan: &Plan) -> HeaderValue {
+    HeaderValue::try_from(policy_value(plan)).expect("plan names are header-safe")
 }
 
 /// Adds both fields, and `Retry-After` when given.
 pub fn insert(
     headers: &mut HeaderMap,
     plan: &str,
-    policy: &HeaderValue,
+    policy: HeaderValue,
     quota: &Quota,
     retry_after_seconds: Option<u64>,
 ) {
-    headers.insert(RATELIMIT_POLICY, policy.clone());
+    headers.insert(RATELIMIT_POLICY, policy);
     headers.insert(
         RATELIMIT,
         HeaderValue::try_from(ratelimit_value(plan, quota)).expect("header values are ASCII"),
@@ -77,20 +85,25 @@ mod tests {
             remaining: 3,
             reset_seconds: 27,
         };
-        let free = crate::plan::test_plan("free", 5);
+        let free = crate::limiter::plan::test_plan("free", 5);
         assert_eq!(policy_value(&free), "\"free\";q=5;w=30");
         assert_eq!(ratelimit_value("free", &quota), "\"free\";r=3;t=27");
         let book = PlanBook::new(
-            vec![free],
+            vec![free.clone()],
             "free",
             [],
             [],
-            crate::plan::UnknownKeys::DefaultPlan,
+            crate::limiter::plan::UnknownKeys::DefaultPlan,
         )
         .unwrap();
-        let fields = PolicyFields::new(&book);
-        let policy = fields.get(book.default_plan());
+        let fields = PolicyHeaders::new(&book);
+        let policy = fields.get(book.default_plan(), &free);
         assert_eq!(policy, "\"free\";q=5;w=30");
+        let other = crate::limiter::plan::test_plan("other", 7);
+        assert_eq!(
+            fields.get(book.default_plan(), &other),
+            "\"other\";q=7;w=30"
+        );
         let mut headers = HeaderMap::new();
         insert(&mut headers, "free", policy, &quota, Some(12));
         assert_eq!(headers.get("retry-after").unwrap(), "12");

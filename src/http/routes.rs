@@ -1,6 +1,6 @@
 //! The demo service's handlers.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix_web::{web, HttpResponse, Responder};
 
@@ -21,7 +21,7 @@ pub const READY_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Readiness: the ledger answers within [`READY_TIMEOUT`].
 pub async fn readyz(limiter: web::Data<Limiter>) -> impl Responder {
-    match limiter.ledger().ping(Instant::now() + READY_TIMEOUT).await {
+    match limiter.ready(READY_TIMEOUT).await {
         Ok(()) => HttpResponse::Ok().content_type("text/plain").body("ready"),
         Err(error) => HttpResponse::ServiceUnavailable()
             .content_type("text/plain")

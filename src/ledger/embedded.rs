@@ -1,6 +1,7 @@
-//! Runs a local single-replica TigerBeetle: formats the data file on first run, reuses it after,
-//! restarts the server on the same port if it dies, and stops it on shutdown (TigerBeetle exits
-//! when its stdin closes, so even a crash of this process stops it).
+//! The embedded ledger: a local single-replica TigerBeetle that this process supervises. It formats
+//! the data file on first run, reuses it after, restarts the server on the same port if it dies,
+//! and stops it on shutdown (TigerBeetle exits when its stdin closes, so even a crash of this
+//! process stops it).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,7 +23,7 @@ const RESTART_BACKOFF: Duration = Duration::from_secs(1);
 const RESTARTS_MAX: u32 = 10;
 
 #[derive(Debug, Error)]
-pub enum SupervisorError {
+pub enum EmbeddedError {
     #[error("TigerBeetle server not found at {0}: run `scripts/setup` (it builds one), or set embedded.tigerbeetle_bin / --tigerbeetle-bin, or give ledger addresses")]
     BinaryMissing(PathBuf),
     #[error("cannot create the data directory {path}: {source}")]
@@ -58,11 +59,11 @@ pub struct EmbeddedLedger {
 }
 
 impl EmbeddedLedger {
-    pub async fn start(options: EmbeddedOptions) -> Result<Self, SupervisorError> {
+    pub async fn start(options: EmbeddedOptions) -> Result<Self, EmbeddedError> {
         if !options.bin.is_file() {
-            return Err(SupervisorError::BinaryMissing(options.bin.clone()));
+            return Err(EmbeddedError::BinaryMissing(options.bin.clone()));
         }
-        std::fs::create_dir_all(&options.data_dir).map_err(|source| SupervisorError::DataDir {
+        std::fs::create_dir_all(&options.data_dir).map_err(|source| EmbeddedError::DataDir {
             path: options.data_dir.clone(),
             source,
         })?;
@@ -90,12 +91,15 @@ impl EmbeddedLedger {
 
     /// Closes the server's stdin (it exits cleanly) and waits for it.
     pub async fn stop(self) {
+        // A send fails only when the supervisor already returned (it gave up restarting).
         let _ = self.stop.send(true);
-        let _ = self.task.await;
+        if let Err(error) = self.task.await {
+            tracing::error!(%error, "the embedded TigerBeetle's supervisor panicked");
+        }
     }
 }
 
-async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), SupervisorError> {
+async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), EmbeddedError> {
     // Format into a temporary name, then rename: a format interrupted half-way never leaves a
     // file that a later start would try to use.
     let partial = file.with_extension("tigerbeetle.partial");
@@ -115,16 +119,16 @@ async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), Supervisor
         .stdout(Stdio::null())
         .status()
         .await
-        .map_err(|source| SupervisorError::Spawn {
+        .map_err(|source| EmbeddedError::Spawn {
             bin: options.bin.clone(),
             source,
         })?;
     if !status.success() {
-        return Err(SupervisorError::Format {
+        return Err(EmbeddedError::Format {
             status: status.to_string(),
         });
     }
-    std::fs::rename(&partial, file).map_err(|source| SupervisorError::DataDir {
+    std::fs::rename(&partial, file).map_err(|source| EmbeddedError::DataDir {
         path: file.to_owned(),
         source,
     })
@@ -136,14 +140,13 @@ async fn spawn(
     options: &EmbeddedOptions,
     file: &Path,
     port: Option<u16>,
-) -> Result<(Child, std::io::PipeWriter, u16), SupervisorError> {
+) -> Result<(Child, std::io::PipeWriter, u16), EmbeddedError> {
     // TigerBeetle's watchdog treats any failed read of stdin as "closed", and a pipe made by
     // tokio is non-blocking (reads fail with EAGAIN at once): hand it a blocking pipe of our own.
-    let (stdin_reader, stdin_writer) =
-        std::io::pipe().map_err(|source| SupervisorError::Spawn {
-            bin: options.bin.clone(),
-            source,
-        })?;
+    let (stdin_reader, stdin_writer) = std::io::pipe().map_err(|source| EmbeddedError::Spawn {
+        bin: options.bin.clone(),
+        source,
+    })?;
     let mut command = Command::new(&options.bin);
     command.arg("start").arg(match port {
         None => "--addresses=0".to_owned(),
@@ -161,7 +164,7 @@ async fn spawn(
         // Its own process group: a Ctrl-C meant for us must not kill it before we stop it.
         .process_group(0)
         .spawn()
-        .map_err(|source| SupervisorError::Spawn {
+        .map_err(|source| EmbeddedError::Spawn {
             bin: options.bin.clone(),
             source,
         })?;
@@ -176,32 +179,39 @@ async fn spawn(
     }
     let stdout = child.stdout.take().expect("piped");
     let mut lines = BufReader::new(stdout).lines();
-    if let Some(port) = port {
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        return Ok((child, stdin_writer, port));
-    }
+    let port = match port {
+        Some(port) => port,
+        None => read_port(&mut child, &mut lines).await?,
+    };
+    // Keep draining stdout so the server never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, stdin_writer, port))
+}
+
+/// The port a server started with `--addresses=0` prints as its first line.
+async fn read_port(
+    child: &mut Child,
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) -> Result<u16, EmbeddedError> {
     let first = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
-    let port = match first {
+    match first {
         Ok(Ok(Some(line))) => line.trim().parse::<u16>().map_err(|_| {
-            SupervisorError::NoPort(START_TIMEOUT, format!("unexpected first line {line:?}"))
-        })?,
+            EmbeddedError::NoPort(START_TIMEOUT, format!("unexpected first line {line:?}"))
+        }),
         Ok(Ok(None)) => {
             let status = child
                 .wait()
                 .await
                 .map(|s| s.to_string())
                 .unwrap_or_default();
-            return Err(SupervisorError::NoPort(
+            Err(EmbeddedError::NoPort(
                 START_TIMEOUT,
                 format!("it exited ({status}); run with RUST_LOG=tigerbeetle=debug to see why"),
-            ));
+            ))
         }
-        Ok(Err(e)) => return Err(SupervisorError::NoPort(START_TIMEOUT, e.to_string())),
-        Err(_) => return Err(SupervisorError::NoPort(START_TIMEOUT, "timed out".into())),
-    };
-    // Keep draining stdout so the server never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, stdin_writer, port))
+        Ok(Err(e)) => Err(EmbeddedError::NoPort(START_TIMEOUT, e.to_string())),
+        Err(_) => Err(EmbeddedError::NoPort(START_TIMEOUT, "timed out".into())),
+    }
 }
 
 async fn supervise(

@@ -1,0 +1,80 @@
+//! The keys file: one `<key> <plan>` pair per line; blank lines and `#` comments are skipped.
+//! Errors name the file and line, never the key (it is a secret).
+
+use std::path::Path;
+
+use super::{invalid, ConfigError};
+use crate::limiter::caller::is_valid_key;
+
+/// A larger keys file is refused: it is read whole at start.
+pub const KEYS_FILE_BYTES_MAX: u64 = 64 * 1024 * 1024;
+
+const SETTING: &str = "caller.keys_file";
+
+pub(super) fn load(
+    path: &Path,
+    key_length_max: usize,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    let unreadable =
+        |e: std::io::Error| invalid(SETTING, format!("cannot read {}: {e}", path.display()));
+    let metadata = std::fs::metadata(path).map_err(unreadable)?;
+    if metadata.len() > KEYS_FILE_BYTES_MAX {
+        return Err(invalid(
+            SETTING,
+            format!(
+                "{} is larger than {KEYS_FILE_BYTES_MAX} bytes",
+                path.display()
+            ),
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(unreadable)?;
+    parse(&text, path, key_length_max)
+}
+
+fn parse(
+    text: &str,
+    path: &Path,
+    key_length_max: usize,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut keys = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let at = format!("{}:{}", path.display(), index + 1);
+        let mut fields = line.split_whitespace();
+        let (Some(key), Some(plan), None) = (fields.next(), fields.next(), fields.next()) else {
+            return Err(invalid(SETTING, format!("{at}: expected `<key> <plan>`")));
+        };
+        if !is_valid_key(key.as_bytes(), key_length_max) {
+            return Err(invalid(
+                SETTING,
+                format!("{at}: the key is not 1-{key_length_max} printable ASCII characters"),
+            ));
+        }
+        keys.push((key.to_owned(), plan.to_owned()));
+    }
+    Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_file_and_line_and_never_the_key() {
+        let path = Path::new("keys.txt");
+        let keys = parse("# c\n\nk1 pro\n  k2   basic  \n", path, 8).unwrap();
+        assert_eq!(
+            keys,
+            [("k1".into(), "pro".into()), ("k2".into(), "basic".into())]
+        );
+        let err = parse("ok free\nsecret-key-123 pro extra\n", path, 64).unwrap_err();
+        assert!(err.message.starts_with("keys.txt:2:"), "{}", err.message);
+        assert!(!err.message.contains("secret-key-123"), "{}", err.message);
+        let err = parse("secret-key-123 pro\n", path, 4).unwrap_err();
+        assert!(err.message.starts_with("keys.txt:1:"), "{}", err.message);
+        assert!(!err.message.contains("secret-key-123"), "{}", err.message);
+    }
+}

@@ -1,0 +1,125 @@
+//! The actix-web middleware: every request through a wrapped scope is classified (exempt, rejected
+//! key, or a charge), decided by the [`Limiter`], and either passed on with the rate-limit fields
+//! or answered 429 / 4xx / 503.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use actix_web::{web, App, HttpServer};
+//! use ledger_limiter::http::{RateLimit, RequestRules};
+//! use ledger_limiter::limiter::Limiter;
+//!
+//! # async fn run(limiter: Arc<Limiter>) -> anyhow::Result<()> {
+//! let rules = Arc::new(RequestRules::builder().cost("/reports", 5).build(limiter.plans())?);
+//! HttpServer::new(move || {
+//!     App::new()
+//!         .wrap(RateLimit::new(limiter.clone(), rules.clone()))
+//!         .route("/greeting", web::get().to(|| async { "hello" }))
+//! })
+//! .bind(("127.0.0.1", 8080))?
+//! .run()
+//! .await?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::future::{ready, Ready};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix_web::body::EitherBody;
+use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::Error;
+use futures_util::future::LocalBoxFuture;
+
+use super::headers::PolicyHeaders;
+use super::respond;
+use super::rules::{Classified, RequestRules};
+use crate::limiter::Limiter;
+
+/// What every worker's middleware shares.
+struct Inner {
+    limiter: Arc<Limiter>,
+    rules: Arc<RequestRules>,
+    policies: PolicyHeaders,
+}
+
+/// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`.
+#[derive(Clone)]
+pub struct RateLimit(Arc<Inner>);
+
+impl RateLimit {
+    pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
+        let policies = PolicyHeaders::new(limiter.plans());
+        RateLimit(Arc::new(Inner {
+            limiter,
+            rules,
+            policies,
+        }))
+    }
+}
+
+impl<S, B> Transform<S, ServiceRequest> for RateLimit
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    type Response = ServiceResponse<EitherBody<B>>;
+    type Error = Error;
+    type Transform = RateLimitMiddleware<S>;
+    type InitError = ();
+    type Future = Ready<Result<Self::Transform, Self::InitError>>;
+
+    fn new_transform(&self, service: S) -> Self::Future {
+        ready(Ok(RateLimitMiddleware {
+            service: Rc::new(service),
+            inner: self.0.clone(),
+        }))
+    }
+}
+
+pub struct RateLimitMiddleware<S> {
+    service: Rc<S>,
+    inner: Arc<Inner>,
+}
+
+impl<S, B> Service<ServiceRequest> for RateLimitMiddleware<S>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    type Response = ServiceResponse<EitherBody<B>>;
+    type Error = Error;
+    type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    forward_ready!(service);
+
+    /// Classify → decide → respond.
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        let service = self.service.clone();
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let (key, cost) = match inner.rules.classify(&req) {
+                Classified::Exempt => return Ok(service.call(req).await?.map_into_left_body()),
+                Classified::Rejected(error) => {
+                    inner.limiter.reject_key();
+                    let response = respond::rejected(&error);
+                    return Ok(req.into_response(response).map_into_right_body());
+                }
+                Classified::Charge { key, cost } => (key, cost),
+            };
+            let decision = match inner.limiter.check(&key, cost).await {
+                Ok(decision) => decision,
+                Err(error) => {
+                    let response = respond::rejected(&error);
+                    return Ok(req.into_response(response).map_into_right_body());
+                }
+            };
+            if let Some(response) = respond::refusal(&decision, &inner.policies) {
+                return Ok(req.into_response(response).map_into_right_body());
+            }
+            let mut response = service.call(req).await?;
+            respond::add_fields(response.headers_mut(), &inner.policies, &decision, None);
+            Ok(response.map_into_left_body())
+        })
+    }
+}

@@ -1,0 +1,14 @@
+//! The actix-web adapter: request → [`Classified`](rules::Classified) → the limiter's decision →
+//! response. Everything HTTP lives here (headers, problem bodies, the demo routes, the request
+//! latency histogram with exemplars); the decision itself does not know about HTTP.
+
+pub mod headers;
+pub mod middleware;
+pub mod problem;
+pub mod request_metrics;
+pub mod respond;
+pub mod routes;
+pub mod rules;
+
+pub use middleware::RateLimit;
+pub use rules::{KeySource, RequestRules, RequestRulesBuilder, RulesError};

@@ -1,0 +1,107 @@
+//! The responses the limiter itself makes (problem bodies with their status), and the rate-limit
+//! fields it adds to every response of a limited route.
+
+use actix_web::http::header::HeaderMap;
+use actix_web::HttpResponse;
+
+use super::headers::{self, PolicyHeaders};
+use super::problem::{self, ProblemKind};
+use crate::limiter::caller::KeyError;
+use crate::limiter::{Decision, Outcome};
+
+/// 400/401 for a key that is missing, malformed or unknown.
+pub fn rejected(error: &KeyError) -> HttpResponse {
+    let kind = match error {
+        KeyError::Missing { .. } | KeyError::NoPeerAddress => ProblemKind::MissingKey,
+        KeyError::Unknown => ProblemKind::UnknownKey,
+        KeyError::Empty { .. }
+        | KeyError::TooLong { .. }
+        | KeyError::Malformed { .. }
+        | KeyError::Repeated { .. } => ProblemKind::InvalidKey,
+    };
+    problem::response(kind, &error.to_string())
+}
+
+/// Adds `RateLimit-Policy`, `RateLimit` and, when given, `Retry-After`.
+pub fn add_fields(
+    headers: &mut HeaderMap,
+    policies: &PolicyHeaders,
+    decision: &Decision,
+    retry_after_seconds: Option<u64>,
+) {
+    let plan = &decision.plan;
+    let policy = policies.get(decision.plan_id, plan);
+    headers::insert(
+        headers,
+        plan.name(),
+        policy,
+        &decision.quota,
+        retry_after_seconds,
+    );
+}
+
+/// The answer to a request the limiter refuses: 429 when the caller is out of credit, 503 when
+/// the ledger could not decide and the policy is closed. `None` when the request goes on.
+pub fn refusal(decision: &Decision, policies: &PolicyHeaders) -> Option<HttpResponse> {
+    let (mut response, retry_after_seconds) = match &decision.outcome {
+        Outcome::Admitted | Outcome::FailedOpen(_) => return None,
+        Outcome::Limited {
+            retry_after_seconds,
+            source,
+        } => {
+            // A span event for traces, not a log line: 429s can come by the thousand.
+            tracing::info!(
+                target: crate::telemetry::SPAN_EVENTS_TARGET,
+                retry_after_seconds,
+                source = source.as_str(),
+                "limited"
+            );
+            let detail = format!(
+                "plan {} allows {} units per {} s; retry after {retry_after_seconds} s",
+                decision.plan.name(),
+                decision.quota.limit,
+                decision.quota.window_seconds
+            );
+            let response = problem::response(ProblemKind::RateLimited, &detail);
+            (response, *retry_after_seconds)
+        }
+        Outcome::FailedClosed(error) => {
+            let detail = format!(
+                "the rate limiter could not decide in time ({})",
+                error.kind().as_str()
+            );
+            // Worth retrying soon: the ledger, not the caller's credit, is the problem.
+            (
+                problem::response(ProblemKind::LedgerUnavailable, &detail),
+                1,
+            )
+        }
+    };
+    add_fields(
+        response.headers_mut(),
+        policies,
+        decision,
+        Some(retry_after_seconds),
+    );
+    Some(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_errors_map_to_statuses() {
+        let header = "x-api-key".to_owned();
+        assert_eq!(rejected(&KeyError::Unknown).status(), 401);
+        assert_eq!(rejected(&KeyError::NoPeerAddress).status(), 401);
+        assert_eq!(
+            rejected(&KeyError::Missing {
+                header: header.clone()
+            })
+            .status(),
+            401
+        );
+        assert_eq!(rejected(&KeyError::Repeated { header }).status(), 400);
+    }
+}

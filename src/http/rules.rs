@@ -1,0 +1,378 @@
+//! What the HTTP adapter asks of every request before the limiter sees it: is the path exempt, who
+//! is calling, and what does this route cost. Built only through [`RequestRulesBuilder`], which
+//! makes the same checks the configuration file gets, so a library user cannot bypass them.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+
+use actix_web::dev::ServiceRequest;
+use actix_web::http::header::HeaderName;
+use thiserror::Error;
+
+use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::plan::PlanBook;
+
+/// The header that carries the API key unless configured otherwise.
+pub const KEY_HEADER_DEFAULT: &str = "x-api-key";
+
+/// Where the caller's identity comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// An API key in a request header (`X-Api-Key` by default).
+    Header(HeaderName),
+    /// The peer's IP address (behind a proxy, every caller would share one: use a header then).
+    PeerIp,
+}
+
+/// A request, as the limiter needs to know it.
+#[derive(Debug)]
+pub enum Classified {
+    /// Not rate-limited at all.
+    Exempt,
+    /// No usable key: answered 400/401 before any ledger call.
+    Rejected(KeyError),
+    /// Charge `cost` units to `key`.
+    Charge { key: CallerKey, cost: NonZeroU64 },
+}
+
+/// Exempt paths, the key source and route costs. See [`RequestRules::builder`].
+#[derive(Debug, Clone)]
+pub struct RequestRules {
+    key_source: KeySource,
+    key_length_max: usize,
+    /// Exact paths, or prefixes ending in `*`.
+    exempt_paths: Vec<String>,
+    route_costs: RouteCosts,
+}
+
+impl RequestRules {
+    /// Defaults: the key in `X-Api-Key`, at most 128 bytes, nothing exempt, every route costs 1.
+    pub fn builder() -> RequestRulesBuilder {
+        RequestRulesBuilder::default()
+    }
+
+    /// Exempt, rejected or a charge: no ledger call is needed to tell.
+    pub fn classify(&self, req: &ServiceRequest) -> Classified {
+        let path = req.path();
+        if self.exempt_paths.iter().any(|p| path_matches(p, path)) {
+            return Classified::Exempt;
+        }
+        match self.caller_key(req) {
+            Ok(key) => Classified::Charge {
+                key,
+                cost: self.route_costs.cost(path),
+            },
+            Err(error) => Classified::Rejected(error),
+        }
+    }
+
+    /// Identifies the caller, before any ledger call.
+    pub fn caller_key(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
+        match &self.key_source {
+            KeySource::Header(name) => {
+                let mut values = req.headers().get_all(name);
+                let header = name.as_str();
+                let value = values.next().ok_or_else(|| KeyError::Missing {
+                    header: header.to_owned(),
+                })?;
+                if values.next().is_some() {
+                    return Err(KeyError::Repeated {
+                        header: header.to_owned(),
+                    });
+                }
+                CallerKey::from_header_value(header, value.as_bytes(), self.key_length_max)
+            }
+            KeySource::PeerIp => req
+                .peer_addr()
+                .map(|a| CallerKey::from_ip(a.ip()))
+                .ok_or(KeyError::NoPeerAddress),
+        }
+    }
+
+    pub fn key_source(&self) -> &KeySource {
+        &self.key_source
+    }
+}
+
+fn path_matches(pattern: &str, path: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => path.starts_with(prefix),
+        None => pattern == path,
+    }
+}
+
+/// The cost of a request by path: exact paths first, then the longest matching `prefix*`, then 1.
+#[derive(Debug, Clone, Default)]
+struct RouteCosts {
+    exact: HashMap<String, NonZeroU64>,
+    /// Longest first.
+    prefixes: Vec<(String, NonZeroU64)>,
+}
+
+impl RouteCosts {
+    fn new(costs: impl IntoIterator<Item = (String, NonZeroU64)>) -> Self {
+        let mut exact = HashMap::new();
+        let mut prefixes = Vec::new();
+        for (pattern, cost) in costs {
+            match pattern.strip_suffix('*') {
+                Some(prefix) => prefixes.push((prefix.to_owned(), cost)),
+                None => {
+                    exact.insert(pattern, cost);
+                }
+            }
+        }
+        prefixes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        RouteCosts { exact, prefixes }
+    }
+
+    fn cost(&self, path: &str) -> NonZeroU64 {
+        if let Some(cost) = self.exact.get(path) {
+            return *cost;
+        }
+        self.prefixes
+            .iter()
+            .find(|(prefix, _)| path.starts_with(prefix.as_str()))
+            .map(|(_, cost)| *cost)
+            .unwrap_or(NonZeroU64::MIN)
+    }
+}
+
+/// A rule the builder refused. [`RulesError::setting`] names the configuration setting at fault.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RulesError {
+    #[error("{0:?} is not a valid header name")]
+    KeyHeader(String),
+    #[error("must be between 1 and {KEY_LENGTH_MAX_LIMIT}")]
+    KeyLengthMax,
+    #[error("{0:?} must start with /")]
+    ExemptPath(String),
+    #[error("routes must start with /")]
+    CostRoute(String),
+    #[error("must be at least 1")]
+    CostZero(String),
+    #[error("cost {cost} exceeds the smallest plan capacity ({capacity}): such a request could never be admitted")]
+    CostAboveCapacity {
+        route: String,
+        cost: u64,
+        capacity: u64,
+    },
+}
+
+impl RulesError {
+    /// The configuration setting this rule comes from.
+    pub fn setting(&self) -> String {
+        match self {
+            RulesError::KeyHeader(_) => "caller.header".to_owned(),
+            RulesError::KeyLengthMax => "caller.key_length_max".to_owned(),
+            RulesError::ExemptPath(_) => "routes.exempt".to_owned(),
+            RulesError::CostRoute(route)
+            | RulesError::CostZero(route)
+            | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
+        }
+    }
+}
+
+/// Collects rules; [`RequestRulesBuilder::build`] checks them all against the plans.
+#[derive(Debug, Clone)]
+pub struct RequestRulesBuilder {
+    key_header: Option<String>,
+    key_length_max: usize,
+    exempt_paths: Vec<String>,
+    costs: Vec<(String, u64)>,
+}
+
+impl Default for RequestRulesBuilder {
+    fn default() -> Self {
+        RequestRulesBuilder {
+            key_header: Some(KEY_HEADER_DEFAULT.to_owned()),
+            key_length_max: KEY_LENGTH_MAX_DEFAULT,
+            exempt_paths: Vec::new(),
+            costs: Vec::new(),
+        }
+    }
+}
+
+impl RequestRulesBuilder {
+    /// Callers are named by an API key in this header.
+    pub fn key_header(mut self, name: impl Into<String>) -> Self {
+        self.key_header = Some(name.into());
+        self
+    }
+
+    /// Callers are named by their peer address (all on the default plan).
+    pub fn peer_ip(mut self) -> Self {
+        self.key_header = None;
+        self
+    }
+
+    pub fn key_length_max(mut self, bytes: usize) -> Self {
+        self.key_length_max = bytes;
+        self
+    }
+
+    /// An exact path, or a prefix ending in `*`, that bypasses the limiter.
+    pub fn exempt(mut self, pattern: impl Into<String>) -> Self {
+        self.exempt_paths.push(pattern.into());
+        self
+    }
+
+    /// What a request to `route` (exact, or a prefix ending in `*`) costs; 1 otherwise.
+    pub fn cost(mut self, route: impl Into<String>, cost: u64) -> Self {
+        self.costs.push((route.into(), cost));
+        self
+    }
+
+    pub fn build(self, plans: &PlanBook) -> Result<RequestRules, RulesError> {
+        let key_source = match self.key_header {
+            Some(header) => KeySource::Header(
+                HeaderName::try_from(header.as_str()).map_err(|_| RulesError::KeyHeader(header))?,
+            ),
+            None => KeySource::PeerIp,
+        };
+        if self.key_length_max == 0 || self.key_length_max > KEY_LENGTH_MAX_LIMIT {
+            return Err(RulesError::KeyLengthMax);
+        }
+        if let Some(bad) = self.exempt_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(RulesError::ExemptPath(bad.clone()));
+        }
+        let mut costs = Vec::with_capacity(self.costs.len());
+        for (route, cost) in self.costs {
+            costs.push(checked_cost(route, cost, plans)?);
+        }
+        Ok(RequestRules {
+            key_source,
+            key_length_max: self.key_length_max,
+            exempt_paths: self.exempt_paths,
+            route_costs: RouteCosts::new(costs),
+        })
+    }
+}
+
+/// A route's cost must be positive and affordable on every plan: a request that costs more than a
+/// plan's whole capacity could never be admitted.
+fn checked_cost(
+    route: String,
+    cost: u64,
+    plans: &PlanBook,
+) -> Result<(String, NonZeroU64), RulesError> {
+    if !route.starts_with('/') {
+        return Err(RulesError::CostRoute(route));
+    }
+    let Some(cost) = NonZeroU64::new(cost) else {
+        return Err(RulesError::CostZero(route));
+    };
+    let capacity = plans.capacity_min();
+    if cost > capacity {
+        return Err(RulesError::CostAboveCapacity {
+            route,
+            cost: cost.get(),
+            capacity: capacity.get(),
+        });
+    }
+    Ok((route, cost))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::plan::{test_plan, UnknownKeys};
+    use actix_web::test::TestRequest;
+
+    fn plans() -> PlanBook {
+        PlanBook::new(
+            vec![test_plan("free", 5)],
+            "free",
+            [],
+            [],
+            UnknownKeys::DefaultPlan,
+        )
+        .unwrap()
+    }
+
+    fn rules() -> RequestRules {
+        RequestRules::builder()
+            .exempt("/healthz")
+            .exempt("/metrics*")
+            .cost("/expensive", 5)
+            .cost("/batch/*", 3)
+            .build(&plans())
+            .unwrap()
+    }
+
+    fn cost_of(rules: &RequestRules, path: &str) -> u64 {
+        let req = TestRequest::with_uri(path)
+            .insert_header(("X-Api-Key", "abc"))
+            .to_srv_request();
+        match rules.classify(&req) {
+            Classified::Charge { cost, .. } => cost.get(),
+            other => panic!("{path}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn exempt_paths_and_costs() {
+        let r = rules();
+        let exempt = |path| {
+            let req = TestRequest::with_uri(path).to_srv_request();
+            matches!(r.classify(&req), Classified::Exempt)
+        };
+        assert!(exempt("/healthz"));
+        assert!(exempt("/metrics/exemplars"));
+        assert!(!exempt("/healthz/x"));
+        assert_eq!(cost_of(&r, "/expensive"), 5);
+        assert_eq!(cost_of(&r, "/batch/7"), 3);
+        assert_eq!(cost_of(&r, "/greeting"), 1);
+    }
+
+    #[test]
+    fn caller_key_from_headers() {
+        let r = rules();
+        let req = TestRequest::default().to_srv_request();
+        assert!(matches!(r.caller_key(&req), Err(KeyError::Missing { .. })));
+        let req = TestRequest::default()
+            .insert_header(("X-Api-Key", "abc"))
+            .to_srv_request();
+        assert_eq!(r.caller_key(&req).unwrap().expose_secret(), "abc");
+        let req = TestRequest::default()
+            .append_header(("X-Api-Key", "a"))
+            .append_header(("X-Api-Key", "b"))
+            .to_srv_request();
+        assert!(matches!(r.caller_key(&req), Err(KeyError::Repeated { .. })));
+        let long = "k".repeat(KEY_LENGTH_MAX_DEFAULT + 1);
+        let req = TestRequest::default()
+            .insert_header(("X-Api-Key", long))
+            .to_srv_request();
+        assert!(matches!(r.caller_key(&req), Err(KeyError::TooLong { .. })));
+    }
+
+    #[test]
+    fn caller_key_from_peer() {
+        let r = RequestRules::builder().peer_ip().build(&plans()).unwrap();
+        let req = TestRequest::default()
+            .peer_addr("10.1.2.3:4000".parse().unwrap())
+            .to_srv_request();
+        assert_eq!(r.caller_key(&req).unwrap().expose_secret(), "ip:10.1.2.3");
+        let req = TestRequest::default().to_srv_request();
+        assert_eq!(r.caller_key(&req), Err(KeyError::NoPeerAddress));
+    }
+
+    #[test]
+    fn the_builder_refuses_what_the_config_file_refuses() {
+        let build = |b: RequestRulesBuilder| b.build(&plans()).unwrap_err();
+        let e = build(RequestRules::builder().cost("/greeting", 6));
+        assert_eq!(e.setting(), "routes.costs.\"/greeting\"");
+        assert!(e.to_string().contains("exceeds"), "{e}");
+        let e = build(RequestRules::builder().cost("/greeting", 0));
+        assert_eq!(e, RulesError::CostZero("/greeting".into()));
+        let e = build(RequestRules::builder().cost("greeting", 1));
+        assert_eq!(e, RulesError::CostRoute("greeting".into()));
+        let e = build(RequestRules::builder().key_length_max(0));
+        assert_eq!(e.setting(), "caller.key_length_max");
+        let e = build(RequestRules::builder().key_length_max(KEY_LENGTH_MAX_LIMIT + 1));
+        assert_eq!(e, RulesError::KeyLengthMax);
+        let e = build(RequestRules::builder().exempt("healthz"));
+        assert_eq!(e.setting(), "routes.exempt");
+        let e = build(RequestRules::builder().key_header("bad header"));
+        assert_eq!(e.setting(), "caller.header");
+    }
+}

@@ -1,0 +1,187 @@
+//! The ledger's own metrics: call latency by operation, failures by kind, calls in flight.
+//!
+//! Recorded through the `metrics` facade (the binary exports them with
+//! `metrics-exporter-prometheus`; a library user may install any recorder). Every label is a closed
+//! enum: the label sets are bounded, and no account id ever becomes a label.
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{Counter, Gauge, Histogram};
+
+pub const LEDGER_CALL_DURATION_SECONDS: &str = "ledger_limiter_ledger_call_duration_seconds";
+pub const LEDGER_ERRORS_TOTAL: &str = "ledger_limiter_ledger_errors_total";
+pub const LEDGER_IN_FLIGHT: &str = "ledger_limiter_ledger_in_flight";
+
+/// Buckets for ledger calls: TigerBeetle answers in well under a millisecond when healthy; the
+/// upper buckets catch a slow ledger up to the deadline.
+pub const LEDGER_CALL_BUCKETS_SECONDS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// The TigerBeetle operations the limiter performs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Operation {
+    CreateAccounts,
+    CreateTransfers,
+    LookupAccounts,
+    GetAccountTransfers,
+}
+
+impl Operation {
+    pub const ALL: [Operation; 4] = [
+        Operation::CreateAccounts,
+        Operation::CreateTransfers,
+        Operation::LookupAccounts,
+        Operation::GetAccountTransfers,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::CreateAccounts => "create_accounts",
+            Operation::CreateTransfers => "create_transfers",
+            Operation::LookupAccounts => "lookup_accounts",
+            Operation::GetAccountTransfers => "get_account_transfers",
+        }
+    }
+}
+
+/// How a ledger call ended, from the caller's point of view (the `outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallStatus {
+    /// The ledger answered (including per-event results such as `exceeds_credits`).
+    Ok,
+    /// The client reported a failure for the whole call.
+    Error,
+}
+
+impl CallStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallStatus::Ok => "ok",
+            CallStatus::Error => "error",
+        }
+    }
+}
+
+/// Why a ledger call failed; each one triggers the failure policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LedgerErrorKind {
+    /// No answer within the deadline.
+    Timeout,
+    /// Too many calls already in flight: refused without queueing.
+    Overloaded,
+    /// The client failed the whole request (evicted, shut down, ...).
+    Client,
+    /// The ledger answered with a result the model does not expect (a bug or a foreign account).
+    Unexpected,
+}
+
+impl LedgerErrorKind {
+    pub const ALL: [LedgerErrorKind; 4] = [
+        LedgerErrorKind::Timeout,
+        LedgerErrorKind::Overloaded,
+        LedgerErrorKind::Client,
+        LedgerErrorKind::Unexpected,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LedgerErrorKind::Timeout => "timeout",
+            LedgerErrorKind::Overloaded => "overloaded",
+            LedgerErrorKind::Client => "client",
+            LedgerErrorKind::Unexpected => "unexpected",
+        }
+    }
+}
+
+/// Handles for the ledger's metrics, made once (after the recorder is installed) so that recording
+/// on the hot path neither allocates nor hashes label sets.
+pub struct LedgerMetrics {
+    calls: Vec<Histogram>,
+    errors: Vec<Counter>,
+    in_flight: Gauge,
+}
+
+impl LedgerMetrics {
+    pub fn register() -> Self {
+        describe_histogram!(
+            LEDGER_CALL_DURATION_SECONDS,
+            metrics::Unit::Seconds,
+            "Duration of TigerBeetle calls, by operation and outcome"
+        );
+        describe_counter!(
+            LEDGER_ERRORS_TOTAL,
+            "Ledger calls that failed (each one applies the failure policy), by kind"
+        );
+        describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
+        let calls = Operation::ALL
+            .iter()
+            .flat_map(|operation| {
+                [CallStatus::Ok, CallStatus::Error].map(|status| {
+                    histogram!(
+                        LEDGER_CALL_DURATION_SECONDS,
+                        "operation" => operation.as_str(),
+                        "outcome" => status.as_str()
+                    )
+                })
+            })
+            .collect();
+        let errors = LedgerErrorKind::ALL
+            .iter()
+            .map(|kind| {
+                let counter = counter!(LEDGER_ERRORS_TOTAL, "kind" => kind.as_str());
+                counter.absolute(0);
+                counter
+            })
+            .collect();
+        let in_flight = gauge!(LEDGER_IN_FLIGHT);
+        in_flight.set(0.0);
+        LedgerMetrics {
+            calls,
+            errors,
+            in_flight,
+        }
+    }
+
+    pub fn record_call(&self, operation: Operation, status: CallStatus, seconds: f64) {
+        self.calls[operation as usize * 2 + status as usize].record(seconds);
+    }
+
+    pub fn record_error(&self, kind: LedgerErrorKind) {
+        self.errors[kind as usize].increment(1);
+    }
+
+    pub fn in_flight_add(&self, delta: f64) {
+        self.in_flight.increment(delta);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enum_discriminants_index_their_handles() {
+        for (i, o) in Operation::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+        for (i, k) in LedgerErrorKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i);
+        }
+        assert_eq!(CallStatus::Ok as usize, 0);
+        assert_eq!(CallStatus::Error as usize, 1);
+    }
+
+    #[test]
+    fn label_values_are_prometheus_friendly() {
+        for v in Operation::ALL
+            .iter()
+            .map(|o| o.as_str())
+            .chain(LedgerErrorKind::ALL.iter().map(|k| k.as_str()))
+        {
+            assert!(
+                v.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{v}"
+            );
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! The decision counter, `ledger_limiter_decisions_total{decision, plan, source}`, recorded by the
+//! limiter itself. Every label is a closed enum or a configured plan name: the label sets are
+//! bounded, and no caller key or account id ever becomes a label (those go on spans). Every valid
+//! combination is registered at zero, so dashboards show 0 rather than "no data".
+
+use metrics::{counter, describe_counter, Counter};
+
+use super::plan::{PlanBook, PlanId};
+use super::{DecisionSource, Outcome};
+
+pub const DECISIONS_TOTAL: &str = "ledger_limiter_decisions_total";
+
+/// The `plan` label of decisions made before a plan is known (a rejected key).
+pub const PLAN_NONE: &str = "none";
+
+/// What the limiter decided for one request (the `decision` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DecisionLabel {
+    Admitted,
+    Limited,
+    FailedOpen,
+    FailedClosed,
+    RejectedKey,
+}
+
+impl DecisionLabel {
+    pub const ALL: [DecisionLabel; 5] = [
+        DecisionLabel::Admitted,
+        DecisionLabel::Limited,
+        DecisionLabel::FailedOpen,
+        DecisionLabel::FailedClosed,
+        DecisionLabel::RejectedKey,
+    ];
+
+    pub fn of(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Admitted => DecisionLabel::Admitted,
+            Outcome::Limited { .. } => DecisionLabel::Limited,
+            Outcome::FailedOpen(_) => DecisionLabel::FailedOpen,
+            Outcome::FailedClosed(_) => DecisionLabel::FailedClosed,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionLabel::Admitted => "admitted",
+            DecisionLabel::Limited => "limited",
+            DecisionLabel::FailedOpen => "failed_open",
+            DecisionLabel::FailedClosed => "failed_closed",
+            DecisionLabel::RejectedKey => "rejected_key",
+        }
+    }
+}
+
+/// Where a decision came from (the `source` label): the ledger, this instance's local view, or
+/// neither (a rejected key, a failure policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceLabel {
+    Ledger,
+    LocalView,
+    None,
+}
+
+impl SourceLabel {
+    pub const ALL: [SourceLabel; 3] = [
+        SourceLabel::Ledger,
+        SourceLabel::LocalView,
+        SourceLabel::None,
+    ];
+
+    pub fn of(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Admitted => SourceLabel::Ledger,
+            Outcome::Limited { source, .. } => match source {
+                DecisionSource::Ledger => SourceLabel::Ledger,
+                DecisionSource::LocalView => SourceLabel::LocalView,
+            },
+            Outcome::FailedOpen(_) | Outcome::FailedClosed(_) => SourceLabel::None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceLabel::Ledger => "ledger",
+            SourceLabel::LocalView => "local_view",
+            SourceLabel::None => "none",
+        }
+    }
+}
+
+/// Handles for the decision counter, one per valid (decision, plan, source), made once so that
+/// counting neither allocates nor hashes label sets.
+pub struct DecisionMetrics {
+    /// Indexed by [`DecisionMetrics::index`]; invalid combinations hold no-op counters.
+    counters: Vec<Counter>,
+}
+
+const SOURCES: usize = SourceLabel::ALL.len();
+const DECISIONS: usize = DecisionLabel::ALL.len();
+
+impl DecisionMetrics {
+    /// Install the `metrics` recorder first: the counters bind to it here.
+    pub fn register(plans: &PlanBook) -> Self {
+        describe_counter!(
+            DECISIONS_TOTAL,
+            "Rate-limit decisions, by decision, plan and where the decision came from"
+        );
+        let mut plan_names: Vec<&str> = vec![PLAN_NONE];
+        plan_names.extend(plans.plans().iter().map(|p| p.name()));
+        let mut counters = Vec::with_capacity(plan_names.len() * DECISIONS * SOURCES);
+        for plan in plan_names {
+            for decision in DecisionLabel::ALL {
+                for source in SourceLabel::ALL {
+                    counters.push(if valid_combination(decision, plan, source) {
+                        let counter = counter!(
+                            DECISIONS_TOTAL,
+                            "decision" => decision.as_str(),
+                            "plan" => plan.to_owned(),
+                            "source" => source.as_str()
+                        );
+                        counter.absolute(0);
+                        counter
+                    } else {
+                        Counter::noop()
+                    });
+                }
+            }
+        }
+        DecisionMetrics { counters }
+    }
+
+    fn index(decision: DecisionLabel, plan: Option<PlanId>, source: SourceLabel) -> usize {
+        let plan = plan.map_or(0, |p| p.index() + 1);
+        (plan * DECISIONS + decision as usize) * SOURCES + source as usize
+    }
+
+    /// Counts one decision; `plan` is `None` for a rejected key. A plan this book does not have
+    /// counts nowhere (a library user mixing limiters), rather than panicking.
+    pub fn record(&self, decision: DecisionLabel, plan: Option<PlanId>, source: SourceLabel) {
+        if let Some(counter) = self.counters.get(Self::index(decision, plan, source)) {
+            counter.increment(1);
+        }
+    }
+}
+
+fn valid_combination(decision: DecisionLabel, plan: &str, source: SourceLabel) -> bool {
+    match decision {
+        DecisionLabel::RejectedKey => plan == PLAN_NONE && source == SourceLabel::None,
+        DecisionLabel::Limited => {
+            plan != PLAN_NONE && matches!(source, SourceLabel::Ledger | SourceLabel::LocalView)
+        }
+        DecisionLabel::Admitted => plan != PLAN_NONE && source == SourceLabel::Ledger,
+        DecisionLabel::FailedOpen | DecisionLabel::FailedClosed => {
+            plan != PLAN_NONE && source == SourceLabel::None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enum_discriminants_index_their_handles() {
+        for (i, d) in DecisionLabel::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i);
+        }
+        for (i, s) in SourceLabel::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+    }
+
+    #[test]
+    fn label_values_are_prometheus_friendly_and_unique() {
+        let mut all: Vec<&str> = DecisionLabel::ALL.iter().map(|d| d.as_str()).collect();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), DecisionLabel::ALL.len());
+        for v in DecisionLabel::ALL
+            .iter()
+            .map(|d| d.as_str())
+            .chain(SourceLabel::ALL.iter().map(|s| s.as_str()))
+        {
+            assert!(
+                v.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{v}"
+            );
+        }
+    }
+}

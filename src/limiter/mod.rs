@@ -1,0 +1,449 @@
+//! The decision: admit or limit one request of a caller, exactly, through the ledger.
+//!
+//! "Limited" is a value ([`Outcome::Limited`]), not an error. A ledger that fails or is too slow
+//! yields [`Outcome::FailedOpen`] or [`Outcome::FailedClosed`] according to the configured
+//! [`FailurePolicy`]; a decision never takes longer than the ledger deadline. The limiter counts
+//! its own decisions and records them on the request's span, whichever front end asked.
+
+pub mod caller;
+pub mod local_view;
+pub mod metrics;
+pub mod plan;
+pub mod store;
+
+#[cfg(test)]
+mod tests;
+
+use std::num::NonZeroU64;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::ledger::model::{self, UserAccount};
+use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
+use crate::telemetry::span::fields;
+use caller::{CallerKey, KeyError};
+use local_view::{LocalQuota, LocalView};
+use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
+use plan::{Plan, PlanBook, PlanId};
+use store::{Clock, Store, SystemClock};
+
+/// What to do when the ledger cannot decide in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Admit the request (availability over exactness).
+    Open,
+    /// Refuse it with 503 (exactness over availability).
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+pub struct LimiterSettings {
+    /// The deadline for one whole decision, provisioning included.
+    pub ledger_timeout: Duration,
+    pub failure_policy: FailurePolicy,
+    /// How many callers this instance remembers holds for (headers and local 429s).
+    pub local_callers_max: usize,
+    /// Added to every expiry this instance computes: TigerBeetle releases a hold a little after it
+    /// is due (~5 ms typically, at most ~100 ms).
+    pub expiry_margin: Duration,
+}
+
+/// The quota a response advertises (IETF `RateLimit` / `RateLimit-Policy` fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub limit: u64,
+    pub window_seconds: u32,
+    pub remaining: u64,
+    pub reset_seconds: u64,
+}
+
+/// Who refused a limited request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecisionSource {
+    /// The ledger answered `exceeds_credits`.
+    Ledger,
+    /// This instance's [`LocalView`] knew the caller to be exhausted: no ledger call.
+    LocalView,
+}
+
+impl DecisionSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecisionSource::Ledger => "ledger",
+            DecisionSource::LocalView => "local_view",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted,
+    Limited {
+        /// Whole seconds until enough credit is back for this cost (rounded up, at least 1).
+        retry_after_seconds: u64,
+        source: DecisionSource,
+    },
+    FailedOpen(LedgerError),
+    FailedClosed(LedgerError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub outcome: Outcome,
+    /// The caller's plan, and its place in the limiter's [`PlanBook`].
+    pub plan: Plan,
+    pub plan_id: PlanId,
+    /// The caller's account in the ledger: a non-secret id, safe for traces.
+    pub account_id: u128,
+    pub quota: Quota,
+}
+
+/// One request to decide: who pays, on which account, how much.
+struct Charge {
+    plan_id: PlanId,
+    plan: Plan,
+    account: UserAccount,
+    cost: u64,
+}
+
+/// What a hold came to once a missing account was provisioned.
+enum Placed {
+    Held { answered_at: Instant },
+    ExceedsCredits,
+}
+
+/// Shared by every worker: one ledger client, one local view.
+pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
+    store: S,
+    clock: C,
+    plans: Arc<PlanBook>,
+    settings: LimiterSettings,
+    local: LocalView,
+    decisions: DecisionMetrics,
+}
+
+impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("ledger_id", &self.store.ledger_id())
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+static FAILURE_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
+
+fn whole_seconds_up(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+impl Limiter {
+    /// Install the `metrics` recorder first: the decision counters bind to it here.
+    pub fn new(ledger: Ledger, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
+        Limiter::with_seams(ledger, SystemClock, plans, settings)
+    }
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
+    /// A limiter over any [`Store`] and [`Clock`] (tests script both).
+    pub fn with_seams(store: S, clock: C, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
+        let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
+        let decisions = DecisionMetrics::register(&plans);
+        Limiter {
+            store,
+            clock,
+            plans,
+            settings,
+            local,
+            decisions,
+        }
+    }
+
+    pub fn plans(&self) -> &PlanBook {
+        &self.plans
+    }
+
+    pub fn ledger(&self) -> &S {
+        &self.store
+    }
+
+    /// Whether the ledger answers within `timeout` (readiness).
+    pub async fn ready(&self, timeout: Duration) -> Result<(), LedgerError> {
+        self.store.ping(self.clock.now() + timeout).await
+    }
+
+    /// The ledger account `key` is charged to, if it has a plan (for audits and tooling).
+    pub fn account_of(&self, key: &CallerKey) -> Option<u128> {
+        self.charge(key, NonZeroU64::MIN)
+            .map(|charge| charge.account.id)
+    }
+
+    /// Counts a request refused before any decision because its key was malformed or missing.
+    pub fn reject_key(&self) {
+        self.decisions
+            .record(DecisionLabel::RejectedKey, None, SourceLabel::None);
+        let span = tracing::Span::current();
+        span.record(fields::DECISION, DecisionLabel::RejectedKey.as_str());
+    }
+
+    /// Decides one request of `cost` units for `key`: `Err` (and no ledger call) when the key has
+    /// no plan, a [`Decision`] otherwise, counted and recorded on the current span.
+    pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision, KeyError> {
+        let Some(charge) = self.charge(key, cost) else {
+            self.reject_key();
+            return Err(KeyError::Unknown);
+        };
+        let (outcome, local) = self.decide(&charge).await;
+        let decision = Decision {
+            outcome,
+            quota: Quota {
+                limit: charge.account.capacity.get(),
+                window_seconds: charge.account.window_seconds.get(),
+                remaining: local.remaining,
+                reset_seconds: whole_seconds_up(local.reset_after),
+            },
+            account_id: charge.account.id,
+            plan_id: charge.plan_id,
+            plan: charge.plan,
+        };
+        self.record(&decision, key, cost);
+        Ok(decision)
+    }
+
+    fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge> {
+        let plan_id = self.plans.plan_for(key)?;
+        let plan = self.plans.get(plan_id)?.clone();
+        let id = model::user_account_id(
+            self.store.ledger_id(),
+            plan.name(),
+            plan.capacity(),
+            key.expose_secret().as_bytes(),
+        );
+        Some(Charge {
+            plan_id,
+            account: UserAccount {
+                id,
+                capacity: plan.capacity(),
+                window_seconds: plan.window_seconds(),
+            },
+            plan,
+            cost: cost.get(),
+        })
+    }
+
+    /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
+    /// between one more hold and a 429.
+    async fn decide(&self, charge: &Charge) -> (Outcome, LocalQuota) {
+        let started = self.clock.now();
+        if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
+            return (
+                limited(limit.retry_after, DecisionSource::LocalView),
+                limit.quota,
+            );
+        }
+        let deadline = started + self.settings.ledger_timeout;
+        let mut provisioned = false;
+        match self.place(charge, deadline, &mut provisioned).await {
+            Ok(Placed::Held { answered_at }) => return self.admitted(charge, answered_at),
+            Ok(Placed::ExceedsCredits) => {}
+            Err(error) => return self.fail(error, charge),
+        }
+        let view = self.view(charge, deadline).await;
+        match second_chance(&view, charge.cost) {
+            None => return self.limited_by_ledger(charge, view),
+            Some(SecondChance::FinishProvisioning) => {
+                if let Err(error) = self.store.provision(&charge.account, deadline).await {
+                    return self.fail(error, charge);
+                }
+            }
+            Some(SecondChance::CreditIsBack) => {}
+        }
+        match self.place(charge, deadline, &mut provisioned).await {
+            Ok(Placed::Held { answered_at }) => self.admitted(charge, answered_at),
+            Ok(Placed::ExceedsCredits) => {
+                let view = self.view(charge, deadline).await;
+                self.limited_by_ledger(charge, view)
+            }
+            Err(error) => self.fail(error, charge),
+        }
+    }
+
+    /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
+    /// and held again.
+    async fn place(
+        &self,
+        charge: &Charge,
+        deadline: Instant,
+        provisioned: &mut bool,
+    ) -> Result<Placed, LedgerError> {
+        loop {
+            let reply = self
+                .store
+                .hold(
+                    charge.account.id,
+                    charge.cost,
+                    charge.account.window_seconds.get(),
+                    deadline,
+                    self.settings.failure_policy == FailurePolicy::Closed,
+                )
+                .await?;
+            match reply {
+                HoldReply::Held { answered_at } => return Ok(Placed::Held { answered_at }),
+                HoldReply::ExceedsCredits => return Ok(Placed::ExceedsCredits),
+                HoldReply::AccountNotFound if !*provisioned => {
+                    self.store.provision(&charge.account, deadline).await?;
+                    tracing::debug!(account_id = %format_args!("{:032x}", charge.account.id), "provisioned");
+                    *provisioned = true;
+                }
+                HoldReply::AccountNotFound => {
+                    let error = LedgerError::Unexpected {
+                        operation: crate::ledger::metrics::Operation::CreateTransfers,
+                        message: "account not found right after provisioning".to_owned(),
+                    };
+                    self.store.record_error(&error);
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    async fn view(
+        &self,
+        charge: &Charge,
+        deadline: Instant,
+    ) -> Result<Option<AccountView>, LedgerError> {
+        let window_seconds_max = self.plans.window_seconds_max().get();
+        self.store
+            .account_view(charge.account.id, window_seconds_max, deadline)
+            .await
+    }
+
+    fn admitted(&self, charge: &Charge, answered_at: Instant) -> (Outcome, LocalQuota) {
+        let window = Duration::from_secs(charge.account.window_seconds.get().into());
+        let local = self.local.record_hold(
+            charge.account.id,
+            charge.account.capacity.get(),
+            charge.cost,
+            answered_at,
+            window,
+            self.clock.now(),
+        );
+        (Outcome::Admitted, local)
+    }
+
+    fn limited_by_ledger(
+        &self,
+        charge: &Charge,
+        view: Result<Option<AccountView>, LedgerError>,
+    ) -> (Outcome, LocalQuota) {
+        let retry_after = self.retry_after(charge, view);
+        let capacity = charge.account.capacity.get();
+        let local = self
+            .local
+            .quota(charge.account.id, capacity, self.clock.now());
+        let quota = LocalQuota {
+            remaining: 0,
+            ..local
+        };
+        (limited(retry_after, DecisionSource::Ledger), quota)
+    }
+
+    fn fail(&self, error: LedgerError, charge: &Charge) -> (Outcome, LocalQuota) {
+        // On the request's span always; in the log at most once a second (an outage must not
+        // turn into a log flood).
+        tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "ledger could not decide");
+        if crate::telemetry::log_throttle(&FAILURE_LOGGED_SECOND) {
+            tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide; applying the failure policy (logged at most once a second)");
+        }
+        let capacity = charge.account.capacity.get();
+        let local = self
+            .local
+            .quota(charge.account.id, capacity, self.clock.now());
+        let outcome = match self.settings.failure_policy {
+            FailurePolicy::Open => Outcome::FailedOpen(error),
+            FailurePolicy::Closed => Outcome::FailedClosed(error),
+        };
+        (outcome, local)
+    }
+
+    /// When enough credit comes back, from what the ledger said of the account; remembered, so the
+    /// next requests of this exhausted caller are answered locally. If the ledger could not say
+    /// within the deadline, the longest window is a safe answer: every current hold is released by
+    /// then.
+    fn retry_after(
+        &self,
+        charge: &Charge,
+        view: Result<Option<AccountView>, LedgerError>,
+    ) -> Duration {
+        let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        let fallback = window_max + self.settings.expiry_margin;
+        match view {
+            Ok(Some(view)) => {
+                let now = self.clock.now();
+                let id = charge.account.id;
+                self.local
+                    .replace(id, &view, window_max, now, self.clock.wall());
+                match self.local.check(id, charge.cost, now) {
+                    Some(limit) => limit.retry_after,
+                    // Holds expired between the two calls: credit is back already.
+                    None => Duration::ZERO,
+                }
+            }
+            Ok(None) => fallback,
+            Err(error) => {
+                tracing::debug!(%error, "could not read holds; Retry-After falls back to the window");
+                fallback
+            }
+        }
+    }
+
+    /// Counts the decision and records it on the request's span (only when traced: the key id
+    /// costs a hash).
+    fn record(&self, decision: &Decision, key: &CallerKey, cost: NonZeroU64) {
+        let label = DecisionLabel::of(&decision.outcome);
+        let source = SourceLabel::of(&decision.outcome);
+        self.decisions.record(label, Some(decision.plan_id), source);
+        let span = tracing::Span::current();
+        if span.is_disabled() {
+            return;
+        }
+        let account_id = format_args!("{:032x}", decision.account_id);
+        span.record(fields::USER_ID, tracing::field::display(account_id));
+        span.record(fields::KEY_ID, tracing::field::display(key.key_id()));
+        span.record(fields::PLAN, decision.plan.name());
+        span.record(fields::COST, cost.get());
+        span.record(fields::DECISION, label.as_str());
+        span.record(fields::SOURCE, source.as_str());
+        span.record(fields::REMAINING, decision.quota.remaining);
+    }
+}
+
+fn limited(retry_after: Duration, source: DecisionSource) -> Outcome {
+    Outcome::Limited {
+        retry_after_seconds: whole_seconds_up(retry_after).max(1),
+        source,
+    }
+}
+
+/// Why a hold refused with `exceeds_credits` deserves one more try.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SecondChance {
+    /// The account exists but its grant has not landed yet: another request is provisioning this
+    /// new caller right now. Provisioning is idempotent, so finish it here too (then the grant is
+    /// surely committed), and hold again.
+    FinishProvisioning,
+    /// Credit came back (or was granted) between the two calls: the ledger would admit now.
+    CreditIsBack,
+}
+
+fn second_chance(
+    view: &Result<Option<AccountView>, LedgerError>,
+    cost: u64,
+) -> Option<SecondChance> {
+    match view {
+        Ok(Some(v)) if v.credit == 0 => Some(SecondChance::FinishProvisioning),
+        Ok(Some(v)) if v.available >= cost => Some(SecondChance::CreditIsBack),
+        _ => None,
+    }
+}

@@ -1,0 +1,117 @@
+//! The limiter's two seams: the ledger it decides with ([`Store`], implemented by
+//! [`Ledger`](crate::ledger::Ledger)) and the clock it reads ([`Clock`]). Production uses the real
+//! ones; unit tests script a store and drive a clock to reach every branch of a decision, while the
+//! real-TigerBeetle tests remain the proof of behaviour.
+
+use std::future::Future;
+use std::time::{Instant, SystemTime};
+
+use crate::ledger::model::UserAccount;
+use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
+
+/// What a decision needs from the ledger. Every call ends by `deadline`.
+pub trait Store: Send + Sync + 'static {
+    /// The TigerBeetle ledger the accounts live on (part of every account id).
+    fn ledger_id(&self) -> u32;
+
+    /// One pending debit of `amount` for `timeout_seconds`. With `void_if_abandoned`, a hold that
+    /// lands after the caller stopped waiting is voided.
+    fn hold(
+        &self,
+        account_id: u128,
+        amount: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send;
+
+    /// Opens and credits the account, idempotently.
+    fn provision(
+        &self,
+        account: &UserAccount,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send;
+
+    /// The account's credit and live holds; `None` if it does not exist.
+    fn account_view(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Option<AccountView>, LedgerError>> + Send;
+
+    /// Whether the ledger answers at all.
+    fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send;
+
+    /// Counts an error the limiter found in the ledger's answers (the store counts its own).
+    fn record_error(&self, error: &LedgerError);
+}
+
+impl Store for Ledger {
+    fn ledger_id(&self) -> u32 {
+        Ledger::ledger_id(self)
+    }
+
+    fn hold(
+        &self,
+        account_id: u128,
+        amount: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send {
+        Ledger::hold(
+            self,
+            account_id,
+            amount,
+            timeout_seconds,
+            deadline,
+            void_if_abandoned,
+        )
+    }
+
+    fn provision(
+        &self,
+        account: &UserAccount,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send {
+        Ledger::provision(self, account, deadline)
+    }
+
+    fn account_view(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Option<AccountView>, LedgerError>> + Send {
+        Ledger::account_view(self, account_id, window_seconds_max, deadline)
+    }
+
+    fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send {
+        Ledger::ping(self, deadline)
+    }
+
+    fn record_error(&self, error: &LedgerError) {
+        self.metrics().record_error(error.kind());
+    }
+}
+
+/// Monotonic time for deadlines and expiries, wall time for the ledger's timestamps.
+pub trait Clock: Send + Sync + 'static {
+    fn now(&self) -> Instant;
+    fn wall(&self) -> SystemTime;
+}
+
+/// The operating system's clocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn wall(&self) -> SystemTime {
+        SystemTime::now()
+    }
+}

@@ -1,0 +1,417 @@
+//! Every branch of a decision, through the seams: a scripted [`Store`] and a manual [`Clock`].
+//! The real-TigerBeetle tests (`tests/limiter.rs`) remain the proof of behaviour; these show that
+//! each branch does what the architecture says, including the ones a real ledger rarely takes.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use super::*;
+use crate::ledger::metrics::Operation;
+use crate::ledger::Hold;
+use plan::{test_plan, UnknownKeys};
+
+type Reply<T> = Result<T, LedgerError>;
+
+#[derive(Clone)]
+struct ManualClock(Arc<Mutex<(Instant, SystemTime)>>);
+
+impl ManualClock {
+    fn new() -> Self {
+        ManualClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))))
+    }
+
+    fn advance(&self, by: Duration) {
+        let mut now = self.0.lock().unwrap();
+        now.0 += by;
+        now.1 += by;
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Instant {
+        self.0.lock().unwrap().0
+    }
+
+    fn wall(&self) -> SystemTime {
+        self.0.lock().unwrap().1
+    }
+}
+
+/// Answers from scripts, in order; records every call. An unscripted call fails the test.
+#[derive(Default)]
+struct Script {
+    holds: VecDeque<Reply<HoldReply>>,
+    provisions: VecDeque<Reply<()>>,
+    views: VecDeque<Reply<Option<AccountView>>>,
+    calls: Vec<&'static str>,
+    void_if_abandoned: Vec<bool>,
+    errors_recorded: usize,
+}
+
+struct FakeStore(Mutex<Script>);
+
+impl FakeStore {
+    fn next<T>(&self, call: &'static str, pick: impl FnOnce(&mut Script) -> Option<T>) -> T {
+        let mut script = self.0.lock().unwrap();
+        script.calls.push(call);
+        pick(&mut script).unwrap_or_else(|| panic!("unscripted {call}"))
+    }
+}
+
+impl Store for FakeStore {
+    fn ledger_id(&self) -> u32 {
+        model::LEDGER_REQUEST_RATE
+    }
+
+    async fn hold(&self, _: u128, _: u64, _: u32, _: Instant, void: bool) -> Reply<HoldReply> {
+        self.0.lock().unwrap().void_if_abandoned.push(void);
+        self.next("hold", |s| s.holds.pop_front())
+    }
+
+    async fn provision(&self, _: &UserAccount, _: Instant) -> Reply<()> {
+        self.next("provision", |s| s.provisions.pop_front())
+    }
+
+    async fn account_view(&self, _: u128, _: u32, _: Instant) -> Reply<Option<AccountView>> {
+        self.next("view", |s| s.views.pop_front())
+    }
+
+    async fn ping(&self, _: Instant) -> Reply<()> {
+        Ok(())
+    }
+
+    fn record_error(&self, _: &LedgerError) {
+        self.0.lock().unwrap().errors_recorded += 1;
+    }
+}
+
+const CAPACITY: u64 = 5;
+const WINDOW: Duration = Duration::from_secs(30);
+const ONE: NonZeroU64 = NonZeroU64::MIN;
+
+struct Fixture {
+    limiter: Limiter<FakeStore, ManualClock>,
+    clock: ManualClock,
+}
+
+impl Fixture {
+    fn new(policy: FailurePolicy, unknown_keys: UnknownKeys) -> Self {
+        let plans = PlanBook::new(
+            vec![test_plan("free", CAPACITY)],
+            "free",
+            [("listed_".to_owned(), "free".to_owned())],
+            [],
+            unknown_keys,
+        )
+        .unwrap();
+        let settings = LimiterSettings {
+            ledger_timeout: Duration::from_millis(500),
+            failure_policy: policy,
+            local_callers_max: 100,
+            expiry_margin: Duration::ZERO,
+        };
+        let clock = ManualClock::new();
+        let store = FakeStore(Mutex::new(Script::default()));
+        let limiter = Limiter::with_seams(store, clock.clone(), Arc::new(plans), settings);
+        Fixture { limiter, clock }
+    }
+
+    fn closed() -> Self {
+        Self::new(FailurePolicy::Closed, UnknownKeys::DefaultPlan)
+    }
+
+    fn script(&self, edit: impl FnOnce(&mut Script)) {
+        edit(&mut self.limiter.store.0.lock().unwrap());
+    }
+
+    fn calls(&self) -> Vec<&'static str> {
+        std::mem::take(&mut self.limiter.store.0.lock().unwrap().calls)
+    }
+
+    fn held(&self) -> Reply<HoldReply> {
+        Ok(HoldReply::Held {
+            answered_at: self.clock.now(),
+        })
+    }
+
+    /// The ledger's account: `credit`, and holds of 1 expiring after each of `expiries_s`.
+    fn view(&self, credit: u64, expiries_s: &[u64], complete: bool) -> AccountView {
+        let wall = self.clock.wall();
+        let holds: Vec<Hold> = expiries_s
+            .iter()
+            .map(|s| Hold {
+                amount: 1,
+                expires_at: wall + Duration::from_secs(*s),
+            })
+            .collect();
+        AccountView {
+            credit,
+            available: credit.saturating_sub(if complete { holds.len() as u64 } else { credit }),
+            holds,
+            complete,
+        }
+    }
+
+    async fn check(&self, cost: NonZeroU64) -> Decision {
+        let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+        self.limiter.check(&key, cost).await.expect("a known key")
+    }
+}
+
+fn timeout() -> LedgerError {
+    LedgerError::Timeout {
+        operation: Operation::CreateTransfers,
+    }
+}
+
+fn limited_by(decision: &Decision) -> Option<(u64, DecisionSource)> {
+    match decision.outcome {
+        Outcome::Limited {
+            retry_after_seconds,
+            source,
+        } => Some((retry_after_seconds, source)),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn a_known_caller_costs_one_hold() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    let decision = f.check(ONE).await;
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.quota.remaining, CAPACITY - 1);
+    assert_eq!(decision.quota.reset_seconds, WINDOW.as_secs());
+    assert_eq!(decision.plan.name(), "free");
+    assert_eq!(f.calls(), ["hold"]);
+    // Fail closed: a hold that lands after its request was refused must be voided.
+    f.script(|s| assert_eq!(s.void_if_abandoned, [true]));
+}
+
+#[tokio::test]
+async fn an_exhausted_caller_is_refused_locally_until_its_holds_expire() {
+    let f = Fixture::closed();
+    for _ in 0..CAPACITY {
+        let held = f.held();
+        f.script(|s| s.holds.push_back(held));
+        assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    }
+    f.calls();
+    let refused = f.check(ONE).await;
+    assert_eq!(
+        limited_by(&refused),
+        Some((WINDOW.as_secs(), DecisionSource::LocalView))
+    );
+    assert_eq!(refused.quota.remaining, 0);
+    assert!(f.calls().is_empty(), "a local refusal makes no ledger call");
+    f.clock.advance(WINDOW);
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["hold"]);
+}
+
+#[tokio::test]
+async fn a_new_caller_is_provisioned_then_held() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| {
+        s.holds.extend([Ok(HoldReply::AccountNotFound), held]);
+        s.provisions.push_back(Ok(()));
+    });
+    assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["hold", "provision", "hold"]);
+}
+
+#[tokio::test]
+async fn an_account_missing_right_after_provisioning_is_an_unexpected_error() {
+    let f = Fixture::closed();
+    f.script(|s| {
+        s.holds.extend([
+            Ok(HoldReply::AccountNotFound),
+            Ok(HoldReply::AccountNotFound),
+        ]);
+        s.provisions.push_back(Ok(()));
+    });
+    let decision = f.check(ONE).await;
+    assert!(
+        matches!(
+            decision.outcome,
+            Outcome::FailedClosed(LedgerError::Unexpected { .. })
+        ),
+        "{decision:?}"
+    );
+    assert_eq!(f.calls(), ["hold", "provision", "hold"]);
+    f.script(|s| assert_eq!(s.errors_recorded, 1));
+}
+
+#[tokio::test]
+async fn a_failed_provisioning_follows_the_failure_policy() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::AccountNotFound));
+        s.provisions.push_back(Err(timeout()));
+    });
+    let decision = f.check(ONE).await;
+    assert_eq!(decision.outcome, Outcome::FailedOpen(timeout()));
+    // The fields still tell the caller its quota (nothing known: all of it).
+    assert_eq!(decision.quota.remaining, CAPACITY);
+    f.script(|s| assert_eq!(s.void_if_abandoned, [false]));
+}
+
+#[tokio::test]
+async fn a_new_caller_race_finishes_provisioning_and_holds_again() {
+    let f = Fixture::closed();
+    let held = f.held();
+    let ungranted = f.view(0, &[], true);
+    f.script(|s| {
+        s.holds.extend([Ok(HoldReply::ExceedsCredits), held]);
+        s.views.push_back(Ok(Some(ungranted)));
+        s.provisions.push_back(Ok(()));
+    });
+    assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["hold", "view", "provision", "hold"]);
+}
+
+#[tokio::test]
+async fn finishing_a_racing_provisioning_can_fail() {
+    let f = Fixture::closed();
+    let ungranted = f.view(0, &[], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(ungranted)));
+        s.provisions.push_back(Err(timeout()));
+    });
+    assert_eq!(f.check(ONE).await.outcome, Outcome::FailedClosed(timeout()));
+    assert_eq!(f.calls(), ["hold", "view", "provision"]);
+}
+
+#[tokio::test]
+async fn credit_back_between_the_two_calls_is_held_again() {
+    let f = Fixture::closed();
+    let held = f.held();
+    let freed = f.view(CAPACITY, &[10, 20], true);
+    f.script(|s| {
+        s.holds.extend([Ok(HoldReply::ExceedsCredits), held]);
+        s.views.push_back(Ok(Some(freed)));
+    });
+    assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["hold", "view", "hold"]);
+}
+
+#[tokio::test]
+async fn a_second_refusal_is_a_429_timed_by_the_listed_holds() {
+    let f = Fixture::closed();
+    let freed = f.view(CAPACITY, &[10], true);
+    let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
+    f.script(|s| {
+        s.holds
+            .extend([Ok(HoldReply::ExceedsCredits), Ok(HoldReply::ExceedsCredits)]);
+        s.views.extend([Ok(Some(freed)), Ok(Some(full))]);
+    });
+    let decision = f.check(ONE).await;
+    assert_eq!(limited_by(&decision), Some((7, DecisionSource::Ledger)));
+    assert_eq!(decision.quota.remaining, 0);
+    assert_eq!(decision.quota.reset_seconds, 12);
+    assert_eq!(f.calls(), ["hold", "view", "hold", "view"]);
+    // Remembered: the next request is refused without a call.
+    assert_eq!(
+        limited_by(&f.check(ONE).await),
+        Some((7, DecisionSource::LocalView))
+    );
+    assert!(f.calls().is_empty());
+}
+
+#[tokio::test]
+async fn retry_after_waits_for_enough_credit_for_the_cost() {
+    let f = Fixture::closed();
+    let full = f.view(CAPACITY, &[3, 4, 5, 6, 7], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(full)));
+    });
+    let three = NonZeroU64::new(3).unwrap();
+    assert_eq!(
+        limited_by(&f.check(three).await),
+        Some((5, DecisionSource::Ledger))
+    );
+}
+
+#[tokio::test]
+async fn without_a_view_retry_after_is_the_longest_window() {
+    for view in [Err(timeout()), Ok(None)] {
+        let f = Fixture::closed();
+        f.script(|s| {
+            s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+            s.views.push_back(view);
+        });
+        let decision = f.check(ONE).await;
+        assert_eq!(
+            limited_by(&decision),
+            Some((WINDOW.as_secs(), DecisionSource::Ledger))
+        );
+        assert_eq!(f.calls(), ["hold", "view"]);
+    }
+}
+
+#[tokio::test]
+async fn an_incomplete_listing_assumes_the_unlisted_holds_last_a_whole_window() {
+    let f = Fixture::closed();
+    // Five held, two listed (expiring in 1 s); three not listed.
+    let partial = f.view(CAPACITY, &[1, 1], false);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(partial)));
+    });
+    let three = NonZeroU64::new(3).unwrap();
+    assert_eq!(
+        limited_by(&f.check(three).await),
+        Some((WINDOW.as_secs(), DecisionSource::Ledger))
+    );
+    // Two units come back with the listed holds.
+    let two = NonZeroU64::new(2).unwrap();
+    assert_eq!(
+        limited_by(&f.check(two).await),
+        Some((1, DecisionSource::LocalView))
+    );
+}
+
+#[tokio::test]
+async fn ledger_errors_follow_the_failure_policy() {
+    for (policy, void) in [(FailurePolicy::Closed, true), (FailurePolicy::Open, false)] {
+        let f = Fixture::new(policy, UnknownKeys::DefaultPlan);
+        f.script(|s| s.holds.push_back(Err(timeout())));
+        let outcome = f.check(ONE).await.outcome;
+        let expected = match policy {
+            FailurePolicy::Closed => Outcome::FailedClosed(timeout()),
+            FailurePolicy::Open => Outcome::FailedOpen(timeout()),
+        };
+        assert_eq!(outcome, expected);
+        f.script(|s| assert_eq!(s.void_if_abandoned, [void]));
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_key_is_rejected_without_a_ledger_call() {
+    let f = Fixture::new(FailurePolicy::Closed, UnknownKeys::Reject);
+    let stranger = CallerKey::from_header_value("x-api-key", b"stranger", 64).unwrap();
+    assert_eq!(
+        f.limiter.check(&stranger, ONE).await,
+        Err(KeyError::Unknown)
+    );
+    assert!(f.calls().is_empty());
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    let listed = CallerKey::from_header_value("x-api-key", b"listed_1", 64).unwrap();
+    assert!(f.limiter.check(&listed, ONE).await.is_ok());
+}
+
+#[test]
+fn seconds_round_up() {
+    assert_eq!(whole_seconds_up(Duration::ZERO), 0);
+    assert_eq!(whole_seconds_up(Duration::from_millis(1)), 1);
+    assert_eq!(whole_seconds_up(Duration::from_secs(2)), 2);
+    assert_eq!(whole_seconds_up(Duration::from_millis(2001)), 3);
+}
