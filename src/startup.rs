@@ -1,6 +1,6 @@
 //! Wiring: ledger (embedded or remote), limiter, HTTP server. Used by the binary and the tests.
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -9,11 +9,13 @@ use actix_web::middleware::Condition;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use thiserror::Error;
+use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{resolve_addresses, ConfigError, LedgerLocation, Settings};
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, RateLimit};
+use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
 use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
 use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
 use crate::limiter::Limiter;
@@ -52,11 +54,13 @@ pub struct Application {
     port: u16,
     limiter: Arc<Limiter>,
     embedded: Option<EmbeddedLedger>,
+    /// Re-resolves the ledger's host names; stopped with the server.
+    follower: Option<JoinHandle<()>>,
 }
 
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
-        let (ledger, embedded) = connect_ledger(&settings).await?;
+        let (ledger, embedded, follower) = connect_ledger(&settings).await?;
         let limiter = Arc::new(Limiter::new(
             ledger,
             settings.plans.clone(),
@@ -96,6 +100,7 @@ impl Application {
             port,
             limiter,
             embedded,
+            follower,
         })
     }
 
@@ -132,6 +137,9 @@ impl Application {
     /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
+        if let Some(follower) = self.follower {
+            follower.abort();
+        }
         if let Some(embedded) = self.embedded {
             embedded.stop().await;
             tracing::info!("embedded TigerBeetle stopped");
@@ -141,9 +149,10 @@ impl Application {
 }
 
 /// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.
+/// Host names (not IP literals) are followed: resolved again every few seconds.
 async fn connect_ledger(
     settings: &Settings,
-) -> Result<(Ledger, Option<EmbeddedLedger>), StartupError> {
+) -> Result<(Ledger, Option<EmbeddedLedger>, Option<JoinHandle<()>>), StartupError> {
     let (addresses, embedded) = match &settings.ledger {
         LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
         LedgerLocation::Embedded {
@@ -167,7 +176,21 @@ async fn connect_ledger(
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: settings.in_flight_max,
     })?;
-    Ok((ledger, embedded))
+    let follower = match &settings.ledger {
+        LedgerLocation::Cluster { addresses }
+            if addresses.iter().any(|a| a.parse::<SocketAddr>().is_err()) =>
+        {
+            let hosts = addresses.clone();
+            let resolve = move || {
+                let hosts = hosts.clone();
+                async move { resolve_addresses(&hosts).await }
+            };
+            let follow = follow_addresses(ledger.clone(), RESOLVE_INTERVAL, resolve);
+            Some(tokio::spawn(follow))
+        }
+        _ => None,
+    };
+    Ok((ledger, embedded, follower))
 }
 
 /// Health, readiness and metrics: outside the limiter, the request span and the request latency

@@ -541,3 +541,58 @@ async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
     assert_eq!(view.credit, capacity.get());
     assert_eq!(view.available, capacity.get() - holds as u64);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
+    use ledger_limiter::ledger::addresses::follow_addresses;
+    use std::sync::{Arc, Mutex};
+
+    let old = shared_ledger();
+    let new = TestLedger::start();
+    let app = spawn_app(test_config(old.address)).await;
+    // What the ledger's host name resolves to: the old address, then the new one (as when a
+    // container comes back with another IP).
+    let resolved = Arc::new(Mutex::new(vec![old.address]));
+    let answer = resolved.clone();
+    let resolve = move || {
+        let addresses = answer.lock().unwrap().clone();
+        async move { Ok::<_, String>(addresses) }
+    };
+    let ledger = app.limiter.ledger().clone();
+    let follower = tokio::spawn(follow_addresses(
+        ledger.clone(),
+        Duration::from_millis(100),
+        resolve,
+    ));
+    let before = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&before)).await.status(), 200);
+
+    *resolved.lock().unwrap() = vec![new.address];
+    let started = Instant::now();
+    while ledger.addresses() != [new.address] {
+        assert!(started.elapsed() < Duration::from_secs(5), "never followed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after = fresh_key("k_");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The new client's first request takes a while; the policy answers meanwhile.
+    while app.get("/greeting", Some(&after)).await.status() != 200 {
+        assert!(Instant::now() < deadline, "the new ledger never answered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let on = |address: std::net::SocketAddr, key: &str| {
+        let id = account_id(&app, key);
+        async move {
+            let client = tb::Client::new(0, address.to_string()).unwrap();
+            !client.lookup_accounts(vec![id]).await.unwrap().is_empty()
+        }
+    };
+    assert!(
+        on(new.address, &after).await,
+        "the new caller is on the new ledger"
+    );
+    assert!(!on(old.address, &after).await, "and not on the old one");
+    assert!(on(old.address, &before).await);
+    follower.abort();
+    app.stop().await;
+}

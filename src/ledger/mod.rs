@@ -6,6 +6,8 @@
 //! task that owns its in-flight permit until the ledger answers, so a dead ledger fills the bound
 //! and further calls fail fast instead of piling up inside the client.
 
+pub mod addresses;
+pub mod audit;
 pub mod embedded;
 pub mod metrics;
 pub mod model;
@@ -17,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use arc_swap::ArcSwap;
 use tb::error::{CreateAccountErrorKind, CreateTransferErrorKind};
 use thiserror::Error;
 use tigerbeetle_unofficial as tb;
@@ -144,10 +147,12 @@ pub struct LedgerSettings {
 }
 
 /// A handle on the ledger, cheap to clone; every clone shares one TigerBeetle client (which batches
-/// concurrent requests by itself).
+/// concurrent requests by itself). The client is replaced only when the replicas' addresses change
+/// ([`Ledger::reconnect`]).
 #[derive(Clone)]
 pub struct Ledger {
-    client: Arc<tb::Client>,
+    client: Arc<ArcSwap<Connection>>,
+    cluster_id: u128,
     in_flight: Arc<Semaphore>,
     in_flight_max: usize,
     ledger_id: u32,
@@ -166,6 +171,31 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
+/// One TigerBeetle client and the addresses it was made for.
+struct Connection {
+    client: Arc<tb::Client>,
+    addresses: Vec<SocketAddr>,
+}
+
+impl Connection {
+    fn new(cluster_id: u128, addresses: &[SocketAddr]) -> Result<Self, ConnectError> {
+        if addresses.is_empty() {
+            return Err(ConnectError::NoAddresses);
+        }
+        let list = addresses
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let client =
+            tb::Client::new(cluster_id, list).map_err(|e| ConnectError::Client(e.to_string()))?;
+        Ok(Connection {
+            client: Arc::new(client),
+            addresses: addresses.to_vec(),
+        })
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum ConnectError {
     #[error("no TigerBeetle replica address given")]
@@ -177,25 +207,33 @@ pub enum ConnectError {
 impl Ledger {
     /// Creates the client. It connects lazily: a ledger that is down shows up as call timeouts.
     pub fn connect(settings: &LedgerSettings) -> Result<Self, ConnectError> {
-        if settings.addresses.is_empty() {
-            return Err(ConnectError::NoAddresses);
-        }
-        let addresses = settings
-            .addresses
-            .iter()
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
-        let client = tb::Client::new(settings.cluster_id, addresses)
-            .map_err(|e| ConnectError::Client(e.to_string()))?;
+        let connection = Connection::new(settings.cluster_id, &settings.addresses)?;
         Ok(Ledger {
-            client: Arc::new(client),
+            client: Arc::new(ArcSwap::from_pointee(connection)),
+            cluster_id: settings.cluster_id,
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
             ledger_id: settings.ledger_id,
             metrics: Arc::new(LedgerMetrics::register()),
             calls_started: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// The replicas' addresses the client talks to.
+    pub fn addresses(&self) -> Vec<SocketAddr> {
+        self.client.load().addresses.clone()
+    }
+
+    /// Talks to `addresses` from now on (a replica that came back at another address): calls
+    /// already in flight finish on the old client, which goes when the last of them does.
+    /// Nothing happens if the addresses are the ones in use.
+    pub fn reconnect(&self, addresses: &[SocketAddr]) -> Result<bool, ConnectError> {
+        if self.client.load().addresses == addresses {
+            return Ok(false);
+        }
+        let connection = Connection::new(self.cluster_id, addresses)?;
+        self.client.store(Arc::new(connection));
+        Ok(true)
     }
 
     /// How many calls this handle (and its clones) started, refused ones included.
@@ -351,20 +389,7 @@ impl Ledger {
         window_seconds_max: u32,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
-        let accounts = self
-            .call(
-                Operation::LookupAccounts,
-                deadline,
-                move |client| async move {
-                    client
-                        .lookup_accounts(vec![account_id])
-                        .await
-                        .map_err(|e| client_error(Operation::LookupAccounts, e))
-                },
-                None::<fn(Arc<tb::Client>, &Result<Vec<tb::Account>, LedgerError>)>,
-            )
-            .await?;
-        let Some(account) = accounts.first() else {
+        let Some(account) = self.lookup_account(account_id, deadline).await? else {
             return Ok(None);
         };
         let credit = account
@@ -396,21 +421,9 @@ impl Ledger {
         let mut holds = Vec::new();
         let mut complete = false;
         for _ in 0..TRANSFERS_PAGES_MAX {
-            let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
-                .with_flags(tb::account::FilterFlags::DEBITS)
-                .with_timestamp_min(timestamp_min);
+            let debits = tb::account::FilterFlags::DEBITS;
             let page = self
-                .call(
-                    Operation::GetAccountTransfers,
-                    deadline,
-                    move |client| async move {
-                        client
-                            .get_account_transfers(Box::new(filter))
-                            .await
-                            .map_err(|e| client_error(Operation::GetAccountTransfers, e))
-                    },
-                    None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
-                )
+                .transfers_page(account_id, debits, timestamp_min, deadline)
                 .await?;
             holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
             match page.last() {
@@ -425,6 +438,53 @@ impl Ledger {
         }
         holds.sort_by_key(|h| h.expires_at);
         Ok((holds, complete))
+    }
+
+    async fn lookup_account(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Option<tb::Account>, LedgerError> {
+        let accounts = self
+            .call(
+                Operation::LookupAccounts,
+                deadline,
+                move |client| async move {
+                    client
+                        .lookup_accounts(vec![account_id])
+                        .await
+                        .map_err(|e| client_error(Operation::LookupAccounts, e))
+                },
+                None::<fn(Arc<tb::Client>, &Result<Vec<tb::Account>, LedgerError>)>,
+            )
+            .await?;
+        Ok(accounts.first().copied())
+    }
+
+    /// Up to [`TRANSFERS_PAGE_LIMIT`] of the account's transfers (`flags`: debits and/or credits)
+    /// from `timestamp_min` on, oldest first.
+    async fn transfers_page(
+        &self,
+        account_id: u128,
+        flags: tb::account::FilterFlags,
+        timestamp_min: SystemTime,
+        deadline: Instant,
+    ) -> Result<Vec<tb::Transfer>, LedgerError> {
+        let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
+            .with_flags(flags)
+            .with_timestamp_min(timestamp_min);
+        self.call(
+            Operation::GetAccountTransfers,
+            deadline,
+            move |client| async move {
+                client
+                    .get_account_transfers(Box::new(filter))
+                    .await
+                    .map_err(|e| client_error(Operation::GetAccountTransfers, e))
+            },
+            None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
+        )
+        .await
     }
 
     /// One cheap read, to tell whether the ledger answers (for `/readyz`).
@@ -470,7 +530,7 @@ impl Ledger {
         };
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
-        let client = self.client.clone();
+        let client = self.client.load().client.clone();
         let metrics = self.metrics.clone();
         let future = make(client.clone());
         let started = Instant::now();

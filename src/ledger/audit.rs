@@ -1,0 +1,99 @@
+//! The audit of one user account, read back from the ledger itself: what it was granted and what
+//! its requests hold. An operator runs it against a live cluster (`ledger-limiter audit`); the
+//! fault tests run it after every case to show that nothing was lost or counted twice.
+
+use std::time::{Instant, SystemTime};
+
+use serde::Serialize;
+use tigerbeetle_unofficial as tb;
+
+use super::{model, Ledger, LedgerError, TRANSFERS_PAGE_LIMIT};
+
+/// How many pages an audit reads at most (about a million transfers); beyond, it says it is
+/// incomplete rather than reading without end.
+pub const AUDIT_PAGES_MAX: usize = 4096;
+
+/// One account, as the ledger records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AccountAudit {
+    /// Hex, as in traces (`user.id`).
+    pub account_id: String,
+    pub credits_posted: u128,
+    pub debits_posted: u128,
+    /// Credit held by holds not yet expired, voided or posted.
+    pub debits_pending: u128,
+    /// Grant transfers: exactly one for a provisioned caller (credited once).
+    pub grants: u64,
+    /// Pending debits ever placed: one per admitted request (and per hold whose request was
+    /// refused at its deadline, each then voided).
+    pub holds: u64,
+    /// Holds voided because their request had been refused when they landed.
+    pub voids: u64,
+    /// Transfers read; `complete` is false when there were more than the audit reads.
+    pub transfers_read: u64,
+    pub complete: bool,
+}
+
+impl AccountAudit {
+    /// Holds that count as admitted requests: placed and not voided.
+    pub fn admitted(&self) -> u64 {
+        self.holds.saturating_sub(self.voids)
+    }
+}
+
+impl Ledger {
+    /// Reads the account and every transfer on it (bounded by [`AUDIT_PAGES_MAX`] pages).
+    /// `None` if the account does not exist.
+    pub async fn audit(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Option<AccountAudit>, LedgerError> {
+        let Some(account) = self.lookup_account(account_id, deadline).await? else {
+            return Ok(None);
+        };
+        let mut audit = AccountAudit {
+            account_id: format!("{account_id:032x}"),
+            credits_posted: account.credits_posted(),
+            debits_posted: account.debits_posted(),
+            debits_pending: account.debits_pending(),
+            grants: 0,
+            holds: 0,
+            voids: 0,
+            transfers_read: 0,
+            complete: false,
+        };
+        let both = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::CREDITS;
+        let mut timestamp_min = SystemTime::UNIX_EPOCH;
+        for _ in 0..AUDIT_PAGES_MAX {
+            let page = self
+                .transfers_page(account_id, both, timestamp_min, deadline)
+                .await?;
+            page.iter().for_each(|transfer| audit.count(transfer));
+            match page.last() {
+                Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
+                    timestamp_min = last.timestamp() + std::time::Duration::from_nanos(1);
+                }
+                _ => {
+                    audit.complete = true;
+                    break;
+                }
+            }
+        }
+        Ok(Some(audit))
+    }
+}
+
+impl AccountAudit {
+    fn count(&mut self, transfer: &tb::Transfer) {
+        self.transfers_read += 1;
+        let flags = transfer.flags();
+        if transfer.code() == model::TRANSFER_CODE_GRANT {
+            self.grants += 1;
+        } else if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
+            self.voids += 1;
+        } else if flags.contains(tb::transfer::Flags::PENDING) {
+            self.holds += 1;
+        }
+    }
+}
