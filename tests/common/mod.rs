@@ -145,6 +145,91 @@ impl TestLedger {
     }
 }
 
+/// A TigerBeetle cluster of `replicas` on loopback ports (`--development`), each replica its own
+/// data file; replicas can be killed and restarted on the same port and file.
+pub struct TestCluster {
+    pub addresses: Vec<SocketAddr>,
+    dir: tempfile::TempDir,
+    replicas: Vec<Option<Child>>,
+}
+
+impl TestCluster {
+    pub fn start(replicas: usize) -> TestCluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Free ports now; a replica binds its own later (a race another process is unlikely to win).
+        let listeners: Vec<_> = (0..replicas)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addresses = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        drop(listeners);
+        let mut cluster = TestCluster {
+            addresses,
+            dir,
+            replicas: (0..replicas).map(|_| None).collect(),
+        };
+        for replica in 0..replicas {
+            let status = Command::new(tigerbeetle_bin())
+                .arg("format")
+                .arg("--cluster=0")
+                .arg(format!("--replica={replica}"))
+                .arg(format!("--replica-count={replicas}"))
+                .arg("--development")
+                .arg(cluster.file(replica))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("run tigerbeetle format");
+            assert!(status.success(), "tigerbeetle format failed");
+        }
+        for replica in 0..replicas {
+            cluster.restart(replica);
+        }
+        cluster
+    }
+
+    fn file(&self, replica: usize) -> PathBuf {
+        self.dir.path().join(format!("0_{replica}.tigerbeetle"))
+    }
+
+    pub fn address_list(&self) -> Vec<String> {
+        self.addresses.iter().map(|a| a.to_string()).collect()
+    }
+
+    /// Starts (or starts again) one replica on its port and data file. Its stdin is a pipe held
+    /// here: TigerBeetle exits when that closes, so nothing outlives the test.
+    pub fn restart(&mut self, replica: usize) {
+        assert!(self.replicas[replica].is_none(), "replica {replica} runs");
+        let addresses = self.address_list().join(",");
+        let child = Command::new(tigerbeetle_bin())
+            .arg("start")
+            .arg(format!("--addresses={addresses}"))
+            .arg("--development")
+            .arg(self.file(replica))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run tigerbeetle start");
+        self.replicas[replica] = Some(child);
+    }
+
+    /// SIGKILL: a crash, not a clean stop.
+    pub fn kill(&mut self, replica: usize) {
+        if let Some(mut child) = self.replicas[replica].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        for replica in 0..self.replicas.len() {
+            self.kill(replica);
+        }
+    }
+}
+
 /// One TigerBeetle shared by the tests of a binary; tests keep apart by using fresh keys.
 pub fn shared_ledger() -> &'static TestLedger {
     static LEDGER: OnceLock<TestLedger> = OnceLock::new();

@@ -1,0 +1,342 @@
+//! The real deployment, on loopback: a 3-replica TigerBeetle cluster, two limiter instances under
+//! steady load, and the faults a cluster meets: a backup dies, the primary dies, one instance is
+//! replaced, the whole cluster goes down and comes back. After all of it, an audit of every
+//! caller read back from the ledger: what the clients were told was admitted is exactly what the
+//! ledger holds, and nobody was credited twice.
+//!
+//! Bounded: about a minute. The phases' figures are printed (`cargo test --test failover --
+//! --nocapture`, or `scripts/failover`).
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use ledger_limiter::config::FileConfig;
+
+/// The decision deadline of both instances.
+const DEADLINE: Duration = Duration::from_millis(500);
+/// What a request may take beyond the deadline on this shared, 2-core machine.
+const MARGIN: Duration = Duration::from_millis(1500);
+const KEYS: usize = 24;
+const HOT_KEYS: usize = 2;
+const HOT_CAPACITY: u64 = 50;
+
+#[derive(Debug, Clone)]
+struct Sample {
+    key: usize,
+    status: u16,
+    at: Duration,
+    took: Duration,
+}
+
+fn key_name(run: &str, i: usize) -> String {
+    if i < HOT_KEYS {
+        format!("hot_{run}_{i}")
+    } else {
+        format!("k_{run}_{i}")
+    }
+}
+
+fn config(cluster: &TestCluster) -> FileConfig {
+    let mut config = test_config(cluster.addresses[0]);
+    config.ledger.addresses = Some(cluster.address_list());
+    config.ledger.timeout_ms = Some(DEADLINE.as_millis() as u64);
+    config.ledger.failure_policy = Some("closed".into());
+    // Windows longer than the test: every admitted hold is still pending at the audit.
+    config.plans = Some(
+        [
+            ("free".to_owned(), plan(100_000, 600)),
+            ("hot".to_owned(), plan(HOT_CAPACITY, 600)),
+        ]
+        .into(),
+    );
+    config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    config
+}
+
+/// Steady load: `workers` loops over both instances, each request to a random caller.
+struct Load {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    urls: Arc<Mutex<Vec<String>>>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+    started: Instant,
+}
+
+impl Load {
+    fn start(urls: Vec<String>, run: &str, workers: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let urls = Arc::new(Mutex::new(urls));
+        let started = Instant::now();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let workers = (0..workers)
+            .map(|worker| {
+                let (stop, samples, urls, http) =
+                    (stop.clone(), samples.clone(), urls.clone(), http.clone());
+                let run = run.to_owned();
+                tokio::spawn(async move {
+                    let mut n = worker;
+                    while !stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        let key = rand::random::<u32>() as usize % KEYS;
+                        let url = urls.lock().unwrap()[n % 2].clone();
+                        let at = started.elapsed();
+                        let sent = Instant::now();
+                        let status = match http
+                            .get(format!("{url}/greeting"))
+                            .header("X-Api-Key", key_name(&run, key))
+                            .send()
+                            .await
+                        {
+                            Ok(response) => response.status().as_u16(),
+                            Err(_) => 0,
+                        };
+                        let took = sent.elapsed();
+                        samples.lock().unwrap().push(Sample {
+                            key,
+                            status,
+                            at,
+                            took,
+                        });
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            samples,
+            urls,
+            workers,
+            started,
+        }
+    }
+
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn between(&self, from: Duration, to: Duration) -> Vec<Sample> {
+        let samples = self.samples.lock().unwrap();
+        samples
+            .iter()
+            .filter(|s| s.at >= from && s.at < to)
+            .cloned()
+            .collect()
+    }
+
+    async fn finish(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Relaxed);
+        for worker in self.workers {
+            worker.await.unwrap();
+        }
+        let samples = self.samples.lock().unwrap().clone();
+        samples
+    }
+}
+
+fn count(samples: &[Sample], status: u16) -> usize {
+    samples.iter().filter(|s| s.status == status).count()
+}
+
+fn report(phase: &str, samples: &[Sample]) {
+    let slowest = samples.iter().map(|s| s.took).max().unwrap_or_default();
+    eprintln!(
+        "failover: {phase:<28} {:>6} requests: {:>6} admitted, {:>5} limited, {:>5} failed (503), slowest {slowest:?}",
+        samples.len(),
+        count(samples, 200),
+        count(samples, 429),
+        count(samples, 503),
+    );
+}
+
+async fn ready(url: &str) -> u16 {
+    reqwest::get(format!("{url}/readyz"))
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
+    let mut cluster = TestCluster::start(3);
+    let a = spawn_app(config(&cluster)).await;
+    let b = spawn_app(config(&cluster)).await;
+    let run = format!("{:08x}", rand::random::<u32>());
+    let load = Load::start(vec![a.address.clone(), b.address.clone()], &run, 8);
+    let pause = |seconds: u64| tokio::time::sleep(Duration::from_secs(seconds));
+
+    pause(4).await;
+    report("steady", &load.between(Duration::ZERO, load.now()));
+
+    // A backup dies (view 0's primary is replica 0): a quorum of two goes on.
+    let from = load.now();
+    cluster.kill(2);
+    pause(4).await;
+    let backup_down = load.between(from, load.now());
+    report("backup 2 killed", &backup_down);
+    cluster.restart(2);
+    pause(2).await;
+
+    // The primary dies: the others elect a new one; decisions fail over to the policy meanwhile.
+    let killed_at = load.now();
+    cluster.kill(0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let recovered_at = loop {
+        pause(1).await;
+        let since = load.between(killed_at + Duration::from_secs(1), load.now());
+        if let Some(first) = since.iter().find(|s| s.status == 200) {
+            if since
+                .iter()
+                .filter(|s| s.at > first.at)
+                .all(|s| s.status != 503)
+            {
+                break first.at;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no recovery after the primary died"
+        );
+    };
+    let failing = load.between(killed_at, recovered_at);
+    report("primary 0 killed", &failing);
+    let failed: Vec<_> = failing.iter().filter(|s| s.status == 503).collect();
+    let window = match (failed.first(), failed.last()) {
+        (Some(first), Some(last)) => last.at + last.took - first.at,
+        _ => Duration::ZERO,
+    };
+    eprintln!(
+        "failover: decisions failed over to the policy for {window:?}; admitting again {:?} after the kill",
+        recovered_at - killed_at
+    );
+    cluster.restart(0);
+    pause(2).await;
+
+    // One instance is replaced mid-load: a new one takes its place, then the old one stops.
+    let c = spawn_app(config(&cluster)).await;
+    load.urls.lock().unwrap()[1] = c.address.clone();
+    b.stop().await;
+    let from = load.now();
+    pause(3).await;
+    report("instance b replaced by c", &load.between(from, load.now()));
+
+    // The whole cluster goes down: every request follows the policy within the deadline, and
+    // /readyz says so; then it comes back and the instances recover by themselves.
+    let outage_at = load.now();
+    for replica in 0..3 {
+        cluster.kill(replica);
+    }
+    pause(3).await;
+    let outage = load.between(outage_at + Duration::from_secs(1), load.now());
+    report("cluster down", &outage);
+    assert!(!outage.is_empty());
+    // Down means the policy (closed: 503), or a local refusal of a caller known to be exhausted,
+    // which needs no ledger; never an admission.
+    assert_eq!(count(&outage, 200), 0, "admitted without a ledger");
+    assert_eq!(count(&outage, 503) + count(&outage, 429), outage.len());
+    assert!(count(&outage, 503) > 0);
+    assert_eq!(ready(&a.address).await, 503);
+    assert_eq!(ready(&c.address).await, 503);
+    let restarted_at = load.now();
+    for replica in 0..3 {
+        cluster.restart(replica);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ready(&a.address).await != 200 || ready(&c.address).await != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "not ready again after the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let back = load.now();
+    eprintln!(
+        "failover: ready again {:?} after the cluster restarted",
+        back - restarted_at
+    );
+    pause(3).await;
+    let after = load.between(back + Duration::from_secs(1), load.now());
+    report("after the outage", &after);
+    assert!(count(&after, 200) > 0, "admitting again");
+
+    let samples = load.finish().await;
+    check_every_answer(&samples, &backup_down);
+    audit(&cluster, &a, &run, &samples).await;
+    a.stop().await;
+    c.stop().await;
+}
+
+/// Every request answered, with a decision, within the deadline plus a margin; a dead backup
+/// costs (almost) nothing.
+fn check_every_answer(samples: &[Sample], backup_down: &[Sample]) {
+    let late: Vec<_> = samples
+        .iter()
+        .filter(|s| s.took > DEADLINE + MARGIN)
+        .collect();
+    assert!(late.is_empty(), "answered late: {late:?}");
+    let unanswered: Vec<_> = samples
+        .iter()
+        .filter(|s| ![200, 429, 503].contains(&s.status))
+        .collect();
+    assert!(unanswered.is_empty(), "not answered: {unanswered:?}");
+    assert!(
+        count(backup_down, 503) * 100 <= backup_down.len(),
+        "a dead backup failed {} of {}",
+        count(backup_down, 503),
+        backup_down.len()
+    );
+}
+
+/// What the clients saw admitted is what the ledger holds; each caller credited once.
+async fn audit(cluster: &TestCluster, app: &TestApp, run: &str, samples: &[Sample]) {
+    let mut seen: HashMap<usize, u64> = HashMap::new();
+    for sample in samples.iter().filter(|s| s.status == 200) {
+        *seen.entry(sample.key).or_default() += 1;
+    }
+    let ledger = ledger_limiter::ledger::Ledger::connect(&ledger_limiter::ledger::LedgerSettings {
+        cluster_id: 0,
+        addresses: cluster.addresses.clone(),
+        ledger_id: ledger_limiter::ledger::model::LEDGER_REQUEST_RATE,
+        in_flight_max: std::num::NonZeroUsize::new(64).unwrap(),
+    })
+    .unwrap();
+    for key in 0..KEYS {
+        let admitted = seen.get(&key).copied().unwrap_or(0);
+        let account_id = account_id(app, &key_name(run, key));
+        // Holds that landed after their request was refused are voided when they land: wait
+        // for the last voids of the outage.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let audit = loop {
+            let audit = ledger
+                .audit(account_id, Instant::now() + Duration::from_secs(10))
+                .await
+                .unwrap();
+            match audit {
+                Some(audit) if audit.admitted() == admitted || Instant::now() > deadline => {
+                    break Some(audit)
+                }
+                None if admitted == 0 => break None,
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        };
+        let Some(audit) = audit else { continue };
+        assert!(audit.complete);
+        assert_eq!(audit.grants, 1, "caller {key} credited once: {audit:?}");
+        assert_eq!(audit.admitted(), admitted, "caller {key}: {audit:?}");
+        assert_eq!(audit.debits_pending, u128::from(admitted), "{audit:?}");
+        if key < HOT_KEYS {
+            assert!(admitted <= HOT_CAPACITY, "caller {key}: {admitted}");
+        }
+    }
+    let total: u64 = seen.values().sum();
+    eprintln!("failover: audit of {KEYS} callers: {total} admitted = {total} held by the ledger");
+}
