@@ -145,6 +145,8 @@ impl TestLedger {
     }
 }
 
+const RESTART_MARK: &str = "---- restarted by the test\n";
+
 /// A TigerBeetle cluster of `replicas` on loopback ports (`--development`), each replica its own
 /// data file; replicas can be killed and restarted on the same port and file.
 pub struct TestCluster {
@@ -191,6 +193,68 @@ impl TestCluster {
         self.dir.path().join(format!("0_{replica}.tigerbeetle"))
     }
 
+    fn log(&self, replica: usize) -> PathBuf {
+        self.dir.path().join(format!("replica-{replica}.log"))
+    }
+
+    /// What a replica last logged of its VSR status since it (re)started: `(normal, view,
+    /// primary)`. TigerBeetle logs every transition at info level, e.g.
+    /// `info(replica): 2N: transition_to_normal_from_view_change_status: view=1..2 primary`.
+    fn status(&self, replica: usize) -> Option<(bool, u64, bool)> {
+        let log = std::fs::read_to_string(self.log(replica)).ok()?;
+        let start = log.rfind(RESTART_MARK).unwrap_or(0);
+        let line = log[start..]
+            .lines()
+            .filter(|l| l.contains(" transition_to_"))
+            .last()?;
+        let view = line.split(" view=").nth(1)?;
+        let view = view
+            .split(|c: char| !c.is_ascii_digit() && c != '.')
+            .next()?;
+        let view = view.rsplit("..").next()?.parse().ok()?;
+        let normal = line.contains("transition_to_normal_from_");
+        Some((
+            normal,
+            view,
+            normal && line.trim_end().ends_with(" primary"),
+        ))
+    }
+
+    /// The running replica that is primary of the highest view, once one is.
+    pub fn wait_for_primary(&self, timeout: Duration) -> usize {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let states: Vec<_> = (0..self.replicas.len())
+                .filter(|r| self.replicas[*r].is_some())
+                .filter_map(|r| self.status(r).map(|s| (r, s)))
+                .collect();
+            let top = states.iter().map(|(_, (_, view, _))| *view).max();
+            let primary = states
+                .iter()
+                .find(|(_, (_, view, primary))| *primary && Some(*view) == top);
+            if let Some((replica, _)) = primary {
+                return *replica;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no primary: {states:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Until `replica` is back to normal status (caught up after a restart).
+    pub fn wait_normal(&self, replica: usize, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.status(replica).is_some_and(|(normal, _, _)| normal) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replica {replica} not normal"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub fn address_list(&self) -> Vec<String> {
         self.addresses.iter().map(|a| a.to_string()).collect()
     }
@@ -200,6 +264,12 @@ impl TestCluster {
     pub fn restart(&mut self, replica: usize) {
         assert!(self.replicas[replica].is_none(), "replica {replica} runs");
         let addresses = self.address_list().join(",");
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log(replica))
+            .expect("replica log");
+        std::io::Write::write_all(&mut log, RESTART_MARK.as_bytes()).unwrap();
         let child = Command::new(tigerbeetle_bin())
             .arg("start")
             .arg(format!("--addresses={addresses}"))
@@ -207,7 +277,7 @@ impl TestCluster {
             .arg(self.file(replica))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("run tigerbeetle start");
         self.replicas[replica] = Some(child);
