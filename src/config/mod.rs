@@ -156,7 +156,8 @@ impl FileConfig {
 /// Where the ledger is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LedgerLocation {
-    /// A running cluster (host names are resolved at start: the TigerBeetle client takes IPs).
+    /// A running cluster. The TigerBeetle client takes IPs: host names are resolved at start and
+    /// again every few seconds (`ledger::addresses`).
     Cluster { addresses: Vec<String> },
     /// Start and supervise a local single-replica TigerBeetle.
     Embedded {
