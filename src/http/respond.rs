@@ -26,10 +26,10 @@ pub fn rejected(error: &KeyError) -> HttpResponse {
 pub fn add_fields(
     headers: &mut HeaderMap,
     policies: &PolicyHeaders,
-    decision: &Decision,
+    decision: &Decision<'_>,
     retry_after_seconds: Option<u64>,
 ) {
-    let plan = &decision.plan;
+    let plan = decision.plan;
     let policy = policies.get(decision.plan_id, plan);
     headers::insert(
         headers,
@@ -42,7 +42,7 @@ pub fn add_fields(
 
 /// The answer to a request the limiter refuses: 429 when the caller is out of credit, 503 when
 /// the ledger could not decide and the policy is closed. `None` when the request goes on.
-pub fn refusal(decision: &Decision, policies: &PolicyHeaders) -> Option<HttpResponse> {
+pub fn refusal(decision: &Decision<'_>, policies: &PolicyHeaders) -> Option<HttpResponse> {
     let (mut response, retry_after_seconds) = match &decision.outcome {
         Outcome::Admitted | Outcome::FailedOpen(_) => return None,
         Outcome::Limited {

@@ -88,11 +88,12 @@ pub enum Outcome {
     FailedClosed(LedgerError),
 }
 
+/// A decision, borrowing its plan from the limiter (no copy on the hot path).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
+pub struct Decision<'a> {
     pub outcome: Outcome,
     /// The caller's plan, and its place in the limiter's [`PlanBook`].
-    pub plan: Plan,
+    pub plan: &'a Plan,
     pub plan_id: PlanId,
     /// The caller's account in the ledger: a non-secret id, safe for traces.
     pub account_id: u128,
@@ -100,9 +101,9 @@ pub struct Decision {
 }
 
 /// One request to decide: who pays, on which account, how much.
-struct Charge {
+struct Charge<'a> {
     plan_id: PlanId,
-    plan: Plan,
+    plan: &'a Plan,
     account: UserAccount,
     cost: u64,
 }
@@ -189,7 +190,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Decides one request of `cost` units for `key`: `Err` (and no ledger call) when the key has
     /// no plan, a [`Decision`] otherwise, counted and recorded on the current span.
-    pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision, KeyError> {
+    pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision<'_>, KeyError> {
         let Some(charge) = self.charge(key, cost) else {
             self.reject_key();
             return Err(KeyError::Unknown);
@@ -211,9 +212,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(decision)
     }
 
-    fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge> {
+    fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge<'_>> {
         let plan_id = self.plans.plan_for(key)?;
-        let plan = self.plans.get(plan_id)?.clone();
+        let plan = self.plans.get(plan_id)?;
         let id = model::user_account_id(
             self.store.ledger_id(),
             plan.name(),
@@ -234,7 +235,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
     /// between one more hold and a 429.
-    async fn decide(&self, charge: &Charge) -> (Outcome, LocalQuota) {
+    async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
         let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
             return (
@@ -273,7 +274,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// and held again.
     async fn place(
         &self,
-        charge: &Charge,
+        charge: &Charge<'_>,
         deadline: Instant,
         provisioned: &mut bool,
     ) -> Result<Placed, LedgerError> {
@@ -310,7 +311,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     async fn view(
         &self,
-        charge: &Charge,
+        charge: &Charge<'_>,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
         let window_seconds_max = self.plans.window_seconds_max().get();
@@ -319,7 +320,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .await
     }
 
-    fn admitted(&self, charge: &Charge, answered_at: Instant) -> (Outcome, LocalQuota) {
+    fn admitted(&self, charge: &Charge<'_>, answered_at: Instant) -> (Outcome, LocalQuota) {
         let window = Duration::from_secs(charge.account.window_seconds.get().into());
         let local = self.local.record_hold(
             charge.account.id,
@@ -334,7 +335,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     fn limited_by_ledger(
         &self,
-        charge: &Charge,
+        charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
     ) -> (Outcome, LocalQuota) {
         let retry_after = self.retry_after(charge, view);
@@ -349,7 +350,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         (limited(retry_after, DecisionSource::Ledger), quota)
     }
 
-    fn fail(&self, error: LedgerError, charge: &Charge) -> (Outcome, LocalQuota) {
+    fn fail(&self, error: LedgerError, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
         // On the request's span always; in the log at most once a second (an outage must not
         // turn into a log flood).
         tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "ledger could not decide");
@@ -373,7 +374,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// then.
     fn retry_after(
         &self,
-        charge: &Charge,
+        charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
     ) -> Duration {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
@@ -400,7 +401,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Counts the decision and records it on the request's span (only when traced: the key id
     /// costs a hash).
-    fn record(&self, decision: &Decision, key: &CallerKey, cost: NonZeroU64) {
+    fn record(&self, decision: &Decision<'_>, key: &CallerKey, cost: NonZeroU64) {
         let label = DecisionLabel::of(&decision.outcome);
         let source = SourceLabel::of(&decision.outcome);
         self.decisions.record(label, Some(decision.plan_id), source);

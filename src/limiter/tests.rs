@@ -153,7 +153,7 @@ impl Fixture {
         }
     }
 
-    async fn check(&self, cost: NonZeroU64) -> Decision {
+    async fn check(&self, cost: NonZeroU64) -> Decision<'_> {
         let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
         self.limiter.check(&key, cost).await.expect("a known key")
     }
