@@ -205,8 +205,7 @@ impl TestCluster {
         let start = log.rfind(RESTART_MARK).unwrap_or(0);
         let line = log[start..]
             .lines()
-            .filter(|l| l.contains(" transition_to_"))
-            .last()?;
+            .rfind(|l| l.contains(" transition_to_"))?;
         let view = line.split(" view=").nth(1)?;
         let view = view
             .split(|c: char| !c.is_ascii_digit() && c != '.')
