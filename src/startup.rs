@@ -21,6 +21,15 @@ use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
 use crate::limiter::Limiter;
 use crate::telemetry::span::LimiterRootSpan;
 
+/// A client must send its whole request head within this, or the connection is closed (a slow
+/// client cannot hold a connection open by trickling headers).
+pub const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CLIENT_DISCONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// An idle keep-alive connection is closed after this.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// Connections each worker serves at once; beyond, new ones wait in the listen backlog.
+pub const CONNECTIONS_PER_WORKER_MAX: usize = 25_000;
+
 #[derive(Debug, Error)]
 pub enum StartupError {
     #[error(transparent)]
@@ -88,6 +97,10 @@ impl Application {
         })
         .workers(settings.workers.get())
         .shutdown_timeout(10)
+        .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
+        .client_disconnect_timeout(CLIENT_DISCONNECT_TIMEOUT)
+        .keep_alive(KEEP_ALIVE)
+        .max_connections(CONNECTIONS_PER_WORKER_MAX)
         .listen(listener)
         .map_err(|source| StartupError::Listen {
             address: settings.listen.clone(),

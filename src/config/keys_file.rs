@@ -61,6 +61,35 @@ fn parse(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Any bytes as a keys file: keys that pass are exactly the visible-ASCII ones within the
+        /// bound, an error never echoes the line, and nothing panics.
+        #[test]
+        fn any_keys_file_is_parsed_or_refused_without_echo(
+            bytes in proptest::collection::vec(any::<u8>(), 0..300),
+            length_max in 1usize..16,
+        ) {
+            let text = String::from_utf8_lossy(&bytes);
+            match parse(&text, Path::new("k"), length_max) {
+                Ok(keys) => {
+                    for (key, _) in keys {
+                        prop_assert!(is_valid_key(key.as_bytes(), length_max));
+                    }
+                }
+                Err(err) => {
+                    let after = err.message.split_once(": ").map_or("", |(_, m)| m);
+                    prop_assert!(
+                        after == "expected `<key> <plan>`" || after.starts_with("the key is not"),
+                        "{}", err.message
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn errors_name_file_and_line_and_never_the_key() {

@@ -108,8 +108,16 @@ pub struct RoutesFile {
 }
 
 impl FileConfig {
+    /// Errors name `origin` (the file), the line and column, and what is wrong there.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| invalid(origin, e.message().to_owned()))
+        toml::from_str(text).map_err(|e| {
+            let at = e.span().map(|span| line_and_column(text, span.start));
+            let message = match at {
+                Some((line, column)) => format!("line {line}, column {column}: {}", e.message()),
+                None => e.message().to_owned(),
+            };
+            invalid(origin, message)
+        })
     }
 
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
@@ -151,6 +159,14 @@ impl FileConfig {
         take!(routes.costs);
         self
     }
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+    (line, column)
 }
 
 /// Where the ledger is.
@@ -387,6 +403,31 @@ pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Hostile configuration text (arbitrary, and TOML-shaped with arbitrary values) is an
+        /// error naming where it is, or a valid configuration: never a panic.
+        #[test]
+        fn any_config_text_is_an_error_or_valid(
+            text in prop_oneof![
+                ".{0,200}",
+                "(\\[(ledger|caller|routes|plans\\.[a-z]{1,3}|routes\\.costs)\\]\n)?[a-z_]{1,16} = (-?[0-9]{1,20}|\"[ -~]{0,20}\"|\\[\\]|true)\n{1,3}"
+            ],
+        ) {
+            if let Ok(file) = FileConfig::parse(&text, "fuzz.toml") {
+                let _ = Settings::with_overrides(file);
+            }
+        }
+
+        #[test]
+        fn line_and_column_never_panics(text in ".{0,64}", offset in 0usize..80) {
+            let (line, column) = line_and_column(&text, offset);
+            prop_assert!(line >= 1 && column >= 1);
+        }
+    }
 
     fn with(text: &str) -> Result<Settings, ConfigError> {
         Settings::with_overrides(FileConfig::parse(text, "test").unwrap())
@@ -421,6 +462,12 @@ mod tests {
         assert_eq!(err.setting, "caller.header");
         let err = FileConfig::parse("[ledger]\ntimeout = 5", "f.toml").unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);
+        assert!(
+            err.message.starts_with("line 2, column 1:"),
+            "{}",
+            err.message
+        );
+        assert_eq!(err.setting, "f.toml");
     }
 
     #[test]

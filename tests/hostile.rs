@@ -1,0 +1,175 @@
+//! Hostile traffic over real sockets: slow clients, oversized and repeated headers, floods of idle
+//! connections and of new callers. Each is answered or cut off within a bound, and the service
+//! goes on serving everyone else.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::future::join_all;
+use ledger_limiter::startup::CLIENT_REQUEST_TIMEOUT;
+
+async fn app() -> TestApp {
+    spawn_app(test_config(shared_ledger().address)).await
+}
+
+fn connect(app: &TestApp) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", app.port)).unwrap();
+    stream
+        .set_read_timeout(Some(CLIENT_REQUEST_TIMEOUT + Duration::from_secs(5)))
+        .unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_trickling_its_headers_is_cut_off_and_others_are_served() {
+    let app = app().await;
+    let started = Instant::now();
+    let slow = tokio::task::spawn_blocking({
+        let mut stream = connect(&app);
+        move || {
+            stream
+                .write_all(b"GET /greeting HTTP/1.1\r\nHost: x\r\n")
+                .unwrap();
+            // ... and never the rest. The server answers 408 or closes: either way, not forever.
+            let mut buffer = Vec::new();
+            let _ = stream.read_to_end(&mut buffer);
+            String::from_utf8_lossy(&buffer).into_owned()
+        }
+    });
+    // Meanwhile everyone else is served.
+    for _ in 0..5 {
+        let status = app.get("/greeting", Some(&fresh_key("k_"))).await.status();
+        assert_eq!(status, 200);
+    }
+    let answer = slow.await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < CLIENT_REQUEST_TIMEOUT + Duration::from_secs(3),
+        "held for {took:?}"
+    );
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_are_refused_before_the_limiter() {
+    let app = app().await;
+    let calls = app.limiter.ledger().calls_started();
+    // A 64 KiB key header, and a request with thousands of headers.
+    // Refused with 431 (or 400), or the connection is reset before the answer can be read.
+    let refused = |status: &Result<u16, reqwest::Error>| match status {
+        Ok(status) => [400, 431].contains(status),
+        Err(error) => error.is_request(),
+    };
+    let huge = "k".repeat(64 * 1024);
+    let status = app
+        .http
+        .get(format!("{}/greeting", app.address))
+        .header("X-Api-Key", &huge)
+        .send()
+        .await
+        .map(|r| r.status().as_u16());
+    assert!(refused(&status), "{status:?}");
+    let mut request = app.http.get(format!("{}/greeting", app.address));
+    for i in 0..2000 {
+        request = request.header(format!("x-filler-{i}"), "1");
+    }
+    let status = request.send().await.map(|r| r.status().as_u16());
+    assert!(refused(&status), "{status:?}");
+    assert_eq!(
+        app.limiter.ledger().calls_started(),
+        calls,
+        "no ledger call"
+    );
+    assert_eq!(
+        app.get("/greeting", Some(&fresh_key("k_"))).await.status(),
+        200
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_does_not_stop_service() {
+    let app = app().await;
+    let idle: Vec<TcpStream> = (0..1000).map(|_| connect(&app)).collect();
+    let statuses = join_all((0..50).map(|_| async {
+        app.get("/greeting", Some(&fresh_key("k_")))
+            .await
+            .status()
+            .as_u16()
+    }))
+    .await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    drop(idle);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_far_beyond_the_in_flight_bound_is_answered_in_time() {
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.ledger.in_flight_max = Some(4);
+    config.ledger.timeout_ms = Some(300);
+    let app = spawn_app(config).await;
+    let started = Instant::now();
+    let answers = join_all((0..500).map(|_| async {
+        let sent = Instant::now();
+        let status = app.get("/greeting", Some(&fresh_key("k_"))).await.status();
+        (status.as_u16(), sent.elapsed())
+    }))
+    .await;
+    for (status, took) in &answers {
+        assert!([200, 503].contains(status), "{status}");
+        assert!(*took < Duration::from_secs(5), "took {took:?}");
+    }
+    let admitted = answers.iter().filter(|(s, _)| *s == 200).count();
+    eprintln!(
+        "500 new callers at once, in_flight_max 4: {admitted} admitted, the rest refused as overloaded, in {:?}",
+        started.elapsed()
+    );
+    assert!(admitted > 0);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_key_reaches_another_callers_account_or_the_operators() {
+    use ledger_limiter::ledger::model::OPERATOR_ACCOUNT_ID;
+    use tigerbeetle_unofficial as tb;
+
+    let ledger = shared_ledger();
+    let app = app().await;
+    let victim = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&victim)).await.status(), 200);
+    let victim_id = account_id(&app, &victim);
+    // Keys that spell the victim's or the operator's account id, in every way a request could.
+    let attacks = [
+        format!("{victim_id:032x}"),
+        format!("0x{victim_id:032x}"),
+        victim_id.to_string(),
+        OPERATOR_ACCOUNT_ID.to_string(),
+        format!("{OPERATOR_ACCOUNT_ID:032x}"),
+        format!("ip:{victim}"),
+        format!("ip:127.0.0.1"),
+    ];
+    for attack in &attacks {
+        let status = app.get("/greeting", Some(attack)).await.status().as_u16();
+        if status == 400 {
+            continue; // not a key at all
+        }
+        assert_eq!(status, 200, "{attack:?}");
+        let id = account_id(&app, attack);
+        assert_ne!(id, victim_id, "{attack:?}");
+        assert_ne!(id, OPERATOR_ACCOUNT_ID, "{attack:?}");
+    }
+    let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
+    let victim_account = client.lookup_accounts(vec![victim_id]).await.unwrap()[0];
+    assert_eq!(victim_account.debits_pending(), 1, "only its own request");
+    app.stop().await;
+}
