@@ -156,7 +156,7 @@ async fn no_key_reaches_another_callers_account_or_the_operators() {
         OPERATOR_ACCOUNT_ID.to_string(),
         format!("{OPERATOR_ACCOUNT_ID:032x}"),
         format!("ip:{victim}"),
-        format!("ip:127.0.0.1"),
+        "ip:127.0.0.1".to_owned(),
     ];
     for attack in &attacks {
         let status = app.get("/greeting", Some(attack)).await.status().as_u16();
@@ -171,5 +171,31 @@ async fn no_key_reaches_another_callers_account_or_the_operators() {
     let client = tb::Client::new(0, ledger.address.to_string()).unwrap();
     let victim_account = client.lookup_accounts(vec![victim_id]).await.unwrap()[0];
     assert_eq!(victim_account.debits_pending(), 1, "only its own request");
+    app.stop().await;
+}
+
+/// The smoke of `scripts/soak-callers` (a million new callers, RSS sampled): a stream of callers
+/// never seen before keeps this instance's per-caller memory within its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_new_callers_keeps_per_caller_memory_bounded() {
+    let mut config = test_config(shared_ledger().address);
+    config.ledger.local_callers_max = Some(128);
+    let app = spawn_app(config).await;
+    let run = format!("{:08x}", rand::random::<u32>());
+    for wave in 0..30 {
+        let statuses = join_all((0..100).map(|i| {
+            let key = format!("new_{run}_{wave}_{i}");
+            let app = &app;
+            async move { app.get("/greeting", Some(&key)).await.status().as_u16() }
+        }))
+        .await;
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+        // 64 shards of at most ceil(128 / 64) = 2 callers each.
+        assert!(
+            app.limiter.local_callers() <= 128,
+            "{}",
+            app.limiter.local_callers()
+        );
+    }
     app.stop().await;
 }

@@ -174,6 +174,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.store.ping(self.clock.now() + timeout).await
     }
 
+    /// How many callers this instance's local view remembers (at most `local_callers_max`).
+    pub fn local_callers(&self) -> usize {
+        self.local.callers()
+    }
+
     /// The ledger account `key` is charged to, if it has a plan (for audits and tooling).
     pub fn account_of(&self, key: &CallerKey) -> Option<u128> {
         self.charge(key, NonZeroU64::MIN)
