@@ -1,0 +1,41 @@
+// Sustained load at a fixed arrival rate (an open model: when the service slows down, requests
+// queue and their latency shows it, instead of the sender slowing down with it). Every request is
+// admitted (a plan far above the offered load), so every one is a durable hold in the ledger, and
+// with a 60 s window the holds expire as fast as they are made once the first minute has passed.
+//
+//   RATE=2000 DURATION=10m BASE_URL=http://127.0.0.1:8080 k6 run k6/sustain.js
+//
+// Run by scripts/sustain, which steps RATE up and records the ledger's side. Environment: BASE_URL,
+// RATE (requests/s, default 1000), DURATION (default 10m), CALLERS (distinct keys, round-robin,
+// default 10000), KEY_PREFIX (default "sustain_").
+
+import http from 'k6/http';
+import exec from 'k6/execution';
+
+const BASE_URL = (__ENV.BASE_URL || 'http://127.0.0.1:8080').replace(/\/+$/, '');
+const RATE = parseInt(__ENV.RATE || '1000', 10);
+const CALLERS = parseInt(__ENV.CALLERS || '10000', 10);
+const PREFIX = __ENV.KEY_PREFIX || 'sustain_';
+
+http.setResponseCallback(http.expectedStatuses(200));
+
+export const options = {
+  discardResponseBodies: true,
+  summaryTrendStats: ['avg', 'p(50)', 'p(90)', 'p(99)', 'max'],
+  scenarios: {
+    sustain: {
+      executor: 'constant-arrival-rate',
+      rate: RATE,
+      timeUnit: '1s',
+      duration: __ENV.DURATION || '10m',
+      // Enough VUs for a 250 ms deadline at this rate, with room.
+      preAllocatedVUs: Math.max(16, Math.ceil(RATE * 0.05)),
+      maxVUs: Math.max(64, Math.ceil(RATE * 0.3)),
+    },
+  },
+};
+
+export default function () {
+  const n = exec.scenario.iterationInTest % CALLERS;
+  http.get(`${BASE_URL}/greeting`, { headers: { 'X-Api-Key': `${PREFIX}${n}` } });
+}
