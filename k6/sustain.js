@@ -22,6 +22,12 @@ http.setResponseCallback(http.expectedStatuses(200));
 export const options = {
   discardResponseBodies: true,
   summaryTrendStats: ['avg', 'p(50)', 'p(90)', 'p(99)', 'max'],
+  // The stop criteria of scripts/sustain: a rate is sustained only if all three hold.
+  thresholds: {
+    http_req_duration: ['p(99)<50'],
+    http_req_failed: ['rate==0'],
+    dropped_iterations: ['count==0'],
+  },
   scenarios: {
     sustain: {
       executor: 'constant-arrival-rate',
