@@ -10,6 +10,9 @@ use metrics::{Counter, Gauge, Histogram};
 pub const LEDGER_CALL_DURATION_SECONDS: &str = "ledger_limiter_ledger_call_duration_seconds";
 pub const LEDGER_ERRORS_TOTAL: &str = "ledger_limiter_ledger_errors_total";
 pub const LEDGER_IN_FLIGHT: &str = "ledger_limiter_ledger_in_flight";
+/// The bound on calls in flight (`ledger.in_flight_max`): `in_flight / in_flight_max` near 1 means
+/// the ledger is falling behind, before calls are refused as `overloaded`.
+pub const LEDGER_IN_FLIGHT_MAX: &str = "ledger_limiter_ledger_in_flight_max";
 
 /// Buckets for ledger calls: TigerBeetle answers in well under a millisecond when healthy; the
 /// upper buckets catch a slow ledger up to the deadline.
@@ -102,7 +105,7 @@ pub struct LedgerMetrics {
 }
 
 impl LedgerMetrics {
-    pub fn register() -> Self {
+    pub fn register(in_flight_max: usize) -> Self {
         describe_histogram!(
             LEDGER_CALL_DURATION_SECONDS,
             metrics::Unit::Seconds,
@@ -113,6 +116,11 @@ impl LedgerMetrics {
             "Ledger calls that failed (each one applies the failure policy), by kind"
         );
         describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
+        describe_gauge!(
+            LEDGER_IN_FLIGHT_MAX,
+            "The bound on TigerBeetle calls in flight"
+        );
+        gauge!(LEDGER_IN_FLIGHT_MAX).set(in_flight_max as f64);
         let calls = Operation::ALL
             .iter()
             .flat_map(|operation| {

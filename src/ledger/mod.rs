@@ -214,7 +214,7 @@ impl Ledger {
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
             ledger_id: settings.ledger_id,
-            metrics: Arc::new(LedgerMetrics::register()),
+            metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
             calls_started: Arc::new(AtomicU64::new(0)),
         })
     }

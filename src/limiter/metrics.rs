@@ -9,6 +9,9 @@ use super::plan::{PlanBook, PlanId};
 use super::{DecisionSource, Outcome};
 
 pub const DECISIONS_TOTAL: &str = "ledger_limiter_decisions_total";
+/// The deadline of one decision (`ledger.timeout_ms`): the ledger's p99 call latency as a share of
+/// it shows the ledger falling behind before decisions fail.
+pub const DECISION_DEADLINE_SECONDS: &str = "ledger_limiter_decision_deadline_seconds";
 
 /// The `plan` label of decisions made before a plan is known (a rejected key).
 pub const PLAN_NONE: &str = "none";
@@ -100,7 +103,13 @@ const DECISIONS: usize = DecisionLabel::ALL.len();
 
 impl DecisionMetrics {
     /// Install the `metrics` recorder first: the counters bind to it here.
-    pub fn register(plans: &PlanBook) -> Self {
+    pub fn register(plans: &PlanBook, deadline: std::time::Duration) -> Self {
+        metrics::describe_gauge!(
+            DECISION_DEADLINE_SECONDS,
+            metrics::Unit::Seconds,
+            "The deadline of one decision"
+        );
+        metrics::gauge!(DECISION_DEADLINE_SECONDS).set(deadline.as_secs_f64());
         describe_counter!(
             DECISIONS_TOTAL,
             "Rate-limit decisions, by decision, plan and where the decision came from"

@@ -150,7 +150,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A limiter over any [`Store`] and [`Clock`] (tests script both).
     pub fn with_seams(store: S, clock: C, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
-        let decisions = DecisionMetrics::register(&plans);
+        let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         Limiter {
             store,
             clock,
