@@ -104,6 +104,7 @@ fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> F
     config.routes = RoutesFile {
         exempt: None,
         costs: Some([("/greeting".to_owned(), cost)].into()),
+        shadow: None,
     };
     config
 }
@@ -210,6 +211,7 @@ async fn plans_by_prefix_and_costs_by_route() {
     config.routes = RoutesFile {
         exempt: Some(vec!["/healthz".into()]),
         costs: Some([("/greeting".to_owned(), 2)].into()),
+        shadow: None,
     };
     let app = spawn_app(config).await;
     let free = fresh_key("free_");

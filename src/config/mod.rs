@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::http::{RequestRules, RulesError};
+use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
@@ -61,6 +61,8 @@ pub struct FileConfig {
     pub key_prefixes: Option<BTreeMap<String, String>>,
     #[serde(default)]
     pub routes: RoutesFile,
+    #[serde(default)]
+    pub response: ResponseFile,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -105,6 +107,17 @@ pub struct PlanFile {
 pub struct RoutesFile {
     pub exempt: Option<Vec<String>>,
     pub costs: Option<BTreeMap<String, u64>>,
+    /// Decided and recorded as usual, never refused (exact paths or `prefix*`; `/*` for all).
+    pub shadow: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseFile {
+    /// Which rate-limit header fields to send: `ietf`, `github`, `bucket4j` (one or several).
+    pub header_styles: Option<Vec<String>>,
+    /// The status for a request without a key: 401 (the default) or 400.
+    pub missing_key_status: Option<u16>,
 }
 
 impl FileConfig {
@@ -157,6 +170,9 @@ impl FileConfig {
         take!(key_prefixes);
         take!(routes.exempt);
         take!(routes.costs);
+        take!(routes.shadow);
+        take!(response.header_styles);
+        take!(response.missing_key_status);
         self
     }
 }
@@ -244,7 +260,7 @@ impl Settings {
             keys,
             caller.unknown_keys,
         )?;
-        let mut rules = match require(caller.source, "caller.source")?.as_str() {
+        let rules = match require(caller.source, "caller.source")?.as_str() {
             "header" => {
                 RequestRules::builder().key_header(require(caller.header, "caller.header")?)
             }
@@ -256,16 +272,13 @@ impl Settings {
                 ))
             }
         };
-        rules = rules.key_length_max(key_length_max);
-        for pattern in file.routes.exempt.unwrap_or_default() {
-            rules = rules.exempt(pattern);
-        }
-        for (route, cost) in file.routes.costs.unwrap_or_default() {
-            rules = rules.cost(route, cost);
-        }
-        let rules = rules
-            .build(&plans)
-            .map_err(|e| invalid(e.setting(), e.to_string()))?;
+        let rules = request_rules(
+            rules.key_length_max(key_length_max),
+            file.routes,
+            file.response,
+        )
+        .build(&plans)
+        .map_err(|e| invalid(e.setting(), e.to_string()))?;
         Ok(Settings {
             listen,
             workers,
@@ -283,6 +296,30 @@ impl Settings {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
+}
+
+/// The `[routes]` and `[response]` rules, for the builder to check against the plans.
+fn request_rules(
+    mut rules: RequestRulesBuilder,
+    routes: RoutesFile,
+    response: ResponseFile,
+) -> RequestRulesBuilder {
+    for pattern in routes.exempt.unwrap_or_default() {
+        rules = rules.exempt(pattern);
+    }
+    for (route, cost) in routes.costs.unwrap_or_default() {
+        rules = rules.cost(route, cost);
+    }
+    for pattern in routes.shadow.unwrap_or_default() {
+        rules = rules.shadow(pattern);
+    }
+    if let Some(styles) = response.header_styles {
+        rules = rules.header_styles(styles);
+    }
+    if let Some(status) = response.missing_key_status {
+        rules = rules.missing_key_status(status);
+    }
+    rules
 }
 
 /// Replica addresses when given, else the embedded ledger.

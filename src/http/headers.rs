@@ -55,19 +55,94 @@ fn policy_header(plan: &Plan) -> HeaderValue {
     HeaderValue::try_from(policy_value(plan)).expect("plan names are header-safe")
 }
 
-/// Adds both fields, and `Retry-After` when given.
+/// The header styles clients already parse; the IETF fields by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderStyles {
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
+    pub ietf: bool,
+    /// GitHub's `X-RateLimit-Limit`, `-Remaining`, `-Reset` (epoch seconds) and `-Used`.
+    pub github: bool,
+    /// bucket4j's `X-Rate-Limit-Remaining`, and `X-Rate-Limit-Retry-After-Seconds` on a refusal.
+    pub bucket4j: bool,
+}
+
+impl Default for HeaderStyles {
+    fn default() -> Self {
+        HeaderStyles {
+            ietf: true,
+            github: false,
+            bucket4j: false,
+        }
+    }
+}
+
+impl HeaderStyles {
+    /// From names; `Err` names the first unknown one (or is empty when no style is given).
+    pub fn parse(names: &[String]) -> Result<Self, String> {
+        let mut styles = HeaderStyles {
+            ietf: false,
+            github: false,
+            bucket4j: false,
+        };
+        for name in names {
+            match name.as_str() {
+                "ietf" => styles.ietf = true,
+                "github" => styles.github = true,
+                "bucket4j" => styles.bucket4j = true,
+                other => return Err(other.to_owned()),
+            }
+        }
+        if names.is_empty() {
+            return Err(String::new());
+        }
+        Ok(styles)
+    }
+}
+
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+pub const X_RATELIMIT_USED: HeaderName = HeaderName::from_static("x-ratelimit-used");
+pub const X_RATE_LIMIT_REMAINING: HeaderName = HeaderName::from_static("x-rate-limit-remaining");
+pub const X_RATE_LIMIT_RETRY_AFTER_SECONDS: HeaderName =
+    HeaderName::from_static("x-rate-limit-retry-after-seconds");
+
+/// Adds the fields of every style, and `Retry-After` when given.
 pub fn insert(
     headers: &mut HeaderMap,
+    styles: HeaderStyles,
     plan: &str,
     policy: HeaderValue,
     quota: &Quota,
     retry_after_seconds: Option<u64>,
 ) {
-    headers.insert(RATELIMIT_POLICY, policy);
-    headers.insert(
-        RATELIMIT,
-        HeaderValue::try_from(ratelimit_value(plan, quota)).expect("header values are ASCII"),
-    );
+    if styles.ietf {
+        headers.insert(RATELIMIT_POLICY, policy);
+        headers.insert(
+            RATELIMIT,
+            HeaderValue::try_from(ratelimit_value(plan, quota)).expect("header values are ASCII"),
+        );
+    }
+    if styles.github {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(quota.limit));
+        headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(quota.remaining));
+        headers.insert(
+            X_RATELIMIT_RESET,
+            HeaderValue::from(now + quota.reset_seconds),
+        );
+        let used = quota.limit.saturating_sub(quota.remaining);
+        headers.insert(X_RATELIMIT_USED, HeaderValue::from(used));
+    }
+    if styles.bucket4j {
+        headers.insert(X_RATE_LIMIT_REMAINING, HeaderValue::from(quota.remaining));
+        if let Some(seconds) = retry_after_seconds {
+            headers.insert(X_RATE_LIMIT_RETRY_AFTER_SECONDS, HeaderValue::from(seconds));
+        }
+    }
     if let Some(seconds) = retry_after_seconds {
         headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
     }
@@ -105,11 +180,53 @@ mod tests {
             "\"other\";q=7;w=30"
         );
         let mut headers = HeaderMap::new();
-        insert(&mut headers, "free", policy, &quota, Some(12));
+        insert(
+            &mut headers,
+            HeaderStyles::default(),
+            "free",
+            policy.clone(),
+            &quota,
+            Some(12),
+        );
+        assert!(headers.get("x-ratelimit-limit").is_none());
         assert_eq!(headers.get("retry-after").unwrap(), "12");
         assert_eq!(
             headers.get("RateLimit-Policy").unwrap(),
             "\"free\";q=5;w=30"
         );
+    }
+
+    #[test]
+    fn every_style_says_the_same_quota() {
+        let quota = Quota {
+            limit: 5,
+            window_seconds: 30,
+            remaining: 0,
+            reset_seconds: 27,
+        };
+        let all = HeaderStyles::parse(&["ietf".into(), "github".into(), "bucket4j".into()]);
+        let mut headers = HeaderMap::new();
+        let policy = HeaderValue::from_static("\"free\";q=5;w=30");
+        insert(&mut headers, all.unwrap(), "free", policy, &quota, Some(27));
+        assert_eq!(headers.get("ratelimit").unwrap(), "\"free\";r=0;t=27");
+        assert_eq!(headers.get("x-ratelimit-limit").unwrap(), "5");
+        assert_eq!(headers.get("x-ratelimit-remaining").unwrap(), "0");
+        assert_eq!(headers.get("x-ratelimit-used").unwrap(), "5");
+        let reset: u64 = headers
+            .get("x-ratelimit-reset")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(reset > 1_700_000_000, "epoch seconds: {reset}");
+        assert_eq!(headers.get("x-rate-limit-remaining").unwrap(), "0");
+        assert_eq!(
+            headers.get("x-rate-limit-retry-after-seconds").unwrap(),
+            "27"
+        );
+        assert_eq!(headers.get("retry-after").unwrap(), "27");
+        assert_eq!(HeaderStyles::parse(&["nope".into()]), Err("nope".into()));
+        assert_eq!(HeaderStyles::parse(&[]), Err(String::new()));
     }
 }

@@ -32,7 +32,7 @@ use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
 use super::headers::PolicyHeaders;
-use super::respond;
+use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use crate::limiter::Limiter;
 
@@ -40,7 +40,7 @@ use crate::limiter::Limiter;
 struct Inner {
     limiter: Arc<Limiter>,
     rules: Arc<RequestRules>,
-    policies: PolicyHeaders,
+    fields: Fields,
 }
 
 /// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`.
@@ -49,11 +49,14 @@ pub struct RateLimit(Arc<Inner>);
 
 impl RateLimit {
     pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
-        let policies = PolicyHeaders::new(limiter.plans());
+        let fields = Fields {
+            policies: PolicyHeaders::new(limiter.plans()),
+            styles: rules.header_styles(),
+        };
         RateLimit(Arc::new(Inner {
             limiter,
             rules,
-            policies,
+            fields,
         }))
     }
 }
@@ -98,27 +101,31 @@ where
         let service = self.service.clone();
         let inner = self.inner.clone();
         Box::pin(async move {
-            let (key, cost) = match inner.rules.classify(&req) {
+            let missing = inner.rules.missing_key_status();
+            let (key, cost, shadow) = match inner.rules.classify(&req) {
                 Classified::Exempt => return Ok(service.call(req).await?.map_into_left_body()),
                 Classified::Rejected(error) => {
                     inner.limiter.reject_key();
-                    let response = respond::rejected(&error);
+                    let response = respond::rejected(&error, missing);
                     return Ok(req.into_response(response).map_into_right_body());
                 }
-                Classified::Charge { key, cost } => (key, cost),
+                Classified::Charge { key, cost, shadow } => (key, cost, shadow),
             };
             let decision = match inner.limiter.check(&key, cost).await {
                 Ok(decision) => decision,
                 Err(error) => {
-                    let response = respond::rejected(&error);
+                    let response = respond::rejected(&error, missing);
                     return Ok(req.into_response(response).map_into_right_body());
                 }
             };
-            if let Some(response) = respond::refusal(&decision, &inner.policies) {
-                return Ok(req.into_response(response).map_into_right_body());
+            if let Some(response) = respond::refusal(&decision, &inner.fields) {
+                if !shadow {
+                    return Ok(req.into_response(response).map_into_right_body());
+                }
+                inner.limiter.pass_in_shadow(&decision);
             }
             let mut response = service.call(req).await?;
-            respond::add_fields(response.headers_mut(), &inner.policies, &decision, None);
+            respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
             Ok(response.map_into_left_body())
         })
     }

@@ -59,7 +59,11 @@ struct Body<'a> {
 
 /// Builds the response. `detail` must never contain a secret (it is shown to the caller).
 pub fn response(kind: ProblemKind, detail: &str) -> HttpResponse {
-    let status = kind.status();
+    with_status(kind, kind.status(), detail)
+}
+
+/// The same, with a configured status instead of the kind's own (a missing key as 400).
+pub fn with_status(kind: ProblemKind, status: StatusCode, detail: &str) -> HttpResponse {
     let body = Body {
         type_uri: kind.type_uri(),
         title: kind.title(),

@@ -2,17 +2,22 @@
 //! fields it adds to every response of a limited route.
 
 use actix_web::http::header::HeaderMap;
+use actix_web::http::StatusCode;
 use actix_web::HttpResponse;
 
-use super::headers::{self, PolicyHeaders};
+use super::headers::{self, HeaderStyles, PolicyHeaders};
 use super::problem::{self, ProblemKind};
 use crate::limiter::caller::KeyError;
 use crate::limiter::{Decision, Outcome};
 
-/// 400/401 for a key that is missing, malformed or unknown.
-pub fn rejected(error: &KeyError) -> HttpResponse {
+/// 400/401 for a key that is missing (`missing_status`: 401 unless configured 400), malformed or
+/// unknown.
+pub fn rejected(error: &KeyError, missing_status: StatusCode) -> HttpResponse {
     let kind = match error {
-        KeyError::Missing { .. } | KeyError::NoPeerAddress => ProblemKind::MissingKey,
+        KeyError::Missing { .. } | KeyError::NoPeerAddress => {
+            let detail = error.to_string();
+            return problem::with_status(ProblemKind::MissingKey, missing_status, &detail);
+        }
         KeyError::Unknown => ProblemKind::UnknownKey,
         KeyError::Empty { .. }
         | KeyError::TooLong { .. }
@@ -22,17 +27,24 @@ pub fn rejected(error: &KeyError) -> HttpResponse {
     problem::response(kind, &error.to_string())
 }
 
-/// Adds `RateLimit-Policy`, `RateLimit` and, when given, `Retry-After`.
+/// How responses carry the quota: the `RateLimit-Policy` values made once, and the styles.
+pub struct Fields {
+    pub policies: PolicyHeaders,
+    pub styles: HeaderStyles,
+}
+
+/// Adds the rate-limit fields of every configured style and, when given, `Retry-After`.
 pub fn add_fields(
     headers: &mut HeaderMap,
-    policies: &PolicyHeaders,
+    fields: &Fields,
     decision: &Decision<'_>,
     retry_after_seconds: Option<u64>,
 ) {
     let plan = decision.plan;
-    let policy = policies.get(decision.plan_id, plan);
+    let policy = fields.policies.get(decision.plan_id, plan);
     headers::insert(
         headers,
+        fields.styles,
         plan.name(),
         policy,
         &decision.quota,
@@ -42,7 +54,7 @@ pub fn add_fields(
 
 /// The answer to a request the limiter refuses: 429 when the caller is out of credit, 503 when
 /// the ledger could not decide and the policy is closed. `None` when the request goes on.
-pub fn refusal(decision: &Decision<'_>, policies: &PolicyHeaders) -> Option<HttpResponse> {
+pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse> {
     let (mut response, retry_after_seconds) = match &decision.outcome {
         Outcome::Admitted | Outcome::FailedOpen(_) => return None,
         Outcome::Limited {
@@ -79,7 +91,7 @@ pub fn refusal(decision: &Decision<'_>, policies: &PolicyHeaders) -> Option<Http
     };
     add_fields(
         response.headers_mut(),
-        policies,
+        fields,
         decision,
         Some(retry_after_seconds),
     );
@@ -93,15 +105,15 @@ mod tests {
     #[test]
     fn key_errors_map_to_statuses() {
         let header = "x-api-key".to_owned();
-        assert_eq!(rejected(&KeyError::Unknown).status(), 401);
-        assert_eq!(rejected(&KeyError::NoPeerAddress).status(), 401);
-        assert_eq!(
-            rejected(&KeyError::Missing {
-                header: header.clone()
-            })
-            .status(),
-            401
-        );
-        assert_eq!(rejected(&KeyError::Repeated { header }).status(), 400);
+        let missing = StatusCode::UNAUTHORIZED;
+        assert_eq!(rejected(&KeyError::Unknown, missing).status(), 401);
+        assert_eq!(rejected(&KeyError::NoPeerAddress, missing).status(), 401);
+        let no_key = KeyError::Missing {
+            header: header.clone(),
+        };
+        assert_eq!(rejected(&no_key, missing).status(), 401);
+        assert_eq!(rejected(&no_key, StatusCode::BAD_REQUEST).status(), 400);
+        let repeated = KeyError::Repeated { header };
+        assert_eq!(rejected(&repeated, missing).status(), 400);
     }
 }

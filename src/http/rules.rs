@@ -7,7 +7,10 @@ use std::num::NonZeroU64;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
+use actix_web::http::StatusCode;
 use thiserror::Error;
+
+use super::headers::HeaderStyles;
 
 use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::PlanBook;
@@ -31,8 +34,12 @@ pub enum Classified {
     Exempt,
     /// No usable key: answered 400/401 before any ledger call.
     Rejected(KeyError),
-    /// Charge `cost` units to `key`.
-    Charge { key: CallerKey, cost: NonZeroU64 },
+    /// Charge `cost` units to `key`; in `shadow` mode a refusal is recorded but not enforced.
+    Charge {
+        key: CallerKey,
+        cost: NonZeroU64,
+        shadow: bool,
+    },
 }
 
 /// Exempt paths, the key source and route costs. See [`RequestRules::builder`].
@@ -43,6 +50,10 @@ pub struct RequestRules {
     /// Exact paths, or prefixes ending in `*`.
     exempt_paths: Vec<String>,
     route_costs: RouteCosts,
+    /// Exact paths, or prefixes ending in `*`, decided as usual but never refused.
+    shadow_paths: Vec<String>,
+    header_styles: HeaderStyles,
+    missing_key_status: StatusCode,
 }
 
 impl RequestRules {
@@ -61,9 +72,20 @@ impl RequestRules {
             Ok(key) => Classified::Charge {
                 key,
                 cost: self.route_costs.cost(path),
+                shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
             },
             Err(error) => Classified::Rejected(error),
         }
+    }
+
+    /// Which rate-limit header fields responses carry.
+    pub fn header_styles(&self) -> HeaderStyles {
+        self.header_styles
+    }
+
+    /// The status of a request without a key (401 unless configured 400).
+    pub fn missing_key_status(&self) -> StatusCode {
+        self.missing_key_status
     }
 
     /// Identifies the caller, before any ledger call.
@@ -146,6 +168,12 @@ pub enum RulesError {
     KeyLengthMax,
     #[error("{0:?} must start with /")]
     ExemptPath(String),
+    #[error("{0:?} must start with /")]
+    ShadowPath(String),
+    #[error("{0:?} is not one of \"ietf\", \"github\", \"bucket4j\" (and at least one is needed)")]
+    HeaderStyle(String),
+    #[error("{0} is neither 401 nor 400")]
+    MissingKeyStatus(u16),
     #[error("routes must start with /")]
     CostRoute(String),
     #[error("must be at least 1")]
@@ -165,6 +193,9 @@ impl RulesError {
             RulesError::KeyHeader(_) => "caller.header".to_owned(),
             RulesError::KeyLengthMax => "caller.key_length_max".to_owned(),
             RulesError::ExemptPath(_) => "routes.exempt".to_owned(),
+            RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
+            RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
+            RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::CostRoute(route)
             | RulesError::CostZero(route)
             | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
@@ -179,6 +210,9 @@ pub struct RequestRulesBuilder {
     key_length_max: usize,
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
+    shadow_paths: Vec<String>,
+    header_styles: Option<Vec<String>>,
+    missing_key_status: u16,
 }
 
 impl Default for RequestRulesBuilder {
@@ -188,6 +222,9 @@ impl Default for RequestRulesBuilder {
             key_length_max: KEY_LENGTH_MAX_DEFAULT,
             exempt_paths: Vec::new(),
             costs: Vec::new(),
+            shadow_paths: Vec::new(),
+            header_styles: None,
+            missing_key_status: 401,
         }
     }
 }
@@ -216,6 +253,27 @@ impl RequestRulesBuilder {
         self
     }
 
+    /// A path (exact, or a prefix ending in `*`; `/*` for every path) in shadow mode: decided,
+    /// counted and held exactly as usual, but a refusal lets the request through.
+    pub fn shadow(mut self, pattern: impl Into<String>) -> Self {
+        self.shadow_paths.push(pattern.into());
+        self
+    }
+
+    /// Rate-limit header fields by name: `ietf` (`RateLimit`, `RateLimit-Policy`; the default),
+    /// `github` (`X-RateLimit-Limit`, `-Remaining`, `-Reset` in epoch seconds, `-Used`),
+    /// `bucket4j` (`X-Rate-Limit-Remaining`, `X-Rate-Limit-Retry-After-Seconds` on a refusal).
+    pub fn header_styles<S: Into<String>>(mut self, styles: impl IntoIterator<Item = S>) -> Self {
+        self.header_styles = Some(styles.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// 401 (the default) or 400 for a request without a key.
+    pub fn missing_key_status(mut self, status: u16) -> Self {
+        self.missing_key_status = status;
+        self
+    }
+
     /// What a request to `route` (exact, or a prefix ending in `*`) costs; 1 otherwise.
     pub fn cost(mut self, route: impl Into<String>, cost: u64) -> Self {
         self.costs.push((route.into(), cost));
@@ -235,6 +293,18 @@ impl RequestRulesBuilder {
         if let Some(bad) = self.exempt_paths.iter().find(|p| !p.starts_with('/')) {
             return Err(RulesError::ExemptPath(bad.clone()));
         }
+        if let Some(bad) = self.shadow_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(RulesError::ShadowPath(bad.clone()));
+        }
+        let header_styles = match &self.header_styles {
+            Some(names) => HeaderStyles::parse(names).map_err(RulesError::HeaderStyle)?,
+            None => HeaderStyles::default(),
+        };
+        let missing_key_status = match self.missing_key_status {
+            400 => StatusCode::BAD_REQUEST,
+            401 => StatusCode::UNAUTHORIZED,
+            other => return Err(RulesError::MissingKeyStatus(other)),
+        };
         let mut costs = Vec::with_capacity(self.costs.len());
         for (route, cost) in self.costs {
             costs.push(checked_cost(route, cost, plans)?);
@@ -244,6 +314,9 @@ impl RequestRulesBuilder {
             key_length_max: self.key_length_max,
             exempt_paths: self.exempt_paths,
             route_costs: RouteCosts::new(costs),
+            shadow_paths: self.shadow_paths,
+            header_styles,
+            missing_key_status,
         })
     }
 }
@@ -374,5 +447,13 @@ mod tests {
         assert_eq!(e.setting(), "routes.exempt");
         let e = build(RequestRules::builder().key_header("bad header"));
         assert_eq!(e.setting(), "caller.header");
+        let e = build(RequestRules::builder().shadow("beta"));
+        assert_eq!(e.setting(), "routes.shadow");
+        let e = build(RequestRules::builder().header_styles(["ietf", "x"]));
+        assert_eq!(e, RulesError::HeaderStyle("x".into()));
+        let e = build(RequestRules::builder().header_styles(Vec::<String>::new()));
+        assert_eq!(e.setting(), "response.header_styles");
+        let e = build(RequestRules::builder().missing_key_status(403));
+        assert_eq!(e.setting(), "response.missing_key_status");
     }
 }

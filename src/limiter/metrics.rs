@@ -13,6 +13,10 @@ pub const DECISIONS_TOTAL: &str = "ledger_limiter_decisions_total";
 /// it shows the ledger falling behind before decisions fail.
 pub const DECISION_DEADLINE_SECONDS: &str = "ledger_limiter_decision_deadline_seconds";
 
+/// Refusals let through because their route is in shadow mode, by plan and decision (`limited`
+/// or `failed_closed`): what enforcing the limit would have refused.
+pub const SHADOW_PASSED_TOTAL: &str = "ledger_limiter_shadow_passed_total";
+
 /// The `plan` label of decisions made before a plan is known (a rejected key).
 pub const PLAN_NONE: &str = "none";
 
@@ -96,6 +100,8 @@ impl SourceLabel {
 pub struct DecisionMetrics {
     /// Indexed by [`DecisionMetrics::index`]; invalid combinations hold no-op counters.
     counters: Vec<Counter>,
+    /// Per plan: [limited, failed_closed] let through in shadow mode.
+    shadow: Vec<[Counter; 2]>,
 }
 
 const SOURCES: usize = SourceLabel::ALL.len();
@@ -135,7 +141,24 @@ impl DecisionMetrics {
                 }
             }
         }
-        DecisionMetrics { counters }
+        let shadow = plans
+            .plans()
+            .iter()
+            .map(|plan| shadow_counters(plan.name()))
+            .collect();
+        DecisionMetrics { counters, shadow }
+    }
+
+    /// Counts a refusal let through in shadow mode.
+    pub fn record_shadow(&self, plan: PlanId, decision: DecisionLabel) {
+        let slot = match decision {
+            DecisionLabel::Limited => 0,
+            DecisionLabel::FailedClosed => 1,
+            _ => return,
+        };
+        if let Some(counters) = self.shadow.get(plan.index()) {
+            counters[slot].increment(1);
+        }
     }
 
     fn index(decision: DecisionLabel, plan: Option<PlanId>, source: SourceLabel) -> usize {
@@ -150,6 +173,22 @@ impl DecisionMetrics {
             counter.increment(1);
         }
     }
+}
+
+fn shadow_counters(plan: &str) -> [Counter; 2] {
+    describe_counter!(
+        SHADOW_PASSED_TOTAL,
+        "Refusals let through because their route is in shadow mode, by plan and decision"
+    );
+    [DecisionLabel::Limited, DecisionLabel::FailedClosed].map(|decision| {
+        let counter = counter!(
+            SHADOW_PASSED_TOTAL,
+            "decision" => decision.as_str(),
+            "plan" => plan.to_owned()
+        );
+        counter.absolute(0);
+        counter
+    })
 }
 
 fn valid_combination(decision: DecisionLabel, plan: &str, source: SourceLabel) -> bool {

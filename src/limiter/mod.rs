@@ -185,6 +185,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .map(|charge| charge.account.id)
     }
 
+    /// Counts a refusal that a route in shadow mode lets through, and marks the request's span.
+    pub fn pass_in_shadow(&self, decision: &Decision<'_>) {
+        let label = DecisionLabel::of(&decision.outcome);
+        self.decisions.record_shadow(decision.plan_id, label);
+        tracing::Span::current().record(fields::SHADOW, true);
+    }
+
     /// Counts a request refused before any decision because its key was malformed or missing.
     pub fn reject_key(&self) {
         self.decisions

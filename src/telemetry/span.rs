@@ -18,6 +18,8 @@ pub mod fields {
     /// `ledger`, `local_view` (refused from memory: no ledger call) or `none`.
     pub const SOURCE: &str = "ratelimit.source";
     pub const REMAINING: &str = "ratelimit.remaining";
+    /// `true` when a refusal was let through because the route is in shadow mode.
+    pub const SHADOW: &str = "ratelimit.shadow";
 }
 
 /// The server span of every request, with the limiter's fields declared (empty until recorded).
@@ -34,6 +36,7 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.decision = tracing::field::Empty,
             ratelimit.source = tracing::field::Empty,
             ratelimit.remaining = tracing::field::Empty,
+            ratelimit.shadow = tracing::field::Empty,
         )
     }
 

@@ -387,6 +387,7 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
                 "/metrics/*".into(),
             ]),
             costs: None,
+            shadow: None,
         },
         ..FileConfig::default()
     }

@@ -1,0 +1,133 @@
+//! Features for paying-API operators, against a real TigerBeetle over real sockets: shadow mode,
+//! header styles existing clients parse, the status of a missing key.
+
+mod common;
+
+use common::*;
+use futures_util::future::join_all;
+use ledger_limiter::config::{FileConfig, ResponseFile, RoutesFile};
+
+fn config(capacity: u64, routes: RoutesFile, response: ResponseFile) -> FileConfig {
+    let mut config = test_config(shared_ledger().address);
+    config.plans = Some([("free".to_owned(), plan(capacity, 60))].into());
+    config.routes = routes;
+    config.response = response;
+    config
+}
+
+fn shadow_everything() -> RoutesFile {
+    RoutesFile {
+        shadow: Some(vec!["/*".into()]),
+        ..RoutesFile::default()
+    }
+}
+
+async fn held(app: &TestApp, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    app.limiter
+        .ledger()
+        .audit(account_id(app, key), deadline)
+        .await
+        .unwrap()
+        .expect("the account exists")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_decides_and_holds_as_usual_but_never_refuses() {
+    let a = spawn_app(config(3, shadow_everything(), ResponseFile::default())).await;
+    let b = spawn_app(config(3, shadow_everything(), ResponseFile::default())).await;
+    let key = fresh_key("k_");
+    let answers = join_all((0..20).map(|i| {
+        let app = if i % 2 == 0 { &a } else { &b };
+        let key = key.clone();
+        async move {
+            let response = app.get("/greeting", Some(&key)).await;
+            let ratelimit = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+            (
+                response.status().as_u16(),
+                ratelimit,
+                response.headers().get("retry-after").is_some(),
+            )
+        }
+    }))
+    .await;
+    assert!(answers.iter().all(|(s, _, _)| *s == 200), "{answers:?}");
+    // What enforcing would have refused is visible to the caller as r=0, without Retry-After.
+    let would_refuse = answers
+        .iter()
+        .filter(|(_, r, _)| r.contains(";r=0;"))
+        .count();
+    assert!(would_refuse >= 20 - 3, "{answers:?}");
+    assert!(answers.iter().all(|(_, _, retry)| !retry));
+    // Exactly as usual in the ledger: the capacity is held, the refusals hold nothing.
+    let audit = held(&a, &key).await;
+    assert_eq!(audit.admitted(), 3, "{audit:?}");
+    assert_eq!(audit.debits_pending, 3);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_shadow_routes_let_refusals_through() {
+    let routes = RoutesFile {
+        shadow: Some(vec!["/beta*".into()]),
+        ..RoutesFile::default()
+    };
+    let app = spawn_app(config(1, routes, ResponseFile::default())).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    // A shadow path is decided (and refused) the same, then let through: here to a 404.
+    assert_eq!(app.get("/beta/x", Some(&key)).await.status(), 404);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn github_and_bucket4j_header_styles() {
+    let response = ResponseFile {
+        header_styles: Some(vec!["github".into(), "bucket4j".into()]),
+        ..ResponseFile::default()
+    };
+    let app = spawn_app(config(2, RoutesFile::default(), response)).await;
+    let key = fresh_key("k_");
+    let first = app.get("/greeting", Some(&key)).await;
+    assert_eq!(first.status(), 200);
+    let h = |r: &reqwest::Response, name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(h(&first, "x-ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(h(&first, "x-ratelimit-remaining").as_deref(), Some("1"));
+    assert_eq!(h(&first, "x-ratelimit-used").as_deref(), Some("1"));
+    let reset: u64 = h(&first, "x-ratelimit-reset").unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!((now + 55..=now + 62).contains(&reset), "{reset} vs {now}");
+    assert_eq!(h(&first, "x-rate-limit-remaining").as_deref(), Some("1"));
+    assert_eq!(h(&first, "ratelimit"), None, "ietf not asked for");
+    app.get("/greeting", Some(&key)).await;
+    let refused = app.get("/greeting", Some(&key)).await;
+    assert_eq!(refused.status(), 429);
+    let retry = h(&refused, "x-rate-limit-retry-after-seconds").unwrap();
+    assert_eq!(Some(retry), h(&refused, "retry-after"));
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_key_can_be_a_400() {
+    let response = ResponseFile {
+        missing_key_status: Some(400),
+        ..ResponseFile::default()
+    };
+    let app = spawn_app(config(5, RoutesFile::default(), response)).await;
+    let missing = app.get("/greeting", None).await;
+    assert_eq!(missing.status(), 400);
+    let body: serde_json::Value = missing.json().await.unwrap();
+    assert_eq!(body["type"], "urn:ledger-limiter:problem:missing-api-key");
+    assert_eq!(body["status"], 400, "the body says the same status");
+    app.stop().await;
+}
