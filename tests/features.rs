@@ -131,3 +131,81 @@ async fn a_missing_key_can_be_a_400() {
     assert_eq!(body["status"], 400, "the body says the same status");
     app.stop().await;
 }
+
+/// Keyless callers on a plan of this test's own (every test here calls from 127.0.0.1).
+fn anonymous(trusted_proxies: Option<Vec<String>>) -> (FileConfig, String) {
+    let mut config = config(5, RoutesFile::default(), ResponseFile::default());
+    let anon = format!("anon{:08x}", rand::random::<u32>());
+    config.plans = Some(
+        [
+            ("free".to_owned(), plan(5, 60)),
+            (anon.clone(), plan(2, 60)),
+        ]
+        .into(),
+    );
+    config.default_plan = Some("free".into());
+    config.caller = ledger_limiter::config::CallerFile {
+        source: Some("header-or-peer-ip".into()),
+        anonymous_plan: Some(anon.clone()),
+        trusted_proxies,
+        ..Default::default()
+    };
+    (config, anon)
+}
+
+async fn get_from(app: &TestApp, forwarded_for: &str) -> (u16, String) {
+    let response = app
+        .http
+        .get(format!("{}/greeting", app.address))
+        .header("X-Forwarded-For", forwarded_for)
+        .send()
+        .await
+        .unwrap();
+    let policy = response.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (response.status().as_u16(), policy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_callers_get_the_anonymous_plan_and_keyed_callers_theirs() {
+    let (config, anon) = anonymous(None);
+    let app = spawn_app(config).await;
+    let anon_policy = format!("\"{anon}\";q=2;w=60");
+    for expected in [200, 200, 429] {
+        let response = app.get("/greeting", None).await;
+        assert_eq!(response.status(), expected);
+        assert_eq!(response.headers()["ratelimit-policy"], anon_policy.as_str());
+    }
+    let keyed = app.get("/greeting", Some(&fresh_key("k_"))).await;
+    assert_eq!(keyed.status(), 200);
+    assert_eq!(keyed.headers()["ratelimit-policy"], "\"free\";q=5;w=60");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_for_is_believed_only_from_trusted_proxies() {
+    // Not trusted: a client that claims to be someone else still spends its own allowance.
+    let (config, _) = anonymous(None);
+    let app = spawn_app(config).await;
+    let spoofed = [
+        get_from(&app, "198.51.100.1").await.0,
+        get_from(&app, "198.51.100.2").await.0,
+        get_from(&app, "198.51.100.3").await.0,
+    ];
+    assert_eq!(spoofed, [200, 200, 429], "the spoofed header was believed");
+    app.stop().await;
+
+    // Trusted (this test's client is the proxy): each forwarded caller has its own allowance.
+    let (config, _) = anonymous(Some(vec!["127.0.0.1".into()]));
+    let app = spawn_app(config).await;
+    let run = rand::random::<u8>();
+    for client in 1..=3 {
+        let address = format!("203.0.{run}.{client}");
+        assert_eq!(get_from(&app, &address).await.0, 200);
+        assert_eq!(get_from(&app, &address).await.0, 200);
+        assert_eq!(get_from(&app, &address).await.0, 429, "{address}");
+    }
+    app.stop().await;
+}

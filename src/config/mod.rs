@@ -88,7 +88,12 @@ pub struct EmbeddedFile {
 #[derive(Debug, Default, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct CallerFile {
+    /// `header`, `peer-ip`, or `header-or-peer-ip` (a key if sent, else the address).
     pub source: Option<String>,
+    /// The plan of callers known by their address (no key); the default plan unless set.
+    pub anonymous_plan: Option<String>,
+    /// Proxies (addresses or blocks) whose X-Forwarded-For / Forwarded name the caller.
+    pub trusted_proxies: Option<Vec<String>>,
     pub header: Option<String>,
     pub key_length_max: Option<usize>,
     pub unknown_keys: Option<String>,
@@ -161,6 +166,8 @@ impl FileConfig {
         take!(embedded.tigerbeetle_bin);
         take!(embedded.development);
         take!(caller.source);
+        take!(caller.anonymous_plan);
+        take!(caller.trusted_proxies);
         take!(caller.header);
         take!(caller.key_length_max);
         take!(caller.unknown_keys);
@@ -260,18 +267,13 @@ impl Settings {
             keys,
             caller.unknown_keys,
         )?;
-        let rules = match require(caller.source, "caller.source")?.as_str() {
-            "header" => {
-                RequestRules::builder().key_header(require(caller.header, "caller.header")?)
-            }
-            "peer-ip" => RequestRules::builder().peer_ip(),
-            other => {
-                return Err(invalid(
-                    "caller.source",
-                    format!("{other:?} is neither \"header\" nor \"peer-ip\""),
-                ))
-            }
+        let plans = match &caller.anonymous_plan {
+            Some(name) => plans
+                .with_address_plan(name)
+                .map_err(|e| invalid("caller.anonymous_plan", e.to_string()))?,
+            None => plans,
         };
+        let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = request_rules(
             rules.key_length_max(key_length_max),
             file.routes,
@@ -296,6 +298,31 @@ impl Settings {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
+}
+
+/// Where callers' keys come from, and which proxies may name a caller's address.
+fn key_rules(
+    source: Option<String>,
+    header: Option<String>,
+    trusted_proxies: Option<Vec<String>>,
+) -> Result<RequestRulesBuilder, ConfigError> {
+    let rules = match require(source, "caller.source")?.as_str() {
+        "header" => RequestRules::builder().key_header(require(header, "caller.header")?),
+        "header-or-peer-ip" => {
+            RequestRules::builder().key_header_or_peer_ip(require(header, "caller.header")?)
+        }
+        "peer-ip" => RequestRules::builder().peer_ip(),
+        other => {
+            return Err(invalid(
+                "caller.source",
+                format!("{other:?} is none of \"header\", \"peer-ip\", \"header-or-peer-ip\""),
+            ))
+        }
+    };
+    let proxies = trusted_proxies.unwrap_or_default();
+    Ok(proxies
+        .into_iter()
+        .fold(rules, RequestRulesBuilder::trusted_proxy))
 }
 
 /// The `[routes]` and `[response]` rules, for the builder to check against the plans.

@@ -10,6 +10,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::http::StatusCode;
 use thiserror::Error;
 
+use super::client_ip::{client_ip, Cidr};
 use super::headers::HeaderStyles;
 
 use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
@@ -23,8 +24,11 @@ pub const KEY_HEADER_DEFAULT: &str = "x-api-key";
 pub enum KeySource {
     /// An API key in a request header (`X-Api-Key` by default).
     Header(HeaderName),
-    /// The peer's IP address (behind a proxy, every caller would share one: use a header then).
+    /// The caller's address: the peer's, or what a trusted proxy forwarded for.
     PeerIp,
+    /// The API key in this header if the request has one, else the caller's address (an
+    /// anonymous tier, on its own plan).
+    HeaderOrPeerIp(HeaderName),
 }
 
 /// A request, as the limiter needs to know it.
@@ -54,6 +58,8 @@ pub struct RequestRules {
     shadow_paths: Vec<String>,
     header_styles: HeaderStyles,
     missing_key_status: StatusCode,
+    /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
+    trusted_proxies: Vec<Cidr>,
 }
 
 impl RequestRules {
@@ -91,7 +97,10 @@ impl RequestRules {
     /// Identifies the caller, before any ledger call.
     pub fn caller_key(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
         match &self.key_source {
-            KeySource::Header(name) => {
+            KeySource::HeaderOrPeerIp(name) if !req.headers().contains_key(name) => {
+                self.address(req)
+            }
+            KeySource::Header(name) | KeySource::HeaderOrPeerIp(name) => {
                 let mut values = req.headers().get_all(name);
                 let header = name.as_str();
                 let value = values.next().ok_or_else(|| KeyError::Missing {
@@ -104,11 +113,14 @@ impl RequestRules {
                 }
                 CallerKey::from_header_value(header, value.as_bytes(), self.key_length_max)
             }
-            KeySource::PeerIp => req
-                .peer_addr()
-                .map(|a| CallerKey::from_ip(a.ip()))
-                .ok_or(KeyError::NoPeerAddress),
+            KeySource::PeerIp => self.address(req),
         }
+    }
+
+    fn address(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
+        client_ip(req, &self.trusted_proxies)
+            .map(CallerKey::from_ip)
+            .ok_or(KeyError::NoPeerAddress)
     }
 
     pub fn key_source(&self) -> &KeySource {
@@ -174,6 +186,8 @@ pub enum RulesError {
     HeaderStyle(String),
     #[error("{0} is neither 401 nor 400")]
     MissingKeyStatus(u16),
+    #[error("{0:?} is not an address or an address block such as 10.0.0.0/8")]
+    TrustedProxy(String),
     #[error("routes must start with /")]
     CostRoute(String),
     #[error("must be at least 1")]
@@ -196,6 +210,7 @@ impl RulesError {
             RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
+            RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
             RulesError::CostRoute(route)
             | RulesError::CostZero(route)
             | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
@@ -207,6 +222,9 @@ impl RulesError {
 #[derive(Debug, Clone)]
 pub struct RequestRulesBuilder {
     key_header: Option<String>,
+    /// With a key header: callers without the header are known by their address.
+    anonymous: bool,
+    trusted_proxies: Vec<String>,
     key_length_max: usize,
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
@@ -219,6 +237,8 @@ impl Default for RequestRulesBuilder {
     fn default() -> Self {
         RequestRulesBuilder {
             key_header: Some(KEY_HEADER_DEFAULT.to_owned()),
+            anonymous: false,
+            trusted_proxies: Vec::new(),
             key_length_max: KEY_LENGTH_MAX_DEFAULT,
             exempt_paths: Vec::new(),
             costs: Vec::new(),
@@ -236,9 +256,24 @@ impl RequestRulesBuilder {
         self
     }
 
-    /// Callers are named by their peer address (all on the default plan).
+    /// Callers are named by their address (all on the address plan: the default plan unless
+    /// [`PlanBook::with_address_plan`] says otherwise).
     pub fn peer_ip(mut self) -> Self {
         self.key_header = None;
+        self
+    }
+
+    /// Callers are named by an API key in this header when they send one, else by their address.
+    pub fn key_header_or_peer_ip(mut self, name: impl Into<String>) -> Self {
+        self.key_header = Some(name.into());
+        self.anonymous = true;
+        self
+    }
+
+    /// A proxy (an address or a block such as `10.0.0.0/8`) whose forwarding headers name the
+    /// caller's address. No proxy is trusted by default.
+    pub fn trusted_proxy(mut self, cidr: impl Into<String>) -> Self {
+        self.trusted_proxies.push(cidr.into());
         self
     }
 
@@ -282,11 +317,21 @@ impl RequestRulesBuilder {
 
     pub fn build(self, plans: &PlanBook) -> Result<RequestRules, RulesError> {
         let key_source = match self.key_header {
-            Some(header) => KeySource::Header(
-                HeaderName::try_from(header.as_str()).map_err(|_| RulesError::KeyHeader(header))?,
-            ),
+            Some(header) => {
+                let name = HeaderName::try_from(header.as_str())
+                    .map_err(|_| RulesError::KeyHeader(header))?;
+                match self.anonymous {
+                    true => KeySource::HeaderOrPeerIp(name),
+                    false => KeySource::Header(name),
+                }
+            }
             None => KeySource::PeerIp,
         };
+        let trusted_proxies = self
+            .trusted_proxies
+            .iter()
+            .map(|cidr| Cidr::parse(cidr).ok_or_else(|| RulesError::TrustedProxy(cidr.clone())))
+            .collect::<Result<Vec<_>, _>>()?;
         if self.key_length_max == 0 || self.key_length_max > KEY_LENGTH_MAX_LIMIT {
             return Err(RulesError::KeyLengthMax);
         }
@@ -317,6 +362,7 @@ impl RequestRulesBuilder {
             shadow_paths: self.shadow_paths,
             header_styles,
             missing_key_status,
+            trusted_proxies,
         })
     }
 }

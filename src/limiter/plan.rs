@@ -105,6 +105,8 @@ pub struct PlanBook {
     /// Prefixes, longest first, so `pro_eu_` wins over `pro_`.
     prefixes: Vec<(String, PlanId)>,
     unknown_keys: UnknownKeys,
+    /// The plan of callers known by their address (no key): the default plan unless set.
+    address_plan: PlanId,
     /// Kept from construction: read on every decision.
     capacity_min: NonZeroU64,
     window_seconds_max: NonZeroU32,
@@ -173,16 +175,25 @@ impl PlanBook {
             keys: key_map,
             prefixes: prefix_list,
             unknown_keys,
+            address_plan: default_plan,
             capacity_min,
             window_seconds_max,
         })
     }
 
-    /// The one rule that maps a caller to its plan: callers known by address get the default
-    /// plan; API keys are looked up by [`PlanBook::plan_for_key`].
+    /// Callers known by their address (no key) get `plan` (an anonymous tier).
+    pub fn with_address_plan(mut self, plan: &str) -> Result<Self, PlanError> {
+        let index = self.plans.iter().position(|p| p.name() == plan);
+        let index = index.ok_or_else(|| PlanError::Unknown(plan.to_owned()))?;
+        self.address_plan = PlanId(index as u16);
+        Ok(self)
+    }
+
+    /// The one rule that maps a caller to its plan: callers known by address get the address
+    /// plan (the default plan unless set); API keys are looked up by [`PlanBook::plan_for_key`].
     pub fn plan_for(&self, key: &CallerKey) -> Option<PlanId> {
         match key.kind() {
-            KeyKind::Address => Some(self.default_plan),
+            KeyKind::Address => Some(self.address_plan),
             KeyKind::ApiKey => self.plan_for_key(key.expose_secret()),
         }
     }
