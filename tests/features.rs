@@ -209,3 +209,100 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     }
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_give_the_credit_back_on_refund_routes_only() {
+    use actix_web::{web, App, HttpResponse, HttpServer};
+    use ledger_limiter::http::{RateLimit, RequestRules};
+    use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
+    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    // The library as a user wires it, around handlers that fail.
+    let ledger = Ledger::connect(&LedgerSettings {
+        cluster_id: 0,
+        addresses: vec![shared_ledger().address],
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: NonZeroUsize::new(64).unwrap(),
+    })
+    .unwrap();
+    let free = Plan::new(
+        "free",
+        NonZeroU64::new(2).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    );
+    let plans = PlanBook::new(
+        vec![free.unwrap()],
+        "free",
+        [],
+        [],
+        UnknownKeys::DefaultPlan,
+    );
+    let settings = LimiterSettings {
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    };
+    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
+    let rules = RequestRules::builder()
+        .refund_server_errors("/boom")
+        .build(limiter.plans());
+    let rules = Arc::new(rules.unwrap());
+    let server_limiter = limiter.clone();
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
+            .route("/boom", web::get().to(HttpResponse::InternalServerError))
+            .route(
+                "/charged-boom",
+                web::get().to(HttpResponse::InternalServerError),
+            )
+            .route("/ok", web::get().to(HttpResponse::Ok))
+    })
+    .workers(1)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let get = |path: &str| {
+        let request = http
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .header("X-Api-Key", &key);
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    // Five failures on a refund route cost nothing: the capacity of 2 is still whole.
+    for _ in 0..5 {
+        assert_eq!(get("/boom").await, 500);
+    }
+    assert_eq!(get("/ok").await, 200);
+    // A failure elsewhere is charged as usual.
+    assert_eq!(get("/charged-boom").await, 500);
+    assert_eq!(get("/ok").await, 429);
+    let account_id = {
+        let caller = ledger_limiter::limiter::caller::CallerKey::from_header_value(
+            "x-api-key",
+            key.as_bytes(),
+            128,
+        )
+        .unwrap();
+        limiter.account_of(&caller).unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let audit = limiter
+        .ledger()
+        .audit(account_id, deadline)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((audit.holds, audit.voids), (7, 5), "{audit:?}");
+    assert_eq!(audit.debits_pending, 2);
+    handle.stop(true).await;
+}

@@ -105,6 +105,7 @@ fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> F
         exempt: None,
         costs: Some([("/greeting".to_owned(), cost)].into()),
         shadow: None,
+        refund_server_errors: None,
     };
     config
 }
@@ -212,6 +213,7 @@ async fn plans_by_prefix_and_costs_by_route() {
         exempt: Some(vec!["/healthz".into()]),
         costs: Some([("/greeting".to_owned(), 2)].into()),
         shadow: None,
+        refund_server_errors: None,
     };
     let app = spawn_app(config).await;
     let free = fresh_key("free_");

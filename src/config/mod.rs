@@ -114,6 +114,8 @@ pub struct RoutesFile {
     pub costs: Option<BTreeMap<String, u64>>,
     /// Decided and recorded as usual, never refused (exact paths or `prefix*`; `/*` for all).
     pub shadow: Option<Vec<String>>,
+    /// Paths whose server errors (5xx) give the caller's credit back.
+    pub refund_server_errors: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -178,6 +180,7 @@ impl FileConfig {
         take!(routes.exempt);
         take!(routes.costs);
         take!(routes.shadow);
+        take!(routes.refund_server_errors);
         take!(response.header_styles);
         take!(response.missing_key_status);
         self
@@ -339,6 +342,9 @@ fn request_rules(
     }
     for pattern in routes.shadow.unwrap_or_default() {
         rules = rules.shadow(pattern);
+    }
+    for pattern in routes.refund_server_errors.unwrap_or_default() {
+        rules = rules.refund_server_errors(pattern);
     }
     if let Some(styles) = response.header_styles {
         rules = rules.header_styles(styles);

@@ -102,14 +102,19 @@ where
         let inner = self.inner.clone();
         Box::pin(async move {
             let missing = inner.rules.missing_key_status();
-            let (key, cost, shadow) = match inner.rules.classify(&req) {
+            let (key, cost, shadow, refund) = match inner.rules.classify(&req) {
                 Classified::Exempt => return Ok(service.call(req).await?.map_into_left_body()),
                 Classified::Rejected(error) => {
                     inner.limiter.reject_key();
                     let response = respond::rejected(&error, missing);
                     return Ok(req.into_response(response).map_into_right_body());
                 }
-                Classified::Charge { key, cost, shadow } => (key, cost, shadow),
+                Classified::Charge {
+                    key,
+                    cost,
+                    shadow,
+                    refund,
+                } => (key, cost, shadow, refund),
             };
             let decision = match inner.limiter.check(&key, cost).await {
                 Ok(decision) => decision,
@@ -125,6 +130,11 @@ where
                 inner.limiter.pass_in_shadow(&decision);
             }
             let mut response = service.call(req).await?;
+            if refund && response.status().is_server_error() {
+                if let Err(error) = inner.limiter.refund(&decision).await {
+                    tracing::debug!(%error, "could not refund; the hold expires with its window");
+                }
+            }
             respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
             Ok(response.map_into_left_body())
         })

@@ -43,6 +43,8 @@ pub enum Classified {
         key: CallerKey,
         cost: NonZeroU64,
         shadow: bool,
+        /// Give the credit back if the handler answers with a server error (5xx).
+        refund: bool,
     },
 }
 
@@ -56,6 +58,8 @@ pub struct RequestRules {
     route_costs: RouteCosts,
     /// Exact paths, or prefixes ending in `*`, decided as usual but never refused.
     shadow_paths: Vec<String>,
+    /// Exact paths, or prefixes ending in `*`, whose 5xx answers give the caller's credit back.
+    refund_paths: Vec<String>,
     header_styles: HeaderStyles,
     missing_key_status: StatusCode,
     /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
@@ -79,6 +83,7 @@ impl RequestRules {
                 key,
                 cost: self.route_costs.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
+                refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
             },
             Err(error) => Classified::Rejected(error),
         }
@@ -182,6 +187,8 @@ pub enum RulesError {
     ExemptPath(String),
     #[error("{0:?} must start with /")]
     ShadowPath(String),
+    #[error("{0:?} must start with /")]
+    RefundPath(String),
     #[error("{0:?} is not one of \"ietf\", \"github\", \"bucket4j\" (and at least one is needed)")]
     HeaderStyle(String),
     #[error("{0} is neither 401 nor 400")]
@@ -208,6 +215,7 @@ impl RulesError {
             RulesError::KeyLengthMax => "caller.key_length_max".to_owned(),
             RulesError::ExemptPath(_) => "routes.exempt".to_owned(),
             RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
+            RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
@@ -229,6 +237,7 @@ pub struct RequestRulesBuilder {
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
     shadow_paths: Vec<String>,
+    refund_paths: Vec<String>,
     header_styles: Option<Vec<String>>,
     missing_key_status: u16,
 }
@@ -243,6 +252,7 @@ impl Default for RequestRulesBuilder {
             exempt_paths: Vec::new(),
             costs: Vec::new(),
             shadow_paths: Vec::new(),
+            refund_paths: Vec::new(),
             header_styles: None,
             missing_key_status: 401,
         }
@@ -295,6 +305,13 @@ impl RequestRulesBuilder {
         self
     }
 
+    /// A path (exact, or a prefix ending in `*`) whose server errors (5xx) give the caller's
+    /// credit back: the hold is voided, so callers are not charged for our failures.
+    pub fn refund_server_errors(mut self, pattern: impl Into<String>) -> Self {
+        self.refund_paths.push(pattern.into());
+        self
+    }
+
     /// Rate-limit header fields by name: `ietf` (`RateLimit`, `RateLimit-Policy`; the default),
     /// `github` (`X-RateLimit-Limit`, `-Remaining`, `-Reset` in epoch seconds, `-Used`),
     /// `bucket4j` (`X-Rate-Limit-Remaining`, `X-Rate-Limit-Retry-After-Seconds` on a refusal).
@@ -341,6 +358,9 @@ impl RequestRulesBuilder {
         if let Some(bad) = self.shadow_paths.iter().find(|p| !p.starts_with('/')) {
             return Err(RulesError::ShadowPath(bad.clone()));
         }
+        if let Some(bad) = self.refund_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(RulesError::RefundPath(bad.clone()));
+        }
         let header_styles = match &self.header_styles {
             Some(names) => HeaderStyles::parse(names).map_err(RulesError::HeaderStyle)?,
             None => HeaderStyles::default(),
@@ -360,6 +380,7 @@ impl RequestRulesBuilder {
             exempt_paths: self.exempt_paths,
             route_costs: RouteCosts::new(costs),
             shadow_paths: self.shadow_paths,
+            refund_paths: self.refund_paths,
             header_styles,
             missing_key_status,
             trusted_proxies,

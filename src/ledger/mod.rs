@@ -111,7 +111,11 @@ impl LedgerError {
 pub enum HoldReply {
     /// Credit is held. `answered_at` is when the ledger's reply arrived: the transfer's timestamp is
     /// no later than that, so `answered_at + timeout` is a safe upper bound for its expiry.
-    Held { answered_at: Instant },
+    Held {
+        answered_at: Instant,
+        /// The pending transfer, to void it (a refund).
+        transfer_id: u128,
+    },
     /// `exceeds_credits`: the caller's credit is all held. The decision is "limited".
     ExceedsCredits,
     /// `debit_account_not_found`: a new caller; provision, then retry once.
@@ -268,11 +272,7 @@ impl Ledger {
         let on_abandoned =
             move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
                 if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
-                    let void = tb::Transfer::new(tb::id())
-                        .with_pending_id(transfer_id)
-                        .with_ledger(ledger_id)
-                        .with_code(model::TRANSFER_CODE_REQUEST)
-                        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+                    let void = model::void_transfer(transfer_id, ledger_id);
                     tokio::spawn(async move {
                         // Best effort: if it fails, the hold still expires after its timeout.
                         if let Err(error) = client.create_transfers(vec![void]).await {
@@ -288,6 +288,7 @@ impl Ledger {
                 match client.create_transfers(vec![transfer]).await {
                     Ok(()) => Ok(HoldReply::Held {
                         answered_at: Instant::now(),
+                        transfer_id,
                     }),
                     Err(tb::error::CreateTransfersError::Api(errors)) => {
                         let Some(error) = errors.as_slice().first() else {
@@ -310,6 +311,37 @@ impl Ledger {
                 }
             },
             Some(on_abandoned),
+        )
+        .await
+    }
+
+    /// Voids a hold, giving its credit back now. `false` if it was no longer pending (expired,
+    /// or voided already): nothing to give back.
+    pub async fn void(&self, pending_id: u128, deadline: Instant) -> Result<bool, LedgerError> {
+        let void = model::void_transfer(pending_id, self.ledger_id);
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(vec![void]).await {
+                    Ok(()) => Ok(true),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        let Some(error) = errors.as_slice().first() else {
+                            return Err(no_event_error(Operation::CreateTransfers));
+                        };
+                        match error.kind() {
+                            CreateTransferErrorKind::PendingTransferExpired
+                            | CreateTransferErrorKind::PendingTransferAlreadyVoided => Ok(false),
+                            kind => Err(LedgerError::Unexpected {
+                                operation: Operation::CreateTransfers,
+                                message: format!("void: {kind:?}"),
+                            }),
+                        }
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<bool, LedgerError>)>,
         )
         .await
     }

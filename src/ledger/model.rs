@@ -101,6 +101,15 @@ pub fn grant_transfer(account: &UserAccount, ledger: u32) -> tb::Transfer {
         .with_code(TRANSFER_CODE_GRANT)
 }
 
+/// Gives a hold's credit back at once (a refund, or a hold whose request was refused).
+pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_pending_id(pending_id)
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_REQUEST)
+        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+}
+
 /// A request's hold: pending, so it expires and gives the credit back after `timeout_seconds`.
 pub fn hold_transfer(
     user_account_id: u128,

@@ -212,6 +212,25 @@ impl LocalView {
         holds.quota(now)
     }
 
+    /// Forgets one hold this instance recorded (it was voided). If the hold is no longer known
+    /// as such (merged with others, or pruned), nothing changes: the view then errs towards
+    /// holding, which only ever refuses more, never admits.
+    pub fn release(&self, account_id: u128, amount: u64, expires_at: Instant) {
+        let mut shard = self.shard(account_id);
+        let Some(holds) = shard.get_mut(&account_id) else {
+            return;
+        };
+        let found = holds
+            .holds
+            .iter()
+            .rposition(|h| h.amount == amount && h.expires_at == expires_at);
+        if let Some(index) = found {
+            holds.holds.remove(index);
+            holds.held -= amount;
+            holds.latest_expiry = holds.holds.iter().map(|h| h.expires_at).max();
+        }
+    }
+
     /// Replaces what this instance knows of a caller by what the ledger just said.
     pub fn replace(
         &self,

@@ -16,6 +16,8 @@ pub const DECISION_DEADLINE_SECONDS: &str = "ledger_limiter_decision_deadline_se
 /// Refusals let through because their route is in shadow mode, by plan and decision (`limited`
 /// or `failed_closed`): what enforcing the limit would have refused.
 pub const SHADOW_PASSED_TOTAL: &str = "ledger_limiter_shadow_passed_total";
+/// Admitted requests whose hold was voided because the handler failed, by plan.
+pub const REFUNDS_TOTAL: &str = "ledger_limiter_refunds_total";
 
 /// The `plan` label of decisions made before a plan is known (a rejected key).
 pub const PLAN_NONE: &str = "none";
@@ -102,6 +104,8 @@ pub struct DecisionMetrics {
     counters: Vec<Counter>,
     /// Per plan: [limited, failed_closed] let through in shadow mode.
     shadow: Vec<[Counter; 2]>,
+    /// Per plan: refunds.
+    refunds: Vec<Counter>,
 }
 
 const SOURCES: usize = SourceLabel::ALL.len();
@@ -146,7 +150,31 @@ impl DecisionMetrics {
             .iter()
             .map(|plan| shadow_counters(plan.name()))
             .collect();
-        DecisionMetrics { counters, shadow }
+        describe_counter!(
+            REFUNDS_TOTAL,
+            "Admitted requests whose hold was voided because the handler failed, by plan"
+        );
+        let refunds = plans
+            .plans()
+            .iter()
+            .map(|plan| {
+                let counter = counter!(REFUNDS_TOTAL, "plan" => plan.name().to_owned());
+                counter.absolute(0);
+                counter
+            })
+            .collect();
+        DecisionMetrics {
+            counters,
+            shadow,
+            refunds,
+        }
+    }
+
+    /// Counts a refund.
+    pub fn record_refund(&self, plan: PlanId) {
+        if let Some(counter) = self.refunds.get(plan.index()) {
+            counter.increment(1);
+        }
     }
 
     /// Counts a refusal let through in shadow mode.

@@ -88,6 +88,15 @@ pub enum Outcome {
     FailedClosed(LedgerError),
 }
 
+/// The hold an admitted request placed: what a refund gives back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldReceipt {
+    pub transfer_id: u128,
+    pub amount: u64,
+    /// When this instance counts the hold released (as its local view does).
+    pub expires_at: Instant,
+}
+
 /// A decision, borrowing its plan from the limiter (no copy on the hot path).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision<'a> {
@@ -98,6 +107,8 @@ pub struct Decision<'a> {
     /// The caller's account in the ledger: a non-secret id, safe for traces.
     pub account_id: u128,
     pub quota: Quota,
+    /// The hold of an admitted request (none for any other outcome).
+    pub hold: Option<HoldReceipt>,
 }
 
 /// One request to decide: who pays, on which account, how much.
@@ -110,7 +121,10 @@ struct Charge<'a> {
 
 /// What a hold came to once a missing account was provisioned.
 enum Placed {
-    Held { answered_at: Instant },
+    Held {
+        answered_at: Instant,
+        transfer_id: u128,
+    },
     ExceedsCredits,
 }
 
@@ -185,6 +199,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .map(|charge| charge.account.id)
     }
 
+    /// Gives an admitted request's credit back now (the handler failed: callers are not charged
+    /// for our errors). `Ok(false)` when there was nothing to give back: no hold, or it had expired.
+    pub async fn refund(&self, decision: &Decision<'_>) -> Result<bool, LedgerError> {
+        let Some(hold) = decision.hold else {
+            return Ok(false);
+        };
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let voided = self.store.void(hold.transfer_id, deadline).await?;
+        if voided {
+            let id = decision.account_id;
+            self.local.release(id, hold.amount, hold.expires_at);
+            self.decisions.record_refund(decision.plan_id);
+        }
+        Ok(voided)
+    }
+
     /// Counts a refusal that a route in shadow mode lets through, and marks the request's span.
     pub fn pass_in_shadow(&self, decision: &Decision<'_>) {
         let label = DecisionLabel::of(&decision.outcome);
@@ -207,9 +237,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.reject_key();
             return Err(KeyError::Unknown);
         };
-        let (outcome, local) = self.decide(&charge).await;
+        let (outcome, local, hold) = self.decide(&charge).await;
         let decision = Decision {
             outcome,
+            hold,
             quota: Quota {
                 limit: charge.account.capacity.get(),
                 window_seconds: charge.account.window_seconds.get(),
@@ -247,44 +278,68 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
     /// between one more hold and a 429.
-    async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
+    async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
+        match self.try_decide(charge).await {
+            Ok(admitted) => admitted,
+            Err((outcome, local)) => (outcome, local, None),
+        }
+    }
+
+    /// `Ok` when admitted (with the hold's receipt), `Err` with any other outcome.
+    async fn try_decide(
+        &self,
+        charge: &Charge<'_>,
+    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), (Outcome, LocalQuota)> {
         let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
-            return (
-                limited(limit.retry_after, DecisionSource::LocalView),
-                limit.quota,
-            );
+            let outcome = limited(limit.retry_after, DecisionSource::LocalView);
+            return Err((outcome, limit.quota));
         }
         let deadline = started + self.settings.ledger_timeout;
         let mut provisioned = false;
-        match self.place(charge, deadline, &mut provisioned).await {
-            Ok(Placed::Held { answered_at }) => return self.admitted(charge, answered_at),
-            Ok(Placed::ExceedsCredits) => {}
-            Err(error) => return self.fail(error, charge),
+        match self.place(charge, deadline, &mut provisioned).await? {
+            Placed::Held {
+                answered_at,
+                transfer_id,
+            } => return Ok(self.admitted(charge, answered_at, transfer_id)),
+            Placed::ExceedsCredits => {}
         }
         let view = self.view(charge, deadline).await;
         match second_chance(&view, charge.cost) {
-            None => return self.limited_by_ledger(charge, view),
+            None => return Err(self.limited_by_ledger(charge, view)),
             Some(SecondChance::FinishProvisioning) => {
                 if let Err(error) = self.store.provision(&charge.account, deadline).await {
-                    return self.fail(error, charge);
+                    return Err(self.fail(error, charge));
                 }
             }
             Some(SecondChance::CreditIsBack) => {}
         }
-        match self.place(charge, deadline, &mut provisioned).await {
-            Ok(Placed::Held { answered_at }) => self.admitted(charge, answered_at),
-            Ok(Placed::ExceedsCredits) => {
+        match self.place(charge, deadline, &mut provisioned).await? {
+            Placed::Held {
+                answered_at,
+                transfer_id,
+            } => Ok(self.admitted(charge, answered_at, transfer_id)),
+            Placed::ExceedsCredits => {
                 let view = self.view(charge, deadline).await;
-                self.limited_by_ledger(charge, view)
+                Err(self.limited_by_ledger(charge, view))
             }
-            Err(error) => self.fail(error, charge),
         }
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
-    /// and held again.
+    /// and held again. A ledger error comes back as the failure policy's outcome.
     async fn place(
+        &self,
+        charge: &Charge<'_>,
+        deadline: Instant,
+        provisioned: &mut bool,
+    ) -> Result<Placed, (Outcome, LocalQuota)> {
+        self.place_or_error(charge, deadline, provisioned)
+            .await
+            .map_err(|error| self.fail(error, charge))
+    }
+
+    async fn place_or_error(
         &self,
         charge: &Charge<'_>,
         deadline: Instant,
@@ -302,7 +357,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 )
                 .await?;
             match reply {
-                HoldReply::Held { answered_at } => return Ok(Placed::Held { answered_at }),
+                HoldReply::Held {
+                    answered_at,
+                    transfer_id,
+                } => {
+                    return Ok(Placed::Held {
+                        answered_at,
+                        transfer_id,
+                    })
+                }
                 HoldReply::ExceedsCredits => return Ok(Placed::ExceedsCredits),
                 HoldReply::AccountNotFound if !*provisioned => {
                     self.store.provision(&charge.account, deadline).await?;
@@ -332,7 +395,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .await
     }
 
-    fn admitted(&self, charge: &Charge<'_>, answered_at: Instant) -> (Outcome, LocalQuota) {
+    fn admitted(
+        &self,
+        charge: &Charge<'_>,
+        answered_at: Instant,
+        transfer_id: u128,
+    ) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
         let window = Duration::from_secs(charge.account.window_seconds.get().into());
         let local = self.local.record_hold(
             charge.account.id,
@@ -342,7 +410,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             window,
             self.clock.now(),
         );
-        (Outcome::Admitted, local)
+        let receipt = HoldReceipt {
+            transfer_id,
+            amount: charge.cost,
+            expires_at: answered_at + window + self.settings.expiry_margin,
+        };
+        (Outcome::Admitted, local, Some(receipt))
     }
 
     fn limited_by_ledger(

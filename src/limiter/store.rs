@@ -25,6 +25,13 @@ pub trait Store: Send + Sync + 'static {
         void_if_abandoned: bool,
     ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send;
 
+    /// Voids a hold (its credit comes back now); `false` if it was no longer pending.
+    fn void(
+        &self,
+        pending_id: u128,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send;
+
     /// Opens and credits the account, idempotently.
     fn provision(
         &self,
@@ -76,6 +83,14 @@ impl Store for Ledger {
         deadline: Instant,
     ) -> impl Future<Output = Result<(), LedgerError>> + Send {
         Ledger::provision(self, account, deadline)
+    }
+
+    fn void(
+        &self,
+        pending_id: u128,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send {
+        Ledger::void(self, pending_id, deadline)
     }
 
     fn account_view(

@@ -44,6 +44,7 @@ struct Script {
     holds: VecDeque<Reply<HoldReply>>,
     provisions: VecDeque<Reply<()>>,
     views: VecDeque<Reply<Option<AccountView>>>,
+    voids: VecDeque<Reply<bool>>,
     calls: Vec<&'static str>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
@@ -67,6 +68,10 @@ impl Store for FakeStore {
     async fn hold(&self, _: u128, _: u64, _: u32, _: Instant, void: bool) -> Reply<HoldReply> {
         self.0.lock().unwrap().void_if_abandoned.push(void);
         self.next("hold", |s| s.holds.pop_front())
+    }
+
+    async fn void(&self, _: u128, _: Instant) -> Reply<bool> {
+        self.next("void", |s| s.voids.pop_front())
     }
 
     async fn provision(&self, _: &UserAccount, _: Instant) -> Reply<()> {
@@ -132,6 +137,7 @@ impl Fixture {
     fn held(&self) -> Reply<HoldReply> {
         Ok(HoldReply::Held {
             answered_at: self.clock.now(),
+            transfer_id: 42,
         })
     }
 
@@ -406,6 +412,48 @@ async fn an_unknown_key_is_rejected_without_a_ledger_call() {
     f.script(|s| s.holds.push_back(held));
     let listed = CallerKey::from_header_value("x-api-key", b"listed_1", 64).unwrap();
     assert!(f.limiter.check(&listed, ONE).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| {
+        s.holds.push_back(held);
+        s.voids.push_back(Ok(true));
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let decision = f.limiter.check(&key, ONE).await.unwrap();
+    assert_eq!(decision.hold.map(|h| h.transfer_id), Some(42));
+    assert_eq!(decision.quota.remaining, CAPACITY - 1);
+    assert_eq!(f.limiter.refund(&decision).await, Ok(true));
+    assert_eq!(f.calls(), ["hold", "void"]);
+    // This instance knows the credit is back: the next request sees the whole quota again.
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    assert_eq!(f.check(ONE).await.quota.remaining, CAPACITY - 1);
+}
+
+#[tokio::test]
+async fn nothing_to_refund_without_a_pending_hold() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| {
+        s.holds.push_back(held);
+        s.voids.push_back(Ok(false));
+        s.holds.push_back(Err(timeout()));
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let decision = f.limiter.check(&key, ONE).await.unwrap();
+    // It expired meanwhile: nothing comes back, and the view keeps the hold (errs to holding).
+    assert_eq!(f.limiter.refund(&decision).await, Ok(false));
+    let failed = f.limiter.check(&key, ONE).await.unwrap();
+    assert_eq!(failed.quota.remaining, CAPACITY - 1);
+    // A decision that placed no hold makes no call.
+    assert_eq!(failed.hold, None);
+    f.calls();
+    assert_eq!(f.limiter.refund(&failed).await, Ok(false));
+    assert!(f.calls().is_empty());
 }
 
 #[test]

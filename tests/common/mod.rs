@@ -388,6 +388,7 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
             ]),
             costs: None,
             shadow: None,
+            refund_server_errors: None,
         },
         ..FileConfig::default()
     }
