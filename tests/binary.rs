@@ -38,6 +38,16 @@ fn sigterm_and_wait(mut running: Guard) -> std::process::ExitStatus {
     }
 }
 
+/// Flags for the binary's embedded TigerBeetle, with its data in `data`.
+fn embedded_args(data: &Path) -> [String; 4] {
+    [
+        "--tigerbeetle-bin".to_owned(),
+        common::tigerbeetle_bin().display().to_string(),
+        "--data-dir".to_owned(),
+        data.display().to_string(),
+    ]
+}
+
 fn tigerbeetle_processes_using(dir: &Path) -> usize {
     tigerbeetle_pids(dir).len()
 }
@@ -45,14 +55,9 @@ fn tigerbeetle_processes_using(dir: &Path) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_ledger_runs_and_is_reused_and_stopped() {
     let dir = tempfile::tempdir().unwrap();
-    let tb = common::tigerbeetle_bin();
     let data = dir.path().join("data");
-    let args = [
-        "--tigerbeetle-bin",
-        tb.to_str().unwrap(),
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = embedded_args(&data);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let http = reqwest::Client::new();
     let key = common::fresh_key("k_");
 
@@ -123,14 +128,9 @@ fn tigerbeetle_pids(dir: &Path) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
     let dir = tempfile::tempdir().unwrap();
-    let tb = common::tigerbeetle_bin();
     let data = dir.path().join("data");
-    let args = [
-        "--tigerbeetle-bin",
-        tb.to_str().unwrap(),
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let args = embedded_args(&data);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let http = reqwest::Client::new();
     let (child, port) = start(dir.path(), &args);
     let url = format!("http://127.0.0.1:{port}/greeting");

@@ -306,13 +306,7 @@ async fn audit(cluster: &TestCluster, app: &TestApp, run: &str, samples: &[Sampl
     for sample in samples.iter().filter(|s| s.status == 200) {
         *seen.entry(sample.key).or_default() += 1;
     }
-    let ledger = ledger_limiter::ledger::Ledger::connect(&ledger_limiter::ledger::LedgerSettings {
-        cluster_id: 0,
-        addresses: cluster.addresses.clone(),
-        ledger_id: ledger_limiter::ledger::model::LEDGER_REQUEST_RATE,
-        in_flight_max: std::num::NonZeroUsize::new(64).unwrap(),
-    })
-    .unwrap();
+    let ledger = ledger_client(cluster.addresses.clone());
     for key in 0..KEYS {
         let admitted = seen.get(&key).copied().unwrap_or(0);
         let account_id = account_id(app, &key_name(run, key));

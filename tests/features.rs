@@ -214,21 +214,14 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies() {
 async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
     use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
     use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
-    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+    use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
 
     // The library as a user wires it, around handlers that fail.
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: 0,
-        addresses: vec![shared_ledger().address],
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: NonZeroUsize::new(64).unwrap(),
-    })
-    .unwrap();
+    let ledger = ledger_client(vec![shared_ledger().address]);
     let free = Plan::new(
         "free",
         NonZeroU64::new(2).unwrap(),

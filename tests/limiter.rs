@@ -499,17 +499,11 @@ async fn callers_by_peer_address_are_limited_on_the_default_plan() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
     use ledger_limiter::ledger::model::UserAccount;
-    use ledger_limiter::ledger::{HoldReply, Ledger, LedgerSettings};
+    use ledger_limiter::ledger::HoldReply;
     use ledger_limiter::ledger::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
-    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+    use std::num::{NonZeroU32, NonZeroU64};
 
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: 0,
-        addresses: vec![shared_ledger().address],
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: NonZeroUsize::new(8192).unwrap(),
-    })
-    .unwrap();
+    let ledger = ledger_client(vec![shared_ledger().address]);
     let capacity = NonZeroU64::new(10_000).unwrap();
     let key = fresh_key("listing_");
     let account = UserAccount {

@@ -299,6 +299,18 @@ impl Drop for TestCluster {
     }
 }
 
+/// A ledger handle of the library's own (one client) on `addresses`, for reading the ledger back.
+pub fn ledger_client(addresses: Vec<SocketAddr>) -> ledger_limiter::ledger::Ledger {
+    use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
+    Ledger::connect(&LedgerSettings {
+        cluster_id: 0,
+        addresses,
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: std::num::NonZeroUsize::new(8192).expect("non-zero"),
+    })
+    .expect("a ledger client")
+}
+
 /// One TigerBeetle shared by the tests of a binary; tests keep apart by using fresh keys.
 pub fn shared_ledger() -> &'static TestLedger {
     static LEDGER: OnceLock<TestLedger> = OnceLock::new();
