@@ -13,8 +13,9 @@ use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{resolve_addresses, ConfigError, LedgerLocation, Settings};
+use crate::http::concurrency::ConcurrencyError;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
-use crate::http::{routes, RateLimit};
+use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
 use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
 use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
@@ -38,6 +39,8 @@ pub enum StartupError {
     Embedded(#[from] EmbeddedError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    #[error("invalid concurrency limit: {0}")]
+    Concurrency(#[from] ConcurrencyError),
     #[error("cannot listen on {address}: {source}")]
     Listen {
         address: String,
@@ -70,6 +73,12 @@ pub struct Application {
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
+        let concurrency = ConcurrencyLimits::new(
+            &ledger,
+            &settings.concurrency,
+            settings.concurrency_timeout_seconds,
+            &settings.limiter,
+        )?;
         let limiter = Arc::new(Limiter::new(
             ledger,
             settings.plans.clone(),
@@ -87,7 +96,8 @@ impl Application {
                 source,
             })?
             .port();
-        let rate_limit = RateLimit::new(limiter.clone(), settings.rules.clone());
+        let rate_limit =
+            RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
         let server = HttpServer::new(move || {
             App::new()

@@ -193,22 +193,26 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     let primary = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
     let killed_at = load.now();
     cluster.kill(primary);
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // Recovered: admitting again, with no failed decision in the last two seconds. (A later
+    // stray 503 under load must not make recovery look endless.)
+    let deadline = Instant::now() + Duration::from_secs(60);
     let recovered_at = loop {
         pause(1).await;
-        let since = load.between(killed_at + Duration::from_secs(1), load.now());
-        if let Some(first) = since.iter().find(|s| s.status == 200) {
-            if since
-                .iter()
-                .filter(|s| s.at > first.at)
-                .all(|s| s.status != 503)
-            {
+        let now = load.now();
+        let since = load.between(killed_at, now);
+        let last_failed = since.iter().rfind(|s| s.status == 503).map(|s| s.at);
+        let first_admitted = since
+            .iter()
+            .find(|s| s.status == 200 && last_failed.is_none_or(|failed| s.at > failed));
+        if let Some(first) = first_admitted {
+            if now.saturating_sub(last_failed.unwrap_or_default()) > Duration::from_secs(2) {
                 break first.at;
             }
         }
+        let primary_now = tokio::task::block_in_place(|| cluster.primary());
         assert!(
             Instant::now() < deadline,
-            "no recovery after the primary died"
+            "no recovery within 60 s after the primary died (primary now: {primary_now:?})"
         );
     };
     let failing = load.between(killed_at, recovered_at);

@@ -299,3 +299,94 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     assert_eq!(audit.debits_pending, 2);
     handle.stop(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back() {
+    use actix_web::{web, App, HttpResponse, HttpServer};
+    use ledger_limiter::http::{ConcurrencyLimits, RateLimit, RequestRules};
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let settings = LimiterSettings {
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    };
+    let slots = [("/slow".to_owned(), NonZeroU64::new(2).unwrap())];
+    let timeout = NonZeroU32::new(30).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &slots, timeout, &settings).unwrap();
+    let big = Plan::new("big", NonZeroU64::new(1000).unwrap(), timeout).unwrap();
+    let plans = PlanBook::new(vec![big], "big", [], [], UnknownKeys::DefaultPlan).unwrap();
+    let limiter = Arc::new(Limiter::new(ledger.clone(), Arc::new(plans), settings));
+    let rules = Arc::new(RequestRules::builder().build(limiter.plans()).unwrap());
+    let rate_limit = RateLimit::new(limiter.clone(), rules).with_concurrency(limits);
+    let slow = || async {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        HttpResponse::Ok().finish()
+    };
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(rate_limit.clone())
+            .route("/slow", web::get().to(slow))
+    })
+    .workers(2)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let burst = |n: usize| {
+        join_all((0..n).map(|_| {
+            let request = http
+                .get(format!("http://127.0.0.1:{port}/slow"))
+                .header("X-Api-Key", &key);
+            async move { request.send().await.unwrap().status().as_u16() }
+        }))
+    };
+    let mut first = burst(6).await;
+    first.sort();
+    assert_eq!(first, [200, 200, 429, 429, 429, 429], "two slots");
+    // The slots came back when the requests ended.
+    assert_eq!(burst(2).await, [200, 200]);
+
+    // In the ledger: no slot is held now, and the refused requests were not charged.
+    let caller = ledger_limiter::limiter::caller::CallerKey::from_header_value(
+        "x-api-key",
+        key.as_bytes(),
+        128,
+    )
+    .unwrap();
+    let slot_account = model::user_account_id(
+        LEDGER_CONCURRENCY,
+        "concurrency-0",
+        NonZeroU64::new(2).unwrap(),
+        key.as_bytes(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let slots_audit = ledger.audit(slot_account, deadline).await.unwrap().unwrap();
+    assert_eq!(slots_audit.debits_pending, 0, "{slots_audit:?}");
+    assert_eq!(
+        slots_audit.admitted(),
+        0,
+        "every slot given back: {slots_audit:?}"
+    );
+    let rate = ledger
+        .audit(limiter.account_of(&caller).unwrap(), deadline)
+        .await;
+    let rate = rate.unwrap().unwrap();
+    assert_eq!(
+        rate.admitted(),
+        4,
+        "only the served requests are charged: {rate:?}"
+    );
+    handle.stop(true).await;
+}

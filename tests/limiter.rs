@@ -106,6 +106,8 @@ fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> F
         costs: Some([("/greeting".to_owned(), cost)].into()),
         shadow: None,
         refund_server_errors: None,
+        concurrency: None,
+        concurrency_timeout_seconds: None,
     };
     config
 }
@@ -214,6 +216,8 @@ async fn plans_by_prefix_and_costs_by_route() {
         costs: Some([("/greeting".to_owned(), 2)].into()),
         shadow: None,
         refund_server_errors: None,
+        concurrency: None,
+        concurrency_timeout_seconds: None,
     };
     let app = spawn_app(config).await;
     let free = fresh_key("free_");

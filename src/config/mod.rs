@@ -116,7 +116,14 @@ pub struct RoutesFile {
     pub shadow: Option<Vec<String>>,
     /// Paths whose server errors (5xx) give the caller's credit back.
     pub refund_server_errors: Option<Vec<String>>,
+    /// Requests of one caller in flight at most, by path (exact or `prefix*`).
+    pub concurrency: Option<BTreeMap<String, u64>>,
+    /// How long a slot lasts if its instance dies before giving it back.
+    pub concurrency_timeout_seconds: Option<u32>,
 }
+
+/// Bound on `routes.concurrency_timeout_seconds`.
+pub const CONCURRENCY_TIMEOUT_SECONDS_MAX: u32 = 3600;
 
 #[derive(Debug, Default, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
@@ -181,6 +188,8 @@ impl FileConfig {
         take!(routes.costs);
         take!(routes.shadow);
         take!(routes.refund_server_errors);
+        take!(routes.concurrency);
+        take!(routes.concurrency_timeout_seconds);
         take!(response.header_styles);
         take!(response.missing_key_status);
         self
@@ -220,6 +229,9 @@ pub struct Settings {
     pub limiter: LimiterSettings,
     pub plans: Arc<PlanBook>,
     pub rules: Arc<RequestRules>,
+    /// Concurrency limits by path: requests of one caller in flight at most.
+    pub concurrency: Vec<(String, NonZeroU64)>,
+    pub concurrency_timeout_seconds: NonZeroU32,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
@@ -276,6 +288,7 @@ impl Settings {
                 .map_err(|e| invalid("caller.anonymous_plan", e.to_string()))?,
             None => plans,
         };
+        let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = request_rules(
             rules.key_length_max(key_length_max),
@@ -293,6 +306,8 @@ impl Settings {
             limiter,
             plans: Arc::new(plans),
             rules: Arc::new(rules),
+            concurrency,
+            concurrency_timeout_seconds,
         })
     }
 
@@ -301,6 +316,30 @@ impl Settings {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
+}
+
+/// `[routes.concurrency]` and its slot timeout.
+fn concurrency_limits(
+    routes: &RoutesFile,
+) -> Result<(Vec<(String, NonZeroU64)>, NonZeroU32), ConfigError> {
+    let timeout = routes.concurrency_timeout_seconds.unwrap_or(60);
+    let timeout = NonZeroU32::new(timeout)
+        .filter(|t| t.get() <= CONCURRENCY_TIMEOUT_SECONDS_MAX)
+        .ok_or_else(|| {
+            let message = format!("must be between 1 and {CONCURRENCY_TIMEOUT_SECONDS_MAX}");
+            invalid("routes.concurrency_timeout_seconds", message)
+        })?;
+    let mut limits = Vec::new();
+    for (route, in_flight_max) in routes.concurrency.clone().unwrap_or_default() {
+        let setting = format!("routes.concurrency.\"{route}\"");
+        if !route.starts_with('/') {
+            return Err(invalid(setting, "routes must start with /"));
+        }
+        let in_flight_max = NonZeroU64::new(in_flight_max)
+            .ok_or_else(|| invalid(&setting, "must be at least 1"))?;
+        limits.push((route, in_flight_max));
+    }
+    Ok((limits, timeout))
 }
 
 /// Where callers' keys come from, and which proxies may name a caller's address.

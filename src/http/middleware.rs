@@ -31,6 +31,7 @@ use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Tr
 use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
+use super::concurrency::ConcurrencyLimits;
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
@@ -41,6 +42,7 @@ struct Inner {
     limiter: Arc<Limiter>,
     rules: Arc<RequestRules>,
     fields: Fields,
+    concurrency: Arc<ConcurrencyLimits>,
 }
 
 /// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`.
@@ -57,6 +59,22 @@ impl RateLimit {
             limiter,
             rules,
             fields,
+            concurrency: Arc::default(),
+        }))
+    }
+
+    /// Adds concurrency limits: after the rate limit admits a request, it also takes a slot
+    /// (see [`ConcurrencyLimits`]); a request refused for want of a slot is not charged.
+    pub fn with_concurrency(self, limits: ConcurrencyLimits) -> Self {
+        let fields = Fields {
+            policies: PolicyHeaders::new(self.0.limiter.plans()),
+            styles: self.0.rules.header_styles(),
+        };
+        RateLimit(Arc::new(Inner {
+            limiter: self.0.limiter.clone(),
+            rules: self.0.rules.clone(),
+            fields,
+            concurrency: Arc::new(limits),
         }))
     }
 }
@@ -129,7 +147,18 @@ where
                 }
                 inner.limiter.pass_in_shadow(&decision);
             }
+            let slot = match inner.concurrency.take(req.path(), &key, shadow).await {
+                Ok(slot) => slot,
+                Err(response) => {
+                    // Not served, so not charged.
+                    let _ = inner.limiter.refund(&decision).await;
+                    return Ok(req.into_response(response).map_into_right_body());
+                }
+            };
             let mut response = service.call(req).await?;
+            if let Some(slot) = slot {
+                slot.release().await;
+            }
             if refund && response.status().is_server_error() {
                 if let Err(error) = inner.limiter.refund(&decision).await {
                     tracing::debug!(%error, "could not refund; the hold expires with its window");

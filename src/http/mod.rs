@@ -3,6 +3,7 @@
 //! latency histogram with exemplars); the decision itself does not know about HTTP.
 
 pub mod client_ip;
+pub mod concurrency;
 pub mod headers;
 pub mod middleware;
 pub mod problem;
@@ -11,5 +12,6 @@ pub mod respond;
 pub mod routes;
 pub mod rules;
 
+pub use concurrency::ConcurrencyLimits;
 pub use middleware::RateLimit;
 pub use rules::{KeySource, RequestRules, RequestRulesBuilder, RulesError};

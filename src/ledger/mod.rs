@@ -223,6 +223,14 @@ impl Ledger {
         })
     }
 
+    /// A handle on another ledger of the same cluster, sharing this one's client and bounds.
+    pub fn on_ledger(&self, ledger_id: u32) -> Ledger {
+        Ledger {
+            ledger_id,
+            ..self.clone()
+        }
+    }
+
     /// The replicas' addresses the client talks to.
     pub fn addresses(&self) -> Vec<SocketAddr> {
         self.client.load().addresses.clone()
@@ -521,12 +529,13 @@ impl Ledger {
 
     /// One cheap read, to tell whether the ledger answers (for `/readyz`).
     pub async fn ping(&self, deadline: Instant) -> Result<(), LedgerError> {
+        let operator = model::operator_account_id(self.ledger_id);
         self.call(
             Operation::LookupAccounts,
             deadline,
-            |client| async move {
+            move |client| async move {
                 client
-                    .lookup_accounts(vec![model::OPERATOR_ACCOUNT_ID])
+                    .lookup_accounts(vec![operator])
                     .await
                     .map(|_| ())
                     .map_err(|e| client_error(Operation::LookupAccounts, e))

@@ -18,8 +18,17 @@ use tigerbeetle_unofficial as tb;
 
 /// The ledger that counts request credit. Later limits (per day, per token...) get their own.
 pub const LEDGER_REQUEST_RATE: u32 = 1;
+/// The ledger that counts requests in flight (concurrency limits): a slot is a hold, voided when
+/// the response is ready, and released by its timeout if an instance dies first.
+pub const LEDGER_CONCURRENCY: u32 = 2;
 /// The operator account of the request-rate ledger. Documented; operator ids have the top bit clear.
 pub const OPERATOR_ACCOUNT_ID: u128 = 1;
+
+/// The operator account of a ledger: the ledger's number (so `OPERATOR_ACCOUNT_ID` on ledger 1).
+/// An account lives on one ledger, so each ledger has its own.
+pub fn operator_account_id(ledger: u32) -> u128 {
+    u128::from(ledger)
+}
 
 /// Account codes (TigerBeetle `code`: the account's type).
 pub const ACCOUNT_CODE_OPERATOR: u16 = 1;
@@ -82,7 +91,7 @@ pub fn grant_transfer_id(user_account_id: u128) -> u128 {
 }
 
 pub fn operator_account(ledger: u32) -> tb::Account {
-    tb::Account::new(OPERATOR_ACCOUNT_ID, ledger, ACCOUNT_CODE_OPERATOR)
+    tb::Account::new(operator_account_id(ledger), ledger, ACCOUNT_CODE_OPERATOR)
 }
 
 pub fn user_account(account: &UserAccount, ledger: u32) -> tb::Account {
@@ -94,7 +103,7 @@ pub fn user_account(account: &UserAccount, ledger: u32) -> tb::Account {
 
 pub fn grant_transfer(account: &UserAccount, ledger: u32) -> tb::Transfer {
     tb::Transfer::new(grant_transfer_id(account.id))
-        .with_debit_account_id(OPERATOR_ACCOUNT_ID)
+        .with_debit_account_id(operator_account_id(ledger))
         .with_credit_account_id(account.id)
         .with_amount(account.capacity.get().into())
         .with_ledger(ledger)
@@ -120,7 +129,7 @@ pub fn hold_transfer(
     assert!(amount > 0 && timeout_seconds > 0);
     tb::Transfer::new(tb::id())
         .with_debit_account_id(user_account_id)
-        .with_credit_account_id(OPERATOR_ACCOUNT_ID)
+        .with_credit_account_id(operator_account_id(ledger))
         .with_amount(amount.into())
         .with_ledger(ledger)
         .with_code(TRANSFER_CODE_REQUEST)

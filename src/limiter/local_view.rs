@@ -137,6 +137,8 @@ pub struct LocalView {
 }
 
 impl LocalView {
+    /// `callers_max` 0 turns the view off: nothing is remembered, every request asks the ledger
+    /// (for limits whose holds end early, such as concurrency slots voided by other instances).
     pub fn new(callers_max: usize, expiry_margin: Duration) -> Self {
         let shards = (0..SHARD_COUNT)
             .map(|_| Mutex::new(HashMap::new()))
@@ -144,7 +146,7 @@ impl LocalView {
             .into_boxed_slice();
         LocalView {
             shards,
-            callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT).max(1),
+            callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT),
             expiry_margin,
         }
     }
@@ -240,6 +242,9 @@ impl LocalView {
         now: Instant,
         now_wall: SystemTime,
     ) {
+        if self.callers_per_shard_max == 0 {
+            return;
+        }
         let mut holds = CallerHolds::new(view.credit);
         for hold in &view.holds {
             let remaining = hold
@@ -352,6 +357,15 @@ mod tests {
         };
         view.replace(9, &incomplete, WINDOW, now, wall);
         assert_eq!(view.check(9, 1, now).unwrap().retry_after, WINDOW + MARGIN);
+    }
+
+    #[test]
+    fn a_view_of_no_callers_remembers_nothing() {
+        let view = LocalView::new(0, MARGIN);
+        let now = Instant::now();
+        view.record_hold(1, 1, 1, now, WINDOW, now);
+        assert!(view.check(1, 1, now).is_none());
+        assert_eq!(view.callers(), 0);
     }
 
     #[test]

@@ -205,12 +205,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
+        let voided = self.release(decision.account_id, hold).await?;
+        if voided {
+            self.decisions.record_refund(decision.plan_id);
+        }
+        Ok(voided)
+    }
+
+    /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
+    /// a refund, or a concurrency slot whose request is done. `Ok(false)` if it had expired.
+    pub async fn release(&self, account_id: u128, hold: HoldReceipt) -> Result<bool, LedgerError> {
         let deadline = self.clock.now() + self.settings.ledger_timeout;
         let voided = self.store.void(hold.transfer_id, deadline).await?;
         if voided {
-            let id = decision.account_id;
-            self.local.release(id, hold.amount, hold.expires_at);
-            self.decisions.record_refund(decision.plan_id);
+            self.local.release(account_id, hold.amount, hold.expires_at);
         }
         Ok(voided)
     }

@@ -219,25 +219,27 @@ impl TestCluster {
         ))
     }
 
+    /// The running replica that is primary of the highest view, if one is now.
+    pub fn primary(&self) -> Option<usize> {
+        let states: Vec<_> = (0..self.replicas.len())
+            .filter(|r| self.replicas[*r].is_some())
+            .filter_map(|r| self.status(r).map(|s| (r, s)))
+            .collect();
+        let top = states.iter().map(|(_, (_, view, _))| *view).max();
+        states
+            .iter()
+            .find(|(_, (_, view, primary))| *primary && Some(*view) == top)
+            .map(|(replica, _)| *replica)
+    }
+
     /// The running replica that is primary of the highest view, once one is.
     pub fn wait_for_primary(&self, timeout: Duration) -> usize {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            let states: Vec<_> = (0..self.replicas.len())
-                .filter(|r| self.replicas[*r].is_some())
-                .filter_map(|r| self.status(r).map(|s| (r, s)))
-                .collect();
-            let top = states.iter().map(|(_, (_, view, _))| *view).max();
-            let primary = states
-                .iter()
-                .find(|(_, (_, view, primary))| *primary && Some(*view) == top);
-            if let Some((replica, _)) = primary {
-                return *replica;
+            if let Some(replica) = self.primary() {
+                return replica;
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no primary: {states:?}"
-            );
+            assert!(std::time::Instant::now() < deadline, "no primary");
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -401,6 +403,8 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
             costs: None,
             shadow: None,
             refund_server_errors: None,
+            concurrency: None,
+            concurrency_timeout_seconds: None,
         },
         ..FileConfig::default()
     }

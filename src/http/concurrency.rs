@@ -1,0 +1,171 @@
+//! Concurrency limits: at most N requests of one caller in flight on a route, across every
+//! instance. A request takes a slot (a hold on the concurrency ledger, one account per caller and
+//! route) before its handler runs, and gives it back (a void) when the handler has answered, or
+//! when the request is dropped (client gone, handler panicked). A slot that an instance could not
+//! give back (it died) is released by the hold's timeout, `timeout_seconds`.
+//!
+//! The slot is given back when the handler returns its response, not when a streamed body ends.
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use actix_web::HttpResponse;
+
+use super::problem::{self, ProblemKind};
+use crate::ledger::{model, Ledger};
+use crate::limiter::caller::CallerKey;
+use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
+use crate::limiter::{Decision, HoldReceipt, Limiter, LimiterSettings, Outcome};
+
+/// The concurrency limits of a service, one per route pattern (exact path or `prefix*`).
+#[derive(Default)]
+pub struct ConcurrencyLimits {
+    routes: Vec<(String, Arc<Limiter>)>,
+}
+
+#[derive(Debug, Error)]
+pub enum ConcurrencyError {
+    #[error("{0:?} must start with /")]
+    Route(String),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+}
+
+impl ConcurrencyLimits {
+    /// `routes`: (pattern, requests in flight per caller), each on its own plan
+    /// (`concurrency-<n>`) of the concurrency ledger, sharing `ledger`'s client.
+    pub fn new(
+        ledger: &Ledger,
+        routes: &[(String, NonZeroU64)],
+        timeout_seconds: NonZeroU32,
+        settings: &LimiterSettings,
+    ) -> Result<Self, ConcurrencyError> {
+        let slots = ledger.on_ledger(model::LEDGER_CONCURRENCY);
+        // No local view: slots end early (voided, by any instance), which a view of this
+        // instance's holds cannot see, so only the ledger may refuse a slot.
+        let settings = LimiterSettings {
+            local_callers_max: 0,
+            ..settings.clone()
+        };
+        let mut limits = Vec::with_capacity(routes.len());
+        for (index, (pattern, in_flight_max)) in routes.iter().enumerate() {
+            if !pattern.starts_with('/') {
+                return Err(ConcurrencyError::Route(pattern.clone()));
+            }
+            let name = format!("concurrency-{index}");
+            let plan = Plan::new(&name, *in_flight_max, timeout_seconds)?;
+            let plans = PlanBook::new(vec![plan], &name, [], [], UnknownKeys::DefaultPlan)?;
+            let limiter = Limiter::new(slots.clone(), Arc::new(plans), settings.clone());
+            debug_assert_eq!(limiter.local_callers(), 0);
+            limits.push((pattern.clone(), Arc::new(limiter)));
+        }
+        Ok(ConcurrencyLimits { routes: limits })
+    }
+
+    /// A slot for `key` if `path` has a concurrency limit; `Err` is the answer when none is free
+    /// (429, `Retry-After: 1`: slots come back as requests finish) or the ledger failed closed
+    /// (503). In `shadow` mode a refusal lets the request through without a slot.
+    pub async fn take(
+        &self,
+        path: &str,
+        key: &CallerKey,
+        shadow: bool,
+    ) -> Result<Option<Slot>, HttpResponse> {
+        let Some(slots) = self.for_path(path) else {
+            return Ok(None);
+        };
+        let refused = match Slot::take(slots, key).await {
+            Ok(slot) => return Ok(slot),
+            Err(_) if shadow => return Ok(None),
+            Err(refused) => refused,
+        };
+        let in_flight_max = slots.plans().capacity_min();
+        let mut response = match refused {
+            Outcome::FailedClosed(error) => {
+                let detail = format!(
+                    "the rate limiter could not decide in time ({})",
+                    error.kind().as_str()
+                );
+                problem::response(ProblemKind::LedgerUnavailable, &detail)
+            }
+            _ => {
+                let detail = format!(
+                    "at most {in_flight_max} requests of one caller in flight on this route"
+                );
+                problem::response(ProblemKind::RateLimited, &detail)
+            }
+        };
+        let retry = actix_web::http::header::HeaderValue::from_static("1");
+        response
+            .headers_mut()
+            .insert(actix_web::http::header::RETRY_AFTER, retry);
+        Err(response)
+    }
+
+    /// The limiter of the first route pattern that matches `path`.
+    pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
+        self.routes
+            .iter()
+            .find(|(pattern, _)| match pattern.strip_suffix('*') {
+                Some(prefix) => path.starts_with(prefix),
+                None => pattern == path,
+            })
+            .map(|(_, limiter)| limiter)
+    }
+}
+
+/// A slot taken; given back by [`Slot::release`], or on drop.
+pub struct Slot {
+    limiter: Arc<Limiter>,
+    account_id: u128,
+    hold: Option<HoldReceipt>,
+}
+
+impl Slot {
+    /// Takes a slot for `key`: `Ok(Some)` held, `Ok(None)` nothing to hold (the failure policy
+    /// admitted without the ledger), `Err` the refusing decision's outcome (in flight at the max,
+    /// or the ledger failed closed).
+    pub async fn take(limiter: &Arc<Limiter>, key: &CallerKey) -> Result<Option<Slot>, Outcome> {
+        let decision: Decision<'_> = match limiter.check(key, NonZeroU64::MIN).await {
+            Ok(decision) => decision,
+            // A concurrency plan takes every key (its book has no rules): never reached.
+            Err(_) => return Ok(None),
+        };
+        match decision.outcome {
+            Outcome::Admitted => Ok(Some(Slot {
+                limiter: limiter.clone(),
+                account_id: decision.account_id,
+                hold: decision.hold,
+            })),
+            Outcome::FailedOpen(_) => Ok(None),
+            refused => Err(refused),
+        }
+    }
+
+    /// Gives the slot back now.
+    pub async fn release(mut self) {
+        if let Some(hold) = self.hold.take() {
+            if let Err(error) = self.limiter.release(self.account_id, hold).await {
+                tracing::debug!(%error, "could not give a slot back; its timeout will");
+            }
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // Dropped before release (the client went away, or the handler panicked): give it back
+        // from a task of its own; without a runtime, the hold's timeout does.
+        let Some(hold) = self.hold.take() else {
+            return;
+        };
+        let (limiter, account_id) = (self.limiter.clone(), self.account_id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = limiter.release(account_id, hold).await;
+            });
+        }
+    }
+}
