@@ -300,11 +300,15 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     handle.stop(true).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back() {
+/// An instance as a library user wires one: `/slow` (600 ms) with at most 2 requests of a caller
+/// in flight, a plan far above the test's load, its own ledger client.
+async fn slow_instance() -> (
+    u16,
+    actix_web::dev::ServerHandle,
+    std::sync::Arc<ledger_limiter::limiter::Limiter>,
+) {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{ConcurrencyLimits, RateLimit, RequestRules};
-    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
     use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
     use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
     use std::num::{NonZeroU32, NonZeroU64};
@@ -323,7 +327,7 @@ async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back(
     let limits = ConcurrencyLimits::new(&ledger, &slots, timeout, &settings).unwrap();
     let big = Plan::new("big", NonZeroU64::new(1000).unwrap(), timeout).unwrap();
     let plans = PlanBook::new(vec![big], "big", [], [], UnknownKeys::DefaultPlan).unwrap();
-    let limiter = Arc::new(Limiter::new(ledger.clone(), Arc::new(plans), settings));
+    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans), settings));
     let rules = Arc::new(RequestRules::builder().build(limiter.plans()).unwrap());
     let rate_limit = RateLimit::new(limiter.clone(), rules).with_concurrency(limits);
     let slow = || async {
@@ -342,10 +346,22 @@ async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back(
     let server = server.run();
     let handle = server.handle();
     tokio::spawn(server);
+    (port, handle, limiter)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() {
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    use std::num::NonZeroU64;
+    use std::time::Duration;
+
+    let (a, stop_a, limiter) = slow_instance().await;
+    let (b, stop_b, _) = slow_instance().await;
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
     let burst = |n: usize| {
-        join_all((0..n).map(|_| {
+        join_all((0..n).map(|i| {
+            let port = if i % 2 == 0 { a } else { b };
             let request = http
                 .get(format!("http://127.0.0.1:{port}/slow"))
                 .header("X-Api-Key", &key);
@@ -354,11 +370,16 @@ async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back(
     };
     let mut first = burst(6).await;
     first.sort();
-    assert_eq!(first, [200, 200, 429, 429, 429, 429], "two slots");
+    assert_eq!(
+        first,
+        [200, 200, 429, 429, 429, 429],
+        "two slots across both instances"
+    );
     // The slots came back when the requests ended.
     assert_eq!(burst(2).await, [200, 200]);
 
     // In the ledger: no slot is held now, and the refused requests were not charged.
+    let ledger = ledger_client(vec![shared_ledger().address]);
     let caller = ledger_limiter::limiter::caller::CallerKey::from_header_value(
         "x-api-key",
         key.as_bytes(),
@@ -388,5 +409,6 @@ async fn a_concurrency_limit_holds_slots_while_requests_run_and_gives_them_back(
         4,
         "only the served requests are charged: {rate:?}"
     );
-    handle.stop(true).await;
+    stop_a.stop(true).await;
+    stop_b.stop(true).await;
 }
