@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ledger_limiter::config::{CallerFile, EmbeddedFile, FileConfig, LedgerFile, Settings};
+use ledger_limiter::config::{
+    AdminFile, CallerFile, EmbeddedFile, FileConfig, LedgerFile, Settings,
+};
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -60,6 +62,11 @@ struct Cli {
     /// Run the embedded TigerBeetle without --development (needs direct I/O and ~1 GiB data file).
     #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION")]
     embedded_production: bool,
+    /// Where the admin API listens, e.g. 127.0.0.1:9091. It is on only if a secret is also given,
+    /// in LEDGER_LIMITER_ADMIN_SECRETS (comma-separated, for rotation; never a flag, which other
+    /// users of the machine could read).
+    #[arg(long, env = "LEDGER_LIMITER_ADMIN_LISTEN")]
+    admin_listen: Option<String>,
     /// Validate the configuration, print it, and exit.
     #[arg(long)]
     check_config: bool,
@@ -111,6 +118,15 @@ impl Cli {
                 keys_file: self.keys_file.clone(),
                 unknown_keys: self.unknown_keys.clone(),
                 ..CallerFile::default()
+            },
+            admin: AdminFile {
+                listen: self.admin_listen.clone(),
+                secrets: std::env::var("LEDGER_LIMITER_ADMIN_SECRETS").ok().map(|v| {
+                    v.split(',')
+                        .map(str::to_owned)
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                }),
             },
             ..FileConfig::default()
         }

@@ -12,7 +12,8 @@ use thiserror::Error;
 use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
-use crate::config::{resolve_addresses, ConfigError, LedgerLocation, Settings};
+use crate::config::{resolve_addresses, AdminSettings, ConfigError, LedgerLocation, Settings};
+use crate::http::admin::{self, AdminState};
 use crate::http::concurrency::ConcurrencyError;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
@@ -68,6 +69,8 @@ pub struct Application {
     embedded: Option<EmbeddedLedger>,
     /// Re-resolves the ledger's host names; stopped with the server.
     follower: Option<JoinHandle<()>>,
+    /// The admin API's server (running) and its port.
+    admin: Option<(actix_web::dev::ServerHandle, u16)>,
 }
 
 impl Application {
@@ -118,17 +121,27 @@ impl Application {
         })?
         .run();
 
+        let admin = match &settings.admin {
+            Some(admin) => Some(admin_server(admin, limiter.clone())?),
+            None => None,
+        };
         Ok(Application {
             server,
             port,
             limiter,
             embedded,
             follower,
+            admin,
         })
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The admin API's port, when it is on.
+    pub fn admin_port(&self) -> Option<u16> {
+        self.admin.as_ref().map(|(_, port)| *port)
     }
 
     pub fn limiter(&self) -> Arc<Limiter> {
@@ -160,6 +173,9 @@ impl Application {
     /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
+        if let Some((admin, _)) = self.admin {
+            admin.stop(true).await;
+        }
         if let Some(follower) = self.follower {
             follower.abort();
         }
@@ -169,6 +185,36 @@ impl Application {
         }
         result
     }
+}
+
+/// The admin API on its own listener (one worker: it is for operators, not traffic), running.
+fn admin_server(
+    admin: &AdminSettings,
+    limiter: Arc<Limiter>,
+) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
+    let listen_error = |source| StartupError::Listen {
+        address: admin.listen.clone(),
+        source,
+    };
+    let listener = TcpListener::bind(&admin.listen).map_err(listen_error)?;
+    let port = listener.local_addr().map_err(listen_error)?.port();
+    let state = web::Data::new(AdminState {
+        limiter,
+        secrets: admin.secrets.clone(),
+    });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .configure(admin::configure)
+    })
+    .workers(1)
+    .listen(listener)
+    .map_err(listen_error)?
+    .run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    tracing::info!(port, "admin API listening on port {port}");
+    Ok((handle, port))
 }
 
 /// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.

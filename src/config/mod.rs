@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::http::admin::AdminSecrets;
 use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
@@ -63,6 +64,33 @@ pub struct FileConfig {
     pub routes: RoutesFile,
     #[serde(default)]
     pub response: ResponseFile,
+    #[serde(default)]
+    pub admin: AdminFile,
+}
+
+/// The admin API: on when `listen` is set and at least one secret is given.
+#[derive(Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct AdminFile {
+    pub listen: Option<String>,
+    /// Bearer tokens (several, for rotation). Prefer `LEDGER_LIMITER_ADMIN_SECRETS`.
+    pub secrets: Option<Vec<String>>,
+}
+
+impl std::fmt::Debug for AdminFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminFile")
+            .field("listen", &self.listen)
+            .field("secrets", &self.secrets.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+/// The admin API's validated settings.
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
+    pub listen: String,
+    pub secrets: AdminSecrets,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -192,6 +220,8 @@ impl FileConfig {
         take!(routes.concurrency_timeout_seconds);
         take!(response.header_styles);
         take!(response.missing_key_status);
+        take!(admin.listen);
+        take!(admin.secrets);
         self
     }
 }
@@ -232,6 +262,8 @@ pub struct Settings {
     /// Concurrency limits by path: requests of one caller in flight at most.
     pub concurrency: Vec<(String, NonZeroU64)>,
     pub concurrency_timeout_seconds: NonZeroU32,
+    /// The admin API, when a listener and a secret are configured.
+    pub admin: Option<AdminSettings>,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
@@ -289,6 +321,7 @@ impl Settings {
             None => plans,
         };
         let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
+        let admin = admin_settings(file.admin)?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = request_rules(
             rules.key_length_max(key_length_max),
@@ -308,6 +341,7 @@ impl Settings {
             rules: Arc::new(rules),
             concurrency,
             concurrency_timeout_seconds,
+            admin,
         })
     }
 
@@ -316,6 +350,16 @@ impl Settings {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
+}
+
+/// The admin API is off without a listener, and off without a secret.
+fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError> {
+    let secrets = AdminSecrets::new(&admin.secrets.unwrap_or_default())
+        .map_err(|message| invalid("admin.secrets", message))?;
+    Ok(match admin.listen {
+        Some(listen) if !secrets.is_empty() => Some(AdminSettings { listen, secrets }),
+        _ => None,
+    })
 }
 
 /// `[routes.concurrency]` and its slot timeout.

@@ -2,6 +2,7 @@
 //! response. Everything HTTP lives here (headers, problem bodies, the demo routes, the request
 //! latency histogram with exemplars); the decision itself does not know about HTTP.
 
+pub mod admin;
 pub mod client_ip;
 pub mod concurrency;
 pub mod headers;

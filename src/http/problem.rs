@@ -15,6 +15,8 @@ pub enum ProblemKind {
     UnknownKey,
     RateLimited,
     LedgerUnavailable,
+    /// An admin API request that could not be carried out (its status says why).
+    Admin,
 }
 
 impl ProblemKind {
@@ -24,6 +26,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey => StatusCode::BAD_REQUEST,
             ProblemKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ProblemKind::LedgerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::Admin => StatusCode::BAD_REQUEST,
         }
     }
 
@@ -34,6 +37,7 @@ impl ProblemKind {
             ProblemKind::UnknownKey => "urn:ledger-limiter:problem:unknown-api-key",
             ProblemKind::RateLimited => "urn:ledger-limiter:problem:rate-limited",
             ProblemKind::LedgerUnavailable => "urn:ledger-limiter:problem:ledger-unavailable",
+            ProblemKind::Admin => "urn:ledger-limiter:problem:admin",
         }
     }
 
@@ -44,6 +48,7 @@ impl ProblemKind {
             ProblemKind::UnknownKey => "Unknown API key",
             ProblemKind::RateLimited => "Rate limit exceeded",
             ProblemKind::LedgerUnavailable => "Rate limiter unavailable",
+            ProblemKind::Admin => "Admin request refused",
         }
     }
 }

@@ -18,6 +18,11 @@ pub const AUDIT_PAGES_MAX: usize = 4096;
 pub struct AccountAudit {
     /// Hex, as in traces (`user.id`).
     pub account_id: String,
+    /// The plan's capacity and window when the account was opened (`user_data_64`, `_32`).
+    pub capacity: u64,
+    pub window_seconds: u32,
+    /// Credit not held now: credits_posted − debits_posted − debits_pending.
+    pub available: u128,
     pub credits_posted: u128,
     pub debits_posted: u128,
     /// Credit held by holds not yet expired, voided or posted.
@@ -27,8 +32,10 @@ pub struct AccountAudit {
     /// Pending debits ever placed: one per admitted request (and per hold whose request was
     /// refused at its deadline, each then voided).
     pub holds: u64,
-    /// Holds voided because their request had been refused when they landed.
+    /// Holds voided: their request had been refused when they landed, or was refunded.
     pub voids: u64,
+    /// Operators' reductions of the credit (admin API).
+    pub reductions: u64,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
     pub complete: bool,
@@ -54,12 +61,19 @@ impl Ledger {
         };
         let mut audit = AccountAudit {
             account_id: format!("{account_id:032x}"),
+            capacity: account.user_data_64(),
+            window_seconds: account.user_data_32(),
+            available: account
+                .credits_posted()
+                .saturating_sub(account.debits_posted())
+                .saturating_sub(account.debits_pending()),
             credits_posted: account.credits_posted(),
             debits_posted: account.debits_posted(),
             debits_pending: account.debits_pending(),
             grants: 0,
             holds: 0,
             voids: 0,
+            reductions: 0,
             transfers_read: 0,
             complete: false,
         };
@@ -90,6 +104,8 @@ impl AccountAudit {
         let flags = transfer.flags();
         if transfer.code() == model::TRANSFER_CODE_GRANT {
             self.grants += 1;
+        } else if transfer.code() == model::TRANSFER_CODE_REDUCE {
+            self.reductions += 1;
         } else if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
             self.voids += 1;
         } else if flags.contains(tb::transfer::Flags::PENDING) {

@@ -122,6 +122,15 @@ pub enum HoldReply {
     AccountNotFound,
 }
 
+/// What an operator's credit change came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjusted {
+    Done,
+    /// A reduction larger than the credit not held.
+    NotEnoughCredit,
+    NoSuchAccount,
+}
+
 /// A hold the ledger reports as still pending.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hold {
@@ -350,6 +359,48 @@ impl Ledger {
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<bool, LedgerError>)>,
+        )
+        .await
+    }
+
+    /// Reduces a caller's credit by `amount`, as a posted operator transfer carrying who (`who`)
+    /// and why (`why`) for the audit trail. Only credit not held can be taken.
+    pub async fn reduce_credit(
+        &self,
+        account_id: u128,
+        amount: u64,
+        (who, why): (u64, u128),
+        deadline: Instant,
+    ) -> Result<Adjusted, LedgerError> {
+        let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, who, why);
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(vec![transfer]).await {
+                    Ok(()) => Ok(Adjusted::Done),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        let Some(error) = errors.as_slice().first() else {
+                            return Err(no_event_error(Operation::CreateTransfers));
+                        };
+                        match error.kind() {
+                            CreateTransferErrorKind::ExceedsCredits => {
+                                Ok(Adjusted::NotEnoughCredit)
+                            }
+                            CreateTransferErrorKind::DebitAccountNotFound
+                            | CreateTransferErrorKind::CreditAccountNotFound => {
+                                Ok(Adjusted::NoSuchAccount)
+                            }
+                            kind => Err(LedgerError::Unexpected {
+                                operation: Operation::CreateTransfers,
+                                message: format!("reduction: {kind:?}"),
+                            }),
+                        }
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<Adjusted, LedgerError>)>,
         )
         .await
     }

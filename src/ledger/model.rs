@@ -37,6 +37,27 @@ pub const ACCOUNT_CODE_USER: u16 = 2;
 /// Transfer codes (TigerBeetle `code`: why money moved).
 pub const TRANSFER_CODE_GRANT: u16 = 1;
 pub const TRANSFER_CODE_REQUEST: u16 = 2;
+/// An operator's reduction of a caller's credit (admin API): `user_data_64` = which admin
+/// secret, `user_data_128` = SHA-256 of the reason, truncated. (Code 3 is kept for top-ups.)
+pub const TRANSFER_CODE_REDUCE: u16 = 4;
+
+/// An operator's reduction of a caller's credit, posted at once (it does not come back).
+pub fn reduction_transfer(
+    account_id: u128,
+    ledger: u32,
+    amount: u64,
+    who: u64,
+    why: u128,
+) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_debit_account_id(account_id)
+        .with_credit_account_id(operator_account_id(ledger))
+        .with_amount(amount.into())
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_REDUCE)
+        .with_user_data_64(who)
+        .with_user_data_128(why)
+}
 
 const USER_ID_BIT: u128 = 1 << 127;
 

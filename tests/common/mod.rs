@@ -37,6 +37,40 @@ impl Drop for Guard {
     }
 }
 
+/// Like [`start_binary`], keeping everything the binary logs (to check what it never logs).
+pub fn start_binary_logged(mut command: Command, marker: &str) -> (Guard, u16, Arc<Mutex<String>>) {
+    let mut child = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    let stderr = child.stderr.take().expect("piped");
+    let guard = Guard(Some(child));
+    let log = Arc::new(Mutex::new(String::new()));
+    let (found, port) = std::sync::mpsc::channel();
+    let (sink, wanted) = (log.clone(), marker.to_owned());
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split(wanted.as_str()).nth(1) {
+                let number = rest
+                    .split_whitespace()
+                    .next()
+                    .and_then(|p| p.parse::<u16>().ok());
+                let _ = found.send(number);
+            }
+            let mut log = sink.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+    let port = port
+        .recv_timeout(Duration::from_secs(60))
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no line with {marker:?}"));
+    (guard, port, log)
+}
+
 /// Starts the `ledger-limiter` binary as `command` describes (with `--listen 127.0.0.1:0` among
 /// its arguments) and reads its port from its log line.
 pub fn start_binary(mut command: Command) -> (Guard, u16) {
@@ -333,6 +367,8 @@ pub fn dead_address() -> SocketAddr {
 pub struct TestApp {
     pub address: String,
     pub port: u16,
+    /// The admin API's port, when the configuration turns it on.
+    pub admin_port: Option<u16>,
     pub http: reqwest::Client,
     pub limiter: Arc<Limiter>,
     handle: actix_web::dev::ServerHandle,
@@ -343,6 +379,7 @@ impl TestApp {
         TestApp {
             address: format!("http://127.0.0.1:{port}"),
             port,
+            admin_port: None,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
                 .build()
@@ -425,10 +462,14 @@ pub async fn spawn_app(config: FileConfig) -> TestApp {
 /// Serves a built application in the background.
 pub fn run(application: Application) -> TestApp {
     let port = application.port();
+    let admin_port = application.admin_port();
     let limiter = application.limiter();
     let handle = application.server_handle();
     tokio::spawn(application.run_until_stopped());
-    TestApp::new(port, limiter, handle)
+    TestApp {
+        admin_port,
+        ..TestApp::new(port, limiter, handle)
+    }
 }
 
 /// Builds an app whose ledger never answers (no wait for readiness).

@@ -1,0 +1,277 @@
+//! The admin API, on a listener of its own (never rate-limited): look a caller up by key, inspect
+//! it, reduce its credit. Every change is an operator transfer, so it is in the audit trail with who
+//! (which secret) and why (a hash of the reason). Off unless a secret is configured.
+//!
+//! Authentication: `Authorization: Bearer <secret>`; 401 without it, 403 with a wrong one. Secrets
+//! are kept only as SHA-256 digests and compared in constant time (every digest, every byte), so
+//! neither a secret nor its length leaks through timing, logs, metrics or spans.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::http::header::{HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::problem::{self, ProblemKind};
+use crate::ledger::Adjusted;
+use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::Limiter;
+
+/// The longest reason kept (its hash goes to the ledger; the text to the log).
+pub const REASON_LENGTH_MAX: usize = 200;
+/// No single adjustment may move more than this much credit.
+pub const AMOUNT_MAX: u64 = 1 << 40;
+/// Secrets shorter than this are refused: a bearer token must not be guessable.
+pub const SECRET_LENGTH_MIN: usize = 16;
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// The configured secrets, as digests. `Debug` shows how many, never which.
+#[derive(Clone)]
+pub struct AdminSecrets(Vec<[u8; 32]>);
+
+impl std::fmt::Debug for AdminSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AdminSecrets({} configured)", self.0.len())
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+impl AdminSecrets {
+    /// `Err` names the first secret's position that is too short (never the secret).
+    pub fn new(secrets: &[String]) -> Result<Self, String> {
+        if let Some(at) = secrets.iter().position(|s| s.len() < SECRET_LENGTH_MIN) {
+            return Err(format!(
+                "secret #{} is shorter than {SECRET_LENGTH_MIN} bytes",
+                at + 1
+            ));
+        }
+        Ok(AdminSecrets(
+            secrets.iter().map(|s| digest(s.as_bytes())).collect(),
+        ))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Which secret (1-based) `presented` is, comparing against every one in constant time.
+    pub fn who(&self, presented: &[u8]) -> Option<u64> {
+        let presented = digest(presented);
+        let mut found = 0u64;
+        for (index, known) in self.0.iter().enumerate() {
+            let difference = known
+                .iter()
+                .zip(presented.iter())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+            // Branch-free: keep the index where the difference is zero.
+            let equal = u64::from(difference == 0);
+            found |= equal * (index as u64 + 1);
+        }
+        (found != 0).then_some(found)
+    }
+}
+
+/// What the admin handlers share.
+pub struct AdminState {
+    pub limiter: Arc<Limiter>,
+    pub secrets: AdminSecrets,
+}
+
+/// The admin routes, under `/admin`.
+pub fn configure(config: &mut web::ServiceConfig) {
+    // Bad JSON is a problem+json 400 like every other refusal, and bodies are small.
+    let json = web::JsonConfig::default()
+        .limit(4096)
+        .error_handler(|error, _| {
+            let response = admin_problem(StatusCode::BAD_REQUEST, &error.to_string());
+            actix_web::error::InternalError::from_response(error, response).into()
+        });
+    config
+        .app_data(json)
+        .route("/admin/callers/lookup", web::post().to(lookup))
+        .route("/admin/callers/{account_id}", web::get().to(inspect))
+        .route("/admin/callers/{account_id}/debit", web::post().to(reduce));
+}
+
+fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
+    problem::with_status(ProblemKind::Admin, status, detail)
+}
+
+/// The secret's number (who acted), or the 401/403 answer.
+fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpResponse>> {
+    let bearer = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    let Some(presented) = bearer else {
+        let mut response = admin_problem(StatusCode::UNAUTHORIZED, "a bearer token is required");
+        let challenge = HeaderValue::from_static("Bearer realm=\"ledger-limiter admin\"");
+        response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
+        return Err(Box::new(response));
+    };
+    state.secrets.who(presented).ok_or_else(|| {
+        Box::new(admin_problem(
+            StatusCode::FORBIDDEN,
+            "the bearer token is not accepted",
+        ))
+    })
+}
+
+fn account_id(path: &str) -> Result<u128, Box<HttpResponse>> {
+    let hex = path.trim_start_matches("0x");
+    let valid = hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+    let parsed = valid.then(|| u128::from_str_radix(hex, 16).ok()).flatten();
+    let message = "an account id is 32 hex digits";
+    parsed.ok_or_else(|| Box::new(admin_problem(StatusCode::BAD_REQUEST, message)))
+}
+
+async fn inspect(
+    req: HttpRequest,
+    path: web::Path<String>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    if let Err(response) = authorize(&req, &state) {
+        return *response;
+    }
+    let id = match account_id(&path) {
+        Ok(id) => id,
+        Err(response) => return *response,
+    };
+    match state
+        .limiter
+        .ledger()
+        .audit(id, Instant::now() + DEADLINE)
+        .await
+    {
+        Ok(Some(audit)) => HttpResponse::Ok().json(audit),
+        Ok(None) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
+        Err(error) => admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Lookup {
+    key: String,
+}
+
+#[derive(Serialize)]
+struct Found {
+    account_id: String,
+    plan: String,
+}
+
+/// A caller's account from its key (over this authenticated API only; the key is never logged).
+async fn lookup(
+    req: HttpRequest,
+    body: web::Json<Lookup>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    if let Err(response) = authorize(&req, &state) {
+        return *response;
+    }
+    let Ok(key) = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
+    else {
+        return admin_problem(StatusCode::BAD_REQUEST, "not a valid key");
+    };
+    let plans = state.limiter.plans();
+    let plan = plans.plan_for(&key).and_then(|id| plans.get(id));
+    match (state.limiter.account_of(&key), plan) {
+        (Some(id), Some(plan)) => HttpResponse::Ok().json(Found {
+            account_id: format!("{id:032x}"),
+            plan: plan.name().to_owned(),
+        }),
+        _ => admin_problem(StatusCode::NOT_FOUND, "the key has no plan"),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Reduction {
+    amount: u64,
+    reason: String,
+}
+
+/// Takes credit from a caller for good (abuse, a refund owed to us): a posted operator transfer.
+/// Only credit not held can be taken (409 otherwise). The local views need no news: a smaller
+/// credit only makes the ledger refuse sooner, and only the ledger admits.
+async fn reduce(
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Json<Reduction>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    let who = match authorize(&req, &state) {
+        Ok(who) => who,
+        Err(response) => return *response,
+    };
+    let id = match account_id(&path) {
+        Ok(id) => id,
+        Err(response) => return *response,
+    };
+    if body.amount == 0 || body.amount > AMOUNT_MAX {
+        return admin_problem(StatusCode::BAD_REQUEST, "amount must be between 1 and 2^40");
+    }
+    if body.reason.is_empty() || body.reason.len() > REASON_LENGTH_MAX {
+        return admin_problem(StatusCode::BAD_REQUEST, "reason must be 1-200 bytes");
+    }
+    let reason_digest = digest(body.reason.as_bytes());
+    let mut why = [0u8; 16];
+    why.copy_from_slice(&reason_digest[..16]);
+    let why = u128::from_le_bytes(why);
+    let deadline = Instant::now() + DEADLINE;
+    let ledger = state.limiter.ledger();
+    match ledger
+        .reduce_credit(id, body.amount, (who, why), deadline)
+        .await
+    {
+        Ok(Adjusted::Done) => {
+            tracing::info!(account_id = %format_args!("{id:032x}"), amount = body.amount, secret = who, reason = %body.reason, "credit reduced");
+            match ledger.audit(id, deadline).await {
+                Ok(Some(audit)) => HttpResponse::Ok().json(audit),
+                _ => HttpResponse::Ok().finish(),
+            }
+        }
+        Ok(Adjusted::NotEnoughCredit) => admin_problem(
+            StatusCode::CONFLICT,
+            "the caller has less credit not held than that",
+        ),
+        Ok(Adjusted::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
+        Err(error) => admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_found_by_digest_and_never_shown() {
+        let secrets =
+            AdminSecrets::new(&["first-secret-0123456".into(), "second-secret-012345".into()])
+                .unwrap();
+        assert_eq!(secrets.who(b"first-secret-0123456"), Some(1));
+        assert_eq!(secrets.who(b"second-secret-012345"), Some(2));
+        assert_eq!(secrets.who(b"second-secret-01234"), None);
+        assert_eq!(secrets.who(b""), None);
+        let shown = format!("{secrets:?}");
+        assert!(!shown.contains("secret-"), "{shown}");
+        assert!(AdminSecrets::new(&["short".into()])
+            .unwrap_err()
+            .contains("#1"));
+    }
+
+    #[test]
+    fn account_ids_are_32_hex_digits() {
+        assert!(account_id("00000000000000000000000000000001").is_ok());
+        assert!(account_id("0x00000000000000000000000000000001").is_ok());
+        assert!(account_id("1").is_err());
+        assert!(account_id("zz000000000000000000000000000001").is_err());
+    }
+}

@@ -1,0 +1,237 @@
+//! The admin API over real sockets against a real TigerBeetle: bearer secrets (401, 403), looking
+//! a caller up and inspecting it, reducing its credit as an operator transfer in the audit trail,
+//! problem+json for bad input, and secrets that never reach the log.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use ledger_limiter::config::{AdminFile, FileConfig};
+use serde_json::{json, Value};
+
+const SECRET: &str = "admin-secret-for-tests-0001";
+const ROTATED: &str = "admin-secret-for-tests-0002";
+
+fn config(capacity: u64) -> FileConfig {
+    let mut config = test_config(shared_ledger().address);
+    config.plans = Some([("free".to_owned(), plan(capacity, 60))].into());
+    config.admin = AdminFile {
+        listen: Some("127.0.0.1:0".into()),
+        secrets: Some(vec![SECRET.into(), ROTATED.into()]),
+    };
+    config
+}
+
+struct Admin<'a> {
+    app: &'a TestApp,
+}
+
+impl Admin<'_> {
+    fn url(&self, path: &str) -> String {
+        format!(
+            "http://127.0.0.1:{}{path}",
+            self.app.admin_port.expect("admin on")
+        )
+    }
+
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        secret: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self.app.http.request(method, self.url(path));
+        if let Some(secret) = secret {
+            request = request.bearer_auth(secret);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+
+    // Addressed by key over the authenticated API, by account id after that.
+    let (status, found) = admin
+        .send(
+            "POST",
+            "/admin/callers/lookup",
+            Some(SECRET),
+            Some(json!({"key": key})),
+        )
+        .await;
+    assert_eq!(status, 200, "{found}");
+    let id = found["account_id"].as_str().unwrap().to_owned();
+    assert_eq!(id, format!("{:032x}", account_id(&app, &key)));
+    assert_eq!(found["plan"], "free");
+    let (status, seen) = admin
+        .send("GET", &format!("/admin/callers/{id}"), Some(ROTATED), None)
+        .await;
+    assert_eq!(status, 200, "{seen}");
+    assert_eq!(
+        (seen["capacity"].as_u64(), seen["available"].as_u64()),
+        (Some(2), Some(0))
+    );
+    assert_eq!(seen["holds"], 2);
+
+    // A reduction of more than is free is refused; nothing changes.
+    let path = format!("/admin/callers/{id}/debit");
+    let too_much = json!({"amount": 1, "reason": "abuse"});
+    let (status, problem) = admin
+        .send("POST", &path, Some(SECRET), Some(too_much))
+        .await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["type"], "urn:ledger-limiter:problem:admin");
+
+    // On a caller with credit free, a reduction is an operator transfer in the audit trail, and
+    // the ledger admits that much less from then on.
+    let other = fresh_key("k_");
+    let (_, found) = admin
+        .send(
+            "POST",
+            "/admin/callers/lookup",
+            Some(SECRET),
+            Some(json!({"key": other})),
+        )
+        .await;
+    let other_id = found["account_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        app.get("/greeting", Some(&other)).await.status(),
+        200,
+        "provisioned"
+    );
+    let path = format!("/admin/callers/{other_id}/debit");
+    let reduce = json!({"amount": 1, "reason": "abuse report 7"});
+    let (status, after) = admin.send("POST", &path, Some(ROTATED), Some(reduce)).await;
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(
+        (after["available"].as_u64(), after["reductions"].as_u64()),
+        (Some(0), Some(1))
+    );
+    assert_eq!(app.get("/greeting", Some(&other)).await.status(), 429);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let path = format!("/admin/callers/{:032x}", 7u128 | 1 << 127);
+    let (status, problem) = admin.send("GET", &path, None, None).await;
+    assert_eq!(status, 401, "{problem}");
+    let (status, _) = admin
+        .send("GET", &path, Some("admin-secret-for-tests-0003"), None)
+        .await;
+    assert_eq!(status, 403);
+    let (status, _) = admin.send("GET", &path, Some(SECRET), None).await;
+    assert_eq!(status, 404, "no such account");
+    let (status, problem) = admin
+        .send("GET", "/admin/callers/nope", Some(SECRET), None)
+        .await;
+    assert_eq!((status, problem["status"].as_u64()), (400, Some(400)));
+    let zero = json!({"amount": 0, "reason": "x"});
+    let (status, _) = admin
+        .send("POST", &format!("{path}/debit"), Some(SECRET), Some(zero))
+        .await;
+    assert_eq!(status, 400);
+    let unknown = json!({"amount": 1, "reason": "x", "extra": true});
+    let (status, problem) = admin
+        .send(
+            "POST",
+            &format!("{path}/debit"),
+            Some(SECRET),
+            Some(unknown),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        problem["type"], "urn:ledger-limiter:problem:admin",
+        "{problem}"
+    );
+    // The admin API is not on the service's own listener.
+    let on_service = app.get(&format!("/admin/callers/{:032x}", 7), None).await;
+    assert_eq!(
+        on_service.status(),
+        401,
+        "the service's listener only knows callers"
+    );
+    app.stop().await;
+}
+
+#[test]
+fn secrets_never_reach_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = binary_command();
+    command
+        .current_dir(dir.path())
+        .env("RUST_LOG", "debug")
+        .env(
+            "LEDGER_LIMITER_ADMIN_SECRETS",
+            format!("{SECRET},{ROTATED}"),
+        )
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--ledger-addresses", &shared_ledger().address.to_string()]);
+    let (mut running, admin_port, log) =
+        start_binary_logged(command, "admin API listening on port ");
+    let url = format!("http://127.0.0.1:{admin_port}/admin/callers/lookup");
+    for secret in [SECRET, "a-wrong-secret-0000000"] {
+        let status = Command::new("curl")
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-X",
+                "POST",
+                &url,
+            ])
+            .args(["-H", &format!("Authorization: Bearer {secret}")])
+            .args([
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                r#"{"key":"k"}"#,
+            ])
+            .output()
+            .unwrap();
+        assert!(!String::from_utf8_lossy(&status.stdout).is_empty());
+    }
+    let child = running.take();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    drop(child);
+    let log = log.lock().unwrap().clone();
+    assert!(log.contains("admin API listening"), "{log}");
+    for secret in [SECRET, ROTATED, "a-wrong-secret-0000000"] {
+        assert!(!log.contains(secret), "a secret reached the log");
+    }
+    // --check-config shows how many secrets, never which.
+    let mut check = binary_command();
+    let shown = check
+        .current_dir(dir.path())
+        .env("LEDGER_LIMITER_ADMIN_SECRETS", SECRET)
+        .args(["--admin-listen", "127.0.0.1:0", "--check-config"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("AdminSecrets(1 configured)"), "{shown}");
+    assert!(!shown.contains(SECRET));
+}
