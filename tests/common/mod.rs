@@ -73,28 +73,8 @@ pub fn start_binary_logged(mut command: Command, marker: &str) -> (Guard, u16, A
 
 /// Starts the `ledger-limiter` binary as `command` describes (with `--listen 127.0.0.1:0` among
 /// its arguments) and reads its port from its log line.
-pub fn start_binary(mut command: Command) -> (Guard, u16) {
-    let mut child = command
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary starts");
-    let stderr = child.stderr.take().expect("piped");
-    let mut guard = Guard(Some(child));
-    let mut lines = BufReader::new(stderr).lines();
-    let started = std::time::Instant::now();
-    let port = loop {
-        let Some(Ok(line)) = lines.next() else {
-            let status = guard.take().wait().map(|s| s.to_string());
-            panic!("the binary exited before listening: {status:?}");
-        };
-        if let Some(rest) = line.split("listening on port ").nth(1) {
-            let port = rest.split_whitespace().next().expect("a port");
-            break port.parse::<u16>().expect("a port number");
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "no port");
-    };
-    std::thread::spawn(move || for _ in lines {});
+pub fn start_binary(command: Command) -> (Guard, u16) {
+    let (guard, port, _log) = start_binary_logged(command, "ledger-limiter listening on port ");
     (guard, port)
 }
 
