@@ -208,6 +208,9 @@ fn admin_server(
             .configure(admin::configure)
     })
     .workers(1)
+    // The main server handles SIGINT/SIGTERM and stops this one on its way out; two servers
+    // listening for signals lose one that arrives during start-up.
+    .disable_signals()
     .listen(listener)
     .map_err(listen_error)?
     .run();
