@@ -185,8 +185,7 @@ fn secrets_never_reach_the_log() {
         )
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--ledger-addresses", &shared_ledger().address.to_string()]);
-    let (running, admin_port, log) =
-        start_binary_logged(command, "admin API listening on port ");
+    let (running, admin_port, log) = start_binary_logged(command, "admin API listening on port ");
     let url = format!("http://127.0.0.1:{admin_port}/admin/callers/lookup");
     for secret in [SECRET, "a-wrong-secret-0000000"] {
         let status = Command::new("curl")
