@@ -79,6 +79,30 @@ fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<Hold> {
     })
 }
 
+/// Creates one transfer: `Ok(None)` when it was created, `Ok(Some(kind))` when the ledger refused
+/// it (the event's result), `Err` when the call itself failed.
+async fn create_transfer(
+    client: &tb::Client,
+    transfer: tb::Transfer,
+) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+    match client.create_transfers(vec![transfer]).await {
+        Ok(()) => Ok(None),
+        Err(tb::error::CreateTransfersError::Api(errors)) => match errors.as_slice().first() {
+            Some(error) => Ok(Some(error.kind())),
+            None => Err(no_event_error(Operation::CreateTransfers)),
+        },
+        Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+    }
+}
+
+/// A transfer result the model does not expect (`what`: which transfer, for the message).
+fn unexpected_transfer(what: &str, kind: CreateTransferErrorKind) -> LedgerError {
+    LedgerError::Unexpected {
+        operation: Operation::CreateTransfers,
+        message: format!("{what}{kind:?}"),
+    }
+}
+
 /// The client reported a failed call without naming the failed event: never seen, but an answer
 /// from outside, so an error rather than an index that could panic.
 fn no_event_error(operation: Operation) -> LedgerError {
@@ -302,29 +326,16 @@ impl Ledger {
             Operation::CreateTransfers,
             deadline,
             move |client| async move {
-                match client.create_transfers(vec![transfer]).await {
-                    Ok(()) => Ok(HoldReply::Held {
+                match create_transfer(&client, transfer).await? {
+                    None => Ok(HoldReply::Held {
                         answered_at: Instant::now(),
                         transfer_id,
                     }),
-                    Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        let Some(error) = errors.as_slice().first() else {
-                            return Err(no_event_error(Operation::CreateTransfers));
-                        };
-                        match error.kind() {
-                            CreateTransferErrorKind::ExceedsCredits => {
-                                Ok(HoldReply::ExceedsCredits)
-                            }
-                            CreateTransferErrorKind::DebitAccountNotFound => {
-                                Ok(HoldReply::AccountNotFound)
-                            }
-                            kind => Err(LedgerError::Unexpected {
-                                operation: Operation::CreateTransfers,
-                                message: format!("{kind:?}"),
-                            }),
-                        }
+                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
+                    Some(CreateTransferErrorKind::DebitAccountNotFound) => {
+                        Ok(HoldReply::AccountNotFound)
                     }
-                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                    Some(kind) => Err(unexpected_transfer("", kind)),
                 }
             },
             Some(on_abandoned),
@@ -340,22 +351,11 @@ impl Ledger {
             Operation::CreateTransfers,
             deadline,
             move |client| async move {
-                match client.create_transfers(vec![void]).await {
-                    Ok(()) => Ok(true),
-                    Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        let Some(error) = errors.as_slice().first() else {
-                            return Err(no_event_error(Operation::CreateTransfers));
-                        };
-                        match error.kind() {
-                            CreateTransferErrorKind::PendingTransferExpired
-                            | CreateTransferErrorKind::PendingTransferAlreadyVoided => Ok(false),
-                            kind => Err(LedgerError::Unexpected {
-                                operation: Operation::CreateTransfers,
-                                message: format!("void: {kind:?}"),
-                            }),
-                        }
-                    }
-                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                match create_transfer(&client, void).await? {
+                    None => Ok(true),
+                    Some(CreateTransferErrorKind::PendingTransferExpired)
+                    | Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => Ok(false),
+                    Some(kind) => Err(unexpected_transfer("void: ", kind)),
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<bool, LedgerError>)>,
@@ -377,27 +377,14 @@ impl Ledger {
             Operation::CreateTransfers,
             deadline,
             move |client| async move {
-                match client.create_transfers(vec![transfer]).await {
-                    Ok(()) => Ok(Adjusted::Done),
-                    Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        let Some(error) = errors.as_slice().first() else {
-                            return Err(no_event_error(Operation::CreateTransfers));
-                        };
-                        match error.kind() {
-                            CreateTransferErrorKind::ExceedsCredits => {
-                                Ok(Adjusted::NotEnoughCredit)
-                            }
-                            CreateTransferErrorKind::DebitAccountNotFound
-                            | CreateTransferErrorKind::CreditAccountNotFound => {
-                                Ok(Adjusted::NoSuchAccount)
-                            }
-                            kind => Err(LedgerError::Unexpected {
-                                operation: Operation::CreateTransfers,
-                                message: format!("reduction: {kind:?}"),
-                            }),
-                        }
+                match create_transfer(&client, transfer).await? {
+                    None => Ok(Adjusted::Done),
+                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
+                    Some(CreateTransferErrorKind::DebitAccountNotFound)
+                    | Some(CreateTransferErrorKind::CreditAccountNotFound) => {
+                        Ok(Adjusted::NoSuchAccount)
                     }
-                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                    Some(kind) => Err(unexpected_transfer("reduction: ", kind)),
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<Adjusted, LedgerError>)>,
@@ -450,21 +437,10 @@ impl Ledger {
             Operation::CreateTransfers,
             deadline,
             move |client| async move {
-                match client.create_transfers(vec![grant]).await {
-                    Ok(()) => Ok(()),
-                    Err(tb::error::CreateTransfersError::Api(errors)) => {
-                        let Some(error) = errors.as_slice().first() else {
-                            return Err(no_event_error(Operation::CreateTransfers));
-                        };
-                        match error.kind() {
-                            CreateTransferErrorKind::Exists => Ok(()),
-                            kind => Err(LedgerError::Unexpected {
-                                operation: Operation::CreateTransfers,
-                                message: format!("grant: {kind:?}"),
-                            }),
-                        }
-                    }
-                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                match create_transfer(&client, grant).await? {
+                    None => Ok(()),
+                    Some(CreateTransferErrorKind::Exists) => Ok(()),
+                    Some(kind) => Err(unexpected_transfer("grant: ", kind)),
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
