@@ -123,6 +123,16 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
     })
 }
 
+/// Who acts (the secret's number) on which account (the path's id), or the 400/401/403 answer.
+fn authorized_account(
+    req: &HttpRequest,
+    state: &AdminState,
+    path: &str,
+) -> Result<(u64, u128), Box<HttpResponse>> {
+    let who = authorize(req, state)?;
+    Ok((who, account_id(path)?))
+}
+
 fn account_id(path: &str) -> Result<u128, Box<HttpResponse>> {
     let hex = path.trim_start_matches("0x");
     let valid = hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit());
@@ -136,11 +146,8 @@ async fn inspect(
     path: web::Path<String>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    if let Err(response) = authorize(&req, &state) {
-        return *response;
-    }
-    let id = match account_id(&path) {
-        Ok(id) => id,
+    let id = match authorized_account(&req, &state, &path) {
+        Ok((_, id)) => id,
         Err(response) => return *response,
     };
     match state
@@ -207,12 +214,8 @@ async fn reduce(
     body: web::Json<Reduction>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    let who = match authorize(&req, &state) {
-        Ok(who) => who,
-        Err(response) => return *response,
-    };
-    let id = match account_id(&path) {
-        Ok(id) => id,
+    let (who, id) = match authorized_account(&req, &state, &path) {
+        Ok(found) => found,
         Err(response) => return *response,
     };
     if body.amount == 0 || body.amount > AMOUNT_MAX {

@@ -51,6 +51,14 @@ pub struct RateLimit(Arc<Inner>);
 
 impl RateLimit {
     pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
+        Self::with_limits(limiter, rules, ConcurrencyLimits::default())
+    }
+
+    fn with_limits(
+        limiter: Arc<Limiter>,
+        rules: Arc<RequestRules>,
+        concurrency: ConcurrencyLimits,
+    ) -> Self {
         let fields = Fields {
             policies: PolicyHeaders::new(limiter.plans()),
             styles: rules.header_styles(),
@@ -59,23 +67,14 @@ impl RateLimit {
             limiter,
             rules,
             fields,
-            concurrency: Arc::default(),
+            concurrency: Arc::new(concurrency),
         }))
     }
 
     /// Adds concurrency limits: after the rate limit admits a request, it also takes a slot
     /// (see [`ConcurrencyLimits`]); a request refused for want of a slot is not charged.
     pub fn with_concurrency(self, limits: ConcurrencyLimits) -> Self {
-        let fields = Fields {
-            policies: PolicyHeaders::new(self.0.limiter.plans()),
-            styles: self.0.rules.header_styles(),
-        };
-        RateLimit(Arc::new(Inner {
-            limiter: self.0.limiter.clone(),
-            rules: self.0.rules.clone(),
-            fields,
-            concurrency: Arc::new(limits),
-        }))
+        Self::with_limits(self.0.limiter.clone(), self.0.rules.clone(), limits)
     }
 }
 
