@@ -126,6 +126,127 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
     app.stop().await;
 }
 
+impl Admin<'_> {
+    async fn account_of(&self, key: &str) -> String {
+        let lookup = json!({"key": key});
+        let path = "/admin/callers/lookup";
+        let (status, found) = self.send("POST", path, Some(SECRET), Some(lookup)).await;
+        assert_eq!(status, 200, "{found}");
+        found["account_id"].as_str().unwrap().to_owned()
+    }
+}
+
+/// A top-up raises the caller's limit per window at once on this instance and within a second on
+/// another (its local view refuses only on the ledger's word of the last second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_raises_the_limit_on_every_instance() {
+    let app = spawn_app(config(2)).await;
+    let other = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    for _ in 0..2 {
+        assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    }
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 429);
+    assert_eq!(
+        other.get("/greeting", Some(&key)).await.status(),
+        429,
+        "local"
+    );
+    let id = admin.account_of(&key).await;
+    let path = format!("/admin/callers/{id}/credit");
+    let top_up = json!({"amount": 3, "reason": "upgrade ticket 12"});
+    let (status, after) = admin.send("POST", &path, Some(SECRET), Some(top_up)).await;
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(
+        (after["available"].as_u64(), after["top_ups"].as_u64()),
+        (Some(3), Some(1))
+    );
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 200);
+    // 2 + 3 credit, all held now: exactly five admitted.
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    let (_, seen) = admin
+        .send("GET", &format!("/admin/callers/{id}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (seen["holds"].as_u64(), seen["available"].as_u64()),
+        (Some(5), Some(0))
+    );
+    app.stop().await;
+    other.stop().await;
+}
+
+/// A block refuses every request with 403 and Retry-After on every instance, even on a caller
+/// with credit; an unblock (or the block's end) lets it in again. Both are in the audit trail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_refuses_everywhere_until_unblocked_or_over() {
+    let app = spawn_app(config(5)).await;
+    let other = spawn_app(config(5)).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let id = admin.account_of(&key).await;
+    let path = format!("/admin/callers/{id}/block");
+    let block = json!({"seconds": 600, "reason": "abuse report 9"});
+    let (status, after) = admin
+        .send("POST", &path, Some(SECRET), Some(block.clone()))
+        .await;
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(
+        (after["blocked"].as_bool(), after["blocks"].as_u64()),
+        (Some(true), Some(1))
+    );
+    let (status, _) = admin.send("POST", &path, Some(SECRET), Some(block)).await;
+    assert_eq!(status, 409, "blocked already");
+    for instance in [&app, &other] {
+        let refused = instance.get("/greeting", Some(&key)).await;
+        assert_eq!(refused.status(), 403);
+        let retry: u64 = refused.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((590..=601).contains(&retry), "{retry}");
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(body["type"], "urn:ledger-limiter:problem:blocked");
+    }
+    // Credit changes wait for the unblock.
+    let top_up = json!({"amount": 1, "reason": "x"});
+    let credit = format!("/admin/callers/{id}/credit");
+    let (status, _) = admin
+        .send("POST", &credit, Some(SECRET), Some(top_up))
+        .await;
+    assert_eq!(status, 409);
+    let (status, after) = admin.send("DELETE", &path, Some(ROTATED), None).await;
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(
+        (after["blocked"].as_bool(), after["unblocks"].as_u64()),
+        (Some(false), Some(1))
+    );
+    assert_eq!(after["voids"], 0, "an unblock is not a refund");
+    let (status, _) = admin.send("DELETE", &path, Some(SECRET), None).await;
+    assert_eq!(status, 409, "not blocked");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 200);
+
+    // A short block ends by itself (TigerBeetle expires the closing transfer).
+    let short = json!({"seconds": 1, "reason": "cool down"});
+    let (status, _) = admin.send("POST", &path, Some(SECRET), Some(short)).await;
+    assert_eq!(status, 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 403);
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let bad = json!({"seconds": 0, "reason": "x"});
+    let (status, _) = admin.send("POST", &path, Some(SECRET), Some(bad)).await;
+    assert_eq!(status, 400);
+    app.stop().await;
+    other.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
     let app = spawn_app(config(2)).await;

@@ -1,5 +1,5 @@
 //! The admin API, on a listener of its own (never rate-limited): look a caller up by key, inspect
-//! it, reduce its credit. Every change is an operator transfer, so it is in the audit trail with who
+//! it, top up or reduce its credit, block it for a while and unblock it. Every change is an operator transfer, so it is in the audit trail with who
 //! (which secret) and why (a hash of the reason). Off unless a secret is configured.
 //!
 //! Authentication: `Authorization: Bearer <secret>`; 401 without it, 403 with a wrong one. Secrets
@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::problem::{self, ProblemKind};
-use crate::ledger::Adjusted;
+use crate::ledger::model::Actor;
+use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::Limiter;
 
@@ -26,6 +27,8 @@ pub const REASON_LENGTH_MAX: usize = 200;
 pub const AMOUNT_MAX: u64 = 1 << 40;
 /// Secrets shorter than this are refused: a bearer token must not be guessable.
 pub const SECRET_LENGTH_MIN: usize = 16;
+/// The longest block: a week (a longer one is a plan change, or a key revoked).
+pub const BLOCK_SECONDS_MAX: u32 = 7 * 24 * 3600;
 const DEADLINE: Duration = Duration::from_secs(5);
 
 /// The configured secrets, as digests. `Debug` shows how many, never which.
@@ -96,7 +99,13 @@ pub fn configure(config: &mut web::ServiceConfig) {
         .app_data(json)
         .route("/admin/callers/lookup", web::post().to(lookup))
         .route("/admin/callers/{account_id}", web::get().to(inspect))
-        .route("/admin/callers/{account_id}/debit", web::post().to(reduce));
+        .route("/admin/callers/{account_id}/debit", web::post().to(reduce))
+        .route("/admin/callers/{account_id}/credit", web::post().to(top_up))
+        .route("/admin/callers/{account_id}/block", web::post().to(block))
+        .route(
+            "/admin/callers/{account_id}/block",
+            web::delete().to(unblock),
+        );
 }
 
 fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
@@ -200,53 +209,182 @@ async fn lookup(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Reduction {
+struct Adjustment {
     amount: u64,
     reason: String,
 }
 
-/// Takes credit from a caller for good (abuse, a refund owed to us): a posted operator transfer.
-/// Only credit not held can be taken (409 otherwise). The local views need no news: a smaller
-/// credit only makes the ledger refuse sooner, and only the ledger admits.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Block {
+    seconds: u32,
+    reason: String,
+}
+
+/// Who acts and why: the secret's number, and the reason's SHA-256 (truncated) for the ledger.
+fn actor(who: u64, reason: &str) -> Result<Actor, Box<HttpResponse>> {
+    if reason.is_empty() || reason.len() > REASON_LENGTH_MAX {
+        let detail = format!("reason must be 1-{REASON_LENGTH_MAX} bytes");
+        return Err(Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail)));
+    }
+    let mut why = [0u8; 16];
+    why.copy_from_slice(&digest(reason.as_bytes())[..16]);
+    Ok(Actor {
+        who,
+        why: u128::from_le_bytes(why),
+    })
+}
+
+fn amount(amount: u64) -> Result<u64, Box<HttpResponse>> {
+    if amount == 0 || amount > AMOUNT_MAX {
+        let detail = "amount must be between 1 and 2^40";
+        return Err(Box::new(admin_problem(StatusCode::BAD_REQUEST, detail)));
+    }
+    Ok(amount)
+}
+
+fn unavailable(error: &LedgerError) -> HttpResponse {
+    admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string())
+}
+
+/// The account's audit after a change (200), or 200 without a body if it cannot be read now.
+async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpResponse {
+    // This instance forgets what it knew; the others see the change within a second.
+    state.limiter.forget_local(id);
+    match state.limiter.ledger().audit(id, deadline).await {
+        Ok(Some(audit)) => HttpResponse::Ok().json(audit),
+        _ => HttpResponse::Ok().finish(),
+    }
+}
+
+fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
+    match adjusted {
+        Adjusted::Done => HttpResponse::Ok().finish(),
+        Adjusted::NotEnoughCredit => admin_problem(
+            StatusCode::CONFLICT,
+            "the caller has less credit not held than that",
+        ),
+        Adjusted::NoSuchAccount => admin_problem(StatusCode::NOT_FOUND, "no such account"),
+        Adjusted::Blocked => admin_problem(
+            StatusCode::CONFLICT,
+            "the caller is blocked; unblock it first",
+        ),
+    }
+}
+
+/// Takes credit from a caller for good (`reduce: true`, abuse, a refund owed to us) or gives it
+/// more for good (a top-up: a higher limit per window). Only credit not held can be taken (409).
+async fn adjust(
+    req: &HttpRequest,
+    path: &str,
+    body: &Adjustment,
+    state: &AdminState,
+    reduce: bool,
+) -> Result<HttpResponse, Box<HttpResponse>> {
+    let (who, id) = authorized_account(req, state, path)?;
+    let amount = amount(body.amount)?;
+    let actor = actor(who, &body.reason)?;
+    let deadline = Instant::now() + DEADLINE;
+    let ledger = state.limiter.ledger();
+    let result = if reduce {
+        ledger.reduce_credit(id, amount, actor, deadline).await
+    } else {
+        ledger.top_up(id, amount, actor, deadline).await
+    };
+    match result {
+        Ok(Adjusted::Done) => {
+            let action = if reduce {
+                "credit reduced"
+            } else {
+                "credit topped up"
+            };
+            tracing::info!(account_id = %format_args!("{id:032x}"), amount, secret = who, reason = %body.reason, "{action}");
+            Ok(changed(state, id, deadline).await)
+        }
+        Ok(other) => Ok(adjusted_problem(other)),
+        Err(error) => Ok(unavailable(&error)),
+    }
+}
+
 async fn reduce(
     req: HttpRequest,
     path: web::Path<String>,
-    body: web::Json<Reduction>,
+    body: web::Json<Adjustment>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    adjust(&req, &path, &body, &state, true)
+        .await
+        .unwrap_or_else(|response| *response)
+}
+
+async fn top_up(
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Json<Adjustment>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    adjust(&req, &path, &body, &state, false)
+        .await
+        .unwrap_or_else(|response| *response)
+}
+
+/// Refuses every request of the caller, on every instance, for `seconds` (403 with Retry-After),
+/// or until unblocked. The caller's holds still expire as usual.
+async fn block(
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Json<Block>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    let blocked = async {
+        let (who, id) = authorized_account(&req, &state, &path)?;
+        if body.seconds == 0 || body.seconds > BLOCK_SECONDS_MAX {
+            let detail = format!("seconds must be between 1 and {BLOCK_SECONDS_MAX}");
+            return Err(Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail)));
+        }
+        let actor = actor(who, &body.reason)?;
+        let deadline = Instant::now() + DEADLINE;
+        let ledger = state.limiter.ledger();
+        Ok(
+            match ledger.block(id, body.seconds, actor, deadline).await {
+                Ok(Blocking::Done { .. }) => {
+                    tracing::info!(account_id = %format_args!("{id:032x}"), seconds = body.seconds, secret = who, reason = %body.reason, "caller blocked");
+                    changed(&state, id, deadline).await
+                }
+                Ok(Blocking::AlreadyBlocked) => {
+                    admin_problem(StatusCode::CONFLICT, "the caller is blocked already")
+                }
+                Ok(Blocking::NoSuchAccount) => {
+                    admin_problem(StatusCode::NOT_FOUND, "no such account")
+                }
+                Err(error) => unavailable(&error),
+            },
+        )
+    };
+    blocked.await.unwrap_or_else(|response| *response)
+}
+
+/// Ends a block now.
+async fn unblock(
+    req: HttpRequest,
+    path: web::Path<String>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
     let (who, id) = match authorized_account(&req, &state, &path) {
         Ok(found) => found,
         Err(response) => return *response,
     };
-    if body.amount == 0 || body.amount > AMOUNT_MAX {
-        return admin_problem(StatusCode::BAD_REQUEST, "amount must be between 1 and 2^40");
-    }
-    if body.reason.is_empty() || body.reason.len() > REASON_LENGTH_MAX {
-        return admin_problem(StatusCode::BAD_REQUEST, "reason must be 1-200 bytes");
-    }
-    let reason_digest = digest(body.reason.as_bytes());
-    let mut why = [0u8; 16];
-    why.copy_from_slice(&reason_digest[..16]);
-    let why = u128::from_le_bytes(why);
     let deadline = Instant::now() + DEADLINE;
-    let ledger = state.limiter.ledger();
-    match ledger
-        .reduce_credit(id, body.amount, (who, why), deadline)
-        .await
-    {
-        Ok(Adjusted::Done) => {
-            tracing::info!(account_id = %format_args!("{id:032x}"), amount = body.amount, secret = who, reason = %body.reason, "credit reduced");
-            match ledger.audit(id, deadline).await {
-                Ok(Some(audit)) => HttpResponse::Ok().json(audit),
-                _ => HttpResponse::Ok().finish(),
-            }
+    match state.limiter.ledger().unblock(id, deadline).await {
+        Ok(Unblocking::Done) => {
+            tracing::info!(account_id = %format_args!("{id:032x}"), secret = who, "caller unblocked");
+            changed(&state, id, deadline).await
         }
-        Ok(Adjusted::NotEnoughCredit) => admin_problem(
-            StatusCode::CONFLICT,
-            "the caller has less credit not held than that",
-        ),
-        Ok(Adjusted::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
-        Err(error) => admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+        Ok(Unblocking::NotBlocked) => {
+            admin_problem(StatusCode::CONFLICT, "the caller is not blocked")
+        }
+        Ok(Unblocking::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
+        Err(error) => unavailable(&error),
     }
 }
 

@@ -35,7 +35,7 @@ use super::concurrency::ConcurrencyLimits;
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, Outcome};
 
 /// What every worker's middleware shares.
 struct Inner {
@@ -141,7 +141,9 @@ where
                 }
             };
             if let Some(response) = respond::refusal(&decision, &inner.fields) {
-                if !shadow {
+                // Shadow mode tries limits out; an operator's block is meant at once.
+                let blocked = matches!(decision.outcome, Outcome::Blocked { .. });
+                if !shadow || blocked {
                     return Ok(req.into_response(response).map_into_right_body());
                 }
                 inner.limiter.pass_in_shadow(&decision);

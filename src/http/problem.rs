@@ -14,6 +14,8 @@ pub enum ProblemKind {
     InvalidKey,
     UnknownKey,
     RateLimited,
+    /// An operator blocked the caller for a while (admin API).
+    Blocked,
     LedgerUnavailable,
     /// An admin API request that could not be carried out (its status says why).
     Admin,
@@ -25,6 +27,7 @@ impl ProblemKind {
             ProblemKind::MissingKey | ProblemKind::UnknownKey => StatusCode::UNAUTHORIZED,
             ProblemKind::InvalidKey => StatusCode::BAD_REQUEST,
             ProblemKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            ProblemKind::Blocked => StatusCode::FORBIDDEN,
             ProblemKind::LedgerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::Admin => StatusCode::BAD_REQUEST,
         }
@@ -36,6 +39,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "urn:ledger-limiter:problem:invalid-api-key",
             ProblemKind::UnknownKey => "urn:ledger-limiter:problem:unknown-api-key",
             ProblemKind::RateLimited => "urn:ledger-limiter:problem:rate-limited",
+            ProblemKind::Blocked => "urn:ledger-limiter:problem:blocked",
             ProblemKind::LedgerUnavailable => "urn:ledger-limiter:problem:ledger-unavailable",
             ProblemKind::Admin => "urn:ledger-limiter:problem:admin",
         }
@@ -47,6 +51,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "Invalid API key",
             ProblemKind::UnknownKey => "Unknown API key",
             ProblemKind::RateLimited => "Rate limit exceeded",
+            ProblemKind::Blocked => "Caller blocked",
             ProblemKind::LedgerUnavailable => "Rate limiter unavailable",
             ProblemKind::Admin => "Admin request refused",
         }

@@ -52,8 +52,8 @@ pub fn add_fields(
     );
 }
 
-/// The answer to a request the limiter refuses: 429 when the caller is out of credit, 503 when
-/// the ledger could not decide and the policy is closed. `None` when the request goes on.
+/// The answer to a request the limiter refuses: 429 when the caller is out of credit, 403 while
+/// an operator blocks it, 503 when the ledger could not decide and the policy is closed. `None` when the request goes on.
 pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse> {
     let (mut response, retry_after_seconds) = match &decision.outcome {
         Outcome::Admitted | Outcome::FailedOpen(_) => return None,
@@ -75,6 +75,15 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
                 decision.quota.window_seconds
             );
             let response = problem::response(ProblemKind::RateLimited, &detail);
+            (response, *retry_after_seconds)
+        }
+        Outcome::Blocked {
+            retry_after_seconds,
+            ..
+        } => {
+            let detail =
+                format!("an operator blocked this caller; retry after {retry_after_seconds} s");
+            let response = problem::response(ProblemKind::Blocked, &detail);
             (response, *retry_after_seconds)
         }
         Outcome::FailedClosed(error) => {

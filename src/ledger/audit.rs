@@ -36,6 +36,13 @@ pub struct AccountAudit {
     pub voids: u64,
     /// Operators' reductions of the credit (admin API).
     pub reductions: u64,
+    /// Operators' top-ups of the credit (admin API).
+    pub top_ups: u64,
+    /// Operators' blocks, and the ones ended early (admin API).
+    pub blocks: u64,
+    pub unblocks: u64,
+    /// Whether the account is closed by a block now.
+    pub blocked: bool,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
     pub complete: bool,
@@ -74,6 +81,10 @@ impl Ledger {
             holds: 0,
             voids: 0,
             reductions: 0,
+            top_ups: 0,
+            blocks: 0,
+            unblocks: 0,
+            blocked: account.flags().contains(tb::account::Flags::CLOSED),
             transfers_read: 0,
             complete: false,
         };
@@ -102,11 +113,19 @@ impl AccountAudit {
     fn count(&mut self, transfer: &tb::Transfer) {
         self.transfers_read += 1;
         let flags = transfer.flags();
-        if transfer.code() == model::TRANSFER_CODE_GRANT {
-            self.grants += 1;
-        } else if transfer.code() == model::TRANSFER_CODE_REDUCE {
-            self.reductions += 1;
-        } else if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
+        let void = flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+        match transfer.code() {
+            model::TRANSFER_CODE_GRANT => self.grants += 1,
+            model::TRANSFER_CODE_REDUCE => self.reductions += 1,
+            model::TRANSFER_CODE_TOP_UP => self.top_ups += 1,
+            model::TRANSFER_CODE_BLOCK if void => self.unblocks += 1,
+            model::TRANSFER_CODE_BLOCK => self.blocks += 1,
+            _ => self.count_request(flags, void),
+        }
+    }
+
+    fn count_request(&mut self, flags: tb::transfer::Flags, void: bool) {
+        if void {
             self.voids += 1;
         } else if flags.contains(tb::transfer::Flags::PENDING) {
             self.holds += 1;

@@ -11,6 +11,9 @@ pub mod audit;
 pub mod embedded;
 pub mod metrics;
 pub mod model;
+pub mod operator;
+
+pub use operator::{Adjusted, Blocking, Unblocking};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -69,14 +72,26 @@ fn call_span(operation: Operation) -> tracing::Span {
     )
 }
 
-/// A pending debit that the ledger has not released yet.
-fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<Hold> {
+/// A request's pending debit that the ledger has not released yet (`None` for anything else: a
+/// grant, a reduction, a void, a block). Voided ones are removed by the caller.
+fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, Hold)> {
     let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
+    let request = transfer.code() == model::TRANSFER_CODE_REQUEST;
     let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
-    (pending && transfer.timeout() > 0 && expires_at > now).then(|| Hold {
-        amount: u64::try_from(transfer.amount()).unwrap_or(u64::MAX),
-        expires_at,
+    (pending && request && transfer.timeout() > 0 && expires_at > now).then(|| {
+        let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
+        (transfer.id(), Hold { amount, expires_at })
     })
+}
+
+/// The pending transfer a void or post resolved, if `transfer` is one.
+fn resolved_pending(transfer: &tb::Transfer) -> Option<u128> {
+    let resolves =
+        tb::transfer::Flags::VOID_PENDING_TRANSFER | tb::transfer::Flags::POST_PENDING_TRANSFER;
+    transfer
+        .flags()
+        .intersects(resolves)
+        .then(|| transfer.pending_id())
 }
 
 /// Creates one transfer: `Ok(None)` when it was created, `Ok(Some(kind))` when the ledger refused
@@ -144,15 +159,8 @@ pub enum HoldReply {
     ExceedsCredits,
     /// `debit_account_not_found`: a new caller; provision, then retry once.
     AccountNotFound,
-}
-
-/// What an operator's credit change came to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Adjusted {
-    Done,
-    /// A reduction larger than the credit not held.
-    NotEnoughCredit,
-    NoSuchAccount,
+    /// `debit_account_already_closed`: an operator blocked the caller.
+    Blocked,
 }
 
 /// A hold the ledger reports as still pending.
@@ -173,6 +181,15 @@ pub struct AccountView {
     /// Live holds, earliest expiry first. `complete` is false when there were too many to read.
     pub holds: Vec<Hold>,
     pub complete: bool,
+    /// While an operator's block lasts (the account is closed): when it ends, if found.
+    pub blocked: Option<Blocked>,
+}
+
+/// An operator's block on an account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocked {
+    /// When the block's timeout ends it (`None`: its transfer could not be found).
+    pub until: Option<SystemTime>,
 }
 
 #[derive(Debug, Clone)]
@@ -335,6 +352,9 @@ impl Ledger {
                     Some(CreateTransferErrorKind::DebitAccountNotFound) => {
                         Ok(HoldReply::AccountNotFound)
                     }
+                    Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
+                        Ok(HoldReply::Blocked)
+                    }
                     Some(kind) => Err(unexpected_transfer("", kind)),
                 }
             },
@@ -359,35 +379,6 @@ impl Ledger {
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<bool, LedgerError>)>,
-        )
-        .await
-    }
-
-    /// Reduces a caller's credit by `amount`, as a posted operator transfer carrying who (`who`)
-    /// and why (`why`) for the audit trail. Only credit not held can be taken.
-    pub async fn reduce_credit(
-        &self,
-        account_id: u128,
-        amount: u64,
-        (who, why): (u64, u128),
-        deadline: Instant,
-    ) -> Result<Adjusted, LedgerError> {
-        let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, who, why);
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move {
-                match create_transfer(&client, transfer).await? {
-                    None => Ok(Adjusted::Done),
-                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
-                    Some(CreateTransferErrorKind::DebitAccountNotFound)
-                    | Some(CreateTransferErrorKind::CreditAccountNotFound) => {
-                        Ok(Adjusted::NoSuchAccount)
-                    }
-                    Some(kind) => Err(unexpected_transfer("reduction: ", kind)),
-                }
-            },
-            None::<fn(Arc<tb::Client>, &Result<Adjusted, LedgerError>)>,
         )
         .await
     }
@@ -466,11 +457,18 @@ impl Ledger {
         let (holds, complete) = self
             .live_holds(account_id, window_seconds_max, deadline)
             .await?;
+        let blocked = if account.flags().contains(tb::account::Flags::CLOSED) {
+            let until = self.blocked_until(account_id, deadline).await?;
+            Some(Blocked { until })
+        } else {
+            None
+        };
         Ok(Some(AccountView {
             credit: u64::try_from(credit).unwrap_or(u64::MAX),
             available: u64::try_from(available).unwrap_or(u64::MAX),
             holds,
             complete,
+            blocked,
         }))
     }
 
@@ -486,6 +484,8 @@ impl Ledger {
         let now = SystemTime::now();
         let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
         let mut holds = Vec::new();
+        // Voided holds (refunds, concurrency slots) still look pending in their own record.
+        let mut resolved = std::collections::HashSet::new();
         let mut complete = false;
         for _ in 0..TRANSFERS_PAGES_MAX {
             let debits = tb::account::FilterFlags::DEBITS;
@@ -493,6 +493,7 @@ impl Ledger {
                 .transfers_page(account_id, debits, timestamp_min, deadline)
                 .await?;
             holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
+            resolved.extend(page.iter().filter_map(resolved_pending));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
                     timestamp_min = last.timestamp() + Duration::from_nanos(1);
@@ -503,6 +504,11 @@ impl Ledger {
                 }
             }
         }
+        let mut holds: Vec<Hold> = holds
+            .into_iter()
+            .filter(|(id, _)| !resolved.contains(id))
+            .map(|(_, hold)| hold)
+            .collect();
         holds.sort_by_key(|h| h.expires_at);
         Ok((holds, complete))
     }

@@ -37,26 +37,80 @@ pub const ACCOUNT_CODE_USER: u16 = 2;
 /// Transfer codes (TigerBeetle `code`: why money moved).
 pub const TRANSFER_CODE_GRANT: u16 = 1;
 pub const TRANSFER_CODE_REQUEST: u16 = 2;
-/// An operator's reduction of a caller's credit (admin API): `user_data_64` = which admin
-/// secret, `user_data_128` = SHA-256 of the reason, truncated. (Code 3 is kept for top-ups.)
+/// An operator's top-up of a caller's credit (admin API); `user_data_64` = which admin secret,
+/// `user_data_128` = SHA-256 of the reason, truncated (the same for codes 4 and 5).
+pub const TRANSFER_CODE_TOP_UP: u16 = 3;
+/// An operator's reduction of a caller's credit (admin API).
 pub const TRANSFER_CODE_REDUCE: u16 = 4;
+/// An operator's block: a pending, zero-amount `closing_debit` transfer. While it is pending the
+/// caller's account is closed (every hold fails `debit_account_already_closed`); voiding it or
+/// its timeout reopens the account.
+pub const TRANSFER_CODE_BLOCK: u16 = 5;
+
+/// Who changed a caller's credit (the admin secret's number) and why (a hash of the reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Actor {
+    pub who: u64,
+    pub why: u128,
+}
+
+fn operator_transfer(
+    debit: u128,
+    credit: u128,
+    ledger: u32,
+    code: u16,
+    actor: Actor,
+) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_debit_account_id(debit)
+        .with_credit_account_id(credit)
+        .with_ledger(ledger)
+        .with_code(code)
+        .with_user_data_64(actor.who)
+        .with_user_data_128(actor.why)
+}
+
+/// An operator's gift of credit to a caller, posted at once: a lasting raise of its limit per
+/// window, until reduced again.
+pub fn top_up_transfer(account_id: u128, ledger: u32, amount: u64, actor: Actor) -> tb::Transfer {
+    let operator = operator_account_id(ledger);
+    operator_transfer(operator, account_id, ledger, TRANSFER_CODE_TOP_UP, actor)
+        .with_amount(amount.into())
+}
+
+/// Closes the caller's account for `timeout_seconds` (see [`TRANSFER_CODE_BLOCK`]).
+pub fn block_transfer(
+    account_id: u128,
+    ledger: u32,
+    timeout_seconds: u32,
+    actor: Actor,
+) -> tb::Transfer {
+    assert!(timeout_seconds > 0);
+    let operator = operator_account_id(ledger);
+    operator_transfer(account_id, operator, ledger, TRANSFER_CODE_BLOCK, actor)
+        .with_flags(tb::transfer::Flags::PENDING | tb::transfer::Flags::CLOSING_DEBIT)
+        .with_timeout(timeout_seconds)
+}
+
+/// Ends a block early (voids its closing transfer).
+pub fn unblock_transfer(block_id: u128, ledger: u32) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_pending_id(block_id)
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_BLOCK)
+        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+}
 
 /// An operator's reduction of a caller's credit, posted at once (it does not come back).
 pub fn reduction_transfer(
     account_id: u128,
     ledger: u32,
     amount: u64,
-    who: u64,
-    why: u128,
+    actor: Actor,
 ) -> tb::Transfer {
-    tb::Transfer::new(tb::id())
-        .with_debit_account_id(account_id)
-        .with_credit_account_id(operator_account_id(ledger))
+    let operator = operator_account_id(ledger);
+    operator_transfer(account_id, operator, ledger, TRANSFER_CODE_REDUCE, actor)
         .with_amount(amount.into())
-        .with_ledger(ledger)
-        .with_code(TRANSFER_CODE_REDUCE)
-        .with_user_data_64(who)
-        .with_user_data_128(why)
 }
 
 const USER_ID_BIT: u128 = 1 << 127;

@@ -1,12 +1,15 @@
 //! This instance's memory of callers' holds: enough to fill the rate-limit headers without a
 //! second ledger round trip, and to answer 429 locally while a caller is known to be exhausted.
 //!
-//! Safety argument (why a local 429 is never wrong): a user account is credited exactly once with
-//! its plan's capacity, and only holds ever debit it. The holds this instance knows of are a subset
+//! Safety argument (why a local 429 is never wrong): the holds this instance knows of are a subset
 //! of the account's holds, and each known hold's expiry is over-estimated (the reply time, not the
-//! ledger timestamp, plus a margin for TigerBeetle's expiry lag). So `capacity − known live holds`
-//! is an upper bound on the ledger's available credit: when a cost exceeds even that, the ledger
-//! would answer `exceeds_credits` too. The view only ever rejects; admitting is the ledger's alone.
+//! ledger timestamp, plus a margin for TigerBeetle's expiry lag). So `credit − known live holds` is
+//! an upper bound on the ledger's available credit, as long as `credit` is the account's credit.
+//! An operator can change that credit (a top-up) or block and unblock the caller at any time, so
+//! the view refuses only on what the ledger itself said about the account within the last
+//! [`LEDGER_WORD_TRUSTED`]: a new credit or an unblock reaches every instance within that time.
+//! When a cost exceeds the bound, the ledger would answer `exceeds_credits` too. The view only
+//! ever rejects; admitting is the ledger's alone.
 //!
 //! Bounded: at most `callers_max` callers, and at most [`HOLDS_PER_CALLER_MAX`] holds each (older
 //! holds are merged, keeping the later expiry, which only makes the view more conservative).
@@ -19,6 +22,10 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::ledger::AccountView;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
+/// How long the view refuses on what the ledger said of an account's credit and block: the
+/// longest an operator's top-up or unblock goes unseen by an instance. Exhausted callers then cost
+/// two ledger calls per this long per instance, instead of one per request.
+pub const LEDGER_WORD_TRUSTED: Duration = Duration::from_secs(1);
 const SHARD_COUNT: usize = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +44,11 @@ struct CallerHolds {
     /// The latest expiry of any known hold: exact while `holds` is not empty (a hold is only
     /// pruned once everything in front of it expired, so the latest one goes last).
     latest_expiry: Option<Instant>,
+    /// When the ledger last said what `credit` and `blocked_until` are (`None`: never; `credit`
+    /// is then the plan's capacity, a guess).
+    verified_at: Option<Instant>,
+    /// Until when an operator blocked the caller, as the ledger said at `verified_at`.
+    blocked_until: Option<Instant>,
 }
 
 impl CallerHolds {
@@ -46,7 +58,14 @@ impl CallerHolds {
             holds: VecDeque::new(),
             held: 0,
             latest_expiry: None,
+            verified_at: None,
+            blocked_until: None,
         }
+    }
+
+    fn trusted(&self, now: Instant) -> bool {
+        self.verified_at
+            .is_some_and(|at| now.saturating_duration_since(at) < LEDGER_WORD_TRUSTED)
     }
 
     fn prune(&mut self, now: Instant) {
@@ -121,12 +140,14 @@ pub struct LocalQuota {
     pub reset_after: Duration,
 }
 
-/// A caller this instance knows to be exhausted for a cost.
+/// A caller this instance knows to be exhausted for a cost, or blocked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalLimit {
     /// When the cost will fit again (waiting this long then succeeds, unless others spend first).
     pub retry_after: Duration,
     pub quota: LocalQuota,
+    /// An operator's block, not the caller's spending, refuses it.
+    pub blocked: bool,
 }
 
 pub struct LocalView {
@@ -162,6 +183,21 @@ impl LocalView {
         let mut shard = self.shard(account_id);
         let holds = shard.get_mut(&account_id)?;
         holds.prune(now);
+        if !holds.trusted(now) {
+            return None;
+        }
+        if let Some(until) = holds.blocked_until.filter(|until| *until > now) {
+            let quota = LocalQuota {
+                remaining: 0,
+                ..holds.quota(now)
+            };
+            let retry_after = until - now;
+            return Some(LocalLimit {
+                retry_after,
+                quota,
+                blocked: true,
+            });
+        }
         if holds.available() >= cost {
             return None;
         }
@@ -169,7 +205,13 @@ impl LocalView {
         Some(LocalLimit {
             retry_after: fits_at.saturating_duration_since(now),
             quota: holds.quota(now),
+            blocked: false,
         })
+    }
+
+    /// Forgets a caller (an operator changed its credit or block here: ask the ledger next time).
+    pub fn forget(&self, account_id: u128) {
+        self.shard(account_id).remove(&account_id);
     }
 
     /// Records a hold the ledger accepted; returns the caller's quota after it.
@@ -246,6 +288,15 @@ impl LocalView {
             return;
         }
         let mut holds = CallerHolds::new(view.credit);
+        holds.verified_at = Some(now);
+        holds.blocked_until = view.blocked.map(|blocked| match blocked.until {
+            Some(until) => {
+                let remaining = until.duration_since(now_wall).unwrap_or(Duration::ZERO);
+                now + remaining + self.expiry_margin
+            }
+            // A block whose end could not be read: refuse for a window, then ask again.
+            None => now + window_max,
+        });
         for hold in &view.holds {
             let remaining = hold
                 .expires_at
@@ -300,10 +351,28 @@ mod tests {
     const MARGIN: Duration = Duration::from_millis(250);
     const WINDOW: Duration = Duration::from_secs(30);
 
+    fn ledger_view(credit: u64, expiries: &[Duration], wall: SystemTime) -> AccountView {
+        let holds: Vec<Hold> = expiries
+            .iter()
+            .map(|e| Hold {
+                amount: 1,
+                expires_at: wall + *e,
+            })
+            .collect();
+        AccountView {
+            credit,
+            available: credit.saturating_sub(holds.len() as u64),
+            holds,
+            complete: true,
+            blocked: None,
+        }
+    }
+
     #[test]
-    fn rejects_only_when_known_holds_exceed_credit() {
+    fn rejects_only_on_the_ledgers_recent_word() {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
+        let wall = SystemTime::now();
         assert!(
             view.check(7, 1, t0).is_none(),
             "unknown callers go to the ledger"
@@ -312,20 +381,56 @@ mod tests {
             let q = view.record_hold(7, 5, 1, t0, WINDOW, t0);
             assert_eq!(q.remaining, 4 - i);
         }
+        // The plan's capacity is only a guess at the credit (an operator may have topped it up).
+        assert!(view.check(7, 1, t0).is_none(), "the ledger has not said");
+        view.replace(7, &ledger_view(5, &[WINDOW; 5], wall), WINDOW, t0, wall);
         let limit = view.check(7, 1, t0).expect("exhausted");
         assert_eq!(limit.retry_after, WINDOW + MARGIN);
         assert_eq!(limit.quota.remaining, 0);
-        // Credit is back once the holds expire.
-        assert!(view.check(7, 1, t0 + WINDOW + MARGIN).is_none());
+        assert!(!limit.blocked);
+        assert!(
+            view.check(7, 1, t0 + LEDGER_WORD_TRUSTED).is_none(),
+            "ask again"
+        );
+        // A top-up the ledger reports is believed.
+        view.replace(7, &ledger_view(6, &[WINDOW; 5], wall), WINDOW, t0, wall);
+        assert!(view.check(7, 1, t0).is_none());
+        assert!(view.check(7, 2, t0).is_some());
+        view.forget(7);
+        assert!(view.check(7, 2, t0).is_none());
+    }
+
+    #[test]
+    fn a_block_refuses_until_it_ends() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let block = Duration::from_secs(60);
+        let blocked = AccountView {
+            blocked: Some(crate::ledger::Blocked {
+                until: Some(wall + block),
+            }),
+            ..ledger_view(5, &[], wall)
+        };
+        view.replace(3, &blocked, WINDOW, t0, wall);
+        let limit = view.check(3, 1, t0).expect("blocked");
+        assert!(limit.blocked);
+        assert_eq!(limit.retry_after, block + MARGIN);
+        let unknown_end = AccountView {
+            blocked: Some(crate::ledger::Blocked { until: None }),
+            ..blocked
+        };
+        view.replace(3, &unknown_end, WINDOW, t0, wall);
+        assert_eq!(view.check(3, 1, t0).unwrap().retry_after, WINDOW);
     }
 
     #[test]
     fn retry_after_waits_for_enough_credit_for_the_cost() {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
-        view.record_hold(1, 3, 1, t0, Duration::from_secs(10), t0);
-        view.record_hold(1, 3, 1, t0, Duration::from_secs(20), t0);
-        view.record_hold(1, 3, 1, t0, Duration::from_secs(30), t0);
+        let wall = SystemTime::now();
+        let expiries = [10, 20, 30].map(Duration::from_secs);
+        view.replace(1, &ledger_view(3, &expiries, wall), WINDOW, t0, wall);
         let limit = view.check(1, 2, t0).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(20) + MARGIN);
         assert_eq!(limit.quota.reset_after, Duration::from_secs(30) + MARGIN);
@@ -346,6 +451,7 @@ mod tests {
                 })
                 .collect(),
             complete: true,
+            blocked: None,
         };
         view.replace(9, &ledger, WINDOW, now, wall);
         let limit = view.check(9, 2, now).unwrap();

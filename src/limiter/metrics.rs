@@ -30,21 +30,24 @@ pub enum DecisionLabel {
     FailedOpen,
     FailedClosed,
     RejectedKey,
+    Blocked,
 }
 
 impl DecisionLabel {
-    pub const ALL: [DecisionLabel; 5] = [
+    pub const ALL: [DecisionLabel; 6] = [
         DecisionLabel::Admitted,
         DecisionLabel::Limited,
         DecisionLabel::FailedOpen,
         DecisionLabel::FailedClosed,
         DecisionLabel::RejectedKey,
+        DecisionLabel::Blocked,
     ];
 
     pub fn of(outcome: &Outcome) -> Self {
         match outcome {
             Outcome::Admitted => DecisionLabel::Admitted,
             Outcome::Limited { .. } => DecisionLabel::Limited,
+            Outcome::Blocked { .. } => DecisionLabel::Blocked,
             Outcome::FailedOpen(_) => DecisionLabel::FailedOpen,
             Outcome::FailedClosed(_) => DecisionLabel::FailedClosed,
         }
@@ -57,6 +60,7 @@ impl DecisionLabel {
             DecisionLabel::FailedOpen => "failed_open",
             DecisionLabel::FailedClosed => "failed_closed",
             DecisionLabel::RejectedKey => "rejected_key",
+            DecisionLabel::Blocked => "blocked",
         }
     }
 }
@@ -80,7 +84,7 @@ impl SourceLabel {
     pub fn of(outcome: &Outcome) -> Self {
         match outcome {
             Outcome::Admitted => SourceLabel::Ledger,
-            Outcome::Limited { source, .. } => match source {
+            Outcome::Limited { source, .. } | Outcome::Blocked { source, .. } => match source {
                 DecisionSource::Ledger => SourceLabel::Ledger,
                 DecisionSource::LocalView => SourceLabel::LocalView,
             },
@@ -222,7 +226,7 @@ fn shadow_counters(plan: &str) -> [Counter; 2] {
 fn valid_combination(decision: DecisionLabel, plan: &str, source: SourceLabel) -> bool {
     match decision {
         DecisionLabel::RejectedKey => plan == PLAN_NONE && source == SourceLabel::None,
-        DecisionLabel::Limited => {
+        DecisionLabel::Limited | DecisionLabel::Blocked => {
             plan != PLAN_NONE && matches!(source, SourceLabel::Ledger | SourceLabel::LocalView)
         }
         DecisionLabel::Admitted => plan != PLAN_NONE && source == SourceLabel::Ledger,

@@ -84,6 +84,12 @@ pub enum Outcome {
         retry_after_seconds: u64,
         source: DecisionSource,
     },
+    /// An operator blocked the caller (admin API); enforced even on routes in shadow mode.
+    Blocked {
+        /// Whole seconds until the block ends (rounded up, at least 1).
+        retry_after_seconds: u64,
+        source: DecisionSource,
+    },
     FailedOpen(LedgerError),
     FailedClosed(LedgerError),
 }
@@ -126,6 +132,7 @@ enum Placed {
         transfer_id: u128,
     },
     ExceedsCredits,
+    Blocked,
 }
 
 /// Shared by every worker: one ledger client, one local view.
@@ -191,6 +198,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// How many callers this instance's local view remembers (at most `local_callers_max`).
     pub fn local_callers(&self) -> usize {
         self.local.callers()
+    }
+
+    /// Forgets what this instance knew of an account (an operator just changed its credit or
+    /// block): its next request asks the ledger.
+    pub fn forget_local(&self, account_id: u128) {
+        self.local.forget(account_id);
     }
 
     /// The ledger account `key` is charged to, if it has a plan (for audits and tooling).
@@ -300,7 +313,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), (Outcome, LocalQuota)> {
         let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
-            let outcome = limited(limit.retry_after, DecisionSource::LocalView);
+            let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
             return Err((outcome, limit.quota));
         }
         let deadline = started + self.settings.ledger_timeout;
@@ -311,6 +324,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 transfer_id,
             } => return Ok(self.admitted(charge, answered_at, transfer_id)),
             Placed::ExceedsCredits => {}
+            Placed::Blocked => {
+                let view = self.view(charge, deadline).await;
+                return Err(self.limited_by_ledger(charge, view));
+            }
         }
         let view = self.view(charge, deadline).await;
         match second_chance(&view, charge.cost) {
@@ -327,7 +344,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 answered_at,
                 transfer_id,
             } => Ok(self.admitted(charge, answered_at, transfer_id)),
-            Placed::ExceedsCredits => {
+            Placed::ExceedsCredits | Placed::Blocked => {
                 let view = self.view(charge, deadline).await;
                 Err(self.limited_by_ledger(charge, view))
             }
@@ -375,6 +392,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     })
                 }
                 HoldReply::ExceedsCredits => return Ok(Placed::ExceedsCredits),
+                HoldReply::Blocked => return Ok(Placed::Blocked),
                 HoldReply::AccountNotFound if !*provisioned => {
                     self.store.provision(&charge.account, deadline).await?;
                     tracing::debug!(account_id = %format_args!("{:032x}", charge.account.id), "provisioned");
@@ -426,11 +444,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         (Outcome::Admitted, local, Some(receipt))
     }
 
+    /// A refusal the ledger decided: out of credit, or blocked (as the account says; a block
+    /// that ended between the two calls is answered as a plain limit, and the next request gets in).
     fn limited_by_ledger(
         &self,
         charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
     ) -> (Outcome, LocalQuota) {
+        let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
         let retry_after = self.retry_after(charge, view);
         let capacity = charge.account.capacity.get();
         let local = self
@@ -440,7 +461,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             remaining: 0,
             ..local
         };
-        (limited(retry_after, DecisionSource::Ledger), quota)
+        (refused(retry_after, DecisionSource::Ledger, blocked), quota)
     }
 
     fn fail(&self, error: LedgerError, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
@@ -513,10 +534,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 }
 
-fn limited(retry_after: Duration, source: DecisionSource) -> Outcome {
-    Outcome::Limited {
-        retry_after_seconds: whole_seconds_up(retry_after).max(1),
-        source,
+fn refused(retry_after: Duration, source: DecisionSource, blocked: bool) -> Outcome {
+    let retry_after_seconds = whole_seconds_up(retry_after).max(1);
+    if blocked {
+        Outcome::Blocked {
+            retry_after_seconds,
+            source,
+        }
+    } else {
+        Outcome::Limited {
+            retry_after_seconds,
+            source,
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use super::*;
 use crate::ledger::metrics::Operation;
-use crate::ledger::Hold;
+use crate::ledger::{Blocked, Hold};
 use plan::{test_plan, UnknownKeys};
 
 type Reply<T> = Result<T, LedgerError>;
@@ -156,6 +156,7 @@ impl Fixture {
             available: credit.saturating_sub(if complete { holds.len() as u64 } else { credit }),
             holds,
             complete,
+            blocked: None,
         }
     }
 
@@ -197,7 +198,7 @@ async fn a_known_caller_costs_one_hold() {
 }
 
 #[tokio::test]
-async fn an_exhausted_caller_is_refused_locally_until_its_holds_expire() {
+async fn an_exhausted_caller_is_refused_locally_on_the_ledgers_recent_word() {
     let f = Fixture::closed();
     for _ in 0..CAPACITY {
         let held = f.held();
@@ -205,6 +206,17 @@ async fn an_exhausted_caller_is_refused_locally_until_its_holds_expire() {
         assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
     }
     f.calls();
+    let full = f.view(CAPACITY, &[WINDOW.as_secs(); CAPACITY as usize], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(full.clone())));
+    });
+    let refused = f.check(ONE).await;
+    assert_eq!(
+        limited_by(&refused),
+        Some((WINDOW.as_secs(), DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["hold", "view"]);
     let refused = f.check(ONE).await;
     assert_eq!(
         limited_by(&refused),
@@ -212,11 +224,47 @@ async fn an_exhausted_caller_is_refused_locally_until_its_holds_expire() {
     );
     assert_eq!(refused.quota.remaining, 0);
     assert!(f.calls().is_empty(), "a local refusal makes no ledger call");
-    f.clock.advance(WINDOW);
+    // An operator may have topped the caller up since: after a second, the ledger decides.
+    f.clock.advance(local_view::LEDGER_WORD_TRUSTED);
     let held = f.held();
     f.script(|s| s.holds.push_back(held));
     assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
     assert_eq!(f.calls(), ["hold"]);
+}
+
+#[tokio::test]
+async fn a_blocked_caller_is_refused_until_the_block_ends() {
+    let f = Fixture::closed();
+    let block = Duration::from_secs(90);
+    let blocked = AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + block),
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::Blocked));
+        s.views.push_back(Ok(Some(blocked)));
+    });
+    let refused = f.check(ONE).await;
+    // The fixture's expiry margin is zero.
+    let expected = block;
+    assert_eq!(
+        refused.outcome,
+        Outcome::Blocked {
+            retry_after_seconds: expected.as_secs(),
+            source: DecisionSource::Ledger
+        }
+    );
+    assert_eq!(f.calls(), ["hold", "view"]);
+    assert!(matches!(
+        f.check(ONE).await.outcome,
+        Outcome::Blocked {
+            source: DecisionSource::LocalView,
+            ..
+        }
+    ));
+    assert!(f.calls().is_empty());
 }
 
 #[tokio::test]

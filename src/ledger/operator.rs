@@ -1,0 +1,207 @@
+//! An operator's actions on one caller's account: top up or reduce its credit, block it for a
+//! while and unblock it. Each is one transfer from or to the operator account, carrying who acted
+//! and why ([`Actor`]), so the audit trail shows every change.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tb::error::CreateTransferErrorKind;
+use tigerbeetle_unofficial as tb;
+
+use super::metrics::Operation;
+use super::model::{self, Actor};
+use super::{client_error, create_transfer, unexpected_transfer, Ledger, LedgerError};
+use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
+
+/// What an operator's credit change came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjusted {
+    Done,
+    /// A reduction larger than the credit not held.
+    NotEnoughCredit,
+    NoSuchAccount,
+    /// The account is closed by a block: unblock it first.
+    Blocked,
+}
+
+/// What a block came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocking {
+    /// Blocked until the transfer's timeout, or until it is voided.
+    Done {
+        transfer_id: u128,
+    },
+    AlreadyBlocked,
+    NoSuchAccount,
+}
+
+/// What an unblock came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unblocking {
+    Done,
+    /// The account is open (never blocked, or the block expired).
+    NotBlocked,
+    NoSuchAccount,
+}
+
+fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjusted, LedgerError> {
+    use CreateTransferErrorKind as K;
+    match kind {
+        None => Ok(Adjusted::Done),
+        Some(K::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
+        Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Adjusted::NoSuchAccount),
+        Some(K::DebitAccountAlreadyClosed | K::CreditAccountAlreadyClosed) => Ok(Adjusted::Blocked),
+        Some(kind) => Err(unexpected_transfer(what, kind)),
+    }
+}
+
+impl Ledger {
+    async fn operator_transfer(
+        &self,
+        transfer: tb::Transfer,
+        deadline: Instant,
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move { create_transfer(&client, transfer).await },
+            None::<fn(Arc<tb::Client>, &Result<Option<CreateTransferErrorKind>, LedgerError>)>,
+        )
+        .await
+    }
+
+    /// Takes `amount` of credit from a caller for good (a posted transfer to the operator). Only
+    /// credit not held can be taken.
+    pub async fn reduce_credit(
+        &self,
+        account_id: u128,
+        amount: u64,
+        actor: Actor,
+        deadline: Instant,
+    ) -> Result<Adjusted, LedgerError> {
+        let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, actor);
+        let kind = self.operator_transfer(transfer, deadline).await?;
+        adjusted(kind, "reduction: ")
+    }
+
+    /// Gives a caller `amount` more credit for good: its limit per window grows by that much.
+    pub async fn top_up(
+        &self,
+        account_id: u128,
+        amount: u64,
+        actor: Actor,
+        deadline: Instant,
+    ) -> Result<Adjusted, LedgerError> {
+        let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
+        let kind = self.operator_transfer(transfer, deadline).await?;
+        adjusted(kind, "top-up: ")
+    }
+
+    /// Closes the caller's account for `seconds`: every request of it is refused meanwhile, on
+    /// every instance, and its holds still expire as usual.
+    pub async fn block(
+        &self,
+        account_id: u128,
+        seconds: u32,
+        actor: Actor,
+        deadline: Instant,
+    ) -> Result<Blocking, LedgerError> {
+        use CreateTransferErrorKind as K;
+        let transfer = model::block_transfer(account_id, self.ledger_id, seconds, actor);
+        let transfer_id = transfer.id();
+        match self.operator_transfer(transfer, deadline).await? {
+            None => Ok(Blocking::Done { transfer_id }),
+            Some(K::DebitAccountAlreadyClosed) => Ok(Blocking::AlreadyBlocked),
+            Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Blocking::NoSuchAccount),
+            Some(kind) => Err(unexpected_transfer("block: ", kind)),
+        }
+    }
+
+    /// Ends the caller's block now (voids the closing transfer).
+    pub async fn unblock(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Unblocking, LedgerError> {
+        use CreateTransferErrorKind as K;
+        let Some(account) = self.lookup_account(account_id, deadline).await? else {
+            return Ok(Unblocking::NoSuchAccount);
+        };
+        if !account.flags().contains(tb::account::Flags::CLOSED) {
+            return Ok(Unblocking::NotBlocked);
+        }
+        let Some(block) = self.latest_block(account_id, deadline).await? else {
+            return Ok(Unblocking::NotBlocked);
+        };
+        let void = model::unblock_transfer(block.id(), self.ledger_id);
+        match self.operator_transfer(void, deadline).await? {
+            None => Ok(Unblocking::Done),
+            // It expired (or another operator unblocked) meanwhile: open either way.
+            Some(K::PendingTransferExpired | K::PendingTransferAlreadyVoided) => {
+                Ok(Unblocking::NotBlocked)
+            }
+            Some(kind) => Err(unexpected_transfer("unblock: ", kind)),
+        }
+    }
+
+    /// When a closed account's block ends (for Retry-After), `None` if no block is found.
+    pub(super) async fn blocked_until(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Option<SystemTime>, LedgerError> {
+        let block = self.latest_block(account_id, deadline).await?;
+        Ok(block.map(|b| b.timestamp() + Duration::from_secs(u64::from(b.timeout()))))
+    }
+
+    /// The closing transfer that keeps the account closed: the latest block among its debits (a
+    /// closed account takes no new debits but voids, so it is near the end).
+    async fn latest_block(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Option<tb::Transfer>, LedgerError> {
+        let mut timestamp_max = SystemTime::now() + Duration::from_secs(60);
+        for _ in 0..TRANSFERS_PAGES_MAX {
+            let page = self
+                .latest_debits(account_id, timestamp_max, deadline)
+                .await?;
+            let closing = tb::transfer::Flags::PENDING | tb::transfer::Flags::CLOSING_DEBIT;
+            if let Some(block) = page.iter().find(|t| t.flags().contains(closing)) {
+                return Ok(Some(*block));
+            }
+            match page.last() {
+                Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
+                    timestamp_max = last.timestamp() - Duration::from_nanos(1);
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Up to a page of the account's debits created at or before `timestamp_max`, latest first.
+    async fn latest_debits(
+        &self,
+        account_id: u128,
+        timestamp_max: SystemTime,
+        deadline: Instant,
+    ) -> Result<Vec<tb::Transfer>, LedgerError> {
+        let flags = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
+        let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
+            .with_flags(flags)
+            .with_timestamp_max(timestamp_max);
+        self.call(
+            Operation::GetAccountTransfers,
+            deadline,
+            move |client| async move {
+                client
+                    .get_account_transfers(Box::new(filter))
+                    .await
+                    .map_err(|e| client_error(Operation::GetAccountTransfers, e))
+            },
+            None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
+        )
+        .await
+    }
+}
