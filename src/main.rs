@@ -13,6 +13,8 @@ use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+mod commands;
+
 /// Every flag also reads the environment variable named beside it, and overrides the config file.
 #[derive(Debug, Parser)]
 #[command(
@@ -80,19 +82,11 @@ enum Command {
     /// (one for a caller credited once), the holds its requests placed, the voids, the balances.
     /// The flags before `audit` (--config, --ledger-addresses, ...) say where the ledger is and
     /// which plans derive the account.
-    Audit(AuditArgs),
-}
-
-#[derive(Debug, clap::Args)]
-#[group(required = true, multiple = false)]
-struct AuditArgs {
-    /// The account id (hex, as `user.id` in traces).
-    #[arg(long)]
-    account_id: Option<String>,
-    /// Read the caller's API key from standard input (one line): never from the command line,
-    /// where other users of the machine could see it.
-    #[arg(long)]
-    key_stdin: bool,
+    Audit(commands::Caller),
+    /// An operator's action on one caller, straight on the ledger (the admin API's, for whoever
+    /// can reach the ledger): recorded with admin secret number 0, "the command line".
+    #[command(subcommand)]
+    Admin(commands::AdminCommand),
 }
 
 impl Cli {
@@ -155,8 +149,10 @@ async fn main() -> anyhow::Result<()> {
         println!("configuration is valid:\n{settings:#?}");
         return Ok(());
     }
-    if let Some(Command::Audit(args)) = &cli.command {
-        return audit(settings, args).await;
+    match &cli.command {
+        Some(Command::Audit(caller)) => return commands::audit(&settings, caller).await,
+        Some(Command::Admin(command)) => return commands::admin(&settings, command).await,
+        None => {}
     }
 
     let mut telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
@@ -201,49 +197,5 @@ async fn main() -> anyhow::Result<()> {
     tokio::task::spawn_blocking(move || telemetry.shutdown())
         .await
         .context("flushing traces")?;
-    Ok(())
-}
-
-/// `ledger-limiter audit`: one account, as the ledger records it.
-async fn audit(settings: Settings, args: &AuditArgs) -> anyhow::Result<()> {
-    use ledger_limiter::config::{resolve_addresses, LedgerLocation};
-    use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
-    use ledger_limiter::limiter::caller::CallerKey;
-
-    let LedgerLocation::Cluster { addresses } = &settings.ledger else {
-        anyhow::bail!("audit reads a running ledger: give --ledger-addresses");
-    };
-    let account_id = match (&args.account_id, args.key_stdin) {
-        (Some(hex), _) => u128::from_str_radix(hex.trim_start_matches("0x"), 16)
-            .context("--account-id is 32 hex digits")?,
-        (None, _) => {
-            let mut key = String::new();
-            std::io::stdin().read_line(&mut key)?;
-            let key = CallerKey::from_header_value("key", key.trim_end().as_bytes(), 4096)?;
-            let plan = settings
-                .plans
-                .plan_for(&key)
-                .context("the key has no plan")?;
-            let plan = settings.plans.get(plan).context("the key has no plan")?;
-            let key = key.expose_secret().as_bytes();
-            model::user_account_id(
-                model::LEDGER_REQUEST_RATE,
-                plan.name(),
-                plan.capacity(),
-                key,
-            )
-        }
-    };
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: settings.cluster_id,
-        addresses: resolve_addresses(addresses).await?,
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: settings.in_flight_max,
-    })?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    match ledger.audit(account_id, deadline).await? {
-        Some(audit) => println!("{}", serde_json::to_string_pretty(&audit)?),
-        None => anyhow::bail!("no account {account_id:032x} in the ledger"),
-    }
     Ok(())
 }

@@ -351,3 +351,100 @@ fn secrets_never_reach_the_log() {
     assert!(shown.contains("AdminSecrets(1 configured)"), "{shown}");
     assert!(!shown.contains(SECRET));
 }
+
+/// The same actions from the command line, straight on the ledger: the key is read from standard
+/// input, never an argument; bad input is a clear error and exit status 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_credits_blocks_unblocks_and_audits() {
+    use std::io::Write;
+    let app = spawn_app(config(2)).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let address = shared_ledger().address.to_string();
+    // The same plans as the app's, so that a key derives the same account.
+    let dir = tempfile::tempdir().unwrap();
+    let plans = dir.path().join("plans.toml");
+    std::fs::write(
+        &plans,
+        "[plans.free]\ncapacity = 2\nwindow_seconds = 60\n[key_prefixes]\n",
+    )
+    .unwrap();
+    let plans = plans.to_str().unwrap().to_owned();
+    let run = |args: &[&str], stdin: Option<&str>| {
+        let mut command = binary_command();
+        command
+            .args(["--config", &plans, "--ledger-addresses", &address])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = command.spawn().unwrap();
+        if let Some(input) = stdin {
+            writeln!(child.stdin.take().unwrap(), "{input}").unwrap();
+        }
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+        (output.status.code(), stdout, stderr)
+    };
+    let id = format!("{:032x}", account_id(&app, &key));
+    let credit = [
+        "admin",
+        "credit",
+        "--key-stdin",
+        "--amount",
+        "2",
+        "--reason",
+        "r",
+    ];
+    let (code, out, err) = run(&credit, Some(&key));
+    assert_eq!(code, Some(0), "{err}");
+    let audit: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(audit["account_id"], id.as_str());
+    assert_eq!(
+        (audit["top_ups"].as_u64(), audit["available"].as_u64()),
+        (Some(1), Some(3))
+    );
+    let block = [
+        "admin",
+        "block",
+        "--account-id",
+        &id,
+        "--seconds",
+        "300",
+        "--reason",
+        "r",
+    ];
+    let (code, out, err) = run(&block, None);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("\"blocked\": true"), "{out}");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 403);
+    let (code, _, err) = run(&block, None);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("blocked already"), "{err}");
+    let (code, out, err) = run(&["admin", "unblock", "--account-id", &id], None);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("\"unblocks\": 1"), "{out}");
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let (code, out, _) = run(&["audit", "--account-id", &id], None);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("\"holds\": 2"), "{out}");
+    // Bad input: a clear message, never the key.
+    let zero = [
+        "admin",
+        "debit",
+        "--key-stdin",
+        "--amount",
+        "0",
+        "--reason",
+        "r",
+    ];
+    let (code, _, err) = run(&zero, Some(&key));
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--amount") && !err.contains(&key), "{err}");
+    let (code, _, err) = run(&["admin", "unblock", "--account-id", "xyz"], None);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("32 hex digits"), "{err}");
+    app.stop().await;
+}

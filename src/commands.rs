@@ -1,0 +1,196 @@
+//! The binary's subcommands that work on a running ledger: `audit` one caller, and the operator's
+//! `admin` actions (the admin API's, for whoever can reach the ledger).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
+use ledger_limiter::ledger::model::{self, Actor};
+use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerSettings, Unblocking};
+use ledger_limiter::limiter::caller::CallerKey;
+use sha2::{Digest, Sha256};
+
+/// Operators' command-line actions are recorded as admin secret number 0.
+const COMMAND_LINE: u64 = 0;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Which caller: by account id, or by key read from standard input.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct Caller {
+    /// The account id (hex, as `user.id` in traces).
+    #[arg(long)]
+    account_id: Option<String>,
+    /// Read the caller's API key from standard input (one line): never from the command line,
+    /// where other users of the machine could see it.
+    #[arg(long)]
+    key_stdin: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum AdminCommand {
+    /// Give the caller more credit for good (a higher limit per window).
+    Credit(Change),
+    /// Take credit from the caller for good (only credit not held).
+    Debit(Change),
+    /// Refuse every request of the caller, on every instance, for a while.
+    Block {
+        #[command(flatten)]
+        caller: Caller,
+        /// How long, in seconds (at most a week).
+        #[arg(long)]
+        seconds: u32,
+        /// Why (its hash goes to the ledger, the text nowhere).
+        #[arg(long)]
+        reason: String,
+    },
+    /// End the caller's block now.
+    Unblock {
+        #[command(flatten)]
+        caller: Caller,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Change {
+    #[command(flatten)]
+    caller: Caller,
+    /// Units of credit (1 to 2^40).
+    #[arg(long)]
+    amount: u64,
+    /// Why (its hash goes to the ledger, the text nowhere).
+    #[arg(long)]
+    reason: String,
+}
+
+/// `ledger-limiter audit`: one account, as the ledger records it.
+pub async fn audit(settings: &Settings, caller: &Caller) -> anyhow::Result<()> {
+    let account_id = account_id(settings, caller)?;
+    print_audit(&connect(settings).await?, account_id).await
+}
+
+/// `ledger-limiter admin ...`: one operator action, then the account's audit.
+pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Result<()> {
+    let ledger = connect(settings).await?;
+    let deadline = Instant::now() + DEADLINE;
+    let id = match command {
+        AdminCommand::Credit(change) => adjust(settings, &ledger, change, false, deadline).await?,
+        AdminCommand::Debit(change) => adjust(settings, &ledger, change, true, deadline).await?,
+        AdminCommand::Block {
+            caller,
+            seconds,
+            reason,
+        } => {
+            use ledger_limiter::http::admin::BLOCK_SECONDS_MAX;
+            anyhow::ensure!(
+                (1..=BLOCK_SECONDS_MAX).contains(seconds),
+                "--seconds must be between 1 and {BLOCK_SECONDS_MAX}"
+            );
+            let id = account_id(settings, caller)?;
+            match ledger.block(id, *seconds, actor(reason)?, deadline).await? {
+                Blocking::Done { .. } => id,
+                Blocking::AlreadyBlocked => anyhow::bail!("the caller is blocked already"),
+                Blocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
+            }
+        }
+        AdminCommand::Unblock { caller } => {
+            let id = account_id(settings, caller)?;
+            match ledger.unblock(id, deadline).await? {
+                Unblocking::Done => id,
+                Unblocking::NotBlocked => anyhow::bail!("the caller is not blocked"),
+                Unblocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
+            }
+        }
+    };
+    print_audit(&ledger, id).await
+}
+
+async fn adjust(
+    settings: &Settings,
+    ledger: &Ledger,
+    change: &Change,
+    reduce: bool,
+    deadline: Instant,
+) -> anyhow::Result<u128> {
+    use ledger_limiter::http::admin::AMOUNT_MAX;
+    anyhow::ensure!(
+        (1..=AMOUNT_MAX).contains(&change.amount),
+        "--amount must be between 1 and 2^40"
+    );
+    let id = account_id(settings, &change.caller)?;
+    let actor = actor(&change.reason)?;
+    let adjusted = if reduce {
+        ledger
+            .reduce_credit(id, change.amount, actor, deadline)
+            .await?
+    } else {
+        ledger.top_up(id, change.amount, actor, deadline).await?
+    };
+    match adjusted {
+        Adjusted::Done => Ok(id),
+        Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),
+        Adjusted::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
+        Adjusted::Blocked => anyhow::bail!("the caller is blocked; unblock it first"),
+    }
+}
+
+fn actor(reason: &str) -> anyhow::Result<Actor> {
+    use ledger_limiter::http::admin::REASON_LENGTH_MAX;
+    anyhow::ensure!(
+        !reason.is_empty() && reason.len() <= REASON_LENGTH_MAX,
+        "--reason must be 1-{REASON_LENGTH_MAX} bytes"
+    );
+    let digest = Sha256::digest(reason.as_bytes());
+    let mut why = [0u8; 16];
+    why.copy_from_slice(&digest[..16]);
+    Ok(Actor {
+        who: COMMAND_LINE,
+        why: u128::from_le_bytes(why),
+    })
+}
+
+async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
+    let LedgerLocation::Cluster { addresses } = &settings.ledger else {
+        anyhow::bail!("this command works on a running ledger: give --ledger-addresses");
+    };
+    Ok(Ledger::connect(&LedgerSettings {
+        cluster_id: settings.cluster_id,
+        addresses: resolve_addresses(addresses).await?,
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: settings.in_flight_max,
+    })?)
+}
+
+async fn print_audit(ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {
+    match ledger.audit(account_id, Instant::now() + DEADLINE).await? {
+        Some(audit) => println!("{}", serde_json::to_string_pretty(&audit)?),
+        None => anyhow::bail!("no account {account_id:032x} in the ledger"),
+    }
+    Ok(())
+}
+
+fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
+    if let Some(hex) = &caller.account_id {
+        let hex = hex.trim_start_matches("0x");
+        anyhow::ensure!(
+            hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
+            "--account-id is 32 hex digits"
+        );
+        return Ok(u128::from_str_radix(hex, 16)?);
+    }
+    let mut key = String::new();
+    std::io::stdin().read_line(&mut key)?;
+    let key = CallerKey::from_header_value("key", key.trim_end().as_bytes(), 4096)?;
+    let plan = settings
+        .plans
+        .plan_for(&key)
+        .context("the key has no plan")?;
+    let plan = settings.plans.get(plan).context("the key has no plan")?;
+    let key = key.expose_secret().as_bytes();
+    Ok(model::user_account_id(
+        model::LEDGER_REQUEST_RATE,
+        plan.name(),
+        plan.capacity(),
+        key,
+    ))
+}
