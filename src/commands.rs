@@ -8,6 +8,7 @@ use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
 use ledger_limiter::ledger::model::{self, Actor};
 use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerSettings, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
+use ledger_limiter::limiter::Limiter;
 use sha2::{Digest, Sha256};
 
 /// Operators' command-line actions are recorded as admin secret number 0.
@@ -48,6 +49,16 @@ pub enum AdminCommand {
     Unblock {
         #[command(flatten)]
         caller: Caller,
+    },
+    /// Move the caller whose key is read from standard input to another plan, carrying what it
+    /// holds (every instance follows the move).
+    Move {
+        /// The plan to move to.
+        #[arg(long)]
+        plan: String,
+        /// Why (its hash goes to the ledger, the text nowhere).
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -92,6 +103,19 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
                 Blocking::AlreadyBlocked => anyhow::bail!("the caller is blocked already"),
                 Blocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
             }
+        }
+        AdminCommand::Move { plan, reason } => {
+            let key = read_key()?;
+            let limiter = Limiter::new(
+                ledger.clone(),
+                settings.plans.clone(),
+                settings.limiter.clone(),
+            );
+            let report = limiter
+                .move_caller(&key, plan, actor(reason)?, deadline)
+                .await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            u128::from_str_radix(&report.to_account_id, 16)?
         }
         AdminCommand::Unblock { caller } => {
             let id = account_id(settings, caller)?;
@@ -169,6 +193,17 @@ async fn print_audit(ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A caller's key, from one line of standard input (never an argument).
+fn read_key() -> anyhow::Result<CallerKey> {
+    let mut key = String::new();
+    std::io::stdin().read_line(&mut key)?;
+    Ok(CallerKey::from_header_value(
+        "key",
+        key.trim_end().as_bytes(),
+        4096,
+    )?)
+}
+
 fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
     if let Some(hex) = &caller.account_id {
         let hex = hex.trim_start_matches("0x");
@@ -178,9 +213,7 @@ fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
         );
         return Ok(u128::from_str_radix(hex, 16)?);
     }
-    let mut key = String::new();
-    std::io::stdin().read_line(&mut key)?;
-    let key = CallerKey::from_header_value("key", key.trim_end().as_bytes(), 4096)?;
+    let key = read_key()?;
     let plan = settings
         .plans
         .plan_for(&key)

@@ -443,8 +443,107 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     let (code, _, err) = run(&zero, Some(&key));
     assert_eq!(code, Some(1));
     assert!(err.contains("--amount") && !err.contains(&key), "{err}");
+    let gold = ["admin", "move", "--plan", "gold", "--reason", "r"];
+    let (code, _, err) = run(&gold, Some(&key));
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no plan named \"gold\""), "{err}");
     let (code, _, err) = run(&["admin", "unblock", "--account-id", "xyz"], None);
     assert_eq!(code, Some(1));
     assert!(err.contains("32 hex digits"), "{err}");
     app.stop().await;
+}
+
+/// A move to another plan carries what the caller holds (no fresh credit), every instance
+/// follows it (one that never heard of it learns it from the ledger), and a move back works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
+    let two_plans = || {
+        let mut config = config(2);
+        config.plans = Some(
+            [
+                ("free".to_owned(), plan(2, 60)),
+                ("pro".to_owned(), plan(5, 60)),
+            ]
+            .into(),
+        );
+        config.default_plan = Some("free".into());
+        config
+    };
+    let app = spawn_app(two_plans()).await;
+    let other = spawn_app(two_plans()).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    let send_move = |plan: &str| {
+        let body = json!({"key": key, "plan": plan, "reason": "upgrade"});
+        admin.send("POST", "/admin/callers/move", Some(SECRET), Some(body))
+    };
+    let (status, _) = send_move("pro").await;
+    assert_eq!(status, 404, "no account before its first request");
+    for _ in 0..2 {
+        assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    }
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    let (status, moved) = send_move("pro").await;
+    assert_eq!(status, 200, "{moved}");
+    assert_eq!(
+        (moved["from_plan"].as_str(), moved["to_plan"].as_str()),
+        (Some("free"), Some("pro"))
+    );
+    assert_eq!(moved["carried"], 2);
+    // pro allows 5 per window; 2 are carried: exactly 3 more, across both instances.
+    let first = other.get("/greeting", Some(&key)).await;
+    assert_eq!(first.status(), 200, "the other instance follows the move");
+    assert!(first.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .contains("\"pro\""));
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    assert_eq!(other.get("/greeting", Some(&key)).await.status(), 429);
+    let to = moved["to_account_id"].as_str().unwrap();
+    let (_, seen) = admin
+        .send("GET", &format!("/admin/callers/{to}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (seen["carried_in"].as_u64(), seen["holds"].as_u64()),
+        (Some(1), Some(3)),
+        "{seen}"
+    );
+    let from = moved["from_account_id"].as_str().unwrap();
+    let (_, old) = admin
+        .send("GET", &format!("/admin/callers/{from}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (old["moves_out"].as_u64(), old["blocked"].as_bool()),
+        (Some(1), Some(true))
+    );
+    // Errors: the same plan, a plan that does not exist, an unblock of a moved account.
+    let (status, problem) = send_move("pro").await;
+    assert_eq!(status, 409, "{problem}");
+    let (status, _) = send_move("gold").await;
+    assert_eq!(status, 400);
+    let (status, _) = admin
+        .send(
+            "DELETE",
+            &format!("/admin/callers/{from}/block"),
+            Some(SECRET),
+            None,
+        )
+        .await;
+    assert_eq!(status, 409, "a move is not a block");
+    // Back to free: its account reopens with its own holds still live, so still refused.
+    let (status, back) = send_move("free").await;
+    assert_eq!(status, 200, "{back}");
+    assert_eq!(back["from_plan"], "pro");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    let (_, old) = admin
+        .send("GET", &format!("/admin/callers/{from}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (old["moves_back"].as_u64(), old["blocked"].as_bool()),
+        (Some(1), Some(false))
+    );
+    app.stop().await;
+    other.stop().await;
 }

@@ -98,6 +98,7 @@ pub fn configure(config: &mut web::ServiceConfig) {
     config
         .app_data(json)
         .route("/admin/callers/lookup", web::post().to(lookup))
+        .route("/admin/callers/move", web::post().to(move_caller))
         .route("/admin/callers/{account_id}", web::get().to(inspect))
         .route("/admin/callers/{account_id}/debit", web::post().to(reduce))
         .route("/admin/callers/{account_id}/credit", web::post().to(top_up))
@@ -386,6 +387,55 @@ async fn unblock(
         Ok(Unblocking::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
         Err(error) => unavailable(&error),
     }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Move {
+    key: String,
+    plan: String,
+    reason: String,
+}
+
+/// Moves a caller (by key: the new plan's account derives from it) to another plan, carrying
+/// what it holds, so the move gives it no fresh credit. Every instance follows the move.
+async fn move_caller(
+    req: HttpRequest,
+    body: web::Json<Move>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    use crate::limiter::moves::MoveError;
+    let moved = async {
+        let who = authorize(&req, &state)?;
+        let actor = actor(who, &body.reason)?;
+        let key = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
+            .map_err(|_| Box::new(admin_problem(StatusCode::BAD_REQUEST, "not a valid key")))?;
+        let deadline = Instant::now() + DEADLINE;
+        let result = state
+            .limiter
+            .move_caller(&key, &body.plan, actor, deadline)
+            .await;
+        Ok(match result {
+            Ok(report) => {
+                tracing::info!(from = %report.from_account_id, to = %report.to_account_id, plan = %report.to_plan, carried = report.carried, secret = who, reason = %body.reason, "caller moved");
+                HttpResponse::Ok().json(report)
+            }
+            Err(error) => {
+                let status = match error {
+                    MoveError::UnknownPlan(_) => StatusCode::BAD_REQUEST,
+                    MoveError::UnknownKey | MoveError::NoSuchAccount => StatusCode::NOT_FOUND,
+                    MoveError::SamePlan(_) | MoveError::Blocked | MoveError::LostTrack => {
+                        StatusCode::CONFLICT
+                    }
+                    MoveError::Ledger(_) => StatusCode::SERVICE_UNAVAILABLE,
+                };
+                admin_problem(status, &error.to_string())
+            }
+        })
+    };
+    moved
+        .await
+        .unwrap_or_else(|response: Box<HttpResponse>| *response)
 }
 
 #[cfg(test)]

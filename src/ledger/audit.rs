@@ -41,7 +41,12 @@ pub struct AccountAudit {
     /// Operators' blocks, and the ones ended early (admin API).
     pub blocks: u64,
     pub unblocks: u64,
-    /// Whether the account is closed by a block now.
+    /// Moves of the caller away from this account (closing it for good), and back to it.
+    pub moves_out: u64,
+    pub moves_back: u64,
+    /// Holds carried here from the account of the plan the caller moved from.
+    pub carried_in: u64,
+    /// Whether the account is closed now (by a block, or by a move away from it).
     pub blocked: bool,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
@@ -84,6 +89,9 @@ impl Ledger {
             top_ups: 0,
             blocks: 0,
             unblocks: 0,
+            moves_out: 0,
+            moves_back: 0,
+            carried_in: 0,
             blocked: account.flags().contains(tb::account::Flags::CLOSED),
             transfers_read: 0,
             complete: false,
@@ -120,6 +128,9 @@ impl AccountAudit {
             model::TRANSFER_CODE_TOP_UP => self.top_ups += 1,
             model::TRANSFER_CODE_BLOCK if void => self.unblocks += 1,
             model::TRANSFER_CODE_BLOCK => self.blocks += 1,
+            model::TRANSFER_CODE_MOVE if void => self.moves_back += 1,
+            model::TRANSFER_CODE_MOVE => self.moves_out += 1,
+            model::TRANSFER_CODE_CARRY => self.carried_in += 1,
             _ => self.count_request(flags, void),
         }
     }

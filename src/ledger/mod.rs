@@ -11,8 +11,10 @@ pub mod audit;
 pub mod embedded;
 pub mod metrics;
 pub mod model;
+pub mod moves;
 pub mod operator;
 
+pub use moves::Moving;
 pub use operator::{Adjusted, Blocking, Unblocking};
 
 use std::future::Future;
@@ -76,7 +78,10 @@ fn call_span(operation: Operation) -> tracing::Span {
 /// grant, a reduction, a void, a block). Voided ones are removed by the caller.
 fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, Hold)> {
     let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
-    let request = transfer.code() == model::TRANSFER_CODE_REQUEST;
+    let request = matches!(
+        transfer.code(),
+        model::TRANSFER_CODE_REQUEST | model::TRANSFER_CODE_CARRY
+    );
     let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
     (pending && request && transfer.timeout() > 0 && expires_at > now).then(|| {
         let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
@@ -185,11 +190,13 @@ pub struct AccountView {
     pub blocked: Option<Blocked>,
 }
 
-/// An operator's block on an account.
+/// An operator closed the account: a block, or a move to another plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocked {
-    /// When the block's timeout ends it (`None`: its transfer could not be found).
+    /// When the block's timeout ends it (`None`: a move, or its transfer could not be found).
     pub until: Option<SystemTime>,
+    /// The caller moved to the plan of this [`model::plan_tag`].
+    pub moved_to: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -405,7 +412,9 @@ impl Ledger {
                     Err(tb::error::CreateAccountsError::Api(errors)) => {
                         for error in errors.as_slice() {
                             match error.kind() {
-                                CreateAccountErrorKind::Exists => {}
+                                // Differing flags: the account is closed (a block or a move).
+                                CreateAccountErrorKind::Exists
+                                | CreateAccountErrorKind::ExistsWithDifferentFlags => {}
                                 kind => {
                                     return Err(LedgerError::Unexpected {
                                         operation: Operation::CreateAccounts,
@@ -458,8 +467,7 @@ impl Ledger {
             .live_holds(account_id, window_seconds_max, deadline)
             .await?;
         let blocked = if account.flags().contains(tb::account::Flags::CLOSED) {
-            let until = self.blocked_until(account_id, deadline).await?;
-            Some(Blocked { until })
+            Some(self.closed_by(account_id, deadline).await?)
         } else {
             None
         };

@@ -46,6 +46,67 @@ pub const TRANSFER_CODE_REDUCE: u16 = 4;
 /// caller's account is closed (every hold fails `debit_account_already_closed`); voiding it or
 /// its timeout reopens the account.
 pub const TRANSFER_CODE_BLOCK: u16 = 5;
+/// An operator's move of a caller to another plan: a pending, zero-amount `closing_debit` with
+/// no timeout on the account of the plan it leaves; `user_data_64` = the new plan's
+/// [`plan_tag`], `user_data_32` = which admin secret. Requests that find the account closed by
+/// it follow it to the new plan's account.
+pub const TRANSFER_CODE_MOVE: u16 = 6;
+/// A hold carried to the new plan's account when a caller moves, for the rest of its timeout
+/// (`user_data_128` = the account it came from), so a move gives no fresh credit.
+pub const TRANSFER_CODE_CARRY: u16 = 7;
+
+/// A plan's name as the ledger records it in a move (64 bits of its SHA-256).
+pub fn plan_tag(plan_name: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(plan_name.as_bytes());
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(tag)
+}
+
+/// Closes `account_id` for good, recording where its caller went (see [`TRANSFER_CODE_MOVE`]).
+pub fn move_transfer(account_id: u128, ledger: u32, plan_tag: u64, actor: Actor) -> tb::Transfer {
+    let who = u32::try_from(actor.who).unwrap_or(u32::MAX);
+    tb::Transfer::new(tb::id())
+        .with_debit_account_id(account_id)
+        .with_credit_account_id(operator_account_id(ledger))
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_MOVE)
+        .with_flags(tb::transfer::Flags::PENDING | tb::transfer::Flags::CLOSING_DEBIT)
+        .with_user_data_64(plan_tag)
+        .with_user_data_32(who)
+        .with_user_data_128(actor.why)
+}
+
+/// Reopens an account a move closed (the caller moves back to its plan).
+pub fn unmove_transfer(move_id: u128, ledger: u32) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_pending_id(move_id)
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_MOVE)
+        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+}
+
+/// A carried hold: as much of `amount` as the new account has free (balancing), pending for
+/// `timeout_seconds`.
+pub fn carry_transfer(
+    to_account_id: u128,
+    from_account_id: u128,
+    ledger: u32,
+    amount: u64,
+    timeout_seconds: u32,
+) -> tb::Transfer {
+    assert!(amount > 0 && timeout_seconds > 0);
+    tb::Transfer::new(tb::id())
+        .with_debit_account_id(to_account_id)
+        .with_credit_account_id(operator_account_id(ledger))
+        .with_amount(amount.into())
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_CARRY)
+        .with_flags(tb::transfer::Flags::PENDING | tb::transfer::Flags::BALANCING_DEBIT)
+        .with_timeout(timeout_seconds)
+        .with_user_data_128(from_account_id)
+}
 
 /// Who changed a caller's credit (the admin secret's number) and why (a hash of the reason).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -130,7 +130,9 @@ impl Ledger {
         if !account.flags().contains(tb::account::Flags::CLOSED) {
             return Ok(Unblocking::NotBlocked);
         }
-        let Some(block) = self.latest_block(account_id, deadline).await? else {
+        let block = self.latest_block(account_id, deadline).await?;
+        let Some(block) = block.filter(|b| b.code() == model::TRANSFER_CODE_BLOCK) else {
+            // Closed by a move: that account is not the caller's any more.
             return Ok(Unblocking::NotBlocked);
         };
         let void = model::unblock_transfer(block.id(), self.ledger_id);
@@ -144,19 +146,32 @@ impl Ledger {
         }
     }
 
-    /// When a closed account's block ends (for Retry-After), `None` if no block is found.
-    pub(super) async fn blocked_until(
+    /// What closed an account: a block (and when it ends, for Retry-After) or a move.
+    pub(super) async fn closed_by(
         &self,
         account_id: u128,
         deadline: Instant,
-    ) -> Result<Option<SystemTime>, LedgerError> {
-        let block = self.latest_block(account_id, deadline).await?;
-        Ok(block.map(|b| b.timestamp() + Duration::from_secs(u64::from(b.timeout()))))
+    ) -> Result<super::Blocked, LedgerError> {
+        let closing = self.latest_block(account_id, deadline).await?;
+        Ok(match closing {
+            Some(t) if t.code() == model::TRANSFER_CODE_MOVE => super::Blocked {
+                until: None,
+                moved_to: Some(t.user_data_64()),
+            },
+            Some(t) => super::Blocked {
+                until: Some(t.timestamp() + Duration::from_secs(u64::from(t.timeout()))),
+                moved_to: None,
+            },
+            None => super::Blocked {
+                until: None,
+                moved_to: None,
+            },
+        })
     }
 
     /// The closing transfer that keeps the account closed: the latest block among its debits (a
     /// closed account takes no new debits but voids, so it is near the end).
-    async fn latest_block(
+    pub(super) async fn latest_block(
         &self,
         account_id: u128,
         deadline: Instant,

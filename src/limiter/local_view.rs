@@ -289,7 +289,10 @@ impl LocalView {
         }
         let mut holds = CallerHolds::new(view.credit);
         holds.verified_at = Some(now);
-        holds.blocked_until = view.blocked.map(|blocked| match blocked.until {
+        // A moved caller's old account is closed for good, but the caller is not refused: the
+        // limiter follows the move instead.
+        let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
+        holds.blocked_until = blocks.map(|blocked| match blocked.until {
             Some(until) => {
                 let remaining = until.duration_since(now_wall).unwrap_or(Duration::ZERO);
                 now + remaining + self.expiry_margin
@@ -409,6 +412,7 @@ mod tests {
         let blocked = AccountView {
             blocked: Some(crate::ledger::Blocked {
                 until: Some(wall + block),
+                moved_to: None,
             }),
             ..ledger_view(5, &[], wall)
         };
@@ -417,7 +421,10 @@ mod tests {
         assert!(limit.blocked);
         assert_eq!(limit.retry_after, block + MARGIN);
         let unknown_end = AccountView {
-            blocked: Some(crate::ledger::Blocked { until: None }),
+            blocked: Some(crate::ledger::Blocked {
+                until: None,
+                moved_to: None,
+            }),
             ..blocked
         };
         view.replace(3, &unknown_end, WINDOW, t0, wall);

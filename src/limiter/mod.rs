@@ -8,6 +8,7 @@
 pub mod caller;
 pub mod local_view;
 pub mod metrics;
+pub mod moves;
 pub mod plan;
 pub mod store;
 
@@ -119,6 +120,9 @@ pub struct Decision<'a> {
 
 /// One request to decide: who pays, on which account, how much.
 struct Charge<'a> {
+    /// The account the caller's configured plan derives (where a move is recorded).
+    home_account_id: u128,
+    home_plan_id: PlanId,
     plan_id: PlanId,
     plan: &'a Plan,
     account: UserAccount,
@@ -135,6 +139,18 @@ enum Placed {
     Blocked,
 }
 
+/// Why a decision did not admit: a refusal, or the caller moved to another plan (follow it).
+enum NotAdmitted {
+    Refused(Outcome, LocalQuota),
+    Moved(u64),
+}
+
+impl From<(Outcome, LocalQuota)> for NotAdmitted {
+    fn from((outcome, local): (Outcome, LocalQuota)) -> Self {
+        NotAdmitted::Refused(outcome, local)
+    }
+}
+
 /// Shared by every worker: one ledger client, one local view.
 pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     store: S,
@@ -142,6 +158,7 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     plans: Arc<PlanBook>,
     settings: LimiterSettings,
     local: LocalView,
+    moves: moves::Moves,
     decisions: DecisionMetrics,
 }
 
@@ -178,6 +195,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             plans,
             settings,
             local,
+            moves: moves::Moves::default(),
             decisions,
         }
     }
@@ -254,11 +272,33 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Decides one request of `cost` units for `key`: `Err` (and no ledger call) when the key has
     /// no plan, a [`Decision`] otherwise, counted and recorded on the current span.
     pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision<'_>, KeyError> {
-        let Some(charge) = self.charge(key, cost) else {
+        let Some(mut charge) = self.charge(key, cost) else {
             self.reject_key();
             return Err(KeyError::Unknown);
         };
-        let (outcome, local, hold) = self.decide(&charge).await;
+        let mut followed = 0;
+        let (outcome, local, hold) = loop {
+            match self.decide(&charge).await {
+                Ok(decided) => break decided,
+                Err(tag) => match moves::plan_of_tag(&self.plans, tag) {
+                    Some(plan) if followed < moves::MOVES_FOLLOWED_MAX => {
+                        followed += 1;
+                        self.moves
+                            .learn(charge.home_account_id, plan, charge.home_plan_id);
+                        charge = self.charge(key, cost).expect("it had a plan");
+                    }
+                    // Moved to a plan this configuration lacks (or moving in circles): refuse
+                    // as blocked, and let the operator see it.
+                    _ => {
+                        tracing::warn!(account_id = %format_args!("{:032x}", charge.account.id), "caller moved to a plan this configuration does not have");
+                        let window =
+                            Duration::from_secs(charge.account.window_seconds.get().into());
+                        let quota = self.local.quota(charge.account.id, 0, self.clock.now());
+                        break (refused(window, DecisionSource::Ledger, true), quota, None);
+                    }
+                },
+            }
+        };
         let decision = Decision {
             outcome,
             hold,
@@ -277,15 +317,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge<'_>> {
-        let plan_id = self.plans.plan_for(key)?;
+        let home_plan_id = self.plans.plan_for(key)?;
+        let account_on = |plan: &Plan| {
+            let key = key.expose_secret().as_bytes();
+            model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
+        };
+        let home_account_id = account_on(self.plans.get(home_plan_id)?);
+        let plan_id = self.moves.get(home_account_id).unwrap_or(home_plan_id);
         let plan = self.plans.get(plan_id)?;
-        let id = model::user_account_id(
-            self.store.ledger_id(),
-            plan.name(),
-            plan.capacity(),
-            key.expose_secret().as_bytes(),
-        );
+        let id = account_on(plan);
         Some(Charge {
+            home_account_id,
+            home_plan_id,
             plan_id,
             account: UserAccount {
                 id,
@@ -299,10 +342,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
     /// between one more hold and a 429.
-    async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
+    /// `Err` with the new plan's tag when the caller moved to another plan.
+    async fn decide(
+        &self,
+        charge: &Charge<'_>,
+    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), u64> {
         match self.try_decide(charge).await {
-            Ok(admitted) => admitted,
-            Err((outcome, local)) => (outcome, local, None),
+            Ok(admitted) => Ok(admitted),
+            Err(NotAdmitted::Refused(outcome, local)) => Ok((outcome, local, None)),
+            Err(NotAdmitted::Moved(tag)) => Err(tag),
         }
     }
 
@@ -310,11 +358,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn try_decide(
         &self,
         charge: &Charge<'_>,
-    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), (Outcome, LocalQuota)> {
+    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
         let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
             let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
-            return Err((outcome, limit.quota));
+            return Err(NotAdmitted::Refused(outcome, limit.quota));
         }
         let deadline = started + self.settings.ledger_timeout;
         let mut provisioned = false;
@@ -326,15 +374,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Placed::ExceedsCredits => {}
             Placed::Blocked => {
                 let view = self.view(charge, deadline).await;
-                return Err(self.limited_by_ledger(charge, view));
+                if let Some(tag) = moved_to(&view) {
+                    return Err(NotAdmitted::Moved(tag));
+                }
+                return Err(self.limited_by_ledger(charge, view).into());
             }
         }
         let view = self.view(charge, deadline).await;
         match second_chance(&view, charge.cost) {
-            None => return Err(self.limited_by_ledger(charge, view)),
+            None => return Err(self.limited_by_ledger(charge, view).into()),
             Some(SecondChance::FinishProvisioning) => {
                 if let Err(error) = self.store.provision(&charge.account, deadline).await {
-                    return Err(self.fail(error, charge));
+                    return Err(self.fail(error, charge).into());
                 }
             }
             Some(SecondChance::CreditIsBack) => {}
@@ -346,7 +397,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             } => Ok(self.admitted(charge, answered_at, transfer_id)),
             Placed::ExceedsCredits | Placed::Blocked => {
                 let view = self.view(charge, deadline).await;
-                Err(self.limited_by_ledger(charge, view))
+                if let Some(tag) = moved_to(&view) {
+                    return Err(NotAdmitted::Moved(tag));
+                }
+                Err(self.limited_by_ledger(charge, view).into())
             }
         }
     }
@@ -558,6 +612,13 @@ enum SecondChance {
     FinishProvisioning,
     /// Credit came back (or was granted) between the two calls: the ledger would admit now.
     CreditIsBack,
+}
+
+fn moved_to(view: &Result<Option<AccountView>, LedgerError>) -> Option<u64> {
+    match view {
+        Ok(Some(view)) => view.blocked.and_then(|closed| closed.moved_to),
+        _ => None,
+    }
 }
 
 fn second_chance(

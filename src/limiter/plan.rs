@@ -221,6 +221,17 @@ impl PlanBook {
         self.plans.get(id.index())
     }
 
+    /// The id of the plan at `index` in [`PlanBook::plans`].
+    pub fn id_at(&self, index: usize) -> Option<PlanId> {
+        (index < self.plans.len()).then(|| PlanId(u16::try_from(index).expect("few plans")))
+    }
+
+    /// The plan named `name`.
+    pub fn by_name(&self, name: &str) -> Option<PlanId> {
+        let index = self.plans.iter().position(|plan| plan.name() == name)?;
+        self.id_at(index)
+    }
+
     pub fn plans(&self) -> &[Plan] {
         &self.plans
     }

@@ -46,6 +46,7 @@ struct Script {
     views: VecDeque<Reply<Option<AccountView>>>,
     voids: VecDeque<Reply<bool>>,
     calls: Vec<&'static str>,
+    held_accounts: Vec<u128>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
 }
@@ -65,8 +66,9 @@ impl Store for FakeStore {
         model::LEDGER_REQUEST_RATE
     }
 
-    async fn hold(&self, _: u128, _: u64, _: u32, _: Instant, void: bool) -> Reply<HoldReply> {
+    async fn hold(&self, id: u128, _: u64, _: u32, _: Instant, void: bool) -> Reply<HoldReply> {
         self.0.lock().unwrap().void_if_abandoned.push(void);
+        self.0.lock().unwrap().held_accounts.push(id);
         self.next("hold", |s| s.holds.pop_front())
     }
 
@@ -103,7 +105,7 @@ struct Fixture {
 impl Fixture {
     fn new(policy: FailurePolicy, unknown_keys: UnknownKeys) -> Self {
         let plans = PlanBook::new(
-            vec![test_plan("free", CAPACITY)],
+            vec![test_plan("free", CAPACITY), test_plan("pro", 2 * CAPACITY)],
             "free",
             [("listed_".to_owned(), "free".to_owned())],
             [],
@@ -239,6 +241,7 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
     let blocked = AccountView {
         blocked: Some(Blocked {
             until: Some(f.clock.wall() + block),
+            moved_to: None,
         }),
         ..f.view(CAPACITY, &[], true)
     };
@@ -510,4 +513,55 @@ fn seconds_round_up() {
     assert_eq!(whole_seconds_up(Duration::from_millis(1)), 1);
     assert_eq!(whole_seconds_up(Duration::from_secs(2)), 2);
     assert_eq!(whole_seconds_up(Duration::from_millis(2001)), 3);
+}
+
+#[tokio::test]
+async fn a_moved_caller_is_followed_once_then_charged_on_its_new_plan() {
+    let f = Fixture::closed();
+    let moved = AccountView {
+        blocked: Some(Blocked {
+            until: None,
+            moved_to: Some(model::plan_tag("pro")),
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    let held = f.held();
+    f.script(|s| {
+        s.holds.extend([Ok(HoldReply::Blocked), held]);
+        s.views.push_back(Ok(Some(moved)));
+    });
+    let decision = f.check(ONE).await;
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.plan.name(), "pro");
+    assert_eq!(decision.quota.limit, 2 * CAPACITY);
+    assert_eq!(f.calls(), ["hold", "view", "hold"]);
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    assert_eq!(f.check(ONE).await.plan.name(), "pro");
+    assert_eq!(f.calls(), ["hold"], "the move is remembered");
+    let accounts = f.limiter.store.0.lock().unwrap().held_accounts.clone();
+    assert_ne!(accounts[0], accounts[1]);
+    assert_eq!(accounts[1], accounts[2]);
+}
+
+#[tokio::test]
+async fn a_move_to_a_plan_this_configuration_lacks_is_refused_as_blocked() {
+    let f = Fixture::closed();
+    let moved = AccountView {
+        blocked: Some(Blocked {
+            until: None,
+            moved_to: Some(model::plan_tag("gold")),
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::Blocked));
+        s.views.push_back(Ok(Some(moved)));
+    });
+    let decision = f.check(ONE).await;
+    assert!(
+        matches!(decision.outcome, Outcome::Blocked { .. }),
+        "{:?}",
+        decision.outcome
+    );
 }

@@ -1,0 +1,195 @@
+//! Moving a caller to another plan, in the ledger: the account of the plan it leaves is closed for
+//! good by a [`TRANSFER_CODE_MOVE`](model::TRANSFER_CODE_MOVE) transfer that names the new plan,
+//! and its live holds are carried to the new account for the rest of their timeouts, all in one
+//! linked chain: a move either happens whole or not at all, and gives the caller no fresh credit.
+//!
+//! Requests that find the old account closed read where the caller went and follow; a moved
+//! caller costs nothing more once an instance has learnt the move.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use tb::error::CreateTransferErrorKind;
+use tigerbeetle_unofficial as tb;
+
+use super::metrics::Operation;
+use super::model::{self, Actor, UserAccount};
+use super::{client_error, unexpected_transfer, Ledger, LedgerError};
+
+/// At most this many carried holds per move (holds are grouped by the second they expire in,
+/// and the latest groups merged, which only holds longer): a chain fits one request.
+pub const CARRIED_LINKS_MAX: usize = 200;
+
+/// What a move came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moving {
+    /// Moved; `carried` units of live holds went along.
+    Done {
+        carried: u64,
+    },
+    NoSuchAccount,
+    /// The account it would leave is closed (blocked, or moved already).
+    Closed,
+    /// The account it would go to is blocked.
+    TargetBlocked,
+}
+
+/// Live holds as (amount, seconds left), grouped by second and bounded.
+fn carried_holds(holds: &[super::Hold], now: SystemTime) -> Vec<(u64, u32)> {
+    let mut by_second: BTreeMap<u32, u64> = BTreeMap::new();
+    for hold in holds {
+        let left = hold.expires_at.duration_since(now).unwrap_or_default();
+        let seconds = u32::try_from(left.as_secs() + 1).unwrap_or(u32::MAX);
+        *by_second.entry(seconds).or_default() += hold.amount;
+    }
+    let mut carried: Vec<(u64, u32)> = by_second.into_iter().map(|(s, a)| (a, s)).collect();
+    while carried.len() > CARRIED_LINKS_MAX {
+        let (amount, _) = carried.remove(carried.len() - 2);
+        carried.last_mut().expect("two or more").0 += amount;
+    }
+    carried
+}
+
+impl Ledger {
+    /// Moves the caller from account `from` to `to` (the new plan's account, provisioned here),
+    /// recording the new plan's [`model::plan_tag`]. If `to` was closed by an earlier move away
+    /// from it (a move back), it is reopened in the same chain; its own holds still count, so a
+    /// move back may count some requests twice until they expire: fewer admitted, never more.
+    pub async fn move_caller(
+        &self,
+        from: u128,
+        to: &UserAccount,
+        plan_tag: u64,
+        actor: Actor,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<Moving, LedgerError> {
+        let Some(view) = self
+            .account_view(from, window_seconds_max, deadline)
+            .await?
+        else {
+            return Ok(Moving::NoSuchAccount);
+        };
+        if view.blocked.is_some() {
+            return Ok(Moving::Closed);
+        }
+        self.provision(to, deadline).await?;
+        let mut chain = Vec::new();
+        if let Some(closed) = self
+            .account_view(to.id, window_seconds_max, deadline)
+            .await?
+        {
+            match closed.blocked {
+                Some(b) if b.moved_to.is_some() => {
+                    let Some(moved) = self.latest_block(to.id, deadline).await? else {
+                        return Ok(Moving::TargetBlocked);
+                    };
+                    chain.push(model::unmove_transfer(moved.id(), self.ledger_id));
+                }
+                Some(_) => return Ok(Moving::TargetBlocked),
+                None => {}
+            }
+        }
+        let carried = carried_holds(&view.holds, SystemTime::now());
+        for (amount, seconds) in &carried {
+            let carry = model::carry_transfer(to.id, from, self.ledger_id, *amount, *seconds);
+            chain.push(carry);
+        }
+        chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
+        let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
+        match self.create_chain(chain, deadline).await? {
+            None => {}
+            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => return Ok(Moving::Closed),
+            Some(kind) => return Err(unexpected_transfer("move: ", kind)),
+        }
+        let late = self
+            .carry_late_holds(from, to.id, &view, window_seconds_max, deadline)
+            .await?;
+        Ok(Moving::Done {
+            carried: carried_total + late,
+        })
+    }
+
+    /// Holds placed on the old account between the read and the close (requests in flight at
+    /// the move) are carried by a second pass, for a whole window: the old account is closed
+    /// now, so this read is final.
+    async fn carry_late_holds(
+        &self,
+        from: u128,
+        to: u128,
+        before: &super::AccountView,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<u64, LedgerError> {
+        let pending = |v: &super::AccountView| v.credit.saturating_sub(v.available);
+        let Some(after) = self
+            .account_view(from, window_seconds_max, deadline)
+            .await?
+        else {
+            return Ok(0);
+        };
+        let late = pending(&after).saturating_sub(pending(before));
+        if late == 0 {
+            return Ok(0);
+        }
+        let carry = model::carry_transfer(to, from, self.ledger_id, late, window_seconds_max);
+        match self.create_chain(vec![carry], deadline).await? {
+            None => Ok(late),
+            Some(kind) => Err(unexpected_transfer("move, late holds: ", kind)),
+        }
+    }
+
+    /// Creates `transfers` as one linked chain: `Ok(None)` when all were created, else the first
+    /// failure's own reason (not `linked_event_failed`).
+    async fn create_chain(
+        &self,
+        mut transfers: Vec<tb::Transfer>,
+        deadline: Instant,
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        let last = transfers.len() - 1;
+        for transfer in &mut transfers[..last] {
+            let flags = transfer.flags() | tb::transfer::Flags::LINKED;
+            transfer.set_flags(flags);
+        }
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(transfers).await {
+                    Ok(()) => Ok(None),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        Ok(errors.as_slice().iter().map(|e| e.kind()).find(|kind| {
+                            !matches!(kind, CreateTransferErrorKind::LinkedEventFailed)
+                        }))
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<Option<CreateTransferErrorKind>, LedgerError>)>,
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn carried_holds_are_grouped_by_second_bounded_and_never_shorter() {
+        let now = SystemTime::now();
+        let hold = |ms: u64, amount: u64| super::super::Hold {
+            amount,
+            expires_at: now + Duration::from_millis(ms),
+        };
+        let holds = [hold(100, 1), hold(900, 2), hold(1500, 3)];
+        assert_eq!(carried_holds(&holds, now), [(3, 1), (3, 2)]);
+        let many: Vec<_> = (0..1000).map(|i| hold(i * 1000 + 10, 1)).collect();
+        let carried = carried_holds(&many, now);
+        assert_eq!(carried.len(), CARRIED_LINKS_MAX);
+        assert_eq!(carried.iter().map(|c| c.0).sum::<u64>(), 1000);
+        assert_eq!(carried.last().unwrap().1, 1000, "merged into the latest");
+    }
+}

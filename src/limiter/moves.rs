@@ -1,0 +1,179 @@
+//! Callers an operator moved to another plan (see [`crate::ledger::moves`]). The ledger is the
+//! record; this instance remembers the moves it has learnt, so a moved caller costs one extra
+//! round trip per instance, once, and nothing on the path of callers never moved.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::RwLock;
+
+use super::plan::{PlanBook, PlanId};
+use crate::ledger::model;
+
+/// How many moved callers an instance remembers; past that it forgets them all (each then pays
+/// its extra round trip again).
+pub const MOVES_REMEMBERED_MAX: usize = 65_536;
+/// How many moves one decision follows (a caller moved again while a request was deciding).
+pub const MOVES_FOLLOWED_MAX: usize = 3;
+
+/// Home account (the one its configured plan derives) → the plan it moved to.
+#[derive(Default)]
+pub struct Moves {
+    moved: RwLock<HashMap<u128, PlanId>>,
+    /// Whether any move is known: the common case skips the lock.
+    any: AtomicBool,
+}
+
+impl Moves {
+    pub fn get(&self, home_account_id: u128) -> Option<PlanId> {
+        if !self.any.load(Ordering::Relaxed) {
+            return None;
+        }
+        let moved = self.moved.read().unwrap_or_else(|e| e.into_inner());
+        moved.get(&home_account_id).copied()
+    }
+
+    /// Remembers a move; moving back to the home plan forgets it.
+    pub fn learn(&self, home_account_id: u128, plan: PlanId, home_plan: PlanId) {
+        let mut moved = self.moved.write().unwrap_or_else(|e| e.into_inner());
+        if plan == home_plan {
+            moved.remove(&home_account_id);
+            return;
+        }
+        if moved.len() >= MOVES_REMEMBERED_MAX {
+            moved.clear();
+        }
+        moved.insert(home_account_id, plan);
+        self.any.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The plan a move's [`model::plan_tag`] names, if this configuration has it.
+pub fn plan_of_tag(plans: &PlanBook, tag: u64) -> Option<PlanId> {
+    plans
+        .plans()
+        .iter()
+        .position(|plan| model::plan_tag(plan.name()) == tag)
+        .and_then(|index| plans.id_at(index))
+}
+
+/// Why a move was not made.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    #[error("the key has no plan")]
+    UnknownKey,
+    #[error("there is no plan named {0:?}")]
+    UnknownPlan(String),
+    #[error("the caller is on plan {0:?} already")]
+    SamePlan(String),
+    #[error("the caller has no account yet (it has made no request)")]
+    NoSuchAccount,
+    #[error("the caller is blocked; unblock it first")]
+    Blocked,
+    #[error("the caller was moved to a plan this configuration does not have")]
+    LostTrack,
+    #[error(transparent)]
+    Ledger(#[from] crate::ledger::LedgerError),
+}
+
+/// A move made.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MoveReport {
+    pub from_account_id: String,
+    pub from_plan: String,
+    pub to_account_id: String,
+    pub to_plan: String,
+    /// Units of live holds carried to the new account.
+    pub carried: u64,
+}
+
+impl super::Limiter {
+    /// Moves the caller of `key` to plan `plan_name`, wherever earlier moves took it.
+    pub async fn move_caller(
+        &self,
+        key: &super::CallerKey,
+        plan_name: &str,
+        actor: model::Actor,
+        deadline: std::time::Instant,
+    ) -> Result<MoveReport, MoveError> {
+        use crate::ledger::Moving;
+        let target = self
+            .plans
+            .by_name(plan_name)
+            .ok_or_else(|| MoveError::UnknownPlan(plan_name.to_owned()))?;
+        let (home_plan, home_account) = self.home(key).ok_or(MoveError::UnknownKey)?;
+        let (from_plan, from) = self.current(key, home_plan, home_account, deadline).await?;
+        let (plan, to) = (self.plan(target), self.account_on(key, target));
+        if from_plan == target {
+            return Err(MoveError::SamePlan(plan.name().to_owned()));
+        }
+        let account = model::UserAccount {
+            id: to,
+            capacity: plan.capacity(),
+            window_seconds: plan.window_seconds(),
+        };
+        let tag = model::plan_tag(plan.name());
+        let window_max = self.plans.window_seconds_max().get();
+        let ledger = &self.store;
+        let carried = match ledger
+            .move_caller(from, &account, tag, actor, window_max, deadline)
+            .await?
+        {
+            Moving::Done { carried } => carried,
+            Moving::NoSuchAccount => return Err(MoveError::NoSuchAccount),
+            Moving::Closed | Moving::TargetBlocked => return Err(MoveError::Blocked),
+        };
+        self.local.forget(from);
+        self.moves.learn(home_account, target, home_plan);
+        Ok(MoveReport {
+            from_account_id: format!("{from:032x}"),
+            from_plan: self.plan(from_plan).name().to_owned(),
+            to_account_id: format!("{to:032x}"),
+            to_plan: plan.name().to_owned(),
+            carried,
+        })
+    }
+
+    fn home(&self, key: &super::CallerKey) -> Option<(PlanId, u128)> {
+        let plan = self.plans.plan_for(key)?;
+        Some((plan, self.account_on(key, plan)))
+    }
+
+    fn plan(&self, id: PlanId) -> &super::Plan {
+        self.plans.get(id).expect("an id from this book")
+    }
+
+    fn account_on(&self, key: &super::CallerKey, plan: PlanId) -> u128 {
+        let plan = self.plan(plan);
+        let key = key.expose_secret().as_bytes();
+        model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
+    }
+
+    /// The caller's account now, following the moves the ledger records.
+    async fn current(
+        &self,
+        key: &super::CallerKey,
+        mut plan: PlanId,
+        mut account: u128,
+        deadline: std::time::Instant,
+    ) -> Result<(PlanId, u128), MoveError> {
+        let window_max = self.plans.window_seconds_max().get();
+        for _ in 0..=MOVES_FOLLOWED_MAX {
+            let view = self
+                .store
+                .account_view(account, window_max, deadline)
+                .await?;
+            let Some(view) = view else {
+                return Err(MoveError::NoSuchAccount);
+            };
+            match view.blocked.map(|closed| closed.moved_to) {
+                None => return Ok((plan, account)),
+                Some(None) => return Err(MoveError::Blocked),
+                Some(Some(tag)) => {
+                    plan = plan_of_tag(&self.plans, tag).ok_or(MoveError::LostTrack)?;
+                    account = self.account_on(key, plan);
+                }
+            }
+        }
+        Err(MoveError::LostTrack)
+    }
+}
