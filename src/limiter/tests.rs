@@ -8,8 +8,11 @@ use std::time::SystemTime;
 
 use super::*;
 use crate::ledger::metrics::Operation;
-use crate::ledger::{Blocked, Hold};
+use crate::ledger::{Blocked, ChainLink, ChainReply, Hold};
 use plan::{test_plan, UnknownKeys};
+
+#[path = "multi_tests.rs"]
+mod multi;
 
 type Reply<T> = Result<T, LedgerError>;
 
@@ -45,6 +48,9 @@ struct Script {
     provisions: VecDeque<Reply<()>>,
     views: VecDeque<Reply<Option<AccountView>>>,
     voids: VecDeque<Reply<bool>>,
+    chains: VecDeque<Reply<ChainReply>>,
+    /// The links of every chain asked for, in order.
+    chain_links: Vec<Vec<ChainLink>>,
     calls: Vec<&'static str>,
     held_accounts: Vec<u128>,
     void_if_abandoned: Vec<bool>,
@@ -70,6 +76,14 @@ impl Store for FakeStore {
         self.0.lock().unwrap().void_if_abandoned.push(void);
         self.0.lock().unwrap().held_accounts.push(id);
         self.next("hold", |s| s.holds.pop_front())
+    }
+
+    async fn hold_chain(&self, links: Vec<ChainLink>, _: Instant, void: bool) -> Reply<ChainReply> {
+        let mut script = self.0.lock().unwrap();
+        script.void_if_abandoned.push(void);
+        script.chain_links.push(links);
+        drop(script);
+        self.next("chain", |s| s.chains.pop_front())
     }
 
     async fn void(&self, _: u128, _: Instant) -> Reply<bool> {
