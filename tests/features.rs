@@ -412,3 +412,111 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
     stop_a.stop(true).await;
     stop_b.stop(true).await;
 }
+
+/// A route charged against the plan and two route limits at once, from two instances at once:
+/// exactly the tightest limit is admitted, a refused request holds nothing on any limit, and the
+/// 429 and the `RateLimit` fields say which limit was hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_limits_per_request_admit_exactly_the_tightest_and_name_it() {
+    use ledger_limiter::config::PlanFile;
+    use ledger_limiter::limiter::extra::route_limit_account;
+    use ledger_limiter::limiter::plan::Plan;
+    let with_limits = || {
+        let routes = RoutesFile {
+            limits: Some([("/greeting".to_owned(), vec!["short".into(), "long".into()])].into()),
+            ..RoutesFile::default()
+        };
+        let mut config = config(10, routes, ResponseFile::default());
+        let limits: [(String, PlanFile); 2] =
+            [("short".into(), plan(3, 60)), ("long".into(), plan(5, 600))];
+        config.limits = Some(limits.into());
+        config
+    };
+    let a = spawn_app(with_limits()).await;
+    let b = spawn_app(with_limits()).await;
+    let key = fresh_key("k_");
+    let answers = join_all((0..20).map(|i| {
+        let app = if i % 2 == 0 { &a } else { &b };
+        let key = key.clone();
+        async move {
+            let response = app.get("/greeting", Some(&key)).await;
+            let status = response.status().as_u16();
+            let policy = response.headers()["ratelimit-policy"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            let ratelimit = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+            let body = response.text().await.unwrap();
+            (status, policy, ratelimit, body)
+        }
+    }))
+    .await;
+    let admitted = answers.iter().filter(|a| a.0 == 200).count();
+    assert_eq!(admitted, 3, "{answers:?}");
+    for (status, policy, ratelimit, body) in &answers {
+        assert_eq!(
+            policy,
+            "\"free\";q=10;w=60, \"short\";q=3;w=60, \"long\";q=5;w=600"
+        );
+        assert_eq!(ratelimit.matches(";r=").count(), 3, "{ratelimit}");
+        if *status == 429 {
+            assert!(
+                body.contains("limit short allows 3 units per 60 s"),
+                "{body}"
+            );
+            assert!(ratelimit.contains("\"short\";r=0;"), "{ratelimit}");
+        }
+    }
+    // Nothing held for the 17 refused, on any limit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let ledger = a.limiter.ledger();
+    let plan_audit = held(&a, &key).await;
+    assert_eq!((plan_audit.admitted(), plan_audit.debits_pending), (3, 3));
+    let caller =
+        ledger_limiter::limiter::caller::CallerKey::from_header_value("k", key.as_bytes(), 128)
+            .unwrap();
+    for (name, capacity, window) in [("short", 3, 60), ("long", 5, 600)] {
+        let limit = Plan::new(
+            name,
+            capacity.try_into().unwrap(),
+            std::num::NonZeroU32::new(window).unwrap(),
+        )
+        .unwrap();
+        let account = route_limit_account(ledger.ledger_id(), &limit, &caller);
+        let audit = ledger
+            .audit(account.id, deadline)
+            .await
+            .unwrap()
+            .expect("provisioned");
+        assert_eq!(
+            (audit.admitted(), audit.debits_pending),
+            (3, 3),
+            "{name}: {audit:?}"
+        );
+    }
+    // Another route has the plan only.
+    let other = a.get("/elsewhere", Some(&key)).await;
+    assert_eq!(other.headers()["ratelimit-policy"], "\"free\";q=10;w=60");
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Route limits must exist, be distinct, and afford the route's cost.
+#[test]
+fn bad_route_limits_are_refused_with_the_setting_named() {
+    use ledger_limiter::config::Settings;
+    let parse = |text: &str| {
+        let file = FileConfig::parse(text, "test.toml").unwrap();
+        Settings::with_overrides(file).unwrap_err().to_string()
+    };
+    let e = parse("[routes.limits]\n\"/a\" = [\"nope\"]\n");
+    assert!(e.contains("routes.limits") && e.contains("\"nope\""), "{e}");
+    let e = parse("[limits.x]\ncapacity = 0\nwindow_seconds = 1\n");
+    assert!(e.contains("limits.x.capacity"), "{e}");
+    let e = parse(
+        "[limits.x]\ncapacity = 2\nwindow_seconds = 1\n[routes.limits]\n\"/a\" = [\"x\", \"x\"]\n",
+    );
+    assert!(e.contains("twice"), "{e}");
+    let e = parse("[limits.x]\ncapacity = 2\nwindow_seconds = 1\n[routes]\ncosts = { \"/a\" = 3 }\n[routes.limits]\n\"/a\" = [\"x\"]\n");
+    assert!(e.contains("costs 3"), "{e}");
+}

@@ -108,6 +108,7 @@ fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> F
         refund_server_errors: None,
         concurrency: None,
         concurrency_timeout_seconds: None,
+        limits: None,
     };
     config
 }
@@ -218,6 +219,7 @@ async fn plans_by_prefix_and_costs_by_route() {
         refund_server_errors: None,
         concurrency: None,
         concurrency_timeout_seconds: None,
+        limits: None,
     };
     let app = spawn_app(config).await;
     let free = fresh_key("free_");

@@ -60,6 +60,8 @@ pub struct FileConfig {
     pub plans: Option<BTreeMap<String, PlanFile>>,
     /// Replaces the default prefixes wholesale when given.
     pub key_prefixes: Option<BTreeMap<String, String>>,
+    /// Limits that routes add to the caller's plan (`routes.limits`): per caller, all or none.
+    pub limits: Option<BTreeMap<String, PlanFile>>,
     #[serde(default)]
     pub routes: RoutesFile,
     #[serde(default)]
@@ -148,6 +150,8 @@ pub struct RoutesFile {
     pub concurrency: Option<BTreeMap<String, u64>>,
     /// How long a slot lasts if its instance dies before giving it back.
     pub concurrency_timeout_seconds: Option<u32>,
+    /// Further limits (names from `[limits]`) a route is charged against with the plan, by path.
+    pub limits: Option<BTreeMap<String, Vec<String>>>,
 }
 
 /// Bound on `routes.concurrency_timeout_seconds`.
@@ -212,12 +216,14 @@ impl FileConfig {
         take!(default_plan);
         take!(plans);
         take!(key_prefixes);
+        take!(limits);
         take!(routes.exempt);
         take!(routes.costs);
         take!(routes.shadow);
         take!(routes.refund_server_errors);
         take!(routes.concurrency);
         take!(routes.concurrency_timeout_seconds);
+        take!(routes.limits);
         take!(response.header_styles);
         take!(response.missing_key_status);
         take!(admin.listen);
@@ -323,13 +329,11 @@ impl Settings {
         let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
         let admin = admin_settings(file.admin)?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
-        let rules = request_rules(
-            rules.key_length_max(key_length_max),
-            file.routes,
-            file.response,
-        )
-        .build(&plans)
-        .map_err(|e| invalid(e.setting(), e.to_string()))?;
+        let rules = rules.key_length_max(key_length_max);
+        let rules = route_limits(rules, file.limits, file.routes.limits.clone())?;
+        let rules = request_rules(rules, file.routes, file.response)
+            .build(&plans)
+            .map_err(|e| invalid(e.setting(), e.to_string()))?;
         Ok(Settings {
             listen,
             workers,
@@ -438,6 +442,43 @@ fn request_rules(
     rules
 }
 
+/// `[limits]` by name, attached to the routes of `routes.limits`.
+fn route_limits(
+    mut rules: RequestRulesBuilder,
+    defined: Option<BTreeMap<String, PlanFile>>,
+    routes: Option<BTreeMap<String, Vec<String>>>,
+) -> Result<RequestRulesBuilder, ConfigError> {
+    let mut limits = BTreeMap::new();
+    for (name, limit) in defined.unwrap_or_default() {
+        let plan = plan_from_file(&name, &limit, "limits")?;
+        limits.insert(name, plan);
+    }
+    for (route, names) in routes.unwrap_or_default() {
+        let chosen = names
+            .iter()
+            .map(|name| {
+                limits.get(name).cloned().ok_or_else(|| {
+                    let why = format!("route {route:?} names limit {name:?}, not in [limits]");
+                    invalid("routes.limits", why)
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        rules = rules.limits(route, chosen);
+    }
+    Ok(rules)
+}
+
+/// A plan (or a route limit) from its table, `section.name`.
+fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, ConfigError> {
+    let setting = |field: &str| format!("{section}.{name}.{field}");
+    let capacity = NonZeroU64::new(plan.capacity)
+        .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
+    let window = NonZeroU32::new(plan.window_seconds)
+        .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
+    Plan::new(name, capacity, window)
+        .map_err(|e| invalid(format!("{section}.{name}"), e.to_string()))
+}
+
 /// Replica addresses when given, else the embedded ledger.
 fn ledger_location(
     addresses: Option<Vec<String>>,
@@ -505,15 +546,7 @@ fn plan_book(
 ) -> Result<PlanBook, ConfigError> {
     let mut list = Vec::new();
     for (name, plan) in require(plans, "plans")? {
-        let setting = |field: &str| format!("plans.{name}.{field}");
-        let capacity = NonZeroU64::new(plan.capacity)
-            .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
-        let window = NonZeroU32::new(plan.window_seconds)
-            .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
-        list.push(
-            Plan::new(&name, capacity, window)
-                .map_err(|e| invalid(format!("plans.{name}"), e.to_string()))?,
-        );
+        list.push(plan_from_file(&name, &plan, "plans")?);
     }
     let unknown_keys = one_of(
         require(unknown_keys, "caller.unknown_keys")?,

@@ -119,7 +119,7 @@ where
         let inner = self.inner.clone();
         Box::pin(async move {
             let missing = inner.rules.missing_key_status();
-            let (key, cost, shadow, refund) = match inner.rules.classify(&req) {
+            let (key, cost, shadow, refund, limits) = match inner.rules.classify(&req) {
                 Classified::Exempt => return Ok(service.call(req).await?.map_into_left_body()),
                 Classified::Rejected(error) => {
                     inner.limiter.reject_key();
@@ -131,9 +131,10 @@ where
                     cost,
                     shadow,
                     refund,
-                } => (key, cost, shadow, refund),
+                    limits,
+                } => (key, cost, shadow, refund, limits),
             };
-            let decision = match inner.limiter.check(&key, cost).await {
+            let decision = match inner.limiter.check_with(&key, cost, &limits).await {
                 Ok(decision) => decision,
                 Err(error) => {
                     let response = respond::rejected(&error, missing);

@@ -1,7 +1,7 @@
 //! The responses the limiter itself makes (problem bodies with their status), and the rate-limit
 //! fields it adds to every response of a limited route.
 
-use actix_web::http::header::HeaderMap;
+use actix_web::http::header::{HeaderMap, HeaderValue};
 use actix_web::http::StatusCode;
 use actix_web::HttpResponse;
 
@@ -50,6 +50,53 @@ pub fn add_fields(
         &decision.quota,
         retry_after_seconds,
     );
+    if !decision.route_limits.is_empty() {
+        add_route_limits(headers, fields, decision);
+    }
+}
+
+/// A route with further limits: the IETF fields list every policy (the plan's first), as the
+/// draft allows; the single-valued styles show the limit that binds (the one that refused, else
+/// the one with the least remaining).
+fn add_route_limits(headers: &mut HeaderMap, fields: &Fields, decision: &Decision<'_>) {
+    if fields.styles.ietf {
+        let mut policy = headers::policy_value(decision.plan);
+        let mut ratelimit = headers::ratelimit_value(decision.plan.name(), &decision.quota);
+        for limit in &decision.route_limits {
+            policy.push_str(", ");
+            policy.push_str(&headers::policy_value(&limit.limit));
+            ratelimit.push_str(", ");
+            ratelimit.push_str(&headers::ratelimit_value(limit.limit.name(), &limit.quota));
+        }
+        let ascii = "plan and limit names are [A-Za-z0-9_-]";
+        let policy = HeaderValue::try_from(policy).expect(ascii);
+        headers.insert(headers::RATELIMIT_POLICY, policy);
+        let ratelimit = HeaderValue::try_from(ratelimit).expect(ascii);
+        headers.insert(headers::RATELIMIT, ratelimit);
+    }
+    let binding = match decision.refused_by {
+        Some(index) => Some(&decision.route_limits[index]),
+        None => decision
+            .route_limits
+            .iter()
+            .filter(|l| l.quota.remaining < decision.quota.remaining)
+            .min_by_key(|l| l.quota.remaining),
+    };
+    if let Some(limit) = binding {
+        let single = HeaderStyles {
+            ietf: false,
+            ..fields.styles
+        };
+        let policy = HeaderValue::from_static("");
+        headers::insert(
+            headers,
+            single,
+            limit.limit.name(),
+            policy,
+            &limit.quota,
+            None,
+        );
+    }
 }
 
 /// The answer to a request the limiter refuses: 429 when the caller is out of credit, 403 while
@@ -68,11 +115,16 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
                 source = source.as_str(),
                 "limited"
             );
+            let (name, quota) = match decision.refused_by {
+                Some(index) => {
+                    let limit = &decision.route_limits[index];
+                    (format!("limit {}", limit.limit.name()), &limit.quota)
+                }
+                None => (format!("plan {}", decision.plan.name()), &decision.quota),
+            };
             let detail = format!(
-                "plan {} allows {} units per {} s; retry after {retry_after_seconds} s",
-                decision.plan.name(),
-                decision.quota.limit,
-                decision.quota.window_seconds
+                "{name} allows {} units per {} s; retry after {retry_after_seconds} s",
+                quota.limit, quota.window_seconds
             );
             let response = problem::response(ProblemKind::RateLimited, &detail);
             (response, *retry_after_seconds)

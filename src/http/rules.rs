@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
@@ -14,7 +15,8 @@ use super::client_ip::{client_ip, Cidr};
 use super::headers::HeaderStyles;
 
 use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
-use crate::limiter::plan::PlanBook;
+use crate::limiter::extra::ROUTE_LIMITS_MAX;
+use crate::limiter::plan::{Plan, PlanBook};
 
 /// The header that carries the API key unless configured otherwise.
 pub const KEY_HEADER_DEFAULT: &str = "x-api-key";
@@ -45,6 +47,8 @@ pub enum Classified {
         shadow: bool,
         /// Give the credit back if the handler answers with a server error (5xx).
         refund: bool,
+        /// The route's further limits, charged with the plan atomically (usually none).
+        limits: Arc<[Plan]>,
     },
 }
 
@@ -64,6 +68,9 @@ pub struct RequestRules {
     missing_key_status: StatusCode,
     /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
     trusted_proxies: Vec<Cidr>,
+    /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
+    route_limits: Vec<(String, Arc<[Plan]>)>,
+    no_limits: Arc<[Plan]>,
 }
 
 impl RequestRules {
@@ -84,9 +91,18 @@ impl RequestRules {
                 cost: self.route_costs.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
+                limits: self.route_limits(path),
             },
             Err(error) => Classified::Rejected(error),
         }
+    }
+
+    fn route_limits(&self, path: &str) -> Arc<[Plan]> {
+        let found = self
+            .route_limits
+            .iter()
+            .find(|(p, _)| path_matches(p, path));
+        found.map_or_else(|| self.no_limits.clone(), |(_, limits)| limits.clone())
     }
 
     /// Which rate-limit header fields responses carry.
@@ -197,6 +213,8 @@ pub enum RulesError {
     TrustedProxy(String),
     #[error("routes must start with /")]
     CostRoute(String),
+    #[error("route {0:?} {1}")]
+    RouteLimits(String, String),
     #[error("must be at least 1")]
     CostZero(String),
     #[error("cost {cost} exceeds the smallest plan capacity ({capacity}): such a request could never be admitted")]
@@ -217,6 +235,7 @@ impl RulesError {
             RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
+            RulesError::RouteLimits(..) => "routes.limits".to_owned(),
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
             RulesError::CostRoute(route)
@@ -240,6 +259,7 @@ pub struct RequestRulesBuilder {
     refund_paths: Vec<String>,
     header_styles: Option<Vec<String>>,
     missing_key_status: u16,
+    route_limits: Vec<(String, Vec<Plan>)>,
 }
 
 impl Default for RequestRulesBuilder {
@@ -255,6 +275,7 @@ impl Default for RequestRulesBuilder {
             refund_paths: Vec::new(),
             header_styles: None,
             missing_key_status: 401,
+            route_limits: Vec::new(),
         }
     }
 }
@@ -326,6 +347,13 @@ impl RequestRulesBuilder {
         self
     }
 
+    /// Requests to `route` (exact, or a prefix ending in `*`) are charged against these limits as
+    /// well as the caller's plan, all or none (for example 10 per second and 10,000 per day).
+    pub fn limits(mut self, route: impl Into<String>, limits: Vec<Plan>) -> Self {
+        self.route_limits.push((route.into(), limits));
+        self
+    }
+
     /// What a request to `route` (exact, or a prefix ending in `*`) costs; 1 otherwise.
     pub fn cost(mut self, route: impl Into<String>, cost: u64) -> Self {
         self.costs.push((route.into(), cost));
@@ -374,18 +402,55 @@ impl RequestRulesBuilder {
         for (route, cost) in self.costs {
             costs.push(checked_cost(route, cost, plans)?);
         }
+        let route_costs = RouteCosts::new(costs);
+        let route_limits = self
+            .route_limits
+            .into_iter()
+            .map(|(route, limits)| checked_limits(route, limits, &route_costs))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(RequestRules {
             key_source,
             key_length_max: self.key_length_max,
             exempt_paths: self.exempt_paths,
-            route_costs: RouteCosts::new(costs),
+            route_costs,
             shadow_paths: self.shadow_paths,
             refund_paths: self.refund_paths,
             header_styles,
             missing_key_status,
             trusted_proxies,
+            route_limits,
+            no_limits: Arc::from(Vec::new()),
         })
     }
+}
+
+/// A route's limits: a path, 1 to [`ROUTE_LIMITS_MAX`] distinct limits, each able to afford
+/// the route's cost.
+fn checked_limits(
+    route: String,
+    limits: Vec<Plan>,
+    costs: &RouteCosts,
+) -> Result<(String, Arc<[Plan]>), RulesError> {
+    let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
+    if !route.starts_with('/') {
+        return invalid("must start with /".into());
+    }
+    if limits.is_empty() || limits.len() > ROUTE_LIMITS_MAX {
+        return invalid(format!("needs 1 to {ROUTE_LIMITS_MAX} limits"));
+    }
+    for (index, limit) in limits.iter().enumerate() {
+        if limits[..index].iter().any(|l| l.name() == limit.name()) {
+            return invalid(format!("names limit {:?} twice", limit.name()));
+        }
+        let cost = costs.cost(&route).get();
+        if cost > limit.capacity().get() {
+            return invalid(format!(
+                "costs {cost}, more than limit {:?} allows in a whole window",
+                limit.name()
+            ));
+        }
+    }
+    Ok((route, Arc::from(limits)))
 }
 
 /// A route's cost must be positive and affordable on every plan: a request that costs more than a

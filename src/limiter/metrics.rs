@@ -18,6 +18,8 @@ pub const DECISION_DEADLINE_SECONDS: &str = "ledger_limiter_decision_deadline_se
 pub const SHADOW_PASSED_TOTAL: &str = "ledger_limiter_shadow_passed_total";
 /// Admitted requests whose hold was voided because the handler failed, by plan.
 pub const REFUNDS_TOTAL: &str = "ledger_limiter_refunds_total";
+/// Requests refused by one of a route's further limits, by limit.
+pub const ROUTE_LIMIT_REFUSALS_TOTAL: &str = "ledger_limiter_route_limit_refusals_total";
 
 /// The `plan` label of decisions made before a plan is known (a rejected key).
 pub const PLAN_NONE: &str = "none";
@@ -125,6 +127,10 @@ impl DecisionMetrics {
         );
         metrics::gauge!(DECISION_DEADLINE_SECONDS).set(deadline.as_secs_f64());
         describe_counter!(
+            ROUTE_LIMIT_REFUSALS_TOTAL,
+            "Requests refused by one of a route's further limits (routes.limits), by limit"
+        );
+        describe_counter!(
             DECISIONS_TOTAL,
             "Rate-limit decisions, by decision, plan and where the decision came from"
         );
@@ -179,6 +185,11 @@ impl DecisionMetrics {
         if let Some(counter) = self.refunds.get(plan.index()) {
             counter.increment(1);
         }
+    }
+
+    /// Counts a refusal by one of a route's limits (its name is a configured, bounded label).
+    pub fn record_route_limit_refusal(&self, limit: &str) {
+        counter!(ROUTE_LIMIT_REFUSALS_TOTAL, "limit" => limit.to_owned()).increment(1);
     }
 
     /// Counts a refusal let through in shadow mode.

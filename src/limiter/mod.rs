@@ -6,6 +6,7 @@
 //! its own decisions and records them on the request's span, whichever front end asked.
 
 pub mod caller;
+pub mod extra;
 pub mod local_view;
 pub mod metrics;
 pub mod moves;
@@ -118,6 +119,10 @@ pub struct Decision<'a> {
     pub quota: Quota,
     /// The hold of an admitted request (none for any other outcome).
     pub hold: Option<HoldReceipt>,
+    /// The route's further limits ([`Limiter::check_with`]), in the route's order.
+    pub route_limits: Vec<extra::RouteLimitStatus>,
+    /// Which of `route_limits` refused the request (`None`: the plan did, or nobody).
+    pub refused_by: Option<usize>,
 }
 
 /// One request to decide: who pays, on which account, how much.
@@ -238,6 +243,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
+        for limit in &decision.route_limits {
+            if let Some(hold) = limit.hold {
+                self.release(limit.account_id, hold).await?;
+            }
+        }
         let voided = self.release(decision.account_id, hold).await?;
         if voided {
             self.decisions.record_refund(decision.plan_id);
@@ -313,6 +323,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             account_id: charge.account.id,
             plan_id: charge.plan_id,
             plan: charge.plan,
+            route_limits: Vec::new(),
+            refused_by: None,
         };
         self.record(&decision, key, cost);
         Ok(decision)

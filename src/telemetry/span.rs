@@ -20,6 +20,8 @@ pub mod fields {
     pub const REMAINING: &str = "ratelimit.remaining";
     /// `true` when a refusal was let through because the route is in shadow mode.
     pub const SHADOW: &str = "ratelimit.shadow";
+    /// The route limit that refused the request (a route charged against several limits).
+    pub const LIMIT: &str = "ratelimit.limit";
 }
 
 /// The server span of every request, with the limiter's fields declared (empty until recorded).
@@ -37,6 +39,7 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.source = tracing::field::Empty,
             ratelimit.remaining = tracing::field::Empty,
             ratelimit.shadow = tracing::field::Empty,
+            ratelimit.limit = tracing::field::Empty,
         )
     }
 

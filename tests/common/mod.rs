@@ -422,6 +422,7 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
             refund_server_errors: None,
             concurrency: None,
             concurrency_timeout_seconds: None,
+            limits: None,
         },
         ..FileConfig::default()
     }
