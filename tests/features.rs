@@ -322,7 +322,8 @@ async fn slow_instance() -> (
         local_callers_max: 1000,
         expiry_margin: Duration::from_millis(250),
     };
-    let slots = [("/slow".to_owned(), NonZeroU64::new(2).unwrap())];
+    let two = NonZeroU64::new(2).unwrap();
+    let slots = [("/slow".to_owned(), two), ("/stream".to_owned(), two)];
     let timeout = NonZeroU32::new(30).unwrap();
     let limits = ConcurrencyLimits::new(&ledger, &slots, timeout, &settings).unwrap();
     let big = Plan::new("big", NonZeroU64::new(1000).unwrap(), timeout).unwrap();
@@ -334,10 +335,25 @@ async fn slow_instance() -> (
         tokio::time::sleep(Duration::from_millis(600)).await;
         HttpResponse::Ok().finish()
     };
+    // Answers at once, then streams its body for 600 ms: in flight until the last byte.
+    let stream = || async {
+        let chunks = futures_util::stream::unfold(0, |sent| async move {
+            if sent == 2 {
+                return None;
+            }
+            if sent == 1 {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+            }
+            let chunk = actix_web::web::Bytes::from_static(b"chunk\n");
+            Some((Ok::<_, std::convert::Infallible>(chunk), sent + 1))
+        });
+        HttpResponse::Ok().streaming(chunks)
+    };
     let server = HttpServer::new(move || {
         App::new()
             .wrap(rate_limit.clone())
             .route("/slow", web::get().to(slow))
+            .route("/stream", web::get().to(stream))
     })
     .workers(2)
     .bind(("127.0.0.1", 0))
@@ -519,4 +535,133 @@ fn bad_route_limits_are_refused_with_the_setting_named() {
     assert!(e.contains("twice"), "{e}");
     let e = parse("[limits.x]\ncapacity = 2\nwindow_seconds = 1\n[routes]\ncosts = { \"/a\" = 3 }\n[routes.limits]\n\"/a\" = [\"x\"]\n");
     assert!(e.contains("costs 3"), "{e}");
+}
+
+/// A streamed response holds its concurrency slot until its body ends, not when its handler
+/// returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
+    let (port, stop, _) = slow_instance().await;
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let get = || {
+        let request = http
+            .get(format!("http://127.0.0.1:{port}/stream"))
+            .header("X-Api-Key", &key);
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let body = response.text().await.unwrap_or_default();
+            (status, body.len())
+        }
+    };
+    let mut answers = join_all((0..5).map(|_| get())).await;
+    answers.sort();
+    assert_eq!(
+        answers,
+        [
+            (200, 12),
+            (200, 12),
+            (429, answers[2].1),
+            (429, answers[3].1),
+            (429, answers[4].1)
+        ]
+    );
+    // Every body ended, so both slots are back.
+    let again = join_all((0..2).map(|_| get())).await;
+    assert_eq!(again, [(200, 12), (200, 12)]);
+    stop.stop(true).await;
+}
+
+/// A handler reports what a request really cost (tokens, bytes) in the configured header: the
+/// header is removed, the hold replaced by one of the actual cost (never more than the caller
+/// has free), and the next requests see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_reported_after_the_response_replaces_the_estimate() {
+    use actix_web::{web, App, HttpResponse, HttpServer};
+    use ledger_limiter::http::{RateLimit, RequestRules};
+    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let plan = Plan::new(
+        "metered",
+        NonZeroU64::new(10).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    );
+    let plans = PlanBook::new(
+        vec![plan.unwrap()],
+        "metered",
+        [],
+        [],
+        UnknownKeys::DefaultPlan,
+    );
+    let settings = LimiterSettings {
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    };
+    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
+    let rules = RequestRules::builder()
+        .cost_header("x-cost")
+        .build(limiter.plans());
+    let rules = Arc::new(rules.unwrap());
+    let server_limiter = limiter.clone();
+    let tokens = |n: web::Path<String>| async move {
+        HttpResponse::Ok()
+            .insert_header(("x-cost", n.into_inner()))
+            .finish()
+    };
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
+            .route("/tokens/{n}", web::get().to(tokens))
+    })
+    .workers(1)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let get = |n: &str| {
+        let request = http
+            .get(format!("http://127.0.0.1:{port}/tokens/{n}"))
+            .header("X-Api-Key", &key);
+        async move { request.send().await.unwrap() }
+    };
+    let first = get("4").await;
+    assert_eq!(first.status(), 200);
+    assert!(
+        first.headers().get("x-cost").is_none(),
+        "the report is ours, not the caller's"
+    );
+    assert_eq!(remaining(&first), 6);
+    // Not a number: the estimate (1) stands.
+    assert_eq!(remaining(&get("lots").await), 5);
+    // More than is free: the ledger takes what is free (5), and the caller is out.
+    assert_eq!(get("7").await.status(), 200);
+    assert_eq!(get("1").await.status(), 429);
+    let caller =
+        ledger_limiter::limiter::caller::CallerKey::from_header_value("k", key.as_bytes(), 128)
+            .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let audit = limiter
+        .ledger()
+        .audit(limiter.account_of(&caller).unwrap(), deadline)
+        .await;
+    let audit = audit.unwrap().unwrap();
+    assert_eq!(audit.debits_pending, 10, "{audit:?}");
+    assert_eq!(
+        (audit.holds, audit.voids),
+        (5, 2),
+        "3 requests, 2 recharged: {audit:?}"
+    );
+    handle.stop(true).await;
 }

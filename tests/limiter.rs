@@ -109,6 +109,7 @@ fn exactness_config(ledger: std::net::SocketAddr, capacity: u64, cost: u64) -> F
         concurrency: None,
         concurrency_timeout_seconds: None,
         limits: None,
+        cost_header: None,
     };
     config
 }
@@ -220,6 +221,7 @@ async fn plans_by_prefix_and_costs_by_route() {
         concurrency: None,
         concurrency_timeout_seconds: None,
         limits: None,
+        cost_header: None,
     };
     let app = spawn_app(config).await;
     let free = fresh_key("free_");

@@ -152,6 +152,8 @@ pub struct RoutesFile {
     pub concurrency_timeout_seconds: Option<u32>,
     /// Further limits (names from `[limits]`) a route is charged against with the plan, by path.
     pub limits: Option<BTreeMap<String, Vec<String>>>,
+    /// A response header in which handlers report what a request actually cost.
+    pub cost_header: Option<String>,
 }
 
 /// Bound on `routes.concurrency_timeout_seconds`.
@@ -224,6 +226,7 @@ impl FileConfig {
         take!(routes.concurrency);
         take!(routes.concurrency_timeout_seconds);
         take!(routes.limits);
+        take!(routes.cost_header);
         take!(response.header_styles);
         take!(response.missing_key_status);
         take!(admin.listen);
@@ -432,6 +435,9 @@ fn request_rules(
     }
     for pattern in routes.refund_server_errors.unwrap_or_default() {
         rules = rules.refund_server_errors(pattern);
+    }
+    if let Some(header) = routes.cost_header {
+        rules = rules.cost_header(header);
     }
     if let Some(styles) = response.header_styles {
         rules = rules.header_styles(styles);

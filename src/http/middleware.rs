@@ -35,7 +35,8 @@ use super::concurrency::ConcurrencyLimits;
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
-use crate::limiter::{Limiter, Outcome};
+use super::slot_body::SlotBody;
+use crate::limiter::{Decision, Limiter, Outcome};
 
 /// What every worker's middleware shares.
 struct Inner {
@@ -83,7 +84,7 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: 'static,
 {
-    type Response = ServiceResponse<EitherBody<B>>;
+    type Response = ServiceResponse<EitherBody<SlotBody<B>>>;
     type Error = Error;
     type Transform = RateLimitMiddleware<S>;
     type InitError = ();
@@ -107,7 +108,7 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: 'static,
 {
-    type Response = ServiceResponse<EitherBody<B>>;
+    type Response = ServiceResponse<EitherBody<SlotBody<B>>>;
     type Error = Error;
     type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
 
@@ -120,7 +121,12 @@ where
         Box::pin(async move {
             let missing = inner.rules.missing_key_status();
             let (key, cost, shadow, refund, limits) = match inner.rules.classify(&req) {
-                Classified::Exempt => return Ok(service.call(req).await?.map_into_left_body()),
+                Classified::Exempt => {
+                    let response = service.call(req).await?;
+                    return Ok(response
+                        .map_body(|_, body| SlotBody::plain(body))
+                        .map_into_left_body());
+                }
                 Classified::Rejected(error) => {
                     inner.limiter.reject_key();
                     let response = respond::rejected(&error, missing);
@@ -134,7 +140,7 @@ where
                     limits,
                 } => (key, cost, shadow, refund, limits),
             };
-            let decision = match inner.limiter.check_with(&key, cost, &limits).await {
+            let mut decision = match inner.limiter.check_with(&key, cost, &limits).await {
                 Ok(decision) => decision,
                 Err(error) => {
                     let response = respond::rejected(&error, missing);
@@ -158,16 +164,51 @@ where
                 }
             };
             let mut response = service.call(req).await?;
-            if let Some(slot) = slot {
-                slot.release().await;
-            }
-            if refund && response.status().is_server_error() {
-                if let Err(error) = inner.limiter.refund(&decision).await {
-                    tracing::debug!(%error, "could not refund; the hold expires with its window");
-                }
-            }
+            inner.settle(&mut decision, &mut response, refund).await;
             respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
+            // The slot is given back when the body is sent (or the client goes away).
+            let response = response.map_body(|_, body| SlotBody::new(body, slot));
             Ok(response.map_into_left_body())
         })
+    }
+}
+
+impl Inner {
+    /// After the handler: a refund for a server error on a refund route, else the actual cost
+    /// when the handler reported one (in the configured cost header, removed here).
+    async fn settle<B>(
+        &self,
+        decision: &mut Decision<'_>,
+        response: &mut ServiceResponse<B>,
+        refund: bool,
+    ) {
+        if refund && response.status().is_server_error() {
+            if let Err(error) = self.limiter.refund(decision).await {
+                tracing::debug!(%error, "could not refund; the hold expires with its window");
+            }
+            return;
+        }
+        let Some(header) = self.rules.cost_header() else {
+            return;
+        };
+        let Some(value) = response.headers_mut().remove(header).next() else {
+            return;
+        };
+        let Some(actual) = respond::reported_cost(&value) else {
+            tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, "the handler reported a cost that is not a number up to 2^40; the estimate stands");
+            return;
+        };
+        match self.limiter.recharge(decision, actual).await {
+            Ok(true) => {
+                let held = decision.hold.map_or(0, |hold| hold.amount);
+                let remaining = (decision.quota.remaining + held).saturating_sub(actual);
+                decision.quota.remaining = remaining;
+                tracing::Span::current().record(crate::telemetry::span::fields::COST, actual);
+            }
+            Ok(false) => {}
+            Err(error) => {
+                tracing::debug!(%error, "could not recharge; the estimate stands");
+            }
+        }
     }
 }

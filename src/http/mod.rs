@@ -12,6 +12,7 @@ pub mod request_metrics;
 pub mod respond;
 pub mod routes;
 pub mod rules;
+pub mod slot_body;
 
 pub use concurrency::ConcurrencyLimits;
 pub use middleware::RateLimit;

@@ -27,6 +27,18 @@ pub fn rejected(error: &KeyError, missing_status: StatusCode) -> HttpResponse {
     problem::response(kind, &error.to_string())
 }
 
+/// The largest cost a handler may report (more is a bug, not a cost).
+pub const REPORTED_COST_MAX: u64 = 1 << 40;
+
+/// A cost a handler reported in the cost header: ASCII digits, at most [`REPORTED_COST_MAX`].
+pub fn reported_cost(value: &HeaderValue) -> Option<u64> {
+    let text = value.to_str().ok()?;
+    if text.is_empty() || text.len() > 14 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok().filter(|cost| *cost <= REPORTED_COST_MAX)
+}
+
 /// How responses carry the quota: the `RateLimit-Policy` values made once, and the styles.
 pub struct Fields {
     pub policies: PolicyHeaders,
@@ -162,6 +174,17 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reported_costs_are_digits_up_to_the_bound() {
+        let cost = |v: &str| reported_cost(&HeaderValue::from_str(v).unwrap());
+        assert_eq!(cost("0"), Some(0));
+        assert_eq!(cost("1099511627776"), Some(REPORTED_COST_MAX));
+        assert_eq!(cost("1099511627777"), None);
+        for bad in ["", "-1", "1.5", " 3", "3 ", "0x10", "99999999999999999999"] {
+            assert_eq!(cost(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn key_errors_map_to_statuses() {

@@ -71,6 +71,8 @@ pub struct RequestRules {
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
     route_limits: Vec<(String, Arc<[Plan]>)>,
     no_limits: Arc<[Plan]>,
+    /// A response header in which handlers report what a request actually cost.
+    cost_header: Option<HeaderName>,
 }
 
 impl RequestRules {
@@ -103,6 +105,11 @@ impl RequestRules {
             .iter()
             .find(|(p, _)| path_matches(p, path));
         found.map_or_else(|| self.no_limits.clone(), |(_, limits)| limits.clone())
+    }
+
+    /// The response header in which handlers report a request's actual cost, if configured.
+    pub fn cost_header(&self) -> Option<&HeaderName> {
+        self.cost_header.as_ref()
     }
 
     /// Which rate-limit header fields responses carry.
@@ -215,6 +222,8 @@ pub enum RulesError {
     CostRoute(String),
     #[error("route {0:?} {1}")]
     RouteLimits(String, String),
+    #[error("{0:?} is not a valid header name")]
+    CostHeader(String),
     #[error("must be at least 1")]
     CostZero(String),
     #[error("cost {cost} exceeds the smallest plan capacity ({capacity}): such a request could never be admitted")]
@@ -236,6 +245,7 @@ impl RulesError {
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
             RulesError::RouteLimits(..) => "routes.limits".to_owned(),
+            RulesError::CostHeader(_) => "routes.cost_header".to_owned(),
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
             RulesError::CostRoute(route)
@@ -260,6 +270,7 @@ pub struct RequestRulesBuilder {
     header_styles: Option<Vec<String>>,
     missing_key_status: u16,
     route_limits: Vec<(String, Vec<Plan>)>,
+    cost_header: Option<String>,
 }
 
 impl Default for RequestRulesBuilder {
@@ -276,6 +287,7 @@ impl Default for RequestRulesBuilder {
             header_styles: None,
             missing_key_status: 401,
             route_limits: Vec::new(),
+            cost_header: None,
         }
     }
 }
@@ -354,6 +366,13 @@ impl RequestRulesBuilder {
         self
     }
 
+    /// Handlers may report a request's actual cost in this response header (digits); the
+    /// middleware removes it and charges that instead of the route's cost.
+    pub fn cost_header(mut self, name: impl Into<String>) -> Self {
+        self.cost_header = Some(name.into());
+        self
+    }
+
     /// What a request to `route` (exact, or a prefix ending in `*`) costs; 1 otherwise.
     pub fn cost(mut self, route: impl Into<String>, cost: u64) -> Self {
         self.costs.push((route.into(), cost));
@@ -403,6 +422,12 @@ impl RequestRulesBuilder {
             costs.push(checked_cost(route, cost, plans)?);
         }
         let route_costs = RouteCosts::new(costs);
+        let cost_header = self
+            .cost_header
+            .map(|name| {
+                HeaderName::try_from(name.as_str()).map_err(|_| RulesError::CostHeader(name))
+            })
+            .transpose()?;
         let route_limits = self
             .route_limits
             .into_iter()
@@ -420,6 +445,7 @@ impl RequestRulesBuilder {
             trusted_proxies,
             route_limits,
             no_limits: Arc::from(Vec::new()),
+            cost_header,
         })
     }
 }

@@ -142,7 +142,7 @@ impl Ledger {
 
     /// Creates `transfers` as one linked chain: `Ok(None)` when all were created, else the first
     /// failure's own reason (not `linked_event_failed`).
-    async fn create_chain(
+    pub(super) async fn create_chain(
         &self,
         mut transfers: Vec<tb::Transfer>,
         deadline: Instant,

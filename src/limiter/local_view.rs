@@ -132,6 +132,13 @@ impl CallerHolds {
     }
 }
 
+/// A hold to recharge: its amount and the expiry this instance recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalRecharge {
+    pub amount: u64,
+    pub expires_at: Instant,
+}
+
 /// The quota as this instance sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalQuota {
@@ -272,6 +279,25 @@ impl LocalView {
             holds.holds.remove(index);
             holds.held -= amount;
             holds.latest_expiry = holds.holds.iter().map(|h| h.expires_at).max();
+        }
+    }
+
+    /// Replaces one hold this instance recorded by one of `actual` units with the same expiry (a
+    /// cost known after the response). The ledger takes at most what is free, so at most that is
+    /// recorded: the view's free credit bounds the ledger's from above.
+    pub fn recharge(&self, account_id: u128, old: LocalRecharge, actual: u64, now: Instant) {
+        self.release(account_id, old.amount, old.expires_at);
+        let mut shard = self.shard(account_id);
+        let Some(holds) = shard.get_mut(&account_id) else {
+            return;
+        };
+        holds.prune(now);
+        let amount = actual.min(holds.available());
+        if amount > 0 && old.expires_at > now {
+            holds.push(LocalHold {
+                amount,
+                expires_at: old.expires_at,
+            });
         }
     }
 

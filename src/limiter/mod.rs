@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod moves;
 pub mod multi;
 pub mod plan;
+pub mod settle;
 pub mod store;
 
 #[cfg(test)]

@@ -423,6 +423,7 @@ pub fn test_config(ledger: SocketAddr) -> FileConfig {
             concurrency: None,
             concurrency_timeout_seconds: None,
             limits: None,
+            cost_header: None,
         },
         ..FileConfig::default()
     }

@@ -1,0 +1,74 @@
+//! Costs known only after the response: an admitted request's holds are replaced by holds of the
+//! actual cost, for the rest of their windows, in one linked chain per request (void the estimate,
+//! hold the actual), so the caller is never charged both or neither.
+
+use std::time::Instant;
+
+use tb::error::CreateTransferErrorKind;
+use tigerbeetle_unofficial as tb;
+
+use super::{model, unexpected_transfer, Ledger, LedgerError};
+
+/// One hold to replace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recharge {
+    pub pending_id: u128,
+    pub account_id: u128,
+    /// The actual cost. 0 gives everything back; more than the caller has free takes what it has
+    /// (a balancing debit: the response is already sent, so the rest is forgiven).
+    pub amount: u64,
+    /// What is left of the original hold's window.
+    pub timeout_seconds: u32,
+}
+
+/// What a recharge came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recharged {
+    /// The new holds' ids, one per recharge (`None` for an actual cost of 0).
+    Done(Vec<Option<u128>>),
+    /// A hold had expired (the request outlived its window): nothing changed, nothing is owed.
+    Expired,
+}
+
+/// A pending debit of as much of `amount` as the account has free.
+fn balancing_hold(recharge: &Recharge, ledger: u32) -> tb::Transfer {
+    let hold = model::hold_transfer(
+        recharge.account_id,
+        ledger,
+        recharge.amount,
+        recharge.timeout_seconds,
+    );
+    let flags = hold.flags() | tb::transfer::Flags::BALANCING_DEBIT;
+    hold.with_flags(flags)
+}
+
+impl Ledger {
+    /// Replaces every hold of `recharges` by one of its actual cost, all in one linked chain.
+    pub async fn recharge(
+        &self,
+        recharges: &[Recharge],
+        deadline: Instant,
+    ) -> Result<Recharged, LedgerError> {
+        assert!(!recharges.is_empty() && recharges.len() <= super::CHAIN_LINKS_MAX);
+        let mut chain = Vec::new();
+        let mut ids = Vec::new();
+        for recharge in recharges {
+            chain.push(model::void_transfer(recharge.pending_id, self.ledger_id));
+            if recharge.amount > 0 && recharge.timeout_seconds > 0 {
+                let hold = balancing_hold(recharge, self.ledger_id);
+                ids.push(Some(hold.id()));
+                chain.push(hold);
+            } else {
+                ids.push(None);
+            }
+        }
+        match self.create_chain(chain, deadline).await? {
+            None => Ok(Recharged::Done(ids)),
+            Some(
+                CreateTransferErrorKind::PendingTransferExpired
+                | CreateTransferErrorKind::PendingTransferAlreadyVoided,
+            ) => Ok(Recharged::Expired),
+            Some(kind) => Err(unexpected_transfer("recharge: ", kind)),
+        }
+    }
+}
