@@ -126,9 +126,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
-    /// Places the chain of `links` (indices into `limits`); provisions each new account once and
-    /// takes one second look on `exceeds_credits`. Each round places the chain, provisions an
-    /// account not provisioned before, or spends the one second look: `links + 2` rounds at most.
+    /// Places the chain of `links` (indices into `limits`); provisions each new account once
+    /// (whether the ledger said it is missing or that its grant has not landed yet) and takes one
+    /// second look on `exceeds_credits`. Each round places the chain, provisions an account not
+    /// provisioned before, or spends the one second look: `links + 2` rounds at most.
     async fn chain(
         &self,
         limits: &[Limit],
@@ -178,14 +179,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 LinkRefusal::ExceedsCredits => {
                     let view = self.account_view_of(account, deadline).await;
                     let cost = cost_on_account(limits, account.id);
-                    match (second_look_taken, second_chance(&view, cost)) {
-                        (false, Some(SecondChance::FinishProvisioning)) => {
+                    // Each account's racing provisioning is finished at most once (a new caller
+                    // races on every limit's account); credit coming back is looked at once.
+                    match second_chance(&view, cost) {
+                        Some(SecondChance::FinishProvisioning)
+                            if !provisioned.contains(&account.id) =>
+                        {
                             self.store.provision(account, deadline).await?;
+                            provisioned.push(account.id);
                         }
-                        (false, Some(SecondChance::CreditIsBack)) => {}
+                        Some(SecondChance::CreditIsBack) if !second_look_taken => {
+                            second_look_taken = true;
+                        }
                         _ => return Ok(Chained::Refused { limit, view }),
                     }
-                    second_look_taken = true;
                 }
             }
         }

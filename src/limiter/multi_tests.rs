@@ -333,3 +333,38 @@ fn limited_by_outcome(outcome: &Outcome) -> Option<(u64, DecisionSource)> {
         _ => None,
     }
 }
+
+/// A new caller races other requests on every limit's account: each account whose grant has not
+/// landed yet is finished once, not only the first one (a refusal by a limit with all its credit
+/// free would be wrong).
+#[tokio::test]
+async fn every_racing_provisioning_is_finished_not_only_the_first() {
+    let f = Fixture::closed();
+    let ungranted = f.view(0, &[], true);
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| {
+        s.chains.extend([
+            refused(0, LinkRefusal::ExceedsCredits),
+            refused(1, LinkRefusal::ExceedsCredits),
+            answer,
+        ]);
+        s.views
+            .extend([Ok(Some(ungranted.clone())), Ok(Some(ungranted))]);
+        s.provisions.extend([Ok(()), Ok(())]);
+    });
+    let limits = [limit(A, 5, 60, 1), limit(B, 5, 60, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(
+        f.calls(),
+        [
+            "chain",
+            "view",
+            "provision",
+            "chain",
+            "view",
+            "provision",
+            "chain"
+        ]
+    );
+}
