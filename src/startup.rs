@@ -20,6 +20,7 @@ use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
 use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
 use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
+use crate::limiter::moves::OPERATOR_EPOCH_INTERVAL;
 use crate::limiter::Limiter;
 use crate::telemetry::span::LimiterRootSpan;
 
@@ -69,6 +70,9 @@ pub struct Application {
     embedded: Option<EmbeddedLedger>,
     /// Re-resolves the ledger's host names; stopped with the server.
     follower: Option<JoinHandle<()>>,
+    /// Follows the ledger's operator epoch (see `Limiter::follow_operator_epoch`); stopped with
+    /// the server.
+    epoch_follower: JoinHandle<()>,
     /// The admin API's server (running) and its port.
     admin: Option<(actix_web::dev::ServerHandle, u16)>,
 }
@@ -125,12 +129,16 @@ impl Application {
             Some(admin) => Some(admin_server(admin, limiter.clone())?),
             None => None,
         };
+        let epoch = limiter
+            .clone()
+            .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
         Ok(Application {
             server,
             port,
             limiter,
             embedded,
             follower,
+            epoch_follower: tokio::spawn(epoch),
             admin,
         })
     }
@@ -179,6 +187,7 @@ impl Application {
         if let Some(follower) = self.follower {
             follower.abort();
         }
+        self.epoch_follower.abort();
         if let Some(embedded) = self.embedded {
             embedded.stop().await;
             tracing::info!("embedded TigerBeetle stopped");

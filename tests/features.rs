@@ -478,7 +478,7 @@ async fn several_limits_per_request_admit_exactly_the_tightest_and_name_it() {
         if *status == 429 {
             assert!(
                 body.contains("limit short allows 3 units per 60 s"),
-                "{body}"
+                "{body} {answers:#?}"
             );
             assert!(ratelimit.contains("\"short\";r=0;"), "{ratelimit}");
         }

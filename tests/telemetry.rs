@@ -205,6 +205,7 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                     "failed_open",
                     "failed_closed",
                     "rejected_key",
+                    "blocked",
                 ],
                 "plan" => &["free", "basic", "pro", "none"],
                 "source" => &["ledger", "local_view", "none"],

@@ -250,7 +250,7 @@ fn unavailable(error: &LedgerError) -> HttpResponse {
 
 /// The account's audit after a change (200), or 200 without a body if it cannot be read now.
 async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpResponse {
-    // This instance forgets what it knew; the others see the change within a second.
+    // This instance forgets what it knew; the others when they read the operator epoch (1 s).
     state.limiter.forget_local(id);
     match state.limiter.ledger().audit(id, deadline).await {
         Ok(Some(audit)) => HttpResponse::Ok().json(audit),

@@ -393,19 +393,12 @@ impl Ledger {
         .await
     }
 
-    /// Creates the operator and the user account, then the grant: idempotent, so any number of
-    /// instances racing on the same new caller credit it exactly once (`exists` counts as success).
-    /// The grant goes only after the account exists: a fixed-id transfer that failed once would
-    /// answer `id_already_failed` forever.
-    pub async fn provision(
+    /// Creates `accounts`; one that exists already counts as created.
+    async fn create_accounts_idempotent(
         &self,
-        account: &UserAccount,
+        accounts: Vec<tb::Account>,
         deadline: Instant,
     ) -> Result<(), LedgerError> {
-        let accounts = vec![
-            model::operator_account(self.ledger_id),
-            model::user_account(account, self.ledger_id),
-        ];
         self.call(
             Operation::CreateAccounts,
             deadline,
@@ -433,7 +426,23 @@ impl Ledger {
             },
             None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
         )
-        .await?;
+        .await
+    }
+
+    /// Creates the operator and the user account, then the grant: idempotent, so any number of
+    /// instances racing on the same new caller credit it exactly once (`exists` counts as success).
+    /// The grant goes only after the account exists: a fixed-id transfer that failed once would
+    /// answer `id_already_failed` forever.
+    pub async fn provision(
+        &self,
+        account: &UserAccount,
+        deadline: Instant,
+    ) -> Result<(), LedgerError> {
+        let accounts = vec![
+            model::operator_account(self.ledger_id),
+            model::user_account(account, self.ledger_id),
+        ];
+        self.create_accounts_idempotent(accounts, deadline).await?;
 
         let grant = model::grant_transfer(account, self.ledger_id);
         self.call(

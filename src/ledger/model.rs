@@ -30,9 +30,18 @@ pub fn operator_account_id(ledger: u32) -> u128 {
     u128::from(ledger)
 }
 
+/// The **operator epoch** account of a ledger: credited 1 by every operator action (top-up,
+/// reduction, block, unblock, move), so that each instance, reading it once a second, knows when
+/// what it remembers of callers' credit may be stale. Top bit clear (not a user id), above every
+/// operator id.
+pub fn operator_epoch_account_id(ledger: u32) -> u128 {
+    (1u128 << 64) | u128::from(ledger)
+}
+
 /// Account codes (TigerBeetle `code`: the account's type).
 pub const ACCOUNT_CODE_OPERATOR: u16 = 1;
 pub const ACCOUNT_CODE_USER: u16 = 2;
+pub const ACCOUNT_CODE_OPERATOR_EPOCH: u16 = 3;
 
 /// Transfer codes (TigerBeetle `code`: why money moved).
 pub const TRANSFER_CODE_GRANT: u16 = 1;
@@ -54,6 +63,26 @@ pub const TRANSFER_CODE_MOVE: u16 = 6;
 /// A hold carried to the new plan's account when a caller moves, for the rest of its timeout
 /// (`user_data_128` = the account it came from), so a move gives no fresh credit.
 pub const TRANSFER_CODE_CARRY: u16 = 7;
+
+/// One operator action happened (see [`operator_epoch_account_id`]).
+pub const TRANSFER_CODE_OPERATOR_EPOCH: u16 = 8;
+
+pub fn operator_epoch_account(ledger: u32) -> tb::Account {
+    tb::Account::new(
+        operator_epoch_account_id(ledger),
+        ledger,
+        ACCOUNT_CODE_OPERATOR_EPOCH,
+    )
+}
+
+pub fn operator_epoch_transfer(ledger: u32) -> tb::Transfer {
+    tb::Transfer::new(tb::id())
+        .with_debit_account_id(operator_account_id(ledger))
+        .with_credit_account_id(operator_epoch_account_id(ledger))
+        .with_amount(1u32.into())
+        .with_ledger(ledger)
+        .with_code(TRANSFER_CODE_OPERATOR_EPOCH)
+}
 
 /// A plan's name as the ledger records it in a move (64 bits of its SHA-256).
 pub fn plan_tag(plan_name: &str) -> u64 {
@@ -306,6 +335,7 @@ mod tests {
         fn user_ids_never_collide_with_reserved_ids(k in "[!-~]{1,64}", ledger in any::<u32>()) {
             let id = id(ledger, "free", 5, &k);
             prop_assert!(id != 0 && id != u128::MAX && id != OPERATOR_ACCOUNT_ID);
+            prop_assert!(id != operator_epoch_account_id(ledger));
             prop_assert!(id & USER_ID_BIT != 0);
             let grant = grant_transfer_id(id);
             prop_assert!(grant != 0 && grant != u128::MAX);

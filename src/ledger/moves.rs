@@ -106,6 +106,7 @@ impl Ledger {
         let late = self
             .carry_late_holds(from, to.id, &view, window_seconds_max, deadline)
             .await?;
+        self.bump_operator_epoch(deadline).await;
         Ok(Moving::Done {
             carried: carried_total + late,
         })

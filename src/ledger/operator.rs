@@ -56,6 +56,33 @@ fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjuste
 }
 
 impl Ledger {
+    /// Counts one operator action in the ledger's operator epoch (best effort: an instance that
+    /// misses it still refuses only what the ledger would, for at most the callers' windows).
+    pub(super) async fn bump_operator_epoch(&self, deadline: Instant) {
+        let accounts = vec![
+            model::operator_account(self.ledger_id),
+            model::operator_epoch_account(self.ledger_id),
+        ];
+        let bumped = async {
+            self.create_accounts_idempotent(accounts, deadline).await?;
+            let bump = model::operator_epoch_transfer(self.ledger_id);
+            match self.operator_transfer(bump, deadline).await? {
+                None => Ok(()),
+                Some(kind) => Err(unexpected_transfer("operator epoch: ", kind)),
+            }
+        };
+        if let Err(error) = bumped.await {
+            tracing::warn!(%error, "could not count an operator action; other instances see it when their callers' holds expire");
+        }
+    }
+
+    /// How many operator actions this ledger has seen (0 before the first).
+    pub async fn operator_epoch(&self, deadline: Instant) -> Result<u128, LedgerError> {
+        let id = model::operator_epoch_account_id(self.ledger_id);
+        let account = self.lookup_account(id, deadline).await?;
+        Ok(account.map_or(0, |a| a.credits_posted()))
+    }
+
     async fn operator_transfer(
         &self,
         transfer: tb::Transfer,
@@ -70,6 +97,17 @@ impl Ledger {
         .await
     }
 
+    async fn bumped_if(
+        &self,
+        adjusted: Result<Adjusted, LedgerError>,
+        deadline: Instant,
+    ) -> Result<Adjusted, LedgerError> {
+        if adjusted == Ok(Adjusted::Done) {
+            self.bump_operator_epoch(deadline).await;
+        }
+        adjusted
+    }
+
     /// Takes `amount` of credit from a caller for good (a posted transfer to the operator). Only
     /// credit not held can be taken.
     pub async fn reduce_credit(
@@ -81,7 +119,8 @@ impl Ledger {
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, actor);
         let kind = self.operator_transfer(transfer, deadline).await?;
-        adjusted(kind, "reduction: ")
+        self.bumped_if(adjusted(kind, "reduction: "), deadline)
+            .await
     }
 
     /// Gives a caller `amount` more credit for good: its limit per window grows by that much.
@@ -94,7 +133,7 @@ impl Ledger {
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
         let kind = self.operator_transfer(transfer, deadline).await?;
-        adjusted(kind, "top-up: ")
+        self.bumped_if(adjusted(kind, "top-up: "), deadline).await
     }
 
     /// Closes the caller's account for `seconds`: every request of it is refused meanwhile, on
@@ -137,7 +176,10 @@ impl Ledger {
         };
         let void = model::unblock_transfer(block.id(), self.ledger_id);
         match self.operator_transfer(void, deadline).await? {
-            None => Ok(Unblocking::Done),
+            None => {
+                self.bump_operator_epoch(deadline).await;
+                Ok(Unblocking::Done)
+            }
             // It expired (or another operator unblocked) meanwhile: open either way.
             Some(K::PendingTransferExpired | K::PendingTransferAlreadyVoided) => {
                 Ok(Unblocking::NotBlocked)

@@ -5,11 +5,12 @@
 //! of the account's holds, and each known hold's expiry is over-estimated (the reply time, not the
 //! ledger timestamp, plus a margin for TigerBeetle's expiry lag). So `credit − known live holds` is
 //! an upper bound on the ledger's available credit, as long as `credit` is the account's credit.
-//! An operator can change that credit (a top-up) or block and unblock the caller at any time, so
-//! the view refuses only on what the ledger itself said about the account within the last
-//! [`LEDGER_WORD_TRUSTED`]: a new credit or an unblock reaches every instance within that time.
-//! When a cost exceeds the bound, the ledger would answer `exceeds_credits` too. The view only
-//! ever rejects; admitting is the ledger's alone.
+//! The plan's capacity is only a guess at that credit (an operator may have topped it up), so the
+//! view refuses a caller only once the ledger itself has said what its account holds (a 429 from
+//! the ledger), and forgets everything when an operator acts ([`LocalView::clear`], driven by the
+//! ledger's operator epoch, read once a second): a top-up, an unblock or a move reaches every
+//! instance within about a second. When a cost exceeds the bound, the ledger would answer
+//! `exceeds_credits` too. The view only ever rejects; admitting is the ledger's alone.
 //!
 //! Bounded: at most `callers_max` callers, and at most [`HOLDS_PER_CALLER_MAX`] holds each (older
 //! holds are merged, keeping the later expiry, which only makes the view more conservative).
@@ -22,10 +23,6 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::ledger::AccountView;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
-/// How long the view refuses on what the ledger said of an account's credit and block: the
-/// longest an operator's top-up or unblock goes unseen by an instance. Exhausted callers then cost
-/// two ledger calls per this long per instance, instead of one per request.
-pub const LEDGER_WORD_TRUSTED: Duration = Duration::from_secs(1);
 const SHARD_COUNT: usize = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,10 +41,10 @@ struct CallerHolds {
     /// The latest expiry of any known hold: exact while `holds` is not empty (a hold is only
     /// pruned once everything in front of it expired, so the latest one goes last).
     latest_expiry: Option<Instant>,
-    /// When the ledger last said what `credit` and `blocked_until` are (`None`: never; `credit`
-    /// is then the plan's capacity, a guess).
-    verified_at: Option<Instant>,
-    /// Until when an operator blocked the caller, as the ledger said at `verified_at`.
+    /// Whether the ledger has said what `credit` and `blocked_until` are (else `credit` is the
+    /// plan's capacity, a guess, and the view does not refuse on it).
+    verified: bool,
+    /// Until when an operator blocked the caller, as the ledger said.
     blocked_until: Option<Instant>,
 }
 
@@ -58,14 +55,9 @@ impl CallerHolds {
             holds: VecDeque::new(),
             held: 0,
             latest_expiry: None,
-            verified_at: None,
+            verified: false,
             blocked_until: None,
         }
-    }
-
-    fn trusted(&self, now: Instant) -> bool {
-        self.verified_at
-            .is_some_and(|at| now.saturating_duration_since(at) < LEDGER_WORD_TRUSTED)
     }
 
     fn prune(&mut self, now: Instant) {
@@ -190,7 +182,7 @@ impl LocalView {
         let mut shard = self.shard(account_id);
         let holds = shard.get_mut(&account_id)?;
         holds.prune(now);
-        if !holds.trusted(now) {
+        if !holds.verified {
             return None;
         }
         if let Some(until) = holds.blocked_until.filter(|until| *until > now) {
@@ -219,6 +211,13 @@ impl LocalView {
     /// Forgets a caller (an operator changed its credit or block here: ask the ledger next time).
     pub fn forget(&self, account_id: u128) {
         self.shard(account_id).remove(&account_id);
+    }
+
+    /// Forgets every caller (an operator acted somewhere: any credit or block may have changed).
+    pub fn clear(&self) {
+        for shard in self.shards.iter() {
+            shard.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
     }
 
     /// Records a hold the ledger accepted; returns the caller's quota after it.
@@ -314,7 +313,7 @@ impl LocalView {
             return;
         }
         let mut holds = CallerHolds::new(view.credit);
-        holds.verified_at = Some(now);
+        holds.verified = true;
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
         let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
@@ -398,7 +397,7 @@ mod tests {
     }
 
     #[test]
-    fn rejects_only_on_the_ledgers_recent_word() {
+    fn rejects_only_on_the_ledgers_word() {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
         let wall = SystemTime::now();
@@ -417,9 +416,16 @@ mod tests {
         assert_eq!(limit.retry_after, WINDOW + MARGIN);
         assert_eq!(limit.quota.remaining, 0);
         assert!(!limit.blocked);
+        view.clear();
         assert!(
-            view.check(7, 1, t0 + LEDGER_WORD_TRUSTED).is_none(),
-            "ask again"
+            view.check(7, 1, t0).is_none(),
+            "an operator acted: ask again"
+        );
+        view.replace(7, &ledger_view(5, &[WINDOW; 4], wall), WINDOW, t0, wall);
+        view.record_hold(7, 5, 1, t0, WINDOW, t0);
+        assert!(
+            view.check(7, 1, t0).is_some(),
+            "the ledger's word stands across holds"
         );
         // A top-up the ledger reports is believed.
         view.replace(7, &ledger_view(6, &[WINDOW; 5], wall), WINDOW, t0, wall);

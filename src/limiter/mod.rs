@@ -232,6 +232,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.local.forget(account_id);
     }
 
+    /// Forgets everything this instance knew of callers (an operator acted somewhere).
+    pub fn forget_all_local(&self) {
+        self.local.clear();
+    }
+
     /// The ledger account `key` is charged to, if it has a plan (for audits and tooling).
     pub fn account_of(&self, key: &CallerKey) -> Option<u128> {
         self.charge(key, NonZeroU64::MIN)

@@ -177,3 +177,31 @@ impl super::Limiter {
         Err(MoveError::LostTrack)
     }
 }
+
+/// How often an instance reads the ledger's operator epoch.
+pub const OPERATOR_EPOCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl super::Limiter {
+    /// Forever: reads the ledger's operator epoch every `interval` and, when an operator acted
+    /// (anywhere, on any instance or from the command line), forgets what this instance knew of
+    /// callers, so top-ups, unblocks and moves reach it within about `interval`. One lookup per
+    /// interval per instance, whatever the traffic.
+    pub async fn follow_operator_epoch(self: std::sync::Arc<Self>, interval: std::time::Duration) {
+        let mut seen = None;
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let deadline = std::time::Instant::now() + interval;
+            match self.store.operator_epoch(deadline).await {
+                Ok(epoch) if seen.is_some_and(|seen| seen != epoch) => {
+                    self.local.clear();
+                    seen = Some(epoch);
+                }
+                Ok(epoch) => seen = Some(epoch),
+                // The ledger is away: its decisions fail by themselves; try again next tick.
+                Err(error) => tracing::debug!(%error, "could not read the operator epoch"),
+            }
+        }
+    }
+}

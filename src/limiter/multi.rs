@@ -127,9 +127,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Places the chain of `links` (indices into `limits`); provisions each new account once
-    /// (whether the ledger said it is missing or that its grant has not landed yet) and takes one
-    /// second look on `exceeds_credits`. Each round places the chain, provisions an account not
-    /// provisioned before, or spends the one second look: `links + 2` rounds at most.
+    /// (whether the ledger said it is missing or that its grant has not landed yet) and gives each
+    /// account one second look on `exceeds_credits`. Each round but the last provisions an account
+    /// or spends an account's second look: `2 × links + 1` rounds at most.
     async fn chain(
         &self,
         limits: &[Limit],
@@ -138,9 +138,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<Chained, LedgerError> {
         let chain: Vec<ChainLink> = links.iter().map(|i| link(&limits[*i])).collect();
         let mut provisioned: Vec<u128> = Vec::with_capacity(links.len());
-        let mut second_look_taken = false;
+        // Accounts given their second look: credit came back (or a racing grant landed) between
+        // the chain and the look; each account gets one, so a new caller racing on every
+        // limit's account is not refused by a limit with its credit free.
+        let mut looked: Vec<u128> = Vec::with_capacity(links.len());
         let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
-        for _ in 0..links.len() + 2 {
+        for _ in 0..2 * links.len() + 1 {
             let reply = self
                 .store
                 .hold_chain(chain.clone(), deadline, void_if_abandoned)
@@ -188,8 +191,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                             self.store.provision(account, deadline).await?;
                             provisioned.push(account.id);
                         }
-                        Some(SecondChance::CreditIsBack) if !second_look_taken => {
-                            second_look_taken = true;
+                        Some(SecondChance::CreditIsBack) if !looked.contains(&account.id) => {
+                            looked.push(account.id);
                         }
                         _ => return Ok(Chained::Refused { limit, view }),
                     }

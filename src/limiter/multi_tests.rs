@@ -368,3 +368,24 @@ async fn every_racing_provisioning_is_finished_not_only_the_first() {
         ]
     );
 }
+
+/// Each account gets its own second look: a grant landing (or credit coming back) on one limit
+/// between the chain and the look does not use up the look another limit needs.
+#[tokio::test]
+async fn each_limit_gets_its_own_second_look() {
+    let f = Fixture::closed();
+    let free = f.view(5, &[], true);
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| {
+        s.chains.extend([
+            refused(0, LinkRefusal::ExceedsCredits),
+            refused(1, LinkRefusal::ExceedsCredits),
+            answer,
+        ]);
+        s.views.extend([Ok(Some(free.clone())), Ok(Some(free))]);
+    });
+    let limits = [limit(A, 5, 60, 1), limit(B, 5, 60, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["chain", "view", "chain", "view", "chain"]);
+}
