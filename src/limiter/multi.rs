@@ -138,9 +138,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<Chained, LedgerError> {
         let chain: Vec<ChainLink> = links.iter().map(|i| link(&limits[*i])).collect();
         let mut provisioned: Vec<u128> = Vec::with_capacity(links.len());
-        // Accounts given their second look: credit came back (or a racing grant landed) between
-        // the chain and the look; each account gets one, so a new caller racing on every
-        // limit's account is not refused by a limit with its credit free.
+        // Each account gets one second look (a new caller races on every limit's account).
         let mut looked: Vec<u128> = Vec::with_capacity(links.len());
         let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
         for _ in 0..2 * links.len() + 1 {
@@ -182,8 +180,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 LinkRefusal::ExceedsCredits => {
                     let view = self.account_view_of(account, deadline).await;
                     let cost = cost_on_account(limits, account.id);
-                    // Each account's racing provisioning is finished at most once (a new caller
-                    // races on every limit's account); credit coming back is looked at once.
                     match second_chance(&view, cost) {
                         Some(SecondChance::FinishProvisioning)
                             if !provisioned.contains(&account.id) =>
