@@ -295,6 +295,8 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
     app.stop().await;
 }
 
+/// The admin API is not traced (its listener has no tracing middleware), so no span can carry a
+/// secret; the log and the metrics are checked here.
 #[test]
 fn secrets_never_reach_the_log() {
     let dir = tempfile::tempdir().unwrap();
@@ -332,6 +334,33 @@ fn secrets_never_reach_the_log() {
             .output()
             .unwrap();
         assert!(!String::from_utf8_lossy(&status.stdout).is_empty());
+    }
+    // Nor the metrics: scrape the service's own listener.
+    let service_port = || {
+        let logged = log.lock().unwrap().clone();
+        let rest = logged.split("ledger-limiter listening on port ").nth(1)?;
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()
+            .map(str::to_owned)
+    };
+    let started = std::time::Instant::now();
+    let port = loop {
+        match service_port() {
+            Some(port) => break port,
+            None if started.elapsed() < std::time::Duration::from_secs(30) => {
+                std::thread::sleep(std::time::Duration::from_millis(100))
+            }
+            None => panic!("the service's port never reached the log"),
+        }
+    };
+    let metrics = Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+        .output()
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics.stdout).to_string();
+    assert!(metrics.contains("ledger_limiter_"), "{metrics}");
+    for secret in [SECRET, ROTATED, "a-wrong-secret-0000000"] {
+        assert!(!metrics.contains(secret), "a secret reached the metrics");
     }
     // Stopped by the guard (SIGKILL): everything it logged is in `log` by then.
     drop(running);
