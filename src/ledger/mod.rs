@@ -8,6 +8,7 @@
 
 pub mod addresses;
 pub mod audit;
+pub mod chain;
 pub mod embedded;
 pub mod metrics;
 pub mod model;
@@ -26,6 +27,7 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::{oneshot, Semaphore};
 use tracing::Instrument;
 
+pub use chain::{ChainLink, ChainReply, LinkRefusal, CHAIN_LINKS_MAX};
 use metrics::{CallStatus, LedgerErrorKind, LedgerMetrics, Operation};
 use model::UserAccount;
 

@@ -8,6 +8,7 @@
 pub mod caller;
 pub mod local_view;
 pub mod metrics;
+pub mod multi;
 pub mod plan;
 pub mod store;
 
@@ -25,6 +26,7 @@ use crate::telemetry::span::fields;
 use caller::{CallerKey, KeyError};
 use local_view::{LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
+pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
 use plan::{Plan, PlanBook, PlanId};
 use store::{Clock, Store, SystemClock};
 
@@ -444,12 +446,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     fn fail(&self, error: LedgerError, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
-        // On the request's span always; in the log at most once a second (an outage must not
-        // turn into a log flood).
-        tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "ledger could not decide");
-        if crate::telemetry::log_throttle(&FAILURE_LOGGED_SECOND) {
-            tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide; applying the failure policy (logged at most once a second)");
-        }
+        self.log_failure(&error);
         let capacity = charge.account.capacity.get();
         let local = self
             .local
@@ -459,6 +456,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             FailurePolicy::Closed => Outcome::FailedClosed(error),
         };
         (outcome, local)
+    }
+
+    /// On the request's span always; in the log at most once a second (an outage must not turn
+    /// into a log flood).
+    fn log_failure(&self, error: &LedgerError) {
+        tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "ledger could not decide");
+        if crate::telemetry::log_throttle(&FAILURE_LOGGED_SECOND) {
+            tracing::warn!(%error, policy = ?self.settings.failure_policy, "ledger could not decide; applying the failure policy (logged at most once a second)");
+        }
     }
 
     /// When enough credit comes back, from what the ledger said of the account; remembered, so the
@@ -471,14 +477,25 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         view: Result<Option<AccountView>, LedgerError>,
     ) -> Duration {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        self.retry_after_for(charge.account.id, charge.cost, window_max, view)
+    }
+
+    /// [`Limiter::retry_after`] for `cost` units of account `id`, whose holds last at most
+    /// `window_max`.
+    fn retry_after_for(
+        &self,
+        id: u128,
+        cost: u64,
+        window_max: Duration,
+        view: Result<Option<AccountView>, LedgerError>,
+    ) -> Duration {
         let fallback = window_max + self.settings.expiry_margin;
         match view {
             Ok(Some(view)) => {
                 let now = self.clock.now();
-                let id = charge.account.id;
                 self.local
                     .replace(id, &view, window_max, now, self.clock.wall());
-                match self.local.check(id, charge.cost, now) {
+                match self.local.check(id, cost, now) {
                     Some(limit) => limit.retry_after,
                     // Holds expired between the two calls: credit is back already.
                     None => Duration::ZERO,

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::time::{Instant, SystemTime};
 
 use crate::ledger::model::UserAccount;
-use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
+use crate::ledger::{AccountView, ChainLink, ChainReply, HoldReply, Ledger, LedgerError};
 
 /// What a decision needs from the ledger. Every call ends by `deadline`.
 pub trait Store: Send + Sync + 'static {
@@ -24,6 +24,16 @@ pub trait Store: Send + Sync + 'static {
         deadline: Instant,
         void_if_abandoned: bool,
     ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send;
+
+    /// One pending debit per link as one linked chain: all placed, or none and the link that
+    /// refused. `links` is not empty and has at most [`crate::ledger::CHAIN_LINKS_MAX`] links,
+    /// none of amount 0.
+    fn hold_chain(
+        &self,
+        links: Vec<ChainLink>,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> impl Future<Output = Result<ChainReply, LedgerError>> + Send;
 
     /// Voids a hold (its credit comes back now); `false` if it was no longer pending.
     fn void(
@@ -75,6 +85,15 @@ impl Store for Ledger {
             deadline,
             void_if_abandoned,
         )
+    }
+
+    fn hold_chain(
+        &self,
+        links: Vec<ChainLink>,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> impl Future<Output = Result<ChainReply, LedgerError>> + Send {
+        Ledger::hold_chain(self, links, deadline, void_if_abandoned)
     }
 
     fn provision(

@@ -8,8 +8,11 @@ use std::time::SystemTime;
 
 use super::*;
 use crate::ledger::metrics::Operation;
-use crate::ledger::Hold;
+use crate::ledger::{ChainLink, ChainReply, Hold};
 use plan::{test_plan, UnknownKeys};
+
+#[path = "multi_tests.rs"]
+mod multi;
 
 type Reply<T> = Result<T, LedgerError>;
 
@@ -45,6 +48,9 @@ struct Script {
     provisions: VecDeque<Reply<()>>,
     views: VecDeque<Reply<Option<AccountView>>>,
     voids: VecDeque<Reply<bool>>,
+    chains: VecDeque<Reply<ChainReply>>,
+    /// The links of every chain asked for, in order.
+    chain_links: Vec<Vec<ChainLink>>,
     calls: Vec<&'static str>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
@@ -68,6 +74,14 @@ impl Store for FakeStore {
     async fn hold(&self, _: u128, _: u64, _: u32, _: Instant, void: bool) -> Reply<HoldReply> {
         self.0.lock().unwrap().void_if_abandoned.push(void);
         self.next("hold", |s| s.holds.pop_front())
+    }
+
+    async fn hold_chain(&self, links: Vec<ChainLink>, _: Instant, void: bool) -> Reply<ChainReply> {
+        let mut script = self.0.lock().unwrap();
+        script.void_if_abandoned.push(void);
+        script.chain_links.push(links);
+        drop(script);
+        self.next("chain", |s| s.chains.pop_front())
     }
 
     async fn void(&self, _: u128, _: Instant) -> Reply<bool> {

@@ -1,0 +1,374 @@
+//! One request decided against several limits at once, front-end neutral: a key limited per
+//! minute and per hour, an Envoy request with several descriptors, a user and a route limit.
+//!
+//! Every limit that costs something is one hold, and all of them are one linked chain
+//! ([`Store::hold_chain`]): either every limit admits the request or none is charged, so a denied
+//! request consumes nothing anywhere, and the limits are exact across any number of instances.
+//! The branches are [`Limiter::check`]'s, per limit: the local view refuses an exhausted limit
+//! without a ledger call; a new account is provisioned (each at most once per decision) and the
+//! chain placed again; on `exceeds_credits` one second look at the refusing account decides between
+//! one more attempt and a refusal; a ledger error follows the failure policy. One deadline covers
+//! all of it.
+//!
+//! Unlike [`Limiter::check`], `check_all` counts nothing: the caller knows what its limits are
+//! (plans, rules, descriptors) and labels its own metrics.
+
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use super::store::{Clock, Store};
+use super::{
+    limited, second_chance, whole_seconds_up, DecisionSource, FailurePolicy, HoldReceipt, Limiter,
+    Outcome, Quota, SecondChance,
+};
+use crate::ledger::metrics::Operation;
+use crate::ledger::model::UserAccount;
+use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
+use crate::limiter::local_view::LocalQuota;
+
+/// At most this many limits per decision (the ledger's chain bound).
+pub const LIMITS_PER_CHECK_MAX: usize = crate::ledger::CHAIN_LINKS_MAX;
+
+/// One limit a request is decided against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    /// The account that counts this limit (its capacity and window are the limit's).
+    pub account: UserAccount,
+    /// What the request costs on it. 0: reported, never held nor refused (Envoy's `hits_addend`
+    /// 0 on one descriptor).
+    pub cost: u64,
+    /// Whether this instance may remember the limit's holds and refuse locally. Off for limits
+    /// whose holds other instances void early (concurrency slots): this instance's memory of them
+    /// would then refuse what the ledger admits.
+    pub local_view: bool,
+}
+
+/// What one limit says of the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitStatus {
+    pub quota: Quota,
+    /// The hold the request placed on this limit (admitted, cost above 0): what a release voids.
+    pub hold: Option<HoldReceipt>,
+}
+
+/// A decision against several limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MultiDecision {
+    /// `Admitted` only if every limit admitted the request (then each costing limit holds).
+    pub outcome: Outcome,
+    /// The limit that refused (`Limited` only): its index in the request's limits.
+    pub refused_by: Option<usize>,
+    /// One status per limit, in the request's order.
+    pub limits: Vec<LimitStatus>,
+}
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LimitsError {
+    #[error("a request is decided against at most {LIMITS_PER_CHECK_MAX} limits, not {0}")]
+    TooMany(usize),
+    #[error("two limits on one account disagree on its capacity or window")]
+    Inconsistent,
+}
+
+/// How the chain came out once new accounts were provisioned and the second look was taken.
+enum Chained {
+    Held {
+        answered_at: Instant,
+        transfer_ids: Vec<u128>,
+    },
+    Refused {
+        limit: usize,
+        view: Result<Option<AccountView>, LedgerError>,
+    },
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
+    /// Decides one request against every limit of `limits` (at most [`LIMITS_PER_CHECK_MAX`]):
+    /// all hold, or none does. No limits, or none that costs anything: admitted, no ledger call.
+    pub async fn check_all(&self, limits: &[Limit]) -> Result<MultiDecision, LimitsError> {
+        validate(limits)?;
+        let started = self.clock.now();
+        if let Some(refused) = self.refuse_locally(limits, started) {
+            return Ok(refused);
+        }
+        let links: Vec<usize> = (0..limits.len()).filter(|i| limits[*i].cost > 0).collect();
+        if links.is_empty() {
+            return Ok(self.all_admitted(limits, &links, started, &[]));
+        }
+        let deadline = started + self.settings.ledger_timeout;
+        Ok(match self.chain(limits, &links, deadline).await {
+            Ok(Chained::Held {
+                answered_at,
+                transfer_ids,
+            }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
+            Ok(Chained::Refused { limit, view }) => self.refused_by_ledger(limits, limit, view),
+            Err(error) => self.all_failed(limits, error),
+        })
+    }
+
+    /// The first limit this instance knows to be exhausted for the request's cost on its account.
+    fn refuse_locally(&self, limits: &[Limit], now: Instant) -> Option<MultiDecision> {
+        let (index, local) = limits.iter().enumerate().find_map(|(index, limit)| {
+            if limit.cost == 0 || !limit.local_view {
+                return None;
+            }
+            let cost = cost_on_account(limits, limit.account.id);
+            let local = self.local.check(limit.account.id, cost, now)?;
+            Some((index, local))
+        })?;
+        let mut statuses = self.local_statuses(limits, now);
+        statuses[index].quota = quota(&limits[index].account, local.quota);
+        Some(MultiDecision {
+            outcome: limited(local.retry_after, DecisionSource::LocalView),
+            refused_by: Some(index),
+            limits: statuses,
+        })
+    }
+
+    /// Places the chain of `links` (indices into `limits`); provisions each new account once and
+    /// takes one second look on `exceeds_credits`. Each round places the chain, provisions an
+    /// account not provisioned before, or spends the one second look: `links + 2` rounds at most.
+    async fn chain(
+        &self,
+        limits: &[Limit],
+        links: &[usize],
+        deadline: Instant,
+    ) -> Result<Chained, LedgerError> {
+        let chain: Vec<ChainLink> = links.iter().map(|i| link(&limits[*i])).collect();
+        let mut provisioned: Vec<u128> = Vec::with_capacity(links.len());
+        let mut second_look_taken = false;
+        let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
+        for _ in 0..links.len() + 2 {
+            let reply = self
+                .store
+                .hold_chain(chain.clone(), deadline, void_if_abandoned)
+                .await?;
+            let (index, refusal) = match reply {
+                ChainReply::Held {
+                    answered_at,
+                    transfer_ids,
+                } => {
+                    if transfer_ids.len() != links.len() {
+                        return Err(self.unexpected("a chain's ids do not match its links"));
+                    }
+                    return Ok(Chained::Held {
+                        answered_at,
+                        transfer_ids,
+                    });
+                }
+                ChainReply::Refused { index, refusal } => (index, refusal),
+            };
+            let Some(&limit) = links.get(index) else {
+                return Err(self.unexpected("a chain refused by a link it does not have"));
+            };
+            let account = &limits[limit].account;
+            match refusal {
+                LinkRefusal::AccountNotFound if !provisioned.contains(&account.id) => {
+                    self.store.provision(account, deadline).await?;
+                    provisioned.push(account.id);
+                }
+                LinkRefusal::AccountNotFound => {
+                    return Err(self.unexpected("account not found right after provisioning"));
+                }
+                LinkRefusal::ExceedsCredits => {
+                    let view = self.account_view_of(account, deadline).await;
+                    let cost = cost_on_account(limits, account.id);
+                    match (second_look_taken, second_chance(&view, cost)) {
+                        (false, Some(SecondChance::FinishProvisioning)) => {
+                            self.store.provision(account, deadline).await?;
+                        }
+                        (false, Some(SecondChance::CreditIsBack)) => {}
+                        _ => return Ok(Chained::Refused { limit, view }),
+                    }
+                    second_look_taken = true;
+                }
+            }
+        }
+        Err(self.unexpected("a chain not decided within its rounds"))
+    }
+
+    /// The account's credit and holds, listed over the longest window of the plans or its own.
+    async fn account_view_of(
+        &self,
+        account: &UserAccount,
+        deadline: Instant,
+    ) -> Result<Option<AccountView>, LedgerError> {
+        let window_seconds_max = self.window_max_of(account).as_secs();
+        let window_seconds_max = u32::try_from(window_seconds_max).unwrap_or(u32::MAX);
+        self.store
+            .account_view(account.id, window_seconds_max, deadline)
+            .await
+    }
+
+    /// How long any hold of this account may last: its own window, or a plan's if longer.
+    fn window_max_of(&self, account: &UserAccount) -> Duration {
+        let seconds = self
+            .plans
+            .window_seconds_max()
+            .get()
+            .max(account.window_seconds.get());
+        Duration::from_secs(seconds.into())
+    }
+
+    /// An answer of the ledger the model rules out: counted, and decided by the failure policy.
+    fn unexpected(&self, message: &str) -> LedgerError {
+        let error = LedgerError::Unexpected {
+            operation: Operation::CreateTransfers,
+            message: message.to_owned(),
+        };
+        self.store.record_error(&error);
+        error
+    }
+
+    /// Every costing limit held (`transfer_ids[k]` is `links[k]`'s hold): remembered locally.
+    fn all_admitted(
+        &self,
+        limits: &[Limit],
+        links: &[usize],
+        answered_at: Instant,
+        transfer_ids: &[u128],
+    ) -> MultiDecision {
+        assert_eq!(links.len(), transfer_ids.len());
+        let now = self.clock.now();
+        let mut statuses = self.local_statuses(limits, now);
+        for (limit, transfer_id) in links.iter().zip(transfer_ids) {
+            let Limit {
+                account,
+                cost,
+                local_view,
+            } = limits[*limit];
+            let window = Duration::from_secs(account.window_seconds.get().into());
+            let capacity = account.capacity.get();
+            let status = &mut statuses[*limit];
+            if local_view {
+                let local =
+                    self.local
+                        .record_hold(account.id, capacity, cost, answered_at, window, now);
+                status.quota = quota(&account, local);
+            } else {
+                status.quota.remaining = capacity.saturating_sub(cost);
+                status.quota.reset_seconds = window.as_secs();
+            }
+            status.hold = Some(HoldReceipt {
+                transfer_id: *transfer_id,
+                amount: cost,
+                expires_at: answered_at + window + self.settings.expiry_margin,
+            });
+        }
+        MultiDecision {
+            outcome: Outcome::Admitted,
+            refused_by: None,
+            limits: statuses,
+        }
+    }
+
+    /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds.
+    fn refused_by_ledger(
+        &self,
+        limits: &[Limit],
+        refused: usize,
+        view: Result<Option<AccountView>, LedgerError>,
+    ) -> MultiDecision {
+        let limit = &limits[refused];
+        let cost = cost_on_account(limits, limit.account.id);
+        let retry_after = if limit.local_view {
+            let window_max = self.window_max_of(&limit.account);
+            self.retry_after_for(limit.account.id, cost, window_max, view)
+        } else {
+            // Not remembered: a slot comes back at the latest after one window.
+            Duration::from_secs(limit.account.window_seconds.get().into())
+        };
+        let now = self.clock.now();
+        let mut statuses = self.local_statuses(limits, now);
+        statuses[refused].quota.remaining = 0;
+        statuses[refused].quota.reset_seconds = statuses[refused]
+            .quota
+            .reset_seconds
+            .max(whole_seconds_up(retry_after));
+        MultiDecision {
+            outcome: limited(retry_after, DecisionSource::Ledger),
+            refused_by: Some(refused),
+            limits: statuses,
+        }
+    }
+
+    fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
+        self.log_failure(&error);
+        let outcome = match self.settings.failure_policy {
+            FailurePolicy::Open => Outcome::FailedOpen(error),
+            FailurePolicy::Closed => Outcome::FailedClosed(error),
+        };
+        MultiDecision {
+            outcome,
+            refused_by: None,
+            limits: self.local_statuses(limits, self.clock.now()),
+        }
+    }
+
+    /// What this instance knows of each limit (its whole capacity if nothing).
+    fn local_statuses(&self, limits: &[Limit], now: Instant) -> Vec<LimitStatus> {
+        limits
+            .iter()
+            .map(|limit| {
+                let capacity = limit.account.capacity.get();
+                let local = if limit.local_view {
+                    self.local.quota(limit.account.id, capacity, now)
+                } else {
+                    LocalQuota {
+                        remaining: capacity,
+                        reset_after: Duration::ZERO,
+                    }
+                };
+                LimitStatus {
+                    quota: quota(&limit.account, local),
+                    hold: None,
+                }
+            })
+            .collect()
+    }
+}
+
+fn validate(limits: &[Limit]) -> Result<(), LimitsError> {
+    if limits.len() > LIMITS_PER_CHECK_MAX {
+        return Err(LimitsError::TooMany(limits.len()));
+    }
+    for (index, a) in limits.iter().enumerate() {
+        let inconsistent = limits[..index].iter().any(|b| {
+            b.account.id == a.account.id
+                && (b.account.capacity != a.account.capacity
+                    || b.account.window_seconds != a.account.window_seconds
+                    || b.local_view != a.local_view)
+        });
+        if inconsistent {
+            return Err(LimitsError::Inconsistent);
+        }
+    }
+    Ok(())
+}
+
+/// The request's whole cost on one account (two limits of a request may share one).
+fn cost_on_account(limits: &[Limit], account_id: u128) -> u64 {
+    limits
+        .iter()
+        .filter(|l| l.account.id == account_id)
+        .fold(0u64, |sum, l| sum.saturating_add(l.cost))
+}
+
+fn link(limit: &Limit) -> ChainLink {
+    assert!(limit.cost > 0);
+    ChainLink {
+        account_id: limit.account.id,
+        amount: limit.cost,
+        timeout_seconds: limit.account.window_seconds.get(),
+    }
+}
+
+fn quota(account: &UserAccount, local: LocalQuota) -> Quota {
+    Quota {
+        limit: account.capacity.get(),
+        window_seconds: account.window_seconds.get(),
+        remaining: local.remaining,
+        reset_seconds: whole_seconds_up(local.reset_after),
+    }
+}

@@ -1,0 +1,318 @@
+//! [`Limiter::check_all`] through the seams: every branch of a decision against several limits.
+//! `tests/chain.rs` is the proof against a real TigerBeetle.
+
+use std::num::NonZeroU32;
+
+use super::*;
+use crate::ledger::LinkRefusal;
+use crate::limiter::multi::{Limit, LimitsError, LIMITS_PER_CHECK_MAX};
+
+fn limit(id: u128, capacity: u64, window_s: u32, cost: u64) -> Limit {
+    Limit {
+        account: UserAccount {
+            id,
+            capacity: NonZeroU64::new(capacity).unwrap(),
+            window_seconds: NonZeroU32::new(window_s).unwrap(),
+        },
+        cost,
+        local_view: true,
+    }
+}
+
+const A: u128 = 1 << 127 | 1;
+const B: u128 = 1 << 127 | 2;
+
+fn held(f: &Fixture, ids: &[u128]) -> Reply<ChainReply> {
+    Ok(ChainReply::Held {
+        answered_at: f.clock.now(),
+        transfer_ids: ids.to_vec(),
+    })
+}
+
+fn refused(index: usize, refusal: LinkRefusal) -> Reply<ChainReply> {
+    Ok(ChainReply::Refused { index, refusal })
+}
+
+fn chains(f: &Fixture) -> Vec<Vec<(u128, u64)>> {
+    let mut script = f.limiter.store.0.lock().unwrap();
+    std::mem::take(&mut script.chain_links)
+        .into_iter()
+        .map(|c| c.iter().map(|l| (l.account_id, l.amount)).collect())
+        .collect()
+}
+
+#[tokio::test]
+async fn every_costing_limit_is_one_link_of_one_chain() {
+    let f = Fixture::closed();
+    let answer = held(&f, &[7, 8]);
+    f.script(|s| s.chains.push_back(answer));
+    let limits = [limit(A, 5, 60, 2), limit(B, 10, 3600, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.refused_by, None);
+    assert_eq!(f.calls(), ["chain"]);
+    assert_eq!(chains(&f), [vec![(A, 2), (B, 1)]]);
+    let [a, b] = [decision.limits[0], decision.limits[1]];
+    assert_eq!(
+        (a.quota.limit, a.quota.remaining, a.quota.reset_seconds),
+        (5, 3, 60)
+    );
+    assert_eq!(
+        (b.quota.limit, b.quota.remaining, b.quota.window_seconds),
+        (10, 9, 3600)
+    );
+    assert_eq!(a.hold.map(|h| (h.transfer_id, h.amount)), Some((7, 2)));
+    assert_eq!(b.hold.map(|h| h.transfer_id), Some(8));
+    f.script(|s| assert_eq!(s.void_if_abandoned, [true]));
+}
+
+#[tokio::test]
+async fn a_limit_that_costs_nothing_is_reported_but_never_held() {
+    let f = Fixture::closed();
+    let answer = held(&f, &[7]);
+    f.script(|s| s.chains.push_back(answer));
+    let decision = f
+        .limiter
+        .check_all(&[limit(A, 5, 60, 0), limit(B, 5, 60, 1)])
+        .await
+        .unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(chains(&f), [vec![(B, 1)]]);
+    assert_eq!(decision.limits[0].hold, None);
+    assert_eq!(decision.limits[0].quota.remaining, 5);
+    // Nothing costs anything (or no limits at all): admitted without a ledger call.
+    f.calls();
+    for limits in [vec![limit(A, 5, 60, 0)], vec![]] {
+        let decision = f.limiter.check_all(&limits).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        assert_eq!(decision.limits.len(), limits.len());
+    }
+    assert!(f.calls().is_empty());
+}
+
+#[tokio::test]
+async fn an_exhausted_limit_is_refused_locally_and_the_others_are_untouched() {
+    let f = Fixture::closed();
+    for ids in [[1, 2], [3, 4]] {
+        let answer = held(&f, &ids);
+        f.script(|s| s.chains.push_back(answer));
+        let decision = f
+            .limiter
+            .check_all(&[limit(A, 5, 60, 1), limit(B, 2, 30, 1)])
+            .await
+            .unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    f.calls();
+    let decision = f
+        .limiter
+        .check_all(&[limit(A, 5, 60, 1), limit(B, 2, 30, 1)])
+        .await
+        .unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((30, DecisionSource::LocalView))
+    );
+    assert_eq!(decision.refused_by, Some(1));
+    assert!(f.calls().is_empty(), "a local refusal makes no ledger call");
+    assert_eq!(decision.limits[0].quota.remaining, 3, "A did not move");
+    assert_eq!(decision.limits[1].quota.remaining, 0);
+}
+
+#[tokio::test]
+async fn two_limits_on_one_account_are_refused_locally_on_their_sum() {
+    let f = Fixture::closed();
+    let answer = held(&f, &[1]);
+    f.script(|s| s.chains.push_back(answer));
+    f.limiter.check_all(&[limit(A, 5, 60, 3)]).await.unwrap();
+    let decision = f
+        .limiter
+        .check_all(&[limit(A, 5, 60, 1), limit(A, 5, 60, 2)])
+        .await
+        .unwrap();
+    assert_eq!(decision.refused_by, Some(0));
+    assert_eq!(f.calls(), ["chain"]);
+}
+
+#[tokio::test]
+async fn each_new_account_is_provisioned_once_then_the_chain_placed_again() {
+    let f = Fixture::closed();
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| {
+        s.chains.extend([
+            refused(0, LinkRefusal::AccountNotFound),
+            refused(1, LinkRefusal::AccountNotFound),
+            answer,
+        ]);
+        s.provisions.extend([Ok(()), Ok(())]);
+    });
+    let limits = [limit(A, 5, 60, 1), limit(B, 5, 60, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(
+        f.calls(),
+        ["chain", "provision", "chain", "provision", "chain"]
+    );
+}
+
+#[tokio::test]
+async fn an_account_missing_after_provisioning_follows_the_failure_policy() {
+    let f = Fixture::closed();
+    f.script(|s| {
+        s.chains.extend([
+            refused(1, LinkRefusal::AccountNotFound),
+            refused(1, LinkRefusal::AccountNotFound),
+        ]);
+        s.provisions.push_back(Ok(()));
+    });
+    let limits = [limit(A, 5, 60, 1), limit(B, 5, 60, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert!(matches!(
+        decision.outcome,
+        Outcome::FailedClosed(LedgerError::Unexpected { .. })
+    ));
+    assert_eq!(decision.refused_by, None);
+    f.script(|s| assert_eq!(s.errors_recorded, 1));
+}
+
+#[tokio::test]
+async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
+    let f = Fixture::closed();
+    let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
+    f.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(full)));
+    });
+    let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((7, DecisionSource::Ledger))
+    );
+    assert_eq!(decision.refused_by, Some(1));
+    assert_eq!(decision.limits[1].quota.remaining, 0);
+    assert_eq!(decision.limits[0].quota.remaining, 20, "nothing held on A");
+    assert!(decision.limits.iter().all(|l| l.hold.is_none()));
+    assert_eq!(f.calls(), ["chain", "view"]);
+    // Remembered: the next request is refused by B without a call.
+    let again = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(again.refused_by, Some(1));
+    assert!(f.calls().is_empty());
+}
+
+#[tokio::test]
+async fn the_second_look_places_the_chain_once_more() {
+    // Credit back between the calls; a racing provisioning (no grant yet); a second refusal.
+    let f = Fixture::closed();
+    let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
+    let back = f.view(CAPACITY, &[10], true);
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| {
+        s.chains
+            .extend([refused(1, LinkRefusal::ExceedsCredits), answer]);
+        s.views.push_back(Ok(Some(back)));
+    });
+    assert_eq!(
+        f.limiter.check_all(&limits).await.unwrap().outcome,
+        Outcome::Admitted
+    );
+    assert_eq!(f.calls(), ["chain", "view", "chain"]);
+
+    let f = Fixture::closed();
+    let ungranted = f.view(0, &[], true);
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| {
+        s.chains
+            .extend([refused(0, LinkRefusal::ExceedsCredits), answer]);
+        s.views.push_back(Ok(Some(ungranted)));
+        s.provisions.push_back(Ok(()));
+    });
+    assert_eq!(
+        f.limiter.check_all(&limits).await.unwrap().outcome,
+        Outcome::Admitted
+    );
+    assert_eq!(f.calls(), ["chain", "view", "provision", "chain"]);
+
+    let f = Fixture::closed();
+    let back = f.view(CAPACITY, &[10], true);
+    let full = f.view(CAPACITY, &[3, 4, 5, 6, 7], true);
+    f.script(|s| {
+        s.chains.extend([
+            refused(1, LinkRefusal::ExceedsCredits),
+            refused(1, LinkRefusal::ExceedsCredits),
+        ]);
+        s.views.extend([Ok(Some(back)), Ok(Some(full))]);
+    });
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((3, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["chain", "view", "chain", "view"]);
+}
+
+#[tokio::test]
+async fn ledger_errors_follow_the_failure_policy_for_every_limit() {
+    for (policy, void) in [(FailurePolicy::Closed, true), (FailurePolicy::Open, false)] {
+        let f = Fixture::new(policy, UnknownKeys::DefaultPlan);
+        f.script(|s| s.chains.push_back(Err(timeout())));
+        let limits = [limit(A, 5, 60, 1), limit(B, 5, 60, 1)];
+        let decision = f.limiter.check_all(&limits).await.unwrap();
+        let expected = match policy {
+            FailurePolicy::Closed => Outcome::FailedClosed(timeout()),
+            FailurePolicy::Open => Outcome::FailedOpen(timeout()),
+        };
+        assert_eq!(decision.outcome, expected);
+        assert!(decision.limits.iter().all(|l| l.quota.remaining == 5));
+        f.script(|s| assert_eq!(s.void_if_abandoned, [void]));
+    }
+}
+
+#[tokio::test]
+async fn a_limit_without_local_view_always_asks_the_ledger() {
+    let f = Fixture::closed();
+    let slot = Limit {
+        local_view: false,
+        ..limit(A, 1, 60, 1)
+    };
+    let answer = held(&f, &[1]);
+    f.script(|s| {
+        s.chains
+            .extend([answer, refused(0, LinkRefusal::ExceedsCredits)]);
+        s.views.push_back(Ok(Some(f.view(1, &[50], true))));
+    });
+    let first = f.limiter.check_all(&[slot]).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Admitted);
+    assert_eq!(first.limits[0].quota.remaining, 0);
+    let second = f.limiter.check_all(&[slot]).await.unwrap();
+    assert_eq!(second.refused_by, Some(0));
+    assert_eq!(f.calls(), ["chain", "chain", "view"]);
+}
+
+#[tokio::test]
+async fn too_many_or_inconsistent_limits_are_refused_before_any_call() {
+    let f = Fixture::closed();
+    let many: Vec<Limit> = (0..=LIMITS_PER_CHECK_MAX as u128)
+        .map(|i| limit(A + 2 * i, 5, 60, 1))
+        .collect();
+    assert_eq!(
+        f.limiter.check_all(&many).await,
+        Err(LimitsError::TooMany(LIMITS_PER_CHECK_MAX + 1))
+    );
+    let clash = [limit(A, 5, 60, 1), limit(A, 6, 60, 1)];
+    assert_eq!(
+        f.limiter.check_all(&clash).await,
+        Err(LimitsError::Inconsistent)
+    );
+    assert!(f.calls().is_empty());
+}
+
+fn limited_by_outcome(outcome: &Outcome) -> Option<(u64, DecisionSource)> {
+    match outcome {
+        Outcome::Limited {
+            retry_after_seconds,
+            source,
+        } => Some((*retry_after_seconds, *source)),
+        _ => None,
+    }
+}

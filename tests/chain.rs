@@ -1,0 +1,167 @@
+//! Several limits per request against a real TigerBeetle: one linked chain of holds, all or none.
+
+mod common;
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::future::join_all;
+use ledger_limiter::ledger::model::UserAccount;
+use ledger_limiter::ledger::{ChainLink, ChainReply, Ledger, LinkRefusal};
+use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+use ledger_limiter::limiter::{
+    DecisionSource, FailurePolicy, Limit, Limiter, LimiterSettings, Outcome,
+};
+
+fn limiter(ledger: Ledger) -> Limiter {
+    let plan = Plan::new(
+        "free",
+        NonZeroU64::new(5).unwrap(),
+        NonZeroU32::new(30).unwrap(),
+    );
+    let plans = PlanBook::new(
+        vec![plan.unwrap()],
+        "free",
+        [],
+        [],
+        UnknownKeys::DefaultPlan,
+    );
+    let settings = LimiterSettings {
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    };
+    Limiter::new(ledger, Arc::new(plans.unwrap()), settings)
+}
+
+/// A limit on an account no other test uses.
+fn fresh_limit(capacity: u64, window_seconds: u32, cost: u64) -> Limit {
+    Limit {
+        account: UserAccount {
+            id: rand::random::<u128>() | 1 << 127,
+            capacity: NonZeroU64::new(capacity).unwrap(),
+            window_seconds: NonZeroU32::new(window_seconds).unwrap(),
+        },
+        cost,
+        local_view: true,
+    }
+}
+
+async fn available(ledger: &Ledger, limit: &Limit) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let view = ledger.account_view(limit.account.id, 3600, deadline).await;
+    view.expect("the ledger answers").map(|v| v.available)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_on_two_limits_admit_exactly_the_tighter_one() {
+    let address = shared_ledger().address;
+    // Two instances (two clients, two local views) on one ledger.
+    let instances = [
+        limiter(ledger_client(vec![address])),
+        limiter(ledger_client(vec![address])),
+    ];
+    let minute = fresh_limit(12, 60, 1);
+    let hour = fresh_limit(30, 3600, 1);
+    let requests = (0..40).map(|i| {
+        let limiter = &instances[i % 2];
+        async move { limiter.check_all(&[minute, hour]).await.unwrap() }
+    });
+    let decisions = join_all(requests).await;
+    let admitted = decisions
+        .iter()
+        .filter(|d| d.outcome == Outcome::Admitted)
+        .count();
+    assert_eq!(admitted, 12, "exactly the tighter limit's capacity");
+    for decision in &decisions {
+        match decision.outcome {
+            Outcome::Admitted => assert!(decision.limits.iter().all(|l| l.hold.is_some())),
+            Outcome::Limited { .. } => assert_eq!(decision.refused_by, Some(0)),
+            ref other => panic!("{other:?}"),
+        }
+    }
+    // A denied request consumed nothing on the other limit.
+    let ledger = instances[0].ledger();
+    assert_eq!(available(ledger, &minute).await, Some(0));
+    assert_eq!(available(ledger, &hour).await, Some(30 - 12));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_request_consumes_nothing_on_any_limit() {
+    let address = shared_ledger().address;
+    let a = limiter(ledger_client(vec![address]));
+    let b = limiter(ledger_client(vec![address]));
+    let small = fresh_limit(5, 60, 3);
+    let large = fresh_limit(100, 60, 3);
+    let first = a.check_all(&[large, small]).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Admitted);
+    assert_eq!(first.limits[1].quota.remaining, 2);
+    // Instance b knows nothing of the caller: the ledger refuses the chain at its second link.
+    let denied = b.check_all(&[large, small]).await.unwrap();
+    assert!(
+        matches!(
+            denied.outcome,
+            Outcome::Limited {
+                source: DecisionSource::Ledger,
+                ..
+            }
+        ),
+        "{denied:?}"
+    );
+    assert_eq!(denied.refused_by, Some(1));
+    assert_eq!(available(b.ledger(), &large).await, Some(97));
+    assert_eq!(available(b.ledger(), &small).await, Some(2));
+    // Giving the admitted request's holds back restores both limits.
+    for (limit, status) in [large, small].iter().zip(&first.limits) {
+        let hold = status.hold.expect("admitted: held");
+        assert_eq!(a.release(limit.account.id, hold).await, Ok(true));
+    }
+    assert_eq!(available(a.ledger(), &large).await, Some(100));
+    assert_eq!(available(a.ledger(), &small).await, Some(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_that_costs_nothing_never_reaches_the_ledger() {
+    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+    let free = fresh_limit(5, 60, 0);
+    let counted = fresh_limit(5, 60, 1);
+    let decision = limiter.check_all(&[free, counted]).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.limits[0].hold, None);
+    assert_eq!(decision.limits[0].quota.remaining, 5);
+    assert_eq!(
+        available(limiter.ledger(), &free).await,
+        None,
+        "never opened"
+    );
+    assert_eq!(available(limiter.ledger(), &counted).await, Some(4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_names_the_link_that_refused() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let known = fresh_limit(2, 60, 1);
+    let limiter = limiter(ledger.clone());
+    limiter.check_all(&[known]).await.unwrap();
+    let link = |limit: &Limit, amount| ChainLink {
+        account_id: limit.account.id,
+        amount,
+        timeout_seconds: 60,
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let unknown = fresh_limit(2, 60, 1);
+    let reply = ledger
+        .hold_chain(vec![link(&known, 1), link(&unknown, 1)], deadline, true)
+        .await;
+    let refused = |index, refusal| Ok(ChainReply::Refused { index, refusal });
+    assert_eq!(reply, refused(1, LinkRefusal::AccountNotFound));
+    let reply = ledger
+        .hold_chain(vec![link(&known, 5), link(&known, 1)], deadline, true)
+        .await;
+    assert_eq!(reply, refused(0, LinkRefusal::ExceedsCredits));
+    // Neither failed chain held anything.
+    assert_eq!(available(&ledger, &known).await, Some(1));
+}
