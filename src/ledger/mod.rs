@@ -12,6 +12,7 @@ pub mod chain;
 pub mod embedded;
 pub mod metrics;
 pub mod model;
+pub mod release;
 
 use std::future::Future;
 use std::net::SocketAddr;
