@@ -536,7 +536,8 @@ mod tests {
     fn basic_config_matches_the_most_specific_rule() {
         let config = load(&[file!("basic_config")]).unwrap();
         let d = "test-domain";
-        let cases: &[(&[(&str, &str)], Option<(u64, Unit)>)] = &[
+        type Case<'a> = (&'a [(&'a str, &'a str)], Option<(u64, Unit)>);
+        let cases: &[Case] = &[
             (&[("foo", "bar")], None),
             (&[("key1", "value1")], None),
             (

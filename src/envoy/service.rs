@@ -296,10 +296,15 @@ impl RateLimitServer {
                 .iter()
                 .map(|(_, limit, hits)| self.release(limit, *hits)),
         );
+        let unknown = self.limiter.unknown_limits(&enforced.1);
         let (decision, shadows, releases) =
             futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
-        let decision = decision.map_err(internal)?;
+        let mut decision = decision.map_err(internal)?;
+        // limit_remaining is the ledger's, not a guess, even right after a restart.
+        self.limiter
+            .learn(&enforced.1, &unknown, &mut decision)
+            .await;
         let shadow = shadow
             .iter()
             .zip(shadows)

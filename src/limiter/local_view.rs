@@ -283,6 +283,11 @@ impl LocalView {
         }
     }
 
+    /// Whether this instance remembers anything of the caller (else its quota is a guess).
+    pub fn knows(&self, account_id: u128) -> bool {
+        self.shard(account_id).contains_key(&account_id)
+    }
+
     pub fn callers(&self) -> usize {
         self.shards
             .iter()

@@ -316,3 +316,24 @@ fn limited_by_outcome(outcome: &Outcome) -> Option<(u64, DecisionSource)> {
         _ => None,
     }
 }
+
+#[tokio::test]
+async fn an_unknown_account_is_learnt_from_the_ledger_after_an_admission() {
+    let f = Fixture::closed();
+    let limits = [limit(A, CAPACITY, 30, 1)];
+    let unknown = f.limiter.unknown_limits(&limits);
+    assert_eq!(unknown, [true]);
+    let answer = held(&f, &[1]);
+    // Another instance (or this one before a restart) placed three holds; ours is the fourth.
+    let ledger = f.view(CAPACITY, &[5, 10, 20, 30], true);
+    f.script(|s| {
+        s.chains.push_back(answer);
+        s.views.push_back(Ok(Some(ledger)));
+    });
+    let mut decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.limits[0].quota.remaining, CAPACITY - 1, "a guess");
+    f.limiter.learn(&limits, &unknown, &mut decision).await;
+    assert_eq!(decision.limits[0].quota.remaining, 1, "the ledger's");
+    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.limiter.unknown_limits(&limits), [false]);
+}
