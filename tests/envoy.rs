@@ -485,3 +485,118 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
         "the ledger, not the instance, remembers"
     );
 }
+
+/// Envoy cannot run here: the compose stack's envoy.yaml is checked statically against what the
+/// app serves (the filter, its gRPC cluster on HTTP/2 at the app's RLS port, a timeout above the
+/// decision deadline, failure_mode_deny, a domain the rules define).
+#[test]
+fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
+    use ledger_limiter::envoy::config::RlsConfig;
+    use serde_norway::Value;
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
+    let envoy: Value = serde_norway::from_str(&text).expect("envoy.yaml parses");
+    let manager = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"];
+    let filter = &manager["http_filters"][0];
+    assert_eq!(
+        filter["name"].as_str(),
+        Some("envoy.filters.http.ratelimit")
+    );
+    let filter = &filter["typed_config"];
+    assert_eq!(filter["failure_mode_deny"].as_bool(), Some(true));
+    let timeout_ms: f64 = filter["timeout"]
+        .as_str()
+        .unwrap()
+        .trim_end_matches('s')
+        .parse::<f64>()
+        .unwrap()
+        * 1000.0;
+    assert!(
+        timeout_ms > 250.0,
+        "above the default decision deadline (ledger.timeout_ms)"
+    );
+    let service = &filter["rate_limit_service"];
+    assert_eq!(service["transport_api_version"].as_str(), Some("V3"));
+    let cluster_name = service["grpc_service"]["envoy_grpc"]["cluster_name"]
+        .as_str()
+        .unwrap();
+    let clusters = envoy["static_resources"]["clusters"].as_sequence().unwrap();
+    let cluster = clusters
+        .iter()
+        .find(|c| c["name"].as_str() == Some(cluster_name))
+        .expect("the cluster");
+    let options = &cluster["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert!(
+        options["explicit_http_config"]["http2_protocol_options"].is_mapping(),
+        "gRPC needs HTTP/2"
+    );
+    let address = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        ["address"]["socket_address"];
+    assert_eq!(address["address"].as_str(), Some("app"));
+    let compose: Value =
+        serde_norway::from_str(&std::fs::read_to_string(root.join("docker-compose.yml")).unwrap())
+            .unwrap();
+    let app = &compose["services"]["app"]["environment"];
+    let listen = app["LEDGER_LIMITER_RLS_LISTEN"].as_str().unwrap();
+    assert_eq!(
+        listen.rsplit(':').next(),
+        Some(address["port_value"].as_u64().unwrap().to_string().as_str())
+    );
+    assert!(compose["services"]["envoy"]["image"]
+        .as_str()
+        .unwrap()
+        .starts_with("envoyproxy/envoy:v"));
+    // The domain and every descriptor key Envoy sends are rules of the mounted configuration.
+    let rules = RlsConfig::load(&root.join("envoy/ratelimit")).expect("the demo rules load");
+    let domain = filter["domain"].as_str().unwrap();
+    let routes = &manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["rate_limits"];
+    for rate_limit in routes.as_sequence().unwrap() {
+        let key = rate_limit["actions"][0]["request_headers"]["descriptor_key"]
+            .as_str()
+            .unwrap();
+        assert!(
+            rules.rule_for(domain, [(key, "k")].into_iter()).is_some(),
+            "{key}"
+        );
+    }
+}
+
+/// Decisions are counted in the middleware's families with `frontend="envoy"`, labelled by rule;
+/// descriptor values (which can be API keys) are never labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_are_counted_with_the_envoy_frontend_label() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .expect("the only recorder of this test binary");
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("secret_");
+    let one = || {
+        request(
+            "extra",
+            vec![
+                descriptor(&[("shadowed", &value)]),
+                descriptor(&[("costly", &value)]),
+            ],
+        )
+    };
+    for _ in 0..2 {
+        call(&mut client, one()).await;
+    }
+    let text = recorder.render();
+    let line = |needle: &str| text.lines().find(|l| l.contains(needle)).map(str::to_owned);
+    let admitted = line(r#"decision="admitted",plan="extra.costly",source="ledger""#).expect(&text);
+    assert!(
+        admitted.contains(r#"frontend="envoy""#) && admitted.ends_with(" 2"),
+        "{admitted}"
+    );
+    let shadow = line(
+        r#"ledger_limiter_shadow_passed_total{frontend="envoy",decision="limited",plan="extra.shadowed"}"#,
+    );
+    assert!(shadow.is_some_and(|l| l.ends_with(" 1")), "{text}");
+    assert!(!text.contains(&value), "a descriptor value became a label");
+}
