@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -383,7 +385,7 @@ async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shadow_rules_never_deny_and_replaced_rules_do_not_apply() {
+async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() {
     let rules = rules_dir();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
@@ -410,6 +412,30 @@ async fn shadow_rules_never_deny_and_replaced_rules_do_not_apply() {
         assert_eq!(overall(&response), Code::Ok);
         assert_eq!(response.statuses[0].current_limit, None, "replaced");
     }
+    // A request's own limit (RateLimitOverride) applies in a configured domain, to any descriptor.
+    let overridden = |domain: &str| {
+        let mut d = descriptor(&[("anything", &value)]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 2,
+            unit: 3, // HOUR
+        });
+        request(domain, vec![d])
+    };
+    for remaining in [1, 0] {
+        let response = call(&mut client, overridden("extra")).await;
+        assert_eq!(response.statuses[0].limit_remaining, remaining);
+        let limit = response.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (2, 3));
+    }
+    assert_eq!(
+        overall(&call(&mut client, overridden("extra")).await),
+        Code::OverLimit
+    );
+    let elsewhere = call(&mut client, overridden("nowhere")).await;
+    assert_eq!(
+        elsewhere.statuses[0].current_limit, None,
+        "not in an unknown domain"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

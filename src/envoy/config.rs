@@ -279,6 +279,10 @@ impl RlsConfig {
         Ok(())
     }
 
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
     pub fn domains(&self) -> usize {
         self.domains.len()
     }

@@ -25,6 +25,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGTH_MAX};
 use super::metrics::RlsMetrics;
@@ -126,12 +127,17 @@ impl RateLimitServer {
             .entries
             .iter()
             .map(|e| (e.key.as_str(), e.value.as_str()));
-        let Some(mut rule) = self.config.rule_for(domain, entries) else {
-            return Ok(Matched::Nothing);
+        // As envoyproxy/ratelimit: a request's own limit applies in any configured domain, a
+        // configured rule otherwise.
+        let rule = match descriptor.limit {
+            Some(limit) if self.config.has_domain(domain) => {
+                override_rule(domain, limit.requests_per_unit, limit.unit)?
+            }
+            _ => match self.config.rule_for(domain, entries) {
+                Some(rule) => rule,
+                None => return Ok(Matched::Nothing),
+            },
         };
-        if let Some(limit) = descriptor.limit {
-            rule = override_rule(domain, limit.requests_per_unit, limit.unit)?;
-        }
         let (requests_per_unit, window_seconds, unit) = match rule.limit {
             RuleLimit::Unlimited => return Ok(Matched::Unlimited),
             RuleLimit::Counted {
@@ -347,10 +353,28 @@ impl RateLimitService for RateLimitServer {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let request = request.into_inner();
-        let matched = self.matched(&request)?;
-        let decided = self.decide(&matched).await?;
-        let response = self.respond(&matched, decided)?;
-        Ok(Response::new(response))
+        // The domain is configuration, never a secret; descriptor values can be (API keys).
+        let span = tracing::info_span!(
+            "ShouldRateLimit",
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
+            rpc.method = "ShouldRateLimit",
+            ratelimit.frontend = super::metrics::FRONTEND,
+            ratelimit.domain = %request.domain,
+            ratelimit.descriptors = request.descriptors.len(),
+            ratelimit.overall_code = tracing::field::Empty,
+        );
+        async move {
+            let matched = self.matched(&request)?;
+            let decided = self.decide(&matched).await?;
+            let response = self.respond(&matched, decided)?;
+            let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
+            tracing::Span::current().record("ratelimit.overall_code", code.as_str_name());
+            Ok(Response::new(response))
+        }
+        .instrument(span)
+        .await
     }
 }
 
