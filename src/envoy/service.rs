@@ -383,6 +383,8 @@ impl RateLimitServer {
     /// `UNAVAILABLE` when the ledger could not decide and the failure policy is closed.
     fn respond(&self, matched: &[Matched], decided: Decided) -> Result<RateLimitResponse, Status> {
         let (indices, decision) = &decided.enforced;
+        assert_eq!(indices.len(), decision.limits.len());
+        assert!(decided.shadow.iter().all(|(_, d)| d.limits.len() == 1));
         self.record(matched, indices, decision);
         if let Outcome::FailedClosed(error) = &decision.outcome {
             return Err(Status::unavailable(format!(
@@ -430,6 +432,8 @@ impl RateLimitServer {
         } else {
             Code::Ok
         };
+        // One status per descriptor, in order: Envoy pairs them by position.
+        assert_eq!(statuses.len(), matched.len());
         let headers = rate_limit_headers(matched, indices, &statuses, retry_after);
         Ok(RateLimitResponse {
             overall_code: overall as i32,
