@@ -4,6 +4,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -495,16 +496,33 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
             .arg("--ledger-timeout-ms=5000")
             .arg("--rls-listen=127.0.0.1:0")
             .arg(format!("--rls-config={}", rules.display()));
-        let (guard, port, _log) =
-            start_binary_logged(command, "Envoy rate-limit service listening on port ");
-        (guard, port)
+        start_binary_logged(command, "Envoy rate-limit service listening on port ")
     };
-    let (first, port) = start();
+    let (mut first, port, log) = start();
     for expected in [19, 18, 17] {
         assert_eq!(remaining_after(port), expected);
     }
-    drop(first);
-    let (_second, port) = start();
+    // SIGTERM: the HTTP server drains, then the gRPC server stops, then the process exits 0.
+    let mut child = first.take();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "still running after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(exit.success(), "{exit:?}");
+    assert!(log
+        .lock()
+        .unwrap()
+        .contains("Envoy rate-limit service stopped"));
+    let (_second, port, _) = start();
     assert_eq!(
         remaining_after(port),
         16,
