@@ -303,13 +303,14 @@ impl RateLimitServer {
                 .map(|(_, limit, hits)| self.release(limit, *hits)),
         );
         let unknown = self.limiter.unknown_limits(&enforced.1);
+        let deadline = std::time::Instant::now() + self.limiter.settings().ledger_timeout;
         let (decision, shadows, releases) =
             futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
         let mut decision = decision.map_err(internal)?;
         // limit_remaining is the ledger's, not a guess, even right after a restart.
         self.limiter
-            .learn(&enforced.1, &unknown, &mut decision)
+            .learn(&enforced.1, &unknown, &mut decision, deadline)
             .await;
         let shadow = shadow
             .iter()
@@ -336,6 +337,8 @@ impl RateLimitServer {
         {
             Ok(released) => {
                 self.metrics.record_release(released.units);
+                // This instance's memory of the holds is stale now; the next request asks.
+                self.limiter.forget(limit.account.id);
                 released.available
             }
             Err(error) => {

@@ -288,6 +288,11 @@ impl LocalView {
         self.shard(account_id).contains_key(&account_id)
     }
 
+    /// Drops the caller: its holds changed in ways this instance cannot follow (voided by amount).
+    pub fn forget(&self, account_id: u128) {
+        self.shard(account_id).remove(&account_id);
+    }
+
     pub fn callers(&self) -> usize {
         self.shards
             .iter()

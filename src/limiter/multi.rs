@@ -107,6 +107,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
+    /// Forgets what this instance remembers of an account (its holds were given back by amount,
+    /// not by receipt): its next request asks the ledger.
+    pub fn forget(&self, account_id: u128) {
+        self.local.forget(account_id);
+    }
+
     /// Which of `limits` this instance remembers nothing of (it restarted, or the holds were
     /// placed elsewhere): their quotas after a decision are guesses until [`Limiter::learn`].
     pub fn unknown_limits(&self, limits: &[Limit]) -> Vec<bool> {
@@ -120,14 +126,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// credit and live holds, this request's included), so that this instance remembers it and
     /// the quota is the ledger's: a restarted instance reports the same remaining credit as
     /// before. Costs two reads per limit, once per caller and instance; on a ledger error the
-    /// estimate stays.
-    pub async fn learn(&self, limits: &[Limit], unknown: &[bool], decision: &mut MultiDecision) {
+    /// estimate stays. `deadline` is the decision's (the reads never make an answer later than it).
+    pub async fn learn(
+        &self,
+        limits: &[Limit],
+        unknown: &[bool],
+        decision: &mut MultiDecision,
+        deadline: Instant,
+    ) {
         assert_eq!(limits.len(), unknown.len());
         assert_eq!(limits.len(), decision.limits.len());
-        if decision.outcome != Outcome::Admitted {
+        if decision.outcome != Outcome::Admitted || self.clock.now() >= deadline {
             return;
         }
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
         let reads = (0..limits.len())
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });

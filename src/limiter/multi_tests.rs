@@ -332,8 +332,20 @@ async fn an_unknown_account_is_learnt_from_the_ledger_after_an_admission() {
     });
     let mut decision = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(decision.limits[0].quota.remaining, CAPACITY - 1, "a guess");
-    f.limiter.learn(&limits, &unknown, &mut decision).await;
+    let deadline = f.clock.now() + Duration::from_secs(1);
+    f.limiter
+        .learn(&limits, &unknown, &mut decision, deadline)
+        .await;
     assert_eq!(decision.limits[0].quota.remaining, 1, "the ledger's");
     assert_eq!(f.calls(), ["chain", "view"]);
     assert_eq!(f.limiter.unknown_limits(&limits), [false]);
+    // Forgotten (its holds were given back by amount): unknown again, asked again.
+    f.limiter.forget(A);
+    assert_eq!(f.limiter.unknown_limits(&limits), [true]);
+    // Past the decision's deadline, nothing is read.
+    let mut late = decision.clone();
+    f.limiter
+        .learn(&limits, &[true], &mut late, f.clock.now())
+        .await;
+    assert!(f.calls().is_empty());
 }
