@@ -489,13 +489,26 @@ impl Ledger {
         let now = SystemTime::now();
         let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
         let mut holds = Vec::new();
+        // A voided hold stays a pending transfer; its void (listed after it) names it.
+        let mut voided = std::collections::HashSet::new();
         let mut complete = false;
         for _ in 0..TRANSFERS_PAGES_MAX {
             let debits = tb::account::FilterFlags::DEBITS;
             let page = self
                 .transfers_page(account_id, debits, timestamp_min, deadline)
                 .await?;
-            holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
+            for transfer in &page {
+                if transfer
+                    .flags()
+                    .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+                {
+                    voided.insert(transfer.pending_id());
+                }
+            }
+            holds.extend(
+                page.iter()
+                    .filter_map(|transfer| Some((transfer.id(), live_hold(transfer, now)?))),
+            );
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
                     timestamp_min = last.timestamp() + Duration::from_nanos(1);
@@ -506,6 +519,11 @@ impl Ledger {
                 }
             }
         }
+        let mut holds: Vec<Hold> = holds
+            .into_iter()
+            .filter(|(id, _)| !voided.contains(id))
+            .map(|(_, hold)| hold)
+            .collect();
         holds.sort_by_key(|h| h.expires_at);
         Ok((holds, complete))
     }
