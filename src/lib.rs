@@ -17,6 +17,7 @@
 //! [`telemetry`] stands beside them: the request span and the OTLP export.
 
 pub mod config;
+pub mod envoy;
 pub mod http;
 pub mod ledger;
 pub mod limiter;

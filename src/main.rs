@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ledger_limiter::config::{
-    AdminFile, CallerFile, EmbeddedFile, FileConfig, LedgerFile, Settings,
+    AdminFile, CallerFile, EmbeddedFile, FileConfig, LedgerFile, RlsFile, Settings,
 };
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
@@ -69,6 +69,13 @@ struct Cli {
     /// users of the machine could read).
     #[arg(long, env = "LEDGER_LIMITER_ADMIN_LISTEN")]
     admin_listen: Option<String>,
+    /// Where Envoy's rate-limit service (gRPC, RateLimitService v3) listens, e.g. 0.0.0.0:8081.
+    /// Off unless given; needs --rls-config.
+    #[arg(long, env = "LEDGER_LIMITER_RLS_LISTEN")]
+    rls_listen: Option<String>,
+    /// envoyproxy/ratelimit YAML rules: a file, or a directory of *.yaml files.
+    #[arg(long, env = "LEDGER_LIMITER_RLS_CONFIG")]
+    rls_config: Option<PathBuf>,
     /// Validate the configuration, print it, and exit.
     #[arg(long)]
     check_config: bool,
@@ -121,6 +128,10 @@ impl Cli {
                         .filter(|s| !s.is_empty())
                         .collect()
                 }),
+            },
+            rls: RlsFile {
+                listen: self.rls_listen.clone(),
+                config: self.rls_config.clone(),
             },
             ..FileConfig::default()
         }

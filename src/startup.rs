@@ -12,7 +12,10 @@ use thiserror::Error;
 use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
-use crate::config::{resolve_addresses, AdminSettings, ConfigError, LedgerLocation, Settings};
+use crate::config::{
+    resolve_addresses, AdminSettings, ConfigError, LedgerLocation, RlsSettings, Settings,
+};
+use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
 use crate::http::concurrency::ConcurrencyError;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
@@ -75,6 +78,15 @@ pub struct Application {
     epoch_follower: JoinHandle<()>,
     /// The admin API's server (running) and its port.
     admin: Option<(actix_web::dev::ServerHandle, u16)>,
+    /// Envoy's rate-limit service (running), when configured.
+    rls: Option<RlsServer>,
+}
+
+/// The Envoy front end's gRPC server: its port, its thread and the signal that stops it.
+struct RlsServer {
+    port: u16,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<Result<(), String>>,
 }
 
 impl Application {
@@ -132,6 +144,11 @@ impl Application {
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
+
+        let rls = match &settings.rls {
+            Some(rls) => Some(rls_server(rls, limiter.clone(), settings.workers.get())?),
+            None => None,
+        };
         Ok(Application {
             server,
             port,
@@ -140,6 +157,7 @@ impl Application {
             follower,
             epoch_follower: tokio::spawn(epoch),
             admin,
+            rls,
         })
     }
 
@@ -150,6 +168,11 @@ impl Application {
     /// The admin API's port, when it is on.
     pub fn admin_port(&self) -> Option<u16> {
         self.admin.as_ref().map(|(_, port)| *port)
+    }
+
+    /// The Envoy rate-limit service's port, when it is on.
+    pub fn rls_port(&self) -> Option<u16> {
+        self.rls.as_ref().map(|rls| rls.port)
     }
 
     pub fn limiter(&self) -> Arc<Limiter> {
@@ -183,6 +206,15 @@ impl Application {
         let result = self.server.await;
         if let Some((admin, _)) = self.admin {
             admin.stop(true).await;
+        }
+        if let Some(rls) = self.rls {
+            // Graceful: no new calls, the ones in flight finish (each within the decision deadline).
+            let _ = rls.stop.send(());
+            match tokio::task::spawn_blocking(move || rls.thread.join()).await {
+                Ok(Ok(Ok(()))) => tracing::info!("Envoy rate-limit service stopped"),
+                Ok(Ok(Err(error))) => tracing::warn!(%error, "Envoy rate-limit service failed"),
+                _ => tracing::warn!("Envoy rate-limit service thread failed"),
+            }
         }
         if let Some(follower) = self.follower {
             follower.abort();
@@ -227,6 +259,52 @@ fn admin_server(
     tokio::spawn(server);
     tracing::info!(port, "admin API listening on port {port}");
     Ok((handle, port))
+}
+
+/// Envoy's rate-limit service on its own listener and its own multi-threaded runtime (the binary's
+/// main runtime is actix's single thread), on the HTTP front end's limiter.
+fn rls_server(
+    rls: &RlsSettings,
+    limiter: Arc<Limiter>,
+    workers: usize,
+) -> Result<RlsServer, StartupError> {
+    let listen_error = |source| StartupError::Listen {
+        address: rls.listen.clone(),
+        source,
+    };
+    let listener = TcpListener::bind(&rls.listen).map_err(listen_error)?;
+    let port = listener.local_addr().map_err(listen_error)?.port();
+    listener.set_nonblocking(true).map_err(listen_error)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("rls")
+        .enable_all()
+        .build()
+        .map_err(listen_error)?;
+    let server = RateLimitServer::new(limiter, rls.config.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("rls".to_owned())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener =
+                    tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+                let shutdown = async move {
+                    let _ = stopped.await;
+                };
+                crate::envoy::serve(server, listener, shutdown)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .map_err(listen_error)?;
+    tracing::info!(
+        port,
+        domains = rls.config.domains(),
+        rules = rls.config.rules(),
+        "Envoy rate-limit service listening on port {port}"
+    );
+    Ok(RlsServer { port, stop, thread })
 }
 
 /// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.

@@ -165,3 +165,22 @@ async fn the_ledger_names_the_link_that_refused() {
     // Neither failed chain held anything.
     assert_eq!(available(&ledger, &known).await, Some(1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_given_back_is_no_longer_listed_as_live() {
+    // A voided hold remains a pending transfer in the ledger; the listing that times Retry-After
+    // and fills the local view must not count it (else an instance refuses what the ledger admits).
+    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+    let limit = fresh_limit(3, 60, 1);
+    let first = limiter.check_all(&[limit]).await.unwrap();
+    limiter.check_all(&[limit]).await.unwrap();
+    let hold = first.limits[0].hold.expect("held");
+    assert_eq!(limiter.release(limit.account.id, hold).await, Ok(true));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let view = limiter
+        .ledger()
+        .account_view(limit.account.id, 60, deadline)
+        .await;
+    let view = view.unwrap().expect("the account");
+    assert_eq!((view.available, view.holds.len()), (2, 1));
+}

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::envoy::config::RlsConfig;
 use crate::http::admin::AdminSecrets;
 use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
@@ -68,6 +69,24 @@ pub struct FileConfig {
     pub response: ResponseFile,
     #[serde(default)]
     pub admin: AdminFile,
+    #[serde(default)]
+    pub rls: RlsFile,
+}
+
+/// The Envoy rate-limit service (gRPC): on when `listen` is set; `config` is envoyproxy/ratelimit
+/// YAML (a file, or a directory of them).
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct RlsFile {
+    pub listen: Option<String>,
+    pub config: Option<PathBuf>,
+}
+
+/// The Envoy front end's validated settings.
+#[derive(Debug, Clone)]
+pub struct RlsSettings {
+    pub listen: String,
+    pub config: Arc<RlsConfig>,
 }
 
 /// The admin API: on when `listen` is set and at least one secret is given.
@@ -231,6 +250,8 @@ impl FileConfig {
         take!(response.missing_key_status);
         take!(admin.listen);
         take!(admin.secrets);
+        take!(rls.listen);
+        take!(rls.config);
         self
     }
 }
@@ -273,6 +294,8 @@ pub struct Settings {
     pub concurrency_timeout_seconds: NonZeroU32,
     /// The admin API, when a listener and a secret are configured.
     pub admin: Option<AdminSettings>,
+    /// The Envoy rate-limit service, when a listener is configured.
+    pub rls: Option<RlsSettings>,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
@@ -331,6 +354,7 @@ impl Settings {
         };
         let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
         let admin = admin_settings(file.admin)?;
+        let rls = rls_settings(file.rls)?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = rules.key_length_max(key_length_max);
         let rules = route_limits(rules, file.limits, file.routes.limits.clone())?;
@@ -349,6 +373,7 @@ impl Settings {
             concurrency,
             concurrency_timeout_seconds,
             admin,
+            rls,
         })
     }
 
@@ -357,6 +382,21 @@ impl Settings {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
     }
+}
+
+/// The Envoy front end is off without a listener; with one it needs its rules.
+fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
+    let Some(listen) = rls.listen else {
+        return Ok(None);
+    };
+    let path = rls
+        .config
+        .ok_or_else(|| invalid("rls.config", "is required when rls.listen is set"))?;
+    let config = RlsConfig::load(&path).map_err(|e| invalid("rls.config", e.to_string()))?;
+    Ok(Some(RlsSettings {
+        listen,
+        config: Arc::new(config),
+    }))
 }
 
 /// The admin API is off without a listener, and off without a secret.

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod model;
 pub mod moves;
 pub mod operator;
+pub mod release;
 pub mod settle;
 
 pub use moves::Moving;

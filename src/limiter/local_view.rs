@@ -208,7 +208,8 @@ impl LocalView {
         })
     }
 
-    /// Forgets a caller (an operator changed its credit or block here: ask the ledger next time).
+    /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
+    /// this instance cannot follow (voided by amount). Its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
         self.shard(account_id).remove(&account_id);
     }
@@ -360,6 +361,11 @@ impl LocalView {
                 reset_after: Duration::ZERO,
             },
         }
+    }
+
+    /// Whether this instance remembers anything of the caller (else its quota is a guess).
+    pub fn knows(&self, account_id: u128) -> bool {
+        self.shard(account_id).contains_key(&account_id)
     }
 
     pub fn callers(&self) -> usize {

@@ -216,6 +216,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self.store
     }
 
+    pub fn settings(&self) -> &LimiterSettings {
+        &self.settings
+    }
+
     /// Whether the ledger answers within `timeout` (readiness).
     pub async fn ready(&self, timeout: Duration) -> Result<(), LedgerError> {
         self.store.ping(self.clock.now() + timeout).await

@@ -107,6 +107,55 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
+    /// Forgets what this instance remembers of an account (its holds were given back by amount,
+    /// not by receipt): its next request asks the ledger.
+    pub fn forget(&self, account_id: u128) {
+        self.local.forget(account_id);
+    }
+
+    /// Which of `limits` this instance remembers nothing of (it restarted, or the holds were
+    /// placed elsewhere): their quotas after a decision are guesses until [`Limiter::learn`].
+    pub fn unknown_limits(&self, limits: &[Limit]) -> Vec<bool> {
+        limits
+            .iter()
+            .map(|l| l.local_view && l.cost > 0 && !self.local.knows(l.account.id))
+            .collect()
+    }
+
+    /// After an admitted decision, reads each `unknown` limit's account from the ledger (its
+    /// credit and live holds, this request's included), so that this instance remembers it and
+    /// the quota is the ledger's: a restarted instance reports the same remaining credit as
+    /// before. Costs two reads per limit, once per caller and instance; on a ledger error the
+    /// estimate stays. `deadline` is the decision's (the reads never make an answer later than it).
+    pub async fn learn(
+        &self,
+        limits: &[Limit],
+        unknown: &[bool],
+        decision: &mut MultiDecision,
+        deadline: Instant,
+    ) {
+        assert_eq!(limits.len(), unknown.len());
+        assert_eq!(limits.len(), decision.limits.len());
+        if decision.outcome != Outcome::Admitted || self.clock.now() >= deadline {
+            return;
+        }
+        let reads = (0..limits.len())
+            .filter(|i| unknown[*i])
+            .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
+        for (i, view) in futures_util::future::join_all(reads).await {
+            let Ok(Some(view)) = view else {
+                continue;
+            };
+            let account = &limits[i].account;
+            let now = self.clock.now();
+            let window_max = self.window_max_of(account);
+            self.local
+                .replace(account.id, &view, window_max, now, self.clock.wall());
+            let local = self.local.quota(account.id, account.capacity.get(), now);
+            decision.limits[i].quota = quota(account, local);
+        }
+    }
+
     /// The first limit this instance knows to be exhausted for the request's cost on its account.
     fn refuse_locally(&self, limits: &[Limit], now: Instant) -> Option<MultiDecision> {
         let (index, local) = limits.iter().enumerate().find_map(|(index, limit)| {

@@ -389,3 +389,36 @@ async fn each_limit_gets_its_own_second_look() {
     assert_eq!(decision.outcome, Outcome::Admitted);
     assert_eq!(f.calls(), ["chain", "view", "chain", "view", "chain"]);
 }
+
+#[tokio::test]
+async fn an_unknown_account_is_learnt_from_the_ledger_after_an_admission() {
+    let f = Fixture::closed();
+    let limits = [limit(A, CAPACITY, 30, 1)];
+    let unknown = f.limiter.unknown_limits(&limits);
+    assert_eq!(unknown, [true]);
+    let answer = held(&f, &[1]);
+    // Another instance (or this one before a restart) placed three holds; ours is the fourth.
+    let ledger = f.view(CAPACITY, &[5, 10, 20, 30], true);
+    f.script(|s| {
+        s.chains.push_back(answer);
+        s.views.push_back(Ok(Some(ledger)));
+    });
+    let mut decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.limits[0].quota.remaining, CAPACITY - 1, "a guess");
+    let deadline = f.clock.now() + Duration::from_secs(1);
+    f.limiter
+        .learn(&limits, &unknown, &mut decision, deadline)
+        .await;
+    assert_eq!(decision.limits[0].quota.remaining, 1, "the ledger's");
+    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.limiter.unknown_limits(&limits), [false]);
+    // Forgotten (its holds were given back by amount): unknown again, asked again.
+    f.limiter.forget(A);
+    assert_eq!(f.limiter.unknown_limits(&limits), [true]);
+    // Past the decision's deadline, nothing is read.
+    let mut late = decision.clone();
+    f.limiter
+        .learn(&limits, &[true], &mut late, f.clock.now())
+        .await;
+    assert!(f.calls().is_empty());
+}

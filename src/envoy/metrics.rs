@@ -1,0 +1,71 @@
+//! The RLS front end's decisions, in the middleware's metric families with a `frontend="envoy"`
+//! label: `ledger_limiter_decisions_total{frontend, decision, plan, source}` (`plan` is the
+//! matched rule: its `name`, else its envoyproxy/ratelimit stats key, a configured and bounded
+//! set; descriptor values never become labels), `ledger_limiter_shadow_passed_total{frontend,
+//! plan, decision}`, and `ledger_limiter_rls_released_units_total` for negative hits. The
+//! middleware's own series carry no `frontend` label (`{frontend=""}` in PromQL selects them).
+
+use metrics::counter;
+
+use super::config::Rule;
+use crate::limiter::metrics::{DecisionLabel, SourceLabel, DECISIONS_TOTAL, SHADOW_PASSED_TOTAL};
+use crate::limiter::Outcome;
+
+pub const FRONTEND: &str = "envoy";
+/// Units given back by `is_negative_hits`.
+pub const RELEASED_UNITS_TOTAL: &str = "ledger_limiter_rls_released_units_total";
+
+/// Counts the RLS front end's decisions (the recorder is read at each count, so the front end works
+/// with or without one).
+#[derive(Debug, Default)]
+pub struct RlsMetrics;
+
+impl RlsMetrics {
+    pub fn register() -> Self {
+        metrics::describe_counter!(
+            RELEASED_UNITS_TOTAL,
+            "Units given back by Envoy's is_negative_hits"
+        );
+        counter!(RELEASED_UNITS_TOTAL).absolute(0);
+        RlsMetrics
+    }
+
+    pub fn record(&self, rule: &Rule, outcome: &Outcome) {
+        let decision = DecisionLabel::of(outcome);
+        let source = SourceLabel::of(outcome);
+        counter!(
+            DECISIONS_TOTAL,
+            "frontend" => FRONTEND,
+            "decision" => decision.as_str(),
+            "plan" => label(rule),
+            "source" => source.as_str()
+        )
+        .increment(1);
+    }
+
+    /// A shadow-mode descriptor: counted as decided; a refusal also as let through.
+    pub fn record_shadow(&self, rule: &Rule, outcome: &Outcome) {
+        self.record(rule, outcome);
+        let decision = DecisionLabel::of(outcome);
+        if matches!(
+            decision,
+            DecisionLabel::Limited | DecisionLabel::FailedClosed
+        ) {
+            counter!(
+                SHADOW_PASSED_TOTAL,
+                "frontend" => FRONTEND,
+                "decision" => decision.as_str(),
+                "plan" => label(rule)
+            )
+            .increment(1);
+        }
+    }
+
+    pub fn record_release(&self, units: u64) {
+        counter!(RELEASED_UNITS_TOTAL).increment(units);
+    }
+}
+
+fn label(rule: &Rule) -> String {
+    rule.name.clone().unwrap_or_else(|| rule.path.to_string())
+}

@@ -1,0 +1,590 @@
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` on the limiter's decision core.
+//!
+//! Each descriptor of a request is matched to a rule ([`RlsConfig::rule_for`]), and each counted
+//! one becomes a [`Limit`] on an account of its own: one per (domain, rule, the descriptor's
+//! entries, limit, window), derived as the middleware derives callers' accounts. All enforced
+//! limits of a request are one linked chain ([`Limiter::check_all`]): a denied request consumes
+//! nothing on any descriptor. `shadow_mode` rules are decided (each alone) and counted, never deny.
+//! `is_negative_hits` gives live holds back ([`Ledger::release_units`]), never below zero.
+//!
+//! Bad input is `INVALID_ARGUMENT`; a ledger that cannot decide within the deadline is
+//! `UNAVAILABLE` under the closed failure policy (Envoy then applies its `failure_mode_deny`), and
+//! OK under the open one. Descriptor values can be secrets (API keys): they are hashed into account
+//! ids and never logged, counted or traced.
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use futures_util::future::join_all;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGTH_MAX};
+use super::metrics::RlsMetrics;
+use crate::ledger::model::{self, UserAccount};
+use crate::ledger::Ledger;
+use crate::limiter::{Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX};
+
+/// At most this many descriptors per request (each is one link of the ledger chain).
+pub const DESCRIPTORS_MAX: usize = LIMITS_PER_CHECK_MAX;
+/// A request's `hits_addend` above this is refused (no limit is that large; it would only fill the
+/// ledger's 64-bit amounts).
+pub const HITS_MAX: u64 = 1 << 32;
+
+/// What one descriptor of a request came to before any ledger call.
+#[derive(Debug, Clone)]
+enum Matched {
+    /// No rule (or a rule another one `replaces`): OK, no limit.
+    Nothing,
+    /// An `unlimited` rule.
+    Unlimited,
+    Counted {
+        rule: Arc<Rule>,
+        /// Its cost is the hits, or 0 for a negative hit (which holds nothing).
+        limit: Limit,
+        unit: Option<Unit>,
+        /// `is_negative_hits` with hits above 0: give `hits` units back.
+        negative: bool,
+        hits: u64,
+    },
+}
+
+/// The RLS front end: shares the HTTP front end's limiter (one ledger client, one local view).
+pub struct RateLimitServer {
+    limiter: Arc<Limiter>,
+    config: Arc<RlsConfig>,
+    metrics: RlsMetrics,
+}
+
+impl RateLimitServer {
+    pub fn new(limiter: Arc<Limiter>, config: Arc<RlsConfig>) -> Self {
+        RateLimitServer {
+            limiter,
+            config,
+            metrics: RlsMetrics::register(),
+        }
+    }
+
+    fn ledger(&self) -> &Ledger {
+        self.limiter.ledger()
+    }
+
+    /// Checks the request's bounds and matches every descriptor: no ledger call.
+    fn matched(&self, request: &RateLimitRequest) -> Result<Vec<Matched>, Status> {
+        if request.domain.is_empty() {
+            return Err(Status::invalid_argument(
+                "rate limit domain must not be empty",
+            ));
+        }
+        if request.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
+        if request.descriptors.len() > DESCRIPTORS_MAX {
+            return Err(Status::invalid_argument(format!(
+                "at most {DESCRIPTORS_MAX} descriptors per request"
+            )));
+        }
+        if request.domain.len() > KEY_VALUE_LENGTH_MAX {
+            return Err(Status::invalid_argument("domain too long"));
+        }
+        let hits = match request.hits_addend {
+            0 => 1,
+            hits => u64::from(hits),
+        };
+        let mut matched = request
+            .descriptors
+            .iter()
+            .map(|descriptor| self.match_one(&request.domain, descriptor, hits))
+            .collect::<Result<Vec<_>, Status>>()?;
+        apply_replaces(&mut matched);
+        Ok(matched)
+    }
+
+    fn match_one(
+        &self,
+        domain: &str,
+        descriptor: &RateLimitDescriptor,
+        request_hits: u64,
+    ) -> Result<Matched, Status> {
+        check_entries(descriptor)?;
+        let hits = descriptor.hits_addend.map_or(request_hits, |h| h.value);
+        if hits > HITS_MAX {
+            return Err(Status::invalid_argument(format!(
+                "hits_addend above {HITS_MAX}"
+            )));
+        }
+        let entries = descriptor
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.value.as_str()));
+        // As envoyproxy/ratelimit: a request's own limit applies in any configured domain, a
+        // configured rule otherwise.
+        let rule = match descriptor.limit {
+            Some(limit) if self.config.has_domain(domain) => {
+                override_rule(domain, limit.requests_per_unit, limit.unit)?
+            }
+            _ => match self.config.rule_for(domain, entries) {
+                Some(rule) => rule,
+                None => return Ok(Matched::Nothing),
+            },
+        };
+        let (requests_per_unit, window_seconds, unit) = match rule.limit {
+            RuleLimit::Unlimited => return Ok(Matched::Unlimited),
+            RuleLimit::Counted {
+                requests_per_unit,
+                window_seconds,
+                unit,
+            } => (requests_per_unit, window_seconds, unit),
+        };
+        let account = UserAccount {
+            id: account_id(
+                self.ledger().ledger_id(),
+                domain,
+                &rule,
+                descriptor,
+                window_seconds,
+                requests_per_unit,
+            ),
+            capacity: requests_per_unit,
+            window_seconds,
+        };
+        let negative = descriptor.is_negative_hits;
+        let limit = Limit {
+            account,
+            cost: if negative { 0 } else { hits },
+            local_view: !rule.concurrency,
+        };
+        Ok(Matched::Counted {
+            rule,
+            limit,
+            unit,
+            negative: negative && hits > 0,
+            hits,
+        })
+    }
+}
+
+fn check_entries(descriptor: &RateLimitDescriptor) -> Result<(), Status> {
+    if descriptor.entries.is_empty() || descriptor.entries.len() > DEPTH_MAX {
+        return Err(Status::invalid_argument(format!(
+            "a descriptor has 1 to {DEPTH_MAX} entries"
+        )));
+    }
+    let too_long = descriptor
+        .entries
+        .iter()
+        .any(|e| e.key.len() > KEY_VALUE_LENGTH_MAX || e.value.len() > KEY_VALUE_LENGTH_MAX);
+    if too_long {
+        return Err(Status::invalid_argument(format!(
+            "descriptor keys and values are at most {KEY_VALUE_LENGTH_MAX} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// A request's own limit (`RateLimitDescriptor.limit`), as envoyproxy/ratelimit applies it: never
+/// in shadow mode. Its accounts are apart from any configured rule's.
+fn override_rule(domain: &str, requests_per_unit: u32, unit: i32) -> Result<Arc<Rule>, Status> {
+    let invalid =
+        || Status::invalid_argument("a limit override needs requests_per_unit ≥ 1 and a unit");
+    let unit = Unit::from_proto(unit).ok_or_else(invalid)?;
+    let requests_per_unit = NonZeroU64::new(requests_per_unit.into()).ok_or_else(invalid)?;
+    Ok(Arc::new(Rule {
+        path: format!("{domain}.override").into(),
+        name: None,
+        limit: RuleLimit::Counted {
+            requests_per_unit,
+            window_seconds: NonZeroU32::new(unit.seconds()).expect("units are not empty"),
+            unit: Some(unit),
+        },
+        replaces: Vec::new(),
+        shadow_mode: false,
+        detailed_metric: false,
+        concurrency: false,
+    }))
+}
+
+/// The account of one descriptor on one rule: the rule, its limit and window, and every entry of
+/// the descriptor are its identity (so each value of a key-only rule counts apart).
+fn account_id(
+    ledger_id: u32,
+    domain: &str,
+    rule: &Rule,
+    descriptor: &RateLimitDescriptor,
+    window_seconds: NonZeroU32,
+    capacity: NonZeroU64,
+) -> u128 {
+    let mut identity = Vec::with_capacity(256);
+    for part in [domain.as_bytes(), &window_seconds.get().to_le_bytes()] {
+        identity.extend_from_slice(&(part.len() as u64).to_le_bytes());
+        identity.extend_from_slice(part);
+    }
+    for entry in &descriptor.entries {
+        for part in [entry.key.as_bytes(), entry.value.as_bytes()] {
+            identity.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            identity.extend_from_slice(part);
+        }
+    }
+    let plan = format!("envoy/{}", rule.path);
+    model::user_account_id(ledger_id, &plan, capacity, &identity)
+}
+
+/// A rule named in another matched rule's `replaces` does not apply (envoyproxy/ratelimit).
+fn apply_replaces(matched: &mut [Matched]) {
+    let replaced: Vec<String> = matched
+        .iter()
+        .filter_map(|m| match m {
+            Matched::Counted { rule, .. } => Some(rule.replaces.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for m in matched.iter_mut() {
+        if let Matched::Counted { rule, .. } = m {
+            if rule.name.as_ref().is_some_and(|n| replaced.contains(n)) {
+                *m = Matched::Nothing;
+            }
+        }
+    }
+}
+
+/// What the ledger said of each kind of descriptor.
+struct Decided {
+    /// The enforced limits' decision, with the descriptor index of each of its limits.
+    enforced: (Vec<usize>, MultiDecision),
+    /// Each shadow descriptor's own decision.
+    shadow: Vec<(usize, MultiDecision)>,
+    /// Each negative-hits descriptor's available credit after the release (`None`: unknown).
+    released: Vec<(usize, Option<u64>)>,
+}
+
+impl RateLimitServer {
+    async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
+        let mut enforced = (Vec::new(), Vec::new());
+        let mut shadow = Vec::new();
+        let mut negative = Vec::new();
+        for (index, m) in matched.iter().enumerate() {
+            if let Matched::Counted {
+                rule,
+                limit,
+                negative: n,
+                hits,
+                ..
+            } = m
+            {
+                if *n {
+                    negative.push((index, *limit, *hits));
+                } else if rule.shadow_mode {
+                    shadow.push((index, *limit));
+                } else {
+                    enforced.0.push(index);
+                    enforced.1.push(*limit);
+                }
+            }
+        }
+        let shadows = join_all(
+            shadow
+                .iter()
+                .map(|(_, limit)| self.limiter.check_all(std::slice::from_ref(limit))),
+        );
+        let releases = join_all(
+            negative
+                .iter()
+                .map(|(_, limit, hits)| self.release(limit, *hits)),
+        );
+        let unknown = self.limiter.unknown_limits(&enforced.1);
+        let deadline = std::time::Instant::now() + self.limiter.settings().ledger_timeout;
+        let (decision, shadows, releases) =
+            futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
+        let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
+        let mut decision = decision.map_err(internal)?;
+        // limit_remaining is the ledger's, not a guess, even right after a restart.
+        self.limiter
+            .learn(&enforced.1, &unknown, &mut decision, deadline)
+            .await;
+        let shadow = shadow
+            .iter()
+            .zip(shadows)
+            .map(|((index, _), d)| d.map(|d| (*index, d)).map_err(internal))
+            .collect::<Result<Vec<_>, Status>>()?;
+        let released = negative.iter().map(|(i, _, _)| *i).zip(releases).collect();
+        Ok(Decided {
+            enforced: (enforced.0, decision),
+            shadow,
+            released,
+        })
+    }
+
+    /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
+    /// nothing: the holds expire by themselves after their window.
+    async fn release(&self, limit: &Limit, hits: u64) -> Option<u64> {
+        let deadline = std::time::Instant::now() + self.limiter.settings().ledger_timeout;
+        let window = limit.account.window_seconds.get();
+        match self
+            .ledger()
+            .release_units(limit.account.id, hits, window, deadline)
+            .await
+        {
+            Ok(released) => {
+                self.metrics.record_release(released.units);
+                // This instance's memory of the holds is stale now; the next request asks.
+                self.limiter.forget(limit.account.id);
+                released.available
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not release a negative hit; its holds will expire");
+                None
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitServer {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let request = request.into_inner();
+        // The domain is configuration, never a secret; descriptor values can be (API keys).
+        let span = tracing::info_span!(
+            "ShouldRateLimit",
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
+            rpc.method = "ShouldRateLimit",
+            ratelimit.frontend = super::metrics::FRONTEND,
+            ratelimit.domain = %request.domain,
+            ratelimit.descriptors = request.descriptors.len(),
+            ratelimit.overall_code = tracing::field::Empty,
+        );
+        async move {
+            let matched = self.matched(&request)?;
+            let decided = self.decide(&matched).await?;
+            let response = self.respond(&matched, decided)?;
+            let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
+            tracing::Span::current().record("ratelimit.overall_code", code.as_str_name());
+            Ok(Response::new(response))
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+impl RateLimitServer {
+    /// One status per descriptor; OVER_LIMIT overall when an enforced descriptor refused;
+    /// `UNAVAILABLE` when the ledger could not decide and the failure policy is closed.
+    fn respond(&self, matched: &[Matched], decided: Decided) -> Result<RateLimitResponse, Status> {
+        let (indices, decision) = &decided.enforced;
+        assert_eq!(indices.len(), decision.limits.len());
+        assert!(decided.shadow.iter().all(|(_, d)| d.limits.len() == 1));
+        self.record(matched, indices, decision);
+        if let Outcome::FailedClosed(error) = &decision.outcome {
+            return Err(Status::unavailable(format!(
+                "the ledger could not decide in time: {error}"
+            )));
+        }
+        let mut statuses: Vec<DescriptorStatus> = matched.iter().map(plain_status).collect();
+        let retry_after = match decision.outcome {
+            Outcome::Limited {
+                retry_after_seconds,
+                ..
+            } => Some(retry_after_seconds),
+            _ => None,
+        };
+        for (k, index) in indices.iter().enumerate() {
+            let refused = decision.refused_by == Some(k);
+            let quota = &decision.limits[k].quota;
+            let reset = if refused { retry_after } else { None };
+            statuses[*index] = counted_status(
+                &matched[*index],
+                quota.remaining,
+                reset.unwrap_or(quota.reset_seconds),
+                refused,
+            );
+        }
+        for (index, shadow) in &decided.shadow {
+            if let Some(rule) = rule_of(&matched[*index]) {
+                self.metrics.record_shadow(rule, &shadow.outcome);
+            }
+            let quota = &shadow.limits[0].quota;
+            statuses[*index] = counted_status(
+                &matched[*index],
+                quota.remaining,
+                quota.reset_seconds,
+                false,
+            );
+        }
+        for (index, available) in &decided.released {
+            let capacity = limit_of(&matched[*index]).map_or(0, |l| l.account.capacity.get());
+            statuses[*index] =
+                counted_status(&matched[*index], available.unwrap_or(capacity), 0, false);
+        }
+        let overall = if decision.refused_by.is_some() {
+            Code::OverLimit
+        } else {
+            Code::Ok
+        };
+        // One status per descriptor, in order: Envoy pairs them by position.
+        assert_eq!(statuses.len(), matched.len());
+        let headers = rate_limit_headers(matched, indices, &statuses, retry_after);
+        Ok(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add: headers,
+            ..RateLimitResponse::default()
+        })
+    }
+
+    /// One decision per enforced descriptor, labelled by its rule (a bounded, configured set).
+    fn record(&self, matched: &[Matched], indices: &[usize], decision: &MultiDecision) {
+        for (k, index) in indices.iter().enumerate() {
+            let Some(rule) = rule_of(&matched[*index]) else {
+                continue;
+            };
+            let counts = match decision.outcome {
+                Outcome::Limited { .. } => decision.refused_by == Some(k),
+                _ => true,
+            };
+            if counts {
+                self.metrics.record(rule, &decision.outcome);
+            }
+        }
+    }
+}
+
+fn rule_of(matched: &Matched) -> Option<&Rule> {
+    match matched {
+        Matched::Counted { rule, .. } => Some(rule),
+        _ => None,
+    }
+}
+
+fn limit_of(matched: &Matched) -> Option<&Limit> {
+    match matched {
+        Matched::Counted { limit, .. } => Some(limit),
+        _ => None,
+    }
+}
+
+/// The status of a descriptor no ledger call decides: no rule (OK, no limit, as
+/// envoyproxy/ratelimit answers), or unlimited (OK, the most remaining there is).
+fn plain_status(matched: &Matched) -> DescriptorStatus {
+    let limit_remaining = match matched {
+        Matched::Unlimited => u32::MAX,
+        _ => 0,
+    };
+    DescriptorStatus {
+        code: Code::Ok as i32,
+        limit_remaining,
+        ..DescriptorStatus::default()
+    }
+}
+
+fn counted_status(
+    matched: &Matched,
+    remaining: u64,
+    reset_seconds: u64,
+    refused: bool,
+) -> DescriptorStatus {
+    let Matched::Counted {
+        rule, limit, unit, ..
+    } = matched
+    else {
+        return plain_status(matched);
+    };
+    let saturate = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    DescriptorStatus {
+        code: if refused { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: Some(RateLimit {
+            name: rule.name.clone().unwrap_or_default(),
+            requests_per_unit: saturate(limit.account.capacity.get()),
+            unit: unit.map_or(0, Unit::proto),
+        }),
+        limit_remaining: saturate(remaining),
+        duration_until_reset: Some(ProtoDuration {
+            seconds: i64::try_from(reset_seconds).unwrap_or(i64::MAX),
+            nanos: 0,
+        }),
+        ..DescriptorStatus::default()
+    }
+}
+
+/// IETF `RateLimit-Policy` / `RateLimit` for the enforced descriptor closest to its limit (the one
+/// that refused, if any), and `Retry-After` on OVER_LIMIT: the middleware's 429 fields.
+fn rate_limit_headers(
+    matched: &[Matched],
+    enforced: &[usize],
+    statuses: &[DescriptorStatus],
+    retry_after: Option<u64>,
+) -> Vec<HeaderValue> {
+    let closest = enforced
+        .iter()
+        .filter(|i| statuses[**i].current_limit.is_some())
+        .min_by_key(|i| {
+            (
+                statuses[**i].code != Code::OverLimit as i32,
+                statuses[**i].limit_remaining,
+            )
+        });
+    let Some(&index) = closest else {
+        return Vec::new();
+    };
+    let (Some(rule), Some(limit)) = (rule_of(&matched[index]), limit_of(&matched[index])) else {
+        return Vec::new();
+    };
+    let status = &statuses[index];
+    let name = policy_name(rule);
+    let reset = status.duration_until_reset.map_or(0, |d| d.seconds);
+    let header = |key: &str, value: String| HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..HeaderValue::default()
+    };
+    let mut headers = vec![
+        header(
+            "RateLimit-Policy",
+            format!(
+                "\"{name}\";q={};w={}",
+                limit.account.capacity, limit.account.window_seconds
+            ),
+        ),
+        header(
+            "RateLimit",
+            format!("\"{name}\";r={};t={reset}", status.limit_remaining),
+        ),
+    ];
+    if let Some(seconds) = retry_after {
+        headers.push(header("Retry-After", seconds.to_string()));
+    }
+    headers
+}
+
+/// The policy's name in the fields: the rule's `name`, else its last key; only characters a
+/// structured-field string carries plainly.
+fn policy_name(rule: &Rule) -> String {
+    let name = rule
+        .name
+        .as_deref()
+        .unwrap_or_else(|| rule.path.rsplit('.').next().unwrap_or("limit"));
+    name.chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_graphic() && c != '"' && c != '\\' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,149 @@
+//! Giving back live holds of an account by amount, not by receipt: Envoy's `is_negative_hits`
+//! (a request that ends gives its concurrency slot back, whichever instance placed it).
+//!
+//! Never below zero: only holds still pending are voided, each whole, oldest first, and only while
+//! their amount fits in what is asked; a hold already voided or expired answers so and gives
+//! nothing back. A release can therefore give back less than asked, never more.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tb::error::CreateTransferErrorKind;
+use tigerbeetle_unofficial as tb;
+
+use super::metrics::Operation;
+use super::{
+    client_error, model, unexpected_transfer, Ledger, LedgerError, TRANSFERS_PAGES_MAX,
+    TRANSFERS_PAGE_LIMIT,
+};
+
+/// At most this many holds are voided by one release (one request's negative hits).
+pub const RELEASE_HOLDS_MAX: usize = 254;
+
+/// What a release gave back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Units given back (at most what was asked).
+    pub units: u64,
+    /// The account's available credit afterwards; `None` if the account does not exist.
+    pub available: Option<u64>,
+}
+
+impl Ledger {
+    /// Voids live holds of `account_id` adding up to at most `units`, oldest first.
+    pub async fn release_units(
+        &self,
+        account_id: u128,
+        units: u64,
+        window_seconds: u32,
+        deadline: Instant,
+    ) -> Result<Released, LedgerError> {
+        let pending = self
+            .pending_holds(account_id, window_seconds, deadline)
+            .await?;
+        let mut chosen = Vec::new();
+        let mut left = units;
+        for (id, amount) in pending {
+            if chosen.len() == RELEASE_HOLDS_MAX || left == 0 {
+                break;
+            }
+            if amount <= left {
+                left -= amount;
+                chosen.push((id, amount));
+            }
+        }
+        let released = if chosen.is_empty() {
+            0
+        } else {
+            self.void_all(chosen, deadline).await?
+        };
+        let available = self.lookup_account(account_id, deadline).await?.map(|a| {
+            let credit = a.credits_posted().saturating_sub(a.debits_posted());
+            u64::try_from(credit.saturating_sub(a.debits_pending())).unwrap_or(u64::MAX)
+        });
+        Ok(Released {
+            units: released,
+            available,
+        })
+    }
+
+    /// The account's holds not voided nor expired, oldest first, as (transfer id, amount).
+    async fn pending_holds(
+        &self,
+        account_id: u128,
+        window_seconds: u32,
+        deadline: Instant,
+    ) -> Result<Vec<(u128, u64)>, LedgerError> {
+        let now = SystemTime::now();
+        let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds) + 5);
+        let mut holds = Vec::new();
+        let mut voided = HashSet::new();
+        for _ in 0..TRANSFERS_PAGES_MAX {
+            let debits = tb::account::FilterFlags::DEBITS;
+            let page = self
+                .transfers_page(account_id, debits, timestamp_min, deadline)
+                .await?;
+            for transfer in &page {
+                let flags = transfer.flags();
+                if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
+                    voided.insert(transfer.pending_id());
+                }
+                let expires_at =
+                    transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
+                if flags.contains(tb::transfer::Flags::PENDING) && expires_at > now {
+                    let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
+                    holds.push((transfer.id(), amount));
+                }
+            }
+            match page.last() {
+                Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
+                    timestamp_min = last.timestamp() + Duration::from_nanos(1);
+                }
+                _ => break,
+            }
+        }
+        holds.retain(|(id, _)| !voided.contains(id));
+        Ok(holds)
+    }
+
+    /// Voids each hold (independent events, not a chain: one that expired meanwhile must not
+    /// keep the others); the units of those actually voided.
+    async fn void_all(
+        &self,
+        holds: Vec<(u128, u64)>,
+        deadline: Instant,
+    ) -> Result<u64, LedgerError> {
+        let ledger_id = self.ledger_id;
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                let voids: Vec<tb::Transfer> = holds
+                    .iter()
+                    .map(|(id, _)| model::void_transfer(*id, ledger_id))
+                    .collect();
+                let mut released: u64 = holds.iter().map(|(_, amount)| amount).sum();
+                match client.create_transfers(voids).await {
+                    Ok(()) => {}
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        for error in errors.as_slice() {
+                            match error.kind() {
+                                CreateTransferErrorKind::PendingTransferExpired
+                                | CreateTransferErrorKind::PendingTransferAlreadyVoided => {}
+                                kind => return Err(unexpected_transfer("release: ", kind)),
+                            }
+                            let index = usize::try_from(error.index()).unwrap_or(usize::MAX);
+                            let amount = holds.get(index).map_or(0, |(_, amount)| *amount);
+                            released = released.saturating_sub(amount);
+                        }
+                    }
+                    Err(e) => return Err(client_error(Operation::CreateTransfers, e)),
+                }
+                Ok(released)
+            },
+            None::<fn(Arc<tb::Client>, &Result<u64, LedgerError>)>,
+        )
+        .await
+    }
+}

@@ -1,0 +1,646 @@
+//! The Envoy front end as Envoy calls it: a tonic client over a real socket, the real server
+//! (`Application` with its RLS listener, or the binary), a real TigerBeetle.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use futures_util::future::join_all;
+use ledger_limiter::config::{FileConfig, LedgerFile, RlsFile, Settings};
+use ledger_limiter::startup::{Application, Exporters};
+use tonic::transport::Channel;
+
+type Client = RateLimitServiceClient<Channel>;
+
+const ANOTHER: &str = include_str!("envoy_config/integration_another.yaml");
+const BASIC: &str = include_str!("envoy_config/integration_basic.yaml");
+
+/// Our own rules beside envoyproxy/ratelimit's: extensions and the features its integration
+/// configs do not use.
+const EXTRA: &str = r#"
+domain: extra
+descriptors:
+  - key: unlimited
+    rate_limit:
+      unlimited: true
+  - key: short
+    rate_limit:
+      requests_per_unit: 5
+      window_seconds: 2
+  - key: slot
+    concurrency: true
+    rate_limit:
+      requests_per_unit: 2
+      window_seconds: 2
+  - key: costly
+    rate_limit:
+      requests_per_unit: 10
+      unit: minute
+  - key: shadowed
+    shadow_mode: true
+    rate_limit:
+      requests_per_unit: 1
+      unit: minute
+  - key: general
+    rate_limit:
+      name: general
+      requests_per_unit: 3
+      unit: minute
+  - key: specific
+    rate_limit:
+      name: specific
+      requests_per_unit: 100
+      unit: minute
+      replaces:
+        - name: general
+"#;
+
+/// A directory with the three rule files.
+fn rules_dir() -> PathBuf {
+    let dir = tempfile::tempdir().expect("tempdir").keep();
+    for (name, text) in [
+        ("another.yaml", ANOTHER),
+        ("basic.yaml", BASIC),
+        ("extra.yaml", EXTRA),
+    ] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    dir
+}
+
+fn rls_config(
+    ledger: std::net::SocketAddr,
+    rules: &Path,
+    policy: &str,
+    timeout_ms: u64,
+) -> FileConfig {
+    let mut config = test_config(ledger);
+    config.ledger = LedgerFile {
+        failure_policy: Some(policy.to_owned()),
+        timeout_ms: Some(timeout_ms),
+        ..config.ledger
+    };
+    config.rls = RlsFile {
+        listen: Some("127.0.0.1:0".to_owned()),
+        config: Some(rules.to_owned()),
+    };
+    config
+}
+
+/// An application with its RLS listener on, and a client connected to it.
+async fn spawn_rls(config: FileConfig) -> (TestApp, Client) {
+    let settings = Settings::with_overrides(config).expect("valid test configuration");
+    let application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
+    let port = application.rls_port().expect("RLS listener on");
+    let app = run(application);
+    (app, client(port).await)
+}
+
+async fn client(port: u16) -> Client {
+    RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .expect("the RLS listener accepts")
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_owned(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn call(client: &mut Client, request: RateLimitRequest) -> RateLimitResponse {
+    client
+        .should_rate_limit(request)
+        .await
+        .expect("an answer")
+        .into_inner()
+}
+
+fn header<'a>(response: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    response
+        .response_headers_to_add
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| h.value.as_str())
+}
+
+fn overall(response: &RateLimitResponse) -> Code {
+    Code::try_from(response.overall_code).expect("a known code")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wire_parity_with_envoyproxy_ratelimit_integration_cases() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    // key2: 20 per minute. 20 OKs with limit_remaining 19 → 0, then OVER_LIMIT.
+    for remaining in (0..20).rev() {
+        let response = call(
+            &mut client,
+            request("another", vec![descriptor(&[("key2", &value)])]),
+        )
+        .await;
+        assert_eq!(overall(&response), Code::Ok);
+        assert_eq!(response.statuses.len(), 1);
+        let status = &response.statuses[0];
+        assert_eq!(status.code, Code::Ok as i32);
+        assert_eq!(status.limit_remaining, remaining);
+        let limit = status.current_limit.as_ref().expect("a current limit");
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (20, 2),
+            "20 per MINUTE"
+        );
+        assert!(status
+            .duration_until_reset
+            .is_some_and(|d| (1..=61).contains(&d.seconds)));
+        assert_eq!(
+            header(&response, "RateLimit-Policy"),
+            Some("\"key2\";q=20;w=60")
+        );
+    }
+    let limited = call(
+        &mut client,
+        request("another", vec![descriptor(&[("key2", &value)])]),
+    )
+    .await;
+    assert_eq!(overall(&limited), Code::OverLimit);
+    assert_eq!(limited.statuses[0].code, Code::OverLimit as i32);
+    assert_eq!(limited.statuses[0].limit_remaining, 0);
+    let retry_after: u64 = header(&limited, "Retry-After")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!((1..=61).contains(&retry_after), "{retry_after}");
+    assert!(header(&limited, "RateLimit").unwrap().contains(";r=0;"));
+
+    // An unknown descriptor: OK, no current limit. Unlimited: the most there is. One status each.
+    let mixed = request(
+        "extra",
+        vec![
+            descriptor(&[("nothing", "x")]),
+            descriptor(&[("unlimited", "x")]),
+        ],
+    );
+    let response = call(&mut client, mixed).await;
+    assert_eq!(overall(&response), Code::Ok);
+    assert_eq!(response.statuses.len(), 2);
+    assert_eq!(response.statuses[0].current_limit, None);
+    assert_eq!(response.statuses[1].limit_remaining, u32::MAX);
+    let unknown_domain = call(
+        &mut client,
+        request("nowhere", vec![descriptor(&[("key2", "x")])]),
+    )
+    .await;
+    assert_eq!(overall(&unknown_domain), Code::Ok);
+    assert_eq!(unknown_domain.statuses[0].current_limit, None);
+
+    // Bad input: INVALID_ARGUMENT, as envoyproxy/ratelimit answers.
+    for bad in [
+        request("", vec![descriptor(&[("key2", "x")])]),
+        request("another", vec![]),
+        request("another", vec![descriptor(&[])]),
+        request("another", vec![descriptor(&[("key2", &"x".repeat(300))])]),
+        request(
+            "another",
+            (0..65).map(|_| descriptor(&[("key2", "x")])).collect(),
+        ),
+    ] {
+        let status = client.should_rate_limit(bad).await.expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_hourly_descriptor_leaves_the_minute_one_untouched() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    // key2 20/min and key3 10/h, as in envoyproxy/ratelimit's "another" integration test.
+    let both = || {
+        request(
+            "another",
+            vec![
+                descriptor(&[("key2", &value)]),
+                descriptor(&[("key3", &value)]),
+            ],
+        )
+    };
+    for i in 0..10u32 {
+        let response = call(&mut client, both()).await;
+        assert_eq!(overall(&response), Code::Ok, "request {i}");
+        assert_eq!(response.statuses[0].limit_remaining, 19 - i);
+        assert_eq!(response.statuses[1].limit_remaining, 9 - i);
+    }
+    for _ in 0..5 {
+        let response = call(&mut client, both()).await;
+        assert_eq!(overall(&response), Code::OverLimit);
+        assert_eq!(response.statuses[0].code, Code::Ok as i32);
+        assert_eq!(response.statuses[1].code, Code::OverLimit as i32);
+        assert_eq!(
+            response.statuses[0].limit_remaining, 10,
+            "the minute limit did not move"
+        );
+    }
+    // Nothing was held on key2 by the refusals: alone, it still has 10.
+    let alone = call(
+        &mut client,
+        request("another", vec![descriptor(&[("key2", &value)])]),
+    )
+    .await;
+    assert_eq!(alone.statuses[0].limit_remaining, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_admit_exactly_the_limit_in_every_window() {
+    let rules = rules_dir();
+    let ledger = shared_ledger().address;
+    let mut clients = Vec::new();
+    let mut apps = Vec::new();
+    for _ in 0..3 {
+        let (app, client) = spawn_rls(rls_config(ledger, &rules, "closed", 5_000)).await;
+        apps.push(app);
+        clients.push(client);
+    }
+    let value = fresh_key("v");
+    // "short": 5 per 2-second sliding window. Two rounds, one window apart.
+    for round in 0..2 {
+        let calls = (0..30).map(|i| {
+            let mut client = clients[i % 3].clone();
+            let request = request("extra", vec![descriptor(&[("short", &value)])]);
+            async move { call(&mut client, request).await }
+        });
+        let responses = join_all(calls).await;
+        let admitted = responses.iter().filter(|r| overall(r) == Code::Ok).count();
+        assert_eq!(
+            admitted, 5,
+            "round {round}: exactly the limit across three instances"
+        );
+        tokio::time::sleep(Duration::from_millis(2_400)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_addend_precedence_and_costs_above_what_remains() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    let costly = |request_hits: u32, descriptor_hits: Option<u64>| {
+        let mut d = descriptor(&[("costly", &value)]);
+        d.hits_addend = descriptor_hits.map(|value| UInt64Value { value });
+        RateLimitRequest {
+            hits_addend: request_hits,
+            ..request("extra", vec![d])
+        }
+    };
+    // The request's hits_addend (3), then a descriptor's own (4) wins over the request's (1).
+    assert_eq!(
+        call(&mut client, costly(3, None)).await.statuses[0].limit_remaining,
+        7
+    );
+    assert_eq!(
+        call(&mut client, costly(1, Some(4))).await.statuses[0].limit_remaining,
+        3
+    );
+    // 5 > 3 remaining: OVER_LIMIT, and nothing consumed.
+    let over = call(&mut client, costly(5, None)).await;
+    assert_eq!(overall(&over), Code::OverLimit);
+    assert_eq!(
+        call(&mut client, costly(0, Some(0))).await.statuses[0].limit_remaining,
+        3
+    );
+    assert_eq!(
+        call(&mut client, costly(3, None)).await.statuses[0].limit_remaining,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
+    let rules = rules_dir();
+    let ledger = shared_ledger().address;
+    let (_a, mut a) = spawn_rls(rls_config(ledger, &rules, "closed", 5_000)).await;
+    let (_b, mut b) = spawn_rls(rls_config(ledger, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    let acquire = || request("extra", vec![descriptor(&[("slot", &value)])]);
+    let release = || {
+        let mut d = descriptor(&[("slot", &value)]);
+        d.is_negative_hits = true;
+        request("extra", vec![d])
+    };
+    assert_eq!(overall(&call(&mut a, acquire()).await), Code::Ok);
+    assert_eq!(overall(&call(&mut b, acquire()).await), Code::Ok);
+    assert_eq!(
+        overall(&call(&mut a, acquire()).await),
+        Code::OverLimit,
+        "2 in flight"
+    );
+    // Released through the other instance: a slot is free again on both.
+    let released = call(&mut b, release()).await;
+    assert_eq!(overall(&released), Code::Ok);
+    assert_eq!(released.statuses[0].limit_remaining, 1);
+    assert_eq!(overall(&call(&mut a, acquire()).await), Code::Ok);
+    // Never below zero: releasing more than is held gives back only what is held.
+    for _ in 0..3 {
+        call(&mut a, release()).await;
+    }
+    assert_eq!(call(&mut a, release()).await.statuses[0].limit_remaining, 2);
+    // A slot whose request never ended (the proxy died) expires with its window (2 s).
+    call(&mut a, acquire()).await;
+    call(&mut a, acquire()).await;
+    assert_eq!(overall(&call(&mut a, acquire()).await), Code::OverLimit);
+    tokio::time::sleep(Duration::from_millis(2_400)).await;
+    assert_eq!(overall(&call(&mut a, acquire()).await), Code::Ok);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    for _ in 0..3 {
+        let response = call(
+            &mut client,
+            request("extra", vec![descriptor(&[("shadowed", &value)])]),
+        )
+        .await;
+        assert_eq!(overall(&response), Code::Ok, "shadow mode never denies");
+        assert_eq!(response.statuses[0].code, Code::Ok as i32);
+    }
+    // "general" (3/min) is replaced by "specific" when both match: 5 requests pass.
+    for _ in 0..5 {
+        let both = request(
+            "extra",
+            vec![
+                descriptor(&[("general", &value)]),
+                descriptor(&[("specific", &value)]),
+            ],
+        );
+        let response = call(&mut client, both).await;
+        assert_eq!(overall(&response), Code::Ok);
+        assert_eq!(response.statuses[0].current_limit, None, "replaced");
+    }
+    // A request's own limit (RateLimitOverride) applies in a configured domain, to any descriptor.
+    let overridden = |domain: &str| {
+        let mut d = descriptor(&[("anything", &value)]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 2,
+            unit: 3, // HOUR
+        });
+        request(domain, vec![d])
+    };
+    for remaining in [1, 0] {
+        let response = call(&mut client, overridden("extra")).await;
+        assert_eq!(response.statuses[0].limit_remaining, remaining);
+        let limit = response.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (2, 3));
+    }
+    assert_eq!(
+        overall(&call(&mut client, overridden("extra")).await),
+        Code::OverLimit
+    );
+    let elsewhere = call(&mut client, overridden("nowhere")).await;
+    assert_eq!(
+        elsewhere.statuses[0].current_limit, None,
+        "not in an unknown domain"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
+    let rules = rules_dir();
+    let ledger = TestLedger::start();
+    let (_closed, mut closed) = spawn_rls(rls_config(ledger.address, &rules, "closed", 300)).await;
+    let (_open, mut open) = spawn_rls(rls_config(ledger.address, &rules, "open", 300)).await;
+    let value = fresh_key("v");
+    let one = || request("another", vec![descriptor(&[("key2", &value)])]);
+    assert_eq!(overall(&call(&mut closed, one()).await), Code::Ok);
+    ledger.kill();
+    let started = Instant::now();
+    let status = closed
+        .should_rate_limit(one())
+        .await
+        .expect_err("unavailable");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(1_000),
+        "{:?}",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    let response = call(&mut open, one()).await;
+    assert_eq!(overall(&response), Code::Ok, "the open policy admits");
+    assert!(
+        started.elapsed() < Duration::from_millis(1_000),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
+    let ledger = shared_ledger();
+    let rules = rules_dir();
+    let value = fresh_key("v");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let remaining_after = |guard_port: u16| {
+        runtime.block_on(async {
+            let mut client = client(guard_port).await;
+            let response = call(
+                &mut client,
+                request("another", vec![descriptor(&[("key2", &value)])]),
+            )
+            .await;
+            response.statuses[0].limit_remaining
+        })
+    };
+    let start = || {
+        let mut command = binary_command();
+        command
+            .arg("--listen=127.0.0.1:0")
+            .arg(format!("--ledger-addresses={}", ledger.address))
+            // The RLS listener is up before the client's first ledger call (~0.6 s) is done.
+            .arg("--ledger-timeout-ms=5000")
+            .arg("--rls-listen=127.0.0.1:0")
+            .arg(format!("--rls-config={}", rules.display()));
+        start_binary_logged(command, "Envoy rate-limit service listening on port ")
+    };
+    let (mut first, port, log) = start();
+    for expected in [19, 18, 17] {
+        assert_eq!(remaining_after(port), expected);
+    }
+    // SIGTERM: the HTTP server drains, then the gRPC server stops, then the process exits 0.
+    let mut child = first.take();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "still running after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(exit.success(), "{exit:?}");
+    assert!(log
+        .lock()
+        .unwrap()
+        .contains("Envoy rate-limit service stopped"));
+    let (_second, port, _) = start();
+    assert_eq!(
+        remaining_after(port),
+        16,
+        "the ledger, not the instance, remembers"
+    );
+}
+
+/// Envoy cannot run here: the compose stack's envoy.yaml is checked statically against what the
+/// app serves (the filter, its gRPC cluster on HTTP/2 at the app's RLS port, a timeout above the
+/// decision deadline, failure_mode_deny, a domain the rules define).
+#[test]
+fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
+    use ledger_limiter::envoy::config::RlsConfig;
+    use serde_norway::Value;
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
+    let envoy: Value = serde_norway::from_str(&text).expect("envoy.yaml parses");
+    let manager = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"];
+    let filter = &manager["http_filters"][0];
+    assert_eq!(
+        filter["name"].as_str(),
+        Some("envoy.filters.http.ratelimit")
+    );
+    let filter = &filter["typed_config"];
+    assert_eq!(filter["failure_mode_deny"].as_bool(), Some(true));
+    let timeout_ms: f64 = filter["timeout"]
+        .as_str()
+        .unwrap()
+        .trim_end_matches('s')
+        .parse::<f64>()
+        .unwrap()
+        * 1000.0;
+    assert!(
+        timeout_ms > 250.0,
+        "above the default decision deadline (ledger.timeout_ms)"
+    );
+    let service = &filter["rate_limit_service"];
+    assert_eq!(service["transport_api_version"].as_str(), Some("V3"));
+    let cluster_name = service["grpc_service"]["envoy_grpc"]["cluster_name"]
+        .as_str()
+        .unwrap();
+    let clusters = envoy["static_resources"]["clusters"].as_sequence().unwrap();
+    let cluster = clusters
+        .iter()
+        .find(|c| c["name"].as_str() == Some(cluster_name))
+        .expect("the cluster");
+    let options = &cluster["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert!(
+        options["explicit_http_config"]["http2_protocol_options"].is_mapping(),
+        "gRPC needs HTTP/2"
+    );
+    let address = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        ["address"]["socket_address"];
+    assert_eq!(address["address"].as_str(), Some("app"));
+    let compose: Value =
+        serde_norway::from_str(&std::fs::read_to_string(root.join("docker-compose.yml")).unwrap())
+            .unwrap();
+    let app = &compose["services"]["app"]["environment"];
+    let listen = app["LEDGER_LIMITER_RLS_LISTEN"].as_str().unwrap();
+    assert_eq!(
+        listen.rsplit(':').next(),
+        Some(address["port_value"].as_u64().unwrap().to_string().as_str())
+    );
+    assert!(compose["services"]["envoy"]["image"]
+        .as_str()
+        .unwrap()
+        .starts_with("envoyproxy/envoy:v"));
+    // The domain and every descriptor key Envoy sends are rules of the mounted configuration.
+    let rules = RlsConfig::load(&root.join("envoy/ratelimit")).expect("the demo rules load");
+    let domain = filter["domain"].as_str().unwrap();
+    let routes = &manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["rate_limits"];
+    for rate_limit in routes.as_sequence().unwrap() {
+        let key = rate_limit["actions"][0]["request_headers"]["descriptor_key"]
+            .as_str()
+            .unwrap();
+        assert!(
+            rules.rule_for(domain, [(key, "k")].into_iter()).is_some(),
+            "{key}"
+        );
+    }
+}
+
+/// Decisions are counted in the middleware's families with `frontend="envoy"`, labelled by rule;
+/// descriptor values (which can be API keys) are never labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_are_counted_with_the_envoy_frontend_label() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .expect("the only recorder of this test binary");
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("secret_");
+    let one = || {
+        request(
+            "extra",
+            vec![
+                descriptor(&[("shadowed", &value)]),
+                descriptor(&[("costly", &value)]),
+            ],
+        )
+    };
+    for _ in 0..2 {
+        call(&mut client, one()).await;
+    }
+    let text = recorder.render();
+    let line = |needle: &str| text.lines().find(|l| l.contains(needle)).map(str::to_owned);
+    let admitted = line(r#"decision="admitted",plan="extra.costly",source="ledger""#).expect(&text);
+    assert!(
+        admitted.contains(r#"frontend="envoy""#) && admitted.ends_with(" 2"),
+        "{admitted}"
+    );
+    let shadow = line(
+        r#"ledger_limiter_shadow_passed_total{frontend="envoy",decision="limited",plan="extra.shadowed"}"#,
+    );
+    assert!(shadow.is_some_and(|l| l.ends_with(" 1")), "{text}");
+    assert!(!text.contains(&value), "a descriptor value became a label");
+}
