@@ -122,6 +122,14 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
         (after["available"].as_u64(), after["reductions"].as_u64()),
         (Some(0), Some(1))
     );
+    // Its latest transfers, oldest first: the grant, the request's hold, the reduction.
+    let kinds: Vec<&str> = after["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["grant", "hold", "reduction"], "{after}");
     assert_eq!(app.get("/greeting", Some(&other)).await.status(), 429);
     app.stop().await;
 }

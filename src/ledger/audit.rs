@@ -13,6 +13,24 @@ use super::{model, Ledger, LedgerError, TRANSFERS_PAGE_LIMIT};
 /// incomplete rather than reading without end.
 pub const AUDIT_PAGES_MAX: usize = 4096;
 
+/// How many of the account's latest transfers an audit lists.
+pub const RECENT_TRANSFERS_MAX: usize = 20;
+
+/// One transfer of the account, as an operator reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TransferSummary {
+    /// Hex.
+    pub id: String,
+    /// What it is: `grant`, `hold`, `void`, `top_up`, `reduction`, `block`, `unblock`, `move`,
+    /// `move_back`, `carried` (or `code_<n>` for a code this version does not know).
+    pub kind: String,
+    pub amount: u128,
+    /// Nanoseconds since the UNIX epoch (the ledger's clock).
+    pub timestamp_ns: u64,
+    /// A pending transfer's timeout (0 for the others).
+    pub timeout_seconds: u32,
+}
+
 /// One account, as the ledger records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AccountAudit {
@@ -50,6 +68,8 @@ pub struct AccountAudit {
     pub blocked: bool,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
+    /// The latest transfers (at most [`RECENT_TRANSFERS_MAX`]), oldest first.
+    pub recent: Vec<TransferSummary>,
     pub complete: bool,
 }
 
@@ -94,6 +114,7 @@ impl Ledger {
             carried_in: 0,
             blocked: account.flags().contains(tb::account::Flags::CLOSED),
             transfers_read: 0,
+            recent: Vec::new(),
             complete: false,
         };
         let both = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::CREDITS;
@@ -120,6 +141,10 @@ impl Ledger {
 impl AccountAudit {
     fn count(&mut self, transfer: &tb::Transfer) {
         self.transfers_read += 1;
+        if self.recent.len() == RECENT_TRANSFERS_MAX {
+            self.recent.remove(0);
+        }
+        self.recent.push(summary(transfer));
         let flags = transfer.flags();
         let void = flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
         match transfer.code() {
@@ -141,5 +166,35 @@ impl AccountAudit {
         } else if flags.contains(tb::transfer::Flags::PENDING) {
             self.holds += 1;
         }
+    }
+}
+
+fn summary(transfer: &tb::Transfer) -> TransferSummary {
+    let void = transfer
+        .flags()
+        .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+    let kind = match (transfer.code(), void) {
+        (model::TRANSFER_CODE_GRANT, _) => "grant".to_owned(),
+        (model::TRANSFER_CODE_REQUEST, false) => "hold".to_owned(),
+        (model::TRANSFER_CODE_REQUEST, true) => "void".to_owned(),
+        (model::TRANSFER_CODE_TOP_UP, _) => "top_up".to_owned(),
+        (model::TRANSFER_CODE_REDUCE, _) => "reduction".to_owned(),
+        (model::TRANSFER_CODE_BLOCK, false) => "block".to_owned(),
+        (model::TRANSFER_CODE_BLOCK, true) => "unblock".to_owned(),
+        (model::TRANSFER_CODE_MOVE, false) => "move".to_owned(),
+        (model::TRANSFER_CODE_MOVE, true) => "move_back".to_owned(),
+        (model::TRANSFER_CODE_CARRY, _) => "carried".to_owned(),
+        (code, _) => format!("code_{code}"),
+    };
+    let timestamp_ns = transfer
+        .timestamp()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    TransferSummary {
+        id: format!("{:032x}", transfer.id()),
+        kind,
+        amount: transfer.amount(),
+        timestamp_ns,
+        timeout_seconds: transfer.timeout(),
     }
 }
