@@ -87,6 +87,8 @@ impl Application {
             settings.plans.clone(),
             settings.limiter.clone(),
         ));
+        // Settles leases whose time is over; ends when the limiter is dropped.
+        crate::limiter::lease::spawn_settler(&limiter);
         let listener =
             TcpListener::bind(&settings.listen).map_err(|source| StartupError::Listen {
                 address: settings.listen.clone(),

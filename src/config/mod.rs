@@ -19,6 +19,7 @@ use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
 
 mod keys_file;
+mod lease;
 
 pub use keys_file::KEYS_FILE_BYTES_MAX;
 
@@ -133,6 +134,12 @@ pub struct CallerFile {
 pub struct PlanFile {
     pub capacity: u64,
     pub window_seconds: u32,
+    /// Lease mode (both or neither): the most units one instance leases for a caller at a time.
+    #[serde(default)]
+    pub lease_units_max: Option<u64>,
+    /// Lease mode: how long an instance admits from one lease (L) before settling it.
+    #[serde(default)]
+    pub lease_seconds: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -510,10 +517,9 @@ fn plan_book(
             .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
         let window = NonZeroU32::new(plan.window_seconds)
             .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
-        list.push(
-            Plan::new(&name, capacity, window)
-                .map_err(|e| invalid(format!("plans.{name}"), e.to_string()))?,
-        );
+        let built = Plan::new(&name, capacity, window)
+            .map_err(|e| invalid(format!("plans.{name}"), e.to_string()))?;
+        list.push(lease::plan_with_lease(built, &name, &plan)?);
     }
     let unknown_keys = one_of(
         require(unknown_keys, "caller.unknown_keys")?,

@@ -9,6 +9,7 @@
 pub mod addresses;
 pub mod audit;
 pub mod embedded;
+pub mod lease;
 pub mod metrics;
 pub mod model;
 

@@ -6,6 +6,7 @@
 //! its own decisions and records them on the request's span, whichever front end asked.
 
 pub mod caller;
+pub mod lease;
 pub mod local_view;
 pub mod metrics;
 pub mod plan;
@@ -136,6 +137,7 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     settings: LimiterSettings,
     local: LocalView,
     decisions: DecisionMetrics,
+    leases: lease::LeaseBook,
 }
 
 impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
@@ -165,6 +167,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn with_seams(store: S, clock: C, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
+        let leases = lease::LeaseBook::new(&plans);
         Limiter {
             store,
             clock,
@@ -172,6 +175,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             settings,
             local,
             decisions,
+            leases,
         }
     }
 
@@ -287,7 +291,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
     /// between one more hold and a 429.
     async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
-        match self.try_decide(charge).await {
+        let started = self.clock.now();
+        if let Some(terms) = charge.plan.lease() {
+            return self.decide_leased(charge, terms, started).await;
+        }
+        self.decide_per_request(charge, started).await
+    }
+
+    async fn decide_per_request(
+        &self,
+        charge: &Charge<'_>,
+        started: Instant,
+    ) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
+        match self.try_decide(charge, started).await {
             Ok(admitted) => admitted,
             Err((outcome, local)) => (outcome, local, None),
         }
@@ -297,8 +313,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn try_decide(
         &self,
         charge: &Charge<'_>,
+        started: Instant,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), (Outcome, LocalQuota)> {
-        let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
             let outcome = limited(limit.retry_after, DecisionSource::LocalView);
             return Err((outcome, limit.quota));
