@@ -434,3 +434,6 @@ pub fn spawn_settler<S: Store, C: Clock>(
         }
     }))
 }
+
+#[cfg(test)]
+mod tests;
