@@ -36,15 +36,23 @@ pub struct AccountAudit {
     pub voids: u64,
     /// Operators' reductions of the credit (admin API).
     pub reductions: u64,
+    /// Lease mode: leases placed (code 5, pending), leases settled (their void, code 5), the
+    /// requests those settled leases admitted (the voids' `user_data_64`), and settlement holds
+    /// (code 6). A lease never settled (its instance died) expired with its count unrecorded.
+    pub leases: u64,
+    pub leases_settled: u64,
+    pub lease_requests: u64,
+    pub lease_settlements: u64,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
     pub complete: bool,
 }
 
 impl AccountAudit {
-    /// Holds that count as admitted requests: placed and not voided.
+    /// Holds that count as admitted requests: placed and not voided (lease plans: plus
+    /// `lease_requests`).
     pub fn admitted(&self) -> u64 {
-        self.holds.saturating_sub(self.voids)
+        self.holds.saturating_sub(self.voids) + self.lease_requests
     }
 }
 
@@ -74,6 +82,10 @@ impl Ledger {
             holds: 0,
             voids: 0,
             reductions: 0,
+            leases: 0,
+            leases_settled: 0,
+            lease_requests: 0,
+            lease_settlements: 0,
             transfers_read: 0,
             complete: false,
         };
@@ -102,7 +114,16 @@ impl AccountAudit {
     fn count(&mut self, transfer: &tb::Transfer) {
         self.transfers_read += 1;
         let flags = transfer.flags();
-        if transfer.code() == model::TRANSFER_CODE_GRANT {
+        if transfer.code() == super::lease::TRANSFER_CODE_LEASE {
+            if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
+                self.leases_settled += 1;
+                self.lease_requests += transfer.user_data_64();
+            } else {
+                self.leases += 1;
+            }
+        } else if transfer.code() == super::lease::TRANSFER_CODE_LEASE_SETTLEMENT {
+            self.lease_settlements += 1;
+        } else if transfer.code() == model::TRANSFER_CODE_GRANT {
             self.grants += 1;
         } else if transfer.code() == model::TRANSFER_CODE_REDUCE {
             self.reductions += 1;
