@@ -56,6 +56,8 @@ pub const LEASE_ADMITTED_TOTAL: &str = "ledger_limiter_lease_admitted_total";
 pub const LEASE_TRANSFERS_TOTAL: &str = "ledger_limiter_lease_transfers_total";
 
 type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
+/// Callers by account id; each locked (asynchronously) for the whole of a renewal.
+type Shard = HashMap<u128, Arc<AsyncMutex<CallerLease>>>;
 
 /// One lease this instance holds for a caller.
 #[derive(Debug, Clone, Copy)]
@@ -157,7 +159,7 @@ impl LeaseMetrics {
 
 /// Every caller's lease state on this instance (bounded by [`LEASE_CALLERS_MAX`]).
 pub(super) struct LeaseBook {
-    shards: Box<[Mutex<HashMap<u128, Arc<AsyncMutex<CallerLease>>>>]>,
+    shards: Box<[Mutex<Shard>]>,
     metrics: LeaseMetrics,
 }
 
@@ -172,10 +174,7 @@ impl LeaseBook {
         }
     }
 
-    fn shard(
-        &self,
-        account_id: u128,
-    ) -> MutexGuard<'_, HashMap<u128, Arc<AsyncMutex<CallerLease>>>> {
+    fn shard(&self, account_id: u128) -> MutexGuard<'_, Shard> {
         let index = (account_id as usize) % SHARD_COUNT;
         self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -296,7 +296,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
         model: Arc::new(Mutex::new(Model::default())),
         clock: clock.clone(),
     };
-    let mut instances = vec![instance(&store), instance(&store)];
+    let mut instances = [instance(&store), instance(&store)];
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
     let mut admitted: Vec<(Instant, u64)> = Vec::new();
     let check = |at: Instant, admitted: &[(Instant, u64)]| -> Result<(), TestCaseError> {
