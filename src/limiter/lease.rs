@@ -312,6 +312,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return Ok(false);
         }
         let units = caller.next_units.min(remaining / 2).max(charge.cost);
+        assert!(units >= charge.cost && units <= caller.terms.units_max.get());
         let lease_seconds = caller.terms.seconds.get();
         let timeout_seconds = caller.window_seconds.saturating_add(lease_seconds);
         let reply = self
@@ -354,6 +355,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Settles `lease` (taken out of `caller`). On an error the outcome is unknown and both are
     /// safe: the lease is left to expire, which holds every unit it admitted long enough.
     async fn settle(&self, caller: &CallerLease, lease: Lease, deadline: Instant) {
+        assert!(lease.units_used <= lease.units);
         let settlement = caller.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
         let result = self.store.settle_lease(settlement, deadline).await;
