@@ -207,9 +207,20 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     let settler_a = spawn_settler(&a).unwrap();
     let settler_b = spawn_settler(&b).unwrap();
     let key = common::fresh_key("hot_");
-    // A runs hot for half a second (its leases grow), then dies: no settlement, no sweeper.
-    let until = Instant::now() + Duration::from_millis(500);
-    let ta = hammer(&a, &key, 16, until, Duration::from_millis(5)).await;
+    // Both clients connected (a client's first request takes ~0.6 s) and the caller provisioned.
+    for limiter in [&a, &b] {
+        limiter.ready(Duration::from_secs(10)).await.unwrap();
+    }
+    // A serves the caller for 0.7 s below its limit (about 100 requests/s, so it holds a lease
+    // with unused units), then dies: no settlement, no sweeper.
+    let until = Instant::now() + Duration::from_millis(700);
+    let ta = hammer(&a, &key, 2, until, Duration::from_millis(20)).await;
+    eprintln!(
+        "a: requests {}, admitted {}, failed {}",
+        ta.requests,
+        ta.admitted.len(),
+        ta.failed
+    );
     settler_a.abort();
     let killed = audit(&a, &key).await;
     drop(a);

@@ -11,7 +11,8 @@
 //!   `sent_at + L`, so a unit admitted at `t < sent_at + L` stays held until at least
 //!   `t + window`, and never more units than the lease holds.
 //! - The settlement is stamped at `S ≥` its sending, which is after every admission from the lease
-//!   (the caller's lease is locked meanwhile), and holds the used units until `S + window`: each
+//!   (a lease is taken out of the caller's state, under its lock, before its settlement is sent;
+//!   nothing admits from it after), and holds the used units until `S + window`: each
 //!   unit stays held at least a window after its admission. Void and hold are one linked chain,
 //!   so no instant sees the units released and not yet held again.
 //! - A settlement that fails or is lost leaves the lease pending; it covers every unit until
@@ -26,11 +27,12 @@
 //! `lease_units_max`.
 
 use std::collections::HashMap;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use metrics::{counter, describe_counter, Counter};
-use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
+use tokio::sync::Notify;
 
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
@@ -38,6 +40,7 @@ use super::store::{Clock, Store};
 use super::{Charge, HoldReceipt, Limiter, Outcome};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
+use crate::ledger::model::UserAccount;
 use crate::ledger::{HoldReply, LedgerError};
 
 /// Callers with lease state per instance; beyond, a caller is decided per request (still exact).
@@ -56,8 +59,12 @@ pub const LEASE_ADMITTED_TOTAL: &str = "ledger_limiter_lease_admitted_total";
 pub const LEASE_TRANSFERS_TOTAL: &str = "ledger_limiter_lease_transfers_total";
 
 type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
-/// Callers by account id; each locked (asynchronously) for the whole of a renewal.
-type Shard = HashMap<u128, Arc<AsyncMutex<CallerLease>>>;
+/// Callers by account id.
+type Shard = HashMap<u128, Arc<Slot>>;
+
+/// How often one request looks at its caller's lease (a renewal, or waiting for another's)
+/// before it is decided per request.
+const LEASE_ATTEMPTS_MAX: usize = 3;
 
 /// One lease this instance holds for a caller.
 #[derive(Debug, Clone, Copy)]
@@ -66,25 +73,54 @@ struct Lease {
     units: u64,
     units_used: u64,
     requests: u64,
+    /// When the lease was sent (taken before sending: the ledger stamps it no earlier).
+    sent_at: Instant,
     /// No admission at or after this (`sent_at + L`): see the module's proof.
     admit_until: Instant,
     /// The expiry the local view recorded for the lease (to forget it once settled).
     local_expires_at: Instant,
 }
 
-/// A caller's lease state on this instance, locked for the whole of a renewal.
-#[derive(Debug)]
-pub(super) struct CallerLease {
+/// Who a lease is for: what settling it needs.
+#[derive(Debug, Clone, Copy)]
+struct Holder {
     account_id: u128,
     plan_id: PlanId,
     capacity: u64,
     window_seconds: u32,
     terms: LeaseTerms,
+}
+
+/// A caller's lease state on this instance, under a short lock (never held across a ledger call).
+#[derive(Debug)]
+struct CallerLease {
+    holder: Holder,
     lease: Option<Lease>,
+    /// A request is taking the next lease: others admit from the current one, or wait.
+    renewing: bool,
     /// The next lease's size, from this caller's demand on this instance.
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
     idle_sweeps: u8,
+}
+
+/// A caller's lease state, and the signal that a renewal ended.
+struct Slot {
+    state: Mutex<CallerLease>,
+    renewed: Notify,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, CallerLease> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ends a renewal (whatever its outcome) and wakes the requests waiting for it.
+    fn renewal_ended(&self, caller: &mut CallerLease) {
+        assert!(caller.renewing);
+        caller.renewing = false;
+        self.renewed.notify_waiters();
+    }
 }
 
 impl CallerLease {
@@ -102,17 +138,40 @@ impl CallerLease {
         true
     }
 
-    /// Sizes the next lease from how the current one went: doubled when it ran out before L,
-    /// twice what was used when L ran out first.
-    fn resize(&mut self, now: Instant) {
+    /// Whether to take the next lease now, ahead of need: the current one is past half its time
+    /// or half its units (so hot callers rarely wait for the ledger).
+    fn renew_ahead(&self, now: Instant) -> bool {
+        let Some(lease) = &self.lease else {
+            return false;
+        };
+        let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
+        !self.renewing && (now >= half_time || lease.units_used * 2 >= lease.units)
+    }
+
+    /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
+    fn start_renewal(&mut self, now: Instant) {
+        assert!(!self.renewing);
+        self.renewing = true;
         if let Some(lease) = &self.lease {
-            let ran_out = now < lease.admit_until;
-            let wanted = if ran_out {
-                lease.units * 2
-            } else {
-                lease.units_used * 2
-            };
-            self.next_units = wanted.clamp(1, self.terms.units_max.get());
+            let lease_time = lease.admit_until - lease.sent_at;
+            let elapsed = (now - lease.sent_at)
+                .max(Duration::from_millis(1))
+                .min(lease_time);
+            let per_lease_time =
+                u128::from(lease.units_used) * lease_time.as_nanos() / elapsed.as_nanos();
+            let wanted = u64::try_from(per_lease_time.saturating_mul(2)).unwrap_or(u64::MAX);
+            self.next_units = wanted.clamp(1, self.holder.terms.units_max.get());
+        }
+    }
+}
+
+impl Holder {
+    fn account(&self) -> UserAccount {
+        UserAccount {
+            id: self.account_id,
+            capacity: NonZeroU64::new(self.capacity).expect("a plan's capacity is not zero"),
+            window_seconds: NonZeroU32::new(self.window_seconds)
+                .expect("a plan's window is not zero"),
         }
     }
 
@@ -180,7 +239,7 @@ impl LeaseBook {
     }
 
     /// The caller's lease state; `None` when the book is full (the caller is decided per request).
-    fn slot(&self, charge: &Charge<'_>, terms: LeaseTerms) -> Option<Arc<AsyncMutex<CallerLease>>> {
+    fn slot(&self, charge: &Charge<'_>, terms: LeaseTerms) -> Option<Arc<Slot>> {
         let mut shard = self.shard(charge.account.id);
         if let Some(slot) = shard.get(&charge.account.id) {
             return Some(slot.clone());
@@ -188,17 +247,23 @@ impl LeaseBook {
         if shard.len() >= LEASE_CALLERS_MAX / SHARD_COUNT {
             return None;
         }
-        let caller = CallerLease {
+        let holder = Holder {
             account_id: charge.account.id,
             plan_id: charge.plan_id,
             capacity: charge.account.capacity.get(),
             window_seconds: charge.account.window_seconds.get(),
             terms,
-            lease: None,
-            next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
-            idle_sweeps: 0,
         };
-        let slot = Arc::new(AsyncMutex::new(caller));
+        let slot = Arc::new(Slot {
+            state: Mutex::new(CallerLease {
+                holder,
+                lease: None,
+                renewing: false,
+                next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
+                idle_sweeps: 0,
+            }),
+            renewed: Notify::new(),
+        });
         shard.insert(charge.account.id, slot.clone());
         Some(slot)
     }
@@ -209,26 +274,28 @@ impl LeaseBook {
         }
     }
 
-    /// Callers whose lease time is over and that nobody is deciding for right now; callers idle
-    /// for two sweeps are forgotten.
-    fn due(&self, now: Instant) -> Vec<OwnedMutexGuard<CallerLease>> {
+    /// Takes out the leases whose time is over and that nobody is renewing (at most a batch);
+    /// callers idle for two sweeps are forgotten.
+    fn due(&self, now: Instant) -> Vec<(Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
             shard.retain(|_, slot| {
-                let Ok(mut caller) = slot.clone().try_lock_owned() else {
+                let mut caller = slot.lock();
+                if caller.renewing {
                     return true;
-                };
+                }
                 match caller.lease {
                     Some(lease) if now >= lease.admit_until && due.len() < SETTLE_BATCH_MAX => {
-                        due.push(caller);
+                        caller.lease = None;
+                        due.push((caller.holder, lease));
                         true
                     }
                     Some(_) => true,
                     None => {
                         caller.idle_sweeps += 1;
                         // Only the book holds it (checked under the shard lock, where `slot`
-                        // clones it): no request is about to lock a forgotten caller.
+                        // clones it): no request is about to use a forgotten caller.
                         caller.idle_sweeps < 2 || Arc::strong_count(slot) > 1
                     }
                 }
@@ -238,10 +305,22 @@ impl LeaseBook {
     }
 }
 
+/// What one look at the caller's lease came to.
+enum Look {
+    Admitted(Decided),
+    /// Admitted, and this request takes the next lease ahead of need.
+    AdmittedRenewing(Decided),
+    /// No room: this request renews (the current lease, if any, is retired first).
+    Renew(Option<Lease>),
+    /// Another request renews: wait for it.
+    Wait,
+}
+
 impl<S: Store, C: Clock> Limiter<S, C> {
-    /// A decision on a lease plan: from the caller's lease in memory when it has room; else the
-    /// lease is settled and a new one taken; per request (exact, as without leases) when no lease
-    /// can be had. Everything by `started + ledger_timeout`.
+    /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
+    /// that finds it half spent takes the next one); else after a renewal, its own or another
+    /// request's; per request (exact, as without leases) when no lease can be had. Everything by
+    /// `started + ledger_timeout`.
     pub(super) async fn decide_leased(
         &self,
         charge: &Charge<'_>,
@@ -253,37 +332,62 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             _ => return self.decide_per_request_counted(charge, started).await,
         };
         let deadline = started + self.settings.ledger_timeout;
-        let Ok(mut caller) = tokio::time::timeout_at(deadline.into(), slot.lock()).await else {
-            let error = LedgerError::Timeout {
-                operation: Operation::CreateTransfers,
-            };
-            let (outcome, local) = self.fail(error, charge);
-            return (outcome, local, None);
-        };
-        let now = self.clock.now();
-        if caller.admit(charge.cost, now) {
-            return self.admitted_from_lease(&caller, now);
-        }
-        caller.resize(now);
-        if let Some(lease) = caller.lease.take() {
-            self.settle(&caller, lease, deadline).await;
-        }
-        match self.renew(&mut caller, charge, deadline).await {
-            Ok(true) => {
-                let now = self.clock.now();
-                if caller.admit(charge.cost, now) {
-                    return self.admitted_from_lease(&caller, now);
+        for _ in 0..LEASE_ATTEMPTS_MAX {
+            let renewed = slot.renewed.notified();
+            tokio::pin!(renewed);
+            // Registered before the look, so a renewal that ends right after it is not missed.
+            renewed.as_mut().enable();
+            match self.look(&slot, charge.cost) {
+                Look::Admitted(decided) => return decided,
+                Look::AdmittedRenewing(decided) => {
+                    if let Err(error) = self.renew(&slot, charge.cost, None, deadline).await {
+                        tracing::debug!(%error, "could not renew a lease ahead; the next request will");
+                    }
+                    return decided;
                 }
-                // L ran out while the ledger answered: this one is decided per request.
-            }
-            Ok(false) => {}
-            Err(error) => {
-                let (outcome, local) = self.fail(error, charge);
-                return (outcome, local, None);
+                Look::Renew(retired) => {
+                    match self.renew(&slot, charge.cost, retired, deadline).await {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(error) => return self.failed(error, charge),
+                    }
+                }
+                Look::Wait => {
+                    if tokio::time::timeout_at(deadline.into(), renewed)
+                        .await
+                        .is_err()
+                    {
+                        let operation = Operation::CreateTransfers;
+                        return self.failed(LedgerError::Timeout { operation }, charge);
+                    }
+                }
             }
         }
-        drop(caller);
         self.decide_per_request_counted(charge, started).await
+    }
+
+    /// One look at the caller's lease, under its lock (never held across a ledger call).
+    fn look(&self, slot: &Slot, cost: u64) -> Look {
+        let now = self.clock.now();
+        let mut caller = slot.lock();
+        if caller.admit(cost, now) {
+            let decided = self.admitted_from_lease(&caller, now);
+            if caller.renew_ahead(now) {
+                caller.start_renewal(now);
+                return Look::AdmittedRenewing(decided);
+            }
+            return Look::Admitted(decided);
+        }
+        if caller.renewing {
+            return Look::Wait;
+        }
+        caller.start_renewal(now);
+        Look::Renew(caller.lease.take())
+    }
+
+    fn failed(&self, error: LedgerError, charge: &Charge<'_>) -> Decided {
+        let (outcome, local) = self.fail(error, charge);
+        (outcome, local, None)
     }
 
     /// Per request, on a lease plan: counts the hold (for the transfers-per-request metric).
@@ -295,80 +399,123 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         decided
     }
 
-    /// Takes a new lease: `Ok(true)` when taken, `Ok(false)` when the caller should be decided
-    /// per request (credit too low for a lease, or a new caller to provision).
+    /// The renewal this request started: settles `retired` (a lease that can no longer admit)
+    /// first, so its unused units count again, then takes the next lease; a lease it replaces
+    /// ahead of need is settled after. `Ok(false)`: no lease now (credit too low, or a new caller
+    /// to provision), decide per request. Always ends the renewal.
     async fn renew(
         &self,
-        caller: &mut CallerLease,
-        charge: &Charge<'_>,
+        slot: &Slot,
+        cost: u64,
+        retired: Option<Lease>,
         deadline: Instant,
     ) -> Result<bool, LedgerError> {
+        let holder = slot.lock().holder;
+        if let Some(lease) = retired {
+            self.settle(&holder, lease, deadline).await;
+        }
+        let taken = self.take(slot, &holder, cost, deadline).await;
+        let replaced = {
+            let mut caller = slot.lock();
+            let replaced = match taken {
+                Ok(Some(lease)) => caller.lease.replace(lease),
+                _ => None,
+            };
+            slot.renewal_ended(&mut caller);
+            replaced
+        };
+        // No admission from `replaced` after the lock above: its settlement is sent after its last.
+        if let Some(lease) = replaced {
+            self.settle(&holder, lease, deadline).await;
+        }
+        taken.map(|lease| lease.is_some())
+    }
+
+    /// Takes a lease for `holder`: `Ok(None)` when the ledger refused it or the caller should
+    /// be decided per request.
+    async fn take(
+        &self,
+        slot: &Slot,
+        holder: &Holder,
+        cost: u64,
+        deadline: Instant,
+    ) -> Result<Option<Lease>, LedgerError> {
         let sent_at = self.clock.now();
-        let id = caller.account_id;
+        let id = holder.account_id;
         // The local view's remaining credit is an upper bound of the ledger's: a lease larger than
         // half of it would fail, or starve other instances.
-        let remaining = self.local.quota(id, caller.capacity, sent_at).remaining;
-        if remaining < charge.cost {
-            return Ok(false);
+        let remaining = self.local.quota(id, holder.capacity, sent_at).remaining;
+        if remaining < cost {
+            return Ok(None);
         }
-        let units = caller.next_units.min(remaining / 2).max(charge.cost);
-        assert!(units >= charge.cost && units <= caller.terms.units_max.get());
-        let lease_seconds = caller.terms.seconds.get();
-        let timeout_seconds = caller.window_seconds.saturating_add(lease_seconds);
-        let reply = self
+        let units = slot.lock().next_units.min(remaining / 2).max(cost);
+        assert!(units >= cost && units <= holder.terms.units_max.get());
+        let lease_seconds = holder.terms.seconds.get();
+        let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
+        let mut reply = self
             .store
             .take_lease(id, units, timeout_seconds, deadline)
             .await?;
-        self.leases.count_transfers(caller.plan_id, 1);
+        self.leases.count_transfers(holder.plan_id, 1);
+        if reply == HoldReply::AccountNotFound {
+            // A new caller: provision it here (idempotent), once, so the requests waiting for
+            // this renewal get a lease rather than each provisioning per request.
+            self.store.provision(&holder.account(), deadline).await?;
+            reply = self
+                .store
+                .take_lease(id, units, timeout_seconds, deadline)
+                .await?;
+            self.leases.count_transfers(holder.plan_id, 1);
+        }
         let (answered_at, transfer_id) = match reply {
             HoldReply::Held {
                 answered_at,
                 transfer_id,
             } => (answered_at, transfer_id),
             HoldReply::ExceedsCredits => {
-                caller.next_units = (units / 2).max(1);
-                return Ok(false);
+                slot.lock().next_units = (units / 2).max(1);
+                return Ok(None);
             }
-            HoldReply::AccountNotFound => return Ok(false),
+            HoldReply::AccountNotFound => return Ok(None),
         };
         let timeout = Duration::from_secs(timeout_seconds.into());
         self.local.record_hold(
             id,
-            caller.capacity,
+            holder.capacity,
             units,
             answered_at,
             timeout,
             self.clock.now(),
         );
-        caller.lease = Some(Lease {
+        slot.lock().idle_sweeps = 0;
+        Ok(Some(Lease {
             transfer_id,
             units,
             units_used: 0,
             requests: 0,
+            sent_at,
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
-        });
-        caller.idle_sweeps = 0;
-        Ok(true)
+        }))
     }
 
-    /// Settles `lease` (taken out of `caller`). On an error the outcome is unknown and both are
+    /// Settles `lease`, which no longer admits. On an error the outcome is unknown and both are
     /// safe: the lease is left to expire, which holds every unit it admitted long enough.
-    async fn settle(&self, caller: &CallerLease, lease: Lease, deadline: Instant) {
+    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) {
         assert!(lease.units_used <= lease.units);
-        let settlement = caller.settlement(&lease);
+        let settlement = holder.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
         let result = self.store.settle_lease(settlement, deadline).await;
-        self.leases.count_transfers(caller.plan_id, transfers);
+        self.leases.count_transfers(holder.plan_id, transfers);
         match result {
             Ok(Settled::Done) => {
-                let id = caller.account_id;
+                let id = holder.account_id;
                 self.local.release(id, lease.units, lease.local_expires_at);
                 if lease.units_used > 0 {
                     let now = self.clock.now();
-                    let window = Duration::from_secs(caller.window_seconds.into());
+                    let window = Duration::from_secs(holder.window_seconds.into());
                     self.local
-                        .record_hold(id, caller.capacity, lease.units_used, now, window, now);
+                        .record_hold(id, holder.capacity, lease.units_used, now, window, now);
                 }
             }
             // Expired: its units are out of every window that needed them; the local view forgets
@@ -381,15 +528,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     fn admitted_from_lease(&self, caller: &CallerLease, now: Instant) -> Decided {
-        if let Some(counter) = self.leases.metrics.admitted.get(caller.plan_id.index()) {
+        let holder = &caller.holder;
+        if let Some(counter) = self.leases.metrics.admitted.get(holder.plan_id.index()) {
             counter.increment(1);
         }
-        let local = self.local.quota(caller.account_id, caller.capacity, now);
+        let local = self.local.quota(holder.account_id, holder.capacity, now);
         let unused = caller.lease.map_or(0, |l| l.units - l.units_used);
         let quota = LocalQuota {
             // The lease counts as held in the local view; its unused units are still this
             // caller's to spend here.
-            remaining: local.remaining.saturating_add(unused).min(caller.capacity),
+            remaining: local.remaining.saturating_add(unused).min(holder.capacity),
             reset_after: local.reset_after,
         };
         (Outcome::Admitted, quota, None)
@@ -403,12 +551,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let due = self.leases.due(now);
         let count = due.len();
         let deadline = now + self.settings.ledger_timeout;
-        let settlements = due.into_iter().map(|mut caller| async move {
-            caller.resize(now);
-            if let Some(lease) = caller.lease.take() {
-                self.settle(&caller, lease, deadline).await;
-            }
-        });
+        let settlements = due
+            .iter()
+            .map(|(holder, lease)| self.settle(holder, *lease, deadline));
         futures_util::future::join_all(settlements).await;
         count
     }
