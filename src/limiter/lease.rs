@@ -305,6 +305,23 @@ impl LeaseBook {
     }
 }
 
+/// A renewal in progress: if its future is dropped before the renewal ends, the drop ends it, so
+/// the caller's other requests do not wait for it forever. (A lease taken meanwhile is voided by
+/// the ledger call when its answer finds nobody waiting; a retired lease expires on its own.)
+struct Renewal<'a> {
+    slot: &'a Slot,
+    ending: bool,
+}
+
+impl Drop for Renewal<'_> {
+    fn drop(&mut self) {
+        if self.ending {
+            let mut caller = self.slot.lock();
+            self.slot.renewal_ended(&mut caller);
+        }
+    }
+}
+
 /// What one look at the caller's lease came to.
 enum Look {
     Admitted(Decided),
@@ -410,6 +427,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         retired: Option<Lease>,
         deadline: Instant,
     ) -> Result<bool, LedgerError> {
+        // Ends the renewal if this future is dropped (a client went away) before it does.
+        let mut renewal = Renewal { slot, ending: true };
         let holder = slot.lock().holder;
         if let Some(lease) = retired {
             self.settle(&holder, lease, deadline).await;
@@ -422,6 +441,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 _ => None,
             };
             slot.renewal_ended(&mut caller);
+            renewal.ending = false;
             replaced
         };
         // No admission from `replaced` after the lock above: its settlement is sent after its last.

@@ -64,6 +64,8 @@ struct Model {
     faults: VecDeque<Fault>,
     leases: u64,
     settlements: u64,
+    /// The next lease call never answers.
+    hang_next_lease: bool,
 }
 
 impl Model {
@@ -200,6 +202,10 @@ impl Store for ModelStore {
         timeout_seconds: u32,
         _: Instant,
     ) -> Result<HoldReply, LedgerError> {
+        let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_lease);
+        if hang {
+            std::future::pending::<()>().await;
+        }
         self.place(units, timeout_seconds, true)
     }
 
@@ -423,4 +429,36 @@ fn a_killed_instance_leaves_its_lease_to_cover_what_it_admitted() {
         !first_lease.2,
         "nobody settles (voids) a dead instance's lease"
     );
+}
+
+#[test]
+fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock: clock.clone(),
+    };
+    let limiter = instance(&store);
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    store.model.lock().unwrap().hang_next_lease = true;
+    runtime.block_on(async {
+        // The client goes away while its request renews the lease.
+        let abandoned = limiter.check(&key, NonZeroU64::MIN);
+        let gone = tokio::time::timeout(Duration::from_millis(20), abandoned).await;
+        assert!(gone.is_err(), "the lease call hangs");
+        // The next request renews at once instead of waiting for the abandoned renewal.
+        let started = std::time::Instant::now();
+        let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        assert!(
+            started.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            started.elapsed()
+        );
+    });
+    assert_eq!(store.model.lock().unwrap().leases, 1);
 }
