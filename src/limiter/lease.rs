@@ -28,10 +28,12 @@
 
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use metrics::{counter, describe_counter, Counter};
+use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use super::local_view::LocalQuota;
@@ -57,6 +59,9 @@ const SHARD_COUNT: usize = 16;
 /// plan's admitted decisions is the ledger transfers per admitted request.
 pub const LEASE_ADMITTED_TOTAL: &str = "ledger_limiter_lease_admitted_total";
 pub const LEASE_TRANSFERS_TOTAL: &str = "ledger_limiter_lease_transfers_total";
+/// Requests that waited for another request's renewal of their caller's lease, by plan: a hot
+/// caller whose leases run out before the next one lands (their latency includes a ledger call).
+pub const LEASE_WAITS_TOTAL: &str = "ledger_limiter_lease_waits_total";
 
 type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
 /// Callers by account id.
@@ -190,6 +195,7 @@ impl Holder {
 struct LeaseMetrics {
     admitted: Vec<Counter>,
     transfers: Vec<Counter>,
+    waits: Vec<Counter>,
 }
 
 impl LeaseMetrics {
@@ -209,9 +215,14 @@ impl LeaseMetrics {
                 .map(|plan| counter!(name, "plan" => plan.name().to_owned()))
                 .collect()
         };
+        describe_counter!(
+            LEASE_WAITS_TOTAL,
+            "Requests that waited for another request's lease renewal, by plan"
+        );
         LeaseMetrics {
             admitted: per_plan(LEASE_ADMITTED_TOTAL),
             transfers: per_plan(LEASE_TRANSFERS_TOTAL),
+            waits: per_plan(LEASE_WAITS_TOTAL),
         }
     }
 }
@@ -266,6 +277,12 @@ impl LeaseBook {
         });
         shard.insert(charge.account.id, slot.clone());
         Some(slot)
+    }
+
+    fn count_wait(&self, plan_id: PlanId) {
+        if let Some(counter) = self.metrics.waits.get(plan_id.index()) {
+            counter.increment(1);
+        }
     }
 
     fn count_transfers(&self, plan_id: PlanId, transfers: u64) {
@@ -323,14 +340,14 @@ impl Drop for Renewal<'_> {
 }
 
 /// What one look at the caller's lease came to.
-enum Look {
+enum Look<'a> {
     Admitted(Decided),
     /// Admitted, and this request takes the next lease ahead of need.
     AdmittedRenewing(Decided),
     /// No room: this request renews (the current lease, if any, is retired first).
     Renew(Option<Lease>),
     /// Another request renews: wait for it.
-    Wait,
+    Wait(Pin<Box<Notified<'a>>>),
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
@@ -350,10 +367,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let deadline = started + self.settings.ledger_timeout;
         for _ in 0..LEASE_ATTEMPTS_MAX {
-            let renewed = slot.renewed.notified();
-            tokio::pin!(renewed);
-            // Registered before the look, so a renewal that ends right after it is not missed.
-            renewed.as_mut().enable();
             match self.look(&slot, charge.cost) {
                 Look::Admitted(decided) => return decided,
                 Look::AdmittedRenewing(decided) => {
@@ -369,7 +382,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         Err(error) => return self.failed(error, charge),
                     }
                 }
-                Look::Wait => {
+                Look::Wait(renewed) => {
+                    self.leases.count_wait(charge.plan_id);
                     if tokio::time::timeout_at(deadline.into(), renewed)
                         .await
                         .is_err()
@@ -384,7 +398,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// One look at the caller's lease, under its lock (never held across a ledger call).
-    fn look(&self, slot: &Slot, cost: u64) -> Look {
+    fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
         let now = self.clock.now();
         let mut caller = slot.lock();
         if caller.admit(cost, now) {
@@ -396,7 +410,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return Look::Admitted(decided);
         }
         if caller.renewing {
-            return Look::Wait;
+            // Registered under the lock that ends a renewal: its end cannot be missed.
+            let mut renewed = Box::pin(slot.renewed.notified());
+            renewed.as_mut().enable();
+            return Look::Wait(renewed);
         }
         caller.start_renewal(now);
         Look::Renew(caller.lease.take())
