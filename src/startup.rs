@@ -175,6 +175,11 @@ impl Application {
     /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
+        // No request is decided any more: give leased units back now, not window + L later.
+        let settled = self.limiter.settle_all_leases().await;
+        if settled > 0 {
+            tracing::info!(settled, "leases settled");
+        }
         if let Some((admin, _)) = self.admin {
             admin.stop(true).await;
         }

@@ -293,7 +293,7 @@ impl LeaseBook {
 
     /// Takes out the leases whose time is over and that nobody is renewing (at most a batch);
     /// callers idle for two sweeps are forgotten.
-    fn due(&self, now: Instant) -> Vec<(Holder, Lease)> {
+    fn due(&self, now: Instant, all: bool) -> Vec<(Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
@@ -303,7 +303,9 @@ impl LeaseBook {
                     return true;
                 }
                 match caller.lease {
-                    Some(lease) if now >= lease.admit_until && due.len() < SETTLE_BATCH_MAX => {
+                    Some(lease)
+                        if (all || now >= lease.admit_until) && due.len() < SETTLE_BATCH_MAX =>
+                    {
                         caller.lease = None;
                         due.push((caller.holder, lease));
                         true
@@ -584,8 +586,25 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// every [`SETTLE_TICK`], so unused leased units return about L after the lease was taken
     /// even when the caller stopped sending. Returns how many it settled.
     pub async fn settle_due_leases(&self) -> usize {
+        self.settle_leases(false).await
+    }
+
+    /// Settles every lease now, whatever its time (a clean shutdown, after the server stopped
+    /// taking requests): unused leased units return at once rather than window + L later.
+    pub async fn settle_all_leases(&self) -> usize {
+        let mut settled = 0;
+        for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+            match self.settle_leases(true).await {
+                0 => break,
+                count => settled += count,
+            }
+        }
+        settled
+    }
+
+    async fn settle_leases(&self, all: bool) -> usize {
         let now = self.clock.now();
-        let due = self.leases.due(now);
+        let due = self.leases.due(now, all);
         let count = due.len();
         let deadline = now + self.settings.ledger_timeout;
         let settlements = due

@@ -462,3 +462,28 @@ fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
     });
     assert_eq!(store.model.lock().unwrap().leases, 1);
 }
+
+#[test]
+fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock: clock.clone(),
+    };
+    let limiter = instance(&store);
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    runtime.block_on(async {
+        for _ in 0..3 {
+            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+        assert_eq!(limiter.settle_due_leases().await, 0, "L is not over");
+        assert_eq!(limiter.settle_all_leases().await, 1);
+    });
+    let model = store.model.lock().unwrap();
+    assert_eq!(model.held(clock.now()), 3, "only the units used stay held");
+}
