@@ -288,8 +288,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
-    /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
-    /// between one more hold and a 429.
+    /// From the caller's lease on lease plans (`lease.rs`), else per request.
     async fn decide(&self, charge: &Charge<'_>) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
         let started = self.clock.now();
         if let Some(terms) = charge.plan.lease() {
@@ -298,6 +297,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.decide_per_request(charge, started).await
     }
 
+    /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
+    /// between one more hold and a 429.
     async fn decide_per_request(
         &self,
         charge: &Charge<'_>,
