@@ -251,3 +251,31 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     assert_eq!(after.available, u128::from(CAPACITY), "{after:?}");
     assert!(after.leases > after.leases_settled, "{after:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back() {
+    let ledger = common::shared_ledger().address;
+    let mut config = common::test_config(ledger);
+    let mut hot = common::plan(100, WINDOW_SECONDS);
+    hot.lease_units_max = Some(50);
+    hot.lease_seconds = Some(LEASE_SECONDS);
+    config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
+    config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    let app = common::spawn_app(config).await;
+    let key = common::fresh_key("hot_");
+    for sent in 1..=5u64 {
+        let response = app.get("/greeting", Some(&key)).await;
+        assert_eq!(response.status(), 200);
+        // The lease's unused units are the caller's to spend here: nothing else is held.
+        assert_eq!(common::remaining(&response), 100 - sent);
+    }
+    // The settler (started by the service) settles the last lease once its L is over (the first
+    // was replaced ahead of need, half spent): only the five units used stay held.
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 400)).await;
+    let audit = audit(&app.limiter, &key).await;
+    assert!(audit.leases >= 1, "{audit:?}");
+    assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
+    assert_eq!(audit.debits_pending, 5, "{audit:?}");
+    assert_eq!(audit.admitted(), 5);
+    app.stop().await;
+}
