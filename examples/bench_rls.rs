@@ -62,6 +62,8 @@ fn config(ledger_port: u16, rules: &std::path::Path) -> FileConfig {
     let plan = PlanFile {
         capacity: 1_000_000_000,
         window_seconds: 60,
+        lease_units_max: None,
+        lease_seconds: None,
     };
     FileConfig {
         listen: Some("127.0.0.1:0".into()),

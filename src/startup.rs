@@ -103,6 +103,8 @@ impl Application {
             settings.plans.clone(),
             settings.limiter.clone(),
         ));
+        // Settles leases whose time is over; ends when the limiter is dropped.
+        crate::limiter::lease::spawn_settler(&limiter);
         let listener =
             TcpListener::bind(&settings.listen).map_err(|source| StartupError::Listen {
                 address: settings.listen.clone(),
@@ -204,6 +206,11 @@ impl Application {
     /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
         let result = self.server.await;
+        // No request is decided any more: give leased units back now, not window + L later.
+        let settled = self.limiter.settle_all_leases().await;
+        if settled > 0 {
+            tracing::info!(settled, "leases settled");
+        }
         if let Some((admin, _)) = self.admin {
             admin.stop(true).await;
         }

@@ -20,6 +20,7 @@ use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
 
 mod keys_file;
+mod lease;
 
 pub use keys_file::KEYS_FILE_BYTES_MAX;
 
@@ -154,6 +155,12 @@ pub struct CallerFile {
 pub struct PlanFile {
     pub capacity: u64,
     pub window_seconds: u32,
+    /// Lease mode (both or neither): the most units one instance leases for a caller at a time.
+    #[serde(default)]
+    pub lease_units_max: Option<u64>,
+    /// Lease mode: how long an instance admits from one lease (L) before settling it.
+    #[serde(default)]
+    pub lease_seconds: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -496,6 +503,10 @@ fn route_limits(
 ) -> Result<RequestRulesBuilder, ConfigError> {
     let mut limits = BTreeMap::new();
     for (name, limit) in defined.unwrap_or_default() {
+        if limit.lease_units_max.is_some() || limit.lease_seconds.is_some() {
+            let why = "leases apply to plans, not to route limits";
+            return Err(invalid(format!("limits.{name}"), why));
+        }
         let plan = plan_from_file(&name, &limit, "limits")?;
         limits.insert(name, plan);
     }
@@ -592,7 +603,8 @@ fn plan_book(
 ) -> Result<PlanBook, ConfigError> {
     let mut list = Vec::new();
     for (name, plan) in require(plans, "plans")? {
-        list.push(plan_from_file(&name, &plan, "plans")?);
+        let built = plan_from_file(&name, &plan, "plans")?;
+        list.push(lease::plan_with_lease(built, &name, &plan)?);
     }
     let unknown_keys = one_of(
         require(unknown_keys, "caller.unknown_keys")?,

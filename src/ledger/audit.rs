@@ -22,7 +22,8 @@ pub struct TransferSummary {
     /// Hex.
     pub id: String,
     /// What it is: `grant`, `hold`, `void`, `top_up`, `reduction`, `block`, `unblock`, `move`,
-    /// `move_back`, `carried` (or `code_<n>` for a code this version does not know).
+    /// `move_back`, `carried`, `lease`, `lease_settled`, `settlement` (or `code_<n>` for a code this
+    /// version does not know).
     pub kind: String,
     pub amount: u128,
     /// Nanoseconds since the UNIX epoch (the ledger's clock).
@@ -66,6 +67,13 @@ pub struct AccountAudit {
     pub carried_in: u64,
     /// Whether the account is closed now (by a block, or by a move away from it).
     pub blocked: bool,
+    /// Lease mode: leases placed (code 9, pending), leases settled (their void, code 9), the
+    /// requests those settled leases admitted (the voids' `user_data_64`), and settlement holds
+    /// (code 10). A lease never settled (its instance died) expired with its count unrecorded.
+    pub leases: u64,
+    pub leases_settled: u64,
+    pub lease_requests: u64,
+    pub lease_settlements: u64,
     /// Transfers read; `complete` is false when there were more than the audit reads.
     pub transfers_read: u64,
     /// The latest transfers (at most [`RECENT_TRANSFERS_MAX`]), oldest first.
@@ -74,9 +82,10 @@ pub struct AccountAudit {
 }
 
 impl AccountAudit {
-    /// Holds that count as admitted requests: placed and not voided.
+    /// Holds that count as admitted requests: placed and not voided (lease plans: plus
+    /// `lease_requests`).
     pub fn admitted(&self) -> u64 {
-        self.holds.saturating_sub(self.voids)
+        self.holds.saturating_sub(self.voids) + self.lease_requests
     }
 }
 
@@ -113,6 +122,10 @@ impl Ledger {
             moves_back: 0,
             carried_in: 0,
             blocked: account.flags().contains(tb::account::Flags::CLOSED),
+            leases: 0,
+            leases_settled: 0,
+            lease_requests: 0,
+            lease_settlements: 0,
             transfers_read: 0,
             recent: Vec::new(),
             complete: false,
@@ -156,6 +169,12 @@ impl AccountAudit {
             model::TRANSFER_CODE_MOVE if void => self.moves_back += 1,
             model::TRANSFER_CODE_MOVE => self.moves_out += 1,
             model::TRANSFER_CODE_CARRY => self.carried_in += 1,
+            super::lease::TRANSFER_CODE_LEASE if void => {
+                self.leases_settled += 1;
+                self.lease_requests += transfer.user_data_64();
+            }
+            super::lease::TRANSFER_CODE_LEASE => self.leases += 1,
+            super::lease::TRANSFER_CODE_LEASE_SETTLEMENT => self.lease_settlements += 1,
             _ => self.count_request(flags, void),
         }
     }
@@ -184,6 +203,9 @@ fn summary(transfer: &tb::Transfer) -> TransferSummary {
         (model::TRANSFER_CODE_MOVE, false) => "move".to_owned(),
         (model::TRANSFER_CODE_MOVE, true) => "move_back".to_owned(),
         (model::TRANSFER_CODE_CARRY, _) => "carried".to_owned(),
+        (super::lease::TRANSFER_CODE_LEASE, false) => "lease".to_owned(),
+        (super::lease::TRANSFER_CODE_LEASE, true) => "lease_settled".to_owned(),
+        (super::lease::TRANSFER_CODE_LEASE_SETTLEMENT, _) => "settlement".to_owned(),
         (code, _) => format!("code_{code}"),
     };
     let timestamp_ns = transfer

@@ -10,6 +10,7 @@ pub mod addresses;
 pub mod audit;
 pub mod chain;
 pub mod embedded;
+pub mod lease;
 pub mod metrics;
 pub mod model;
 pub mod moves;
@@ -84,7 +85,10 @@ fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, Hold)> {
     let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
     let request = matches!(
         transfer.code(),
-        model::TRANSFER_CODE_REQUEST | model::TRANSFER_CODE_CARRY
+        model::TRANSFER_CODE_REQUEST
+            | model::TRANSFER_CODE_CARRY
+            | lease::TRANSFER_CODE_LEASE
+            | lease::TRANSFER_CODE_LEASE_SETTLEMENT
     );
     let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
     (pending && request && transfer.timeout() > 0 && expires_at > now).then(|| {

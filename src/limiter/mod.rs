@@ -7,6 +7,7 @@
 
 pub mod caller;
 pub mod extra;
+pub mod lease;
 pub mod local_view;
 pub mod metrics;
 pub mod moves;
@@ -168,6 +169,7 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     local: LocalView,
     moves: moves::Moves,
     decisions: DecisionMetrics,
+    leases: lease::LeaseBook,
 }
 
 impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
@@ -197,6 +199,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub fn with_seams(store: S, clock: C, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
+        let leases = lease::LeaseBook::new(&plans);
         Limiter {
             store,
             clock,
@@ -205,6 +208,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             local,
             moves: moves::Moves::default(),
             decisions,
+            leases,
         }
     }
 
@@ -364,14 +368,27 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
-    /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
-    /// between one more hold and a 429.
-    /// `Err` with the new plan's tag when the caller moved to another plan.
+    /// From the caller's lease on lease plans (`lease.rs`), else per request. `Err` with the new
+    /// plan's tag when the caller moved to another plan.
     async fn decide(
         &self,
         charge: &Charge<'_>,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), u64> {
-        match self.try_decide(charge).await {
+        let started = self.clock.now();
+        if let Some(terms) = charge.plan.lease() {
+            return self.decide_leased(charge, terms, started).await;
+        }
+        self.decide_per_request(charge, started).await
+    }
+
+    /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
+    /// between one more hold and a 429.
+    async fn decide_per_request(
+        &self,
+        charge: &Charge<'_>,
+        started: Instant,
+    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), u64> {
+        match self.try_decide(charge, started).await {
             Ok(admitted) => Ok(admitted),
             Err(NotAdmitted::Refused(outcome, local)) => Ok((outcome, local, None)),
             Err(NotAdmitted::Moved(tag)) => Err(tag),
@@ -382,8 +399,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn try_decide(
         &self,
         charge: &Charge<'_>,
+        started: Instant,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
-        let started = self.clock.now();
         if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
             let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
             return Err(NotAdmitted::Refused(outcome, limit.quota));

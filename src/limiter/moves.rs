@@ -184,7 +184,8 @@ pub const OPERATOR_EPOCH_INTERVAL: std::time::Duration = std::time::Duration::fr
 impl super::Limiter {
     /// Forever: reads the ledger's operator epoch every `interval` and, when an operator acted
     /// (anywhere, on any instance or from the command line), forgets what this instance knew of
-    /// callers, so top-ups, unblocks and moves reach it within about `interval`. One lookup per
+    /// callers and settles its leases, so top-ups, blocks, unblocks and moves reach it within
+    /// about `interval`. One lookup per
     /// interval per instance, whatever the traffic.
     pub async fn follow_operator_epoch(self: std::sync::Arc<Self>, interval: std::time::Duration) {
         let mut seen = None;
@@ -196,6 +197,9 @@ impl super::Limiter {
             match self.store.operator_epoch(deadline).await {
                 Ok(epoch) if seen.is_some_and(|seen| seen != epoch) => {
                     self.local.clear();
+                    // A lease admits from memory: end them all, so a block or a move takes
+                    // effect here now rather than when each lease's time runs out.
+                    self.settle_all_leases().await;
                     seen = Some(epoch);
                 }
                 Ok(epoch) => seen = Some(epoch),

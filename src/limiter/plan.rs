@@ -17,7 +17,20 @@ pub struct Plan {
     name: Arc<str>,
     capacity: NonZeroU64,
     window_seconds: NonZeroU32,
+    /// Lease mode (opt-in): hot callers are admitted from leased credit in memory.
+    lease: Option<LeaseTerms>,
 }
+
+/// A plan's lease mode: an instance may lease up to `units_max` units of a caller's credit at a
+/// time and admit from them in memory for `seconds` (L), see [`crate::limiter::lease`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseTerms {
+    pub units_max: NonZeroU64,
+    pub seconds: NonZeroU32,
+}
+
+/// Bound on a lease's time L: unused leased units return within it, so it stays short.
+pub const LEASE_SECONDS_MAX: u32 = 60;
 
 impl Plan {
     /// Builds a plan. Names are metric label values, so they are short and plain.
@@ -38,7 +51,25 @@ impl Plan {
             name: name.into(),
             capacity,
             window_seconds,
+            lease: None,
         })
+    }
+
+    /// Turns lease mode on. A lease takes at most half of the capacity, so that a second
+    /// instance can always lease too (fairness), and lasts at most [`LEASE_SECONDS_MAX`].
+    pub fn with_lease(mut self, terms: LeaseTerms) -> Result<Self, PlanError> {
+        if terms.units_max.get() > self.capacity.get() / 2 {
+            return Err(PlanError::LeaseUnits(self.capacity.get() / 2));
+        }
+        if terms.seconds.get() > LEASE_SECONDS_MAX {
+            return Err(PlanError::LeaseSeconds);
+        }
+        self.lease = Some(terms);
+        Ok(self)
+    }
+
+    pub fn lease(&self) -> Option<LeaseTerms> {
+        self.lease
     }
 
     pub fn name(&self) -> &str {
@@ -71,6 +102,10 @@ pub enum PlanError {
     Unknown(String),
     #[error("key prefix must not be empty")]
     EmptyPrefix,
+    #[error("a lease may take at most half of the capacity ({0} units)")]
+    LeaseUnits(u64),
+    #[error("a lease lasts 1-{LEASE_SECONDS_MAX} seconds")]
+    LeaseSeconds,
 }
 
 /// What to do with a key that neither the keys file nor a prefix assigns to a plan.

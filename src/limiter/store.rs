@@ -6,6 +6,8 @@
 use std::future::Future;
 use std::time::{Instant, SystemTime};
 
+use crate::ledger::lease::{Settled, Settlement};
+use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, HoldReply, Ledger, LedgerError};
 
@@ -62,6 +64,34 @@ pub trait Store: Send + Sync + 'static {
 
     /// Counts an error the limiter found in the ledger's answers (the store counts its own).
     fn record_error(&self, error: &LedgerError);
+
+    /// A lease: one pending debit of `units` for `timeout_seconds` (window + L), voided if it lands
+    /// after the caller stopped waiting. Stores without leases refuse (plans then need none).
+    fn take_lease(
+        &self,
+        _account_id: u128,
+        _units: u64,
+        _timeout_seconds: u32,
+        _deadline: Instant,
+    ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send {
+        async { Err(no_leases()) }
+    }
+
+    /// Settles a lease: voids it and holds the units it admitted, atomically (a linked chain).
+    fn settle_lease(
+        &self,
+        _settlement: Settlement,
+        _deadline: Instant,
+    ) -> impl Future<Output = Result<Settled, LedgerError>> + Send {
+        async { Err(no_leases()) }
+    }
+}
+
+fn no_leases() -> LedgerError {
+    LedgerError::Unexpected {
+        operation: Operation::CreateTransfers,
+        message: "this store has no leases".to_owned(),
+    }
 }
 
 impl Store for Ledger {
@@ -127,6 +157,24 @@ impl Store for Ledger {
 
     fn record_error(&self, error: &LedgerError) {
         self.metrics().record_error(error.kind());
+    }
+
+    fn take_lease(
+        &self,
+        account_id: u128,
+        units: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<HoldReply, LedgerError>> + Send {
+        Ledger::take_lease(self, account_id, units, timeout_seconds, deadline)
+    }
+
+    fn settle_lease(
+        &self,
+        settlement: Settlement,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Settled, LedgerError>> + Send {
+        Ledger::settle_lease(self, settlement, deadline)
     }
 }
 

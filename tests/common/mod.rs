@@ -386,6 +386,8 @@ pub fn plan(capacity: u64, window_seconds: u32) -> PlanFile {
     PlanFile {
         capacity,
         window_seconds,
+        lease_units_max: None,
+        lease_seconds: None,
     }
 }
 

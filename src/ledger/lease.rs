@@ -1,0 +1,239 @@
+//! Leases in the ledger: one pending transfer of `units` that an instance admits a hot caller's
+//! requests from in memory, and its settlement, one linked chain that voids the lease and holds
+//! exactly the units it admitted.
+//!
+//! Audit trail (documented in the README): a lease is a pending debit with code
+//! [`TRANSFER_CODE_LEASE`]; its settlement is the void of the lease (code [`TRANSFER_CODE_LEASE`],
+//! `user_data_64` = requests the lease admitted, `user_data_32` = units they used) linked with a
+//! pending debit of exactly those units (code [`TRANSFER_CODE_LEASE_SETTLEMENT`], `user_data_64` =
+//! the same request count, `user_data_128` = the lease's id). A lease whose instance died is never
+//! voided: it expires on its own, window + L after it was placed.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tb::error::CreateTransferErrorKind;
+use tigerbeetle_unofficial as tb;
+
+use super::metrics::Operation;
+use super::{client_error, create_transfer, model, HoldReply, Ledger, LedgerError};
+
+/// A lease: a pending debit of the leased units, timeout = window + L.
+pub const TRANSFER_CODE_LEASE: u16 = 9;
+/// A settlement's hold of the units a lease admitted, timeout = the window.
+pub const TRANSFER_CODE_LEASE_SETTLEMENT: u16 = 10;
+
+/// What a lease admitted, to settle it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settlement {
+    pub account_id: u128,
+    pub lease_id: u128,
+    /// Units admitted from the lease: held again, exactly, for `window_seconds`.
+    pub units_used: u64,
+    /// Requests admitted from the lease (the audit trail records it).
+    pub requests: u64,
+    pub window_seconds: u32,
+}
+
+/// How a settlement ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// The lease is void and its used units are held for a window from now.
+    Done,
+    /// The lease had expired (or was voided already): nothing was changed. It expires window + L
+    /// after it was placed, and nothing was admitted from it after L, so its units are out of
+    /// every window that needs them.
+    LeaseGone,
+}
+
+pub fn lease_transfer(
+    account_id: u128,
+    ledger: u32,
+    units: u64,
+    timeout_seconds: u32,
+) -> tb::Transfer {
+    model::hold_transfer(account_id, ledger, units, timeout_seconds).with_code(TRANSFER_CODE_LEASE)
+}
+
+/// The settlement chain: [void the lease, hold the units used] linked, so both happen or neither
+/// does (no instant without the admitted units held). Only the void when nothing was used.
+pub fn settlement_transfers(settlement: &Settlement, ledger: u32) -> Vec<tb::Transfer> {
+    let units_used = u32::try_from(settlement.units_used).unwrap_or(u32::MAX);
+    let void = model::void_transfer(settlement.lease_id, ledger)
+        .with_code(TRANSFER_CODE_LEASE)
+        .with_user_data_64(settlement.requests)
+        .with_user_data_32(units_used);
+    if settlement.units_used == 0 {
+        return vec![void];
+    }
+    let hold = model::hold_transfer(
+        settlement.account_id,
+        ledger,
+        settlement.units_used,
+        settlement.window_seconds,
+    )
+    .with_code(TRANSFER_CODE_LEASE_SETTLEMENT)
+    .with_user_data_64(settlement.requests)
+    .with_user_data_128(settlement.lease_id);
+    let void =
+        void.with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER | tb::transfer::Flags::LINKED);
+    vec![void, hold]
+}
+
+impl Ledger {
+    /// Places a lease of `units` for `timeout_seconds` (window + L). A lease that lands after its
+    /// caller stopped waiting is voided: nobody admits from it.
+    pub async fn take_lease(
+        &self,
+        account_id: u128,
+        units: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> Result<HoldReply, LedgerError> {
+        let transfer = lease_transfer(account_id, self.ledger_id, units, timeout_seconds);
+        self.place(transfer, deadline, true).await
+    }
+
+    /// Settles a lease in one linked chain. An error leaves the outcome unknown, which is safe
+    /// either way: the lease, or the settlement, holds every admitted unit long enough.
+    pub async fn settle_lease(
+        &self,
+        settlement: Settlement,
+        deadline: Instant,
+    ) -> Result<Settled, LedgerError> {
+        let transfers = settlement_transfers(&settlement, self.ledger_id);
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match client.create_transfers(transfers).await {
+                    Ok(()) => Ok(Settled::Done),
+                    Err(tb::error::CreateTransfersError::Api(errors)) => {
+                        settlement_refused(errors.as_slice().iter().map(|e| (e.index(), e.kind())))
+                    }
+                    Err(e) => Err(client_error(Operation::CreateTransfers, e)),
+                }
+            },
+            None::<fn(Arc<tb::Client>, &Result<Settled, LedgerError>)>,
+        )
+        .await
+    }
+
+    /// One pending transfer (a lease here), with [`Ledger::hold`]'s replies.
+    async fn place(
+        &self,
+        transfer: tb::Transfer,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> Result<HoldReply, LedgerError> {
+        let transfer_id = transfer.id();
+        let ledger_id = self.ledger_id;
+        let on_abandoned =
+            move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
+                if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
+                    let void =
+                        model::void_transfer(transfer_id, ledger_id).with_code(TRANSFER_CODE_LEASE);
+                    tokio::spawn(async move {
+                        // Best effort: if it fails, the lease still expires after its timeout.
+                        if let Err(error) = client.create_transfers(vec![void]).await {
+                            tracing::warn!(%error, "could not void an abandoned lease; it will expire");
+                        }
+                    });
+                }
+            };
+        self.call(
+            Operation::CreateTransfers,
+            deadline,
+            move |client| async move {
+                match create_transfer(&client, transfer).await? {
+                    None => Ok(HoldReply::Held {
+                        answered_at: Instant::now(),
+                        transfer_id,
+                    }),
+                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
+                    Some(CreateTransferErrorKind::DebitAccountNotFound) => {
+                        Ok(HoldReply::AccountNotFound)
+                    }
+                    Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
+                        Ok(HoldReply::Blocked)
+                    }
+                    Some(kind) => Err(super::unexpected_transfer("lease: ", kind)),
+                }
+            },
+            Some(on_abandoned),
+        )
+        .await
+    }
+}
+
+/// A refused settlement chain: the lease gone (expired or voided) is an answer, anything else is
+/// an error. The hold of a chain fails only because its void did (`linked_event_failed`).
+fn settlement_refused(
+    mut errors: impl Iterator<Item = (u32, CreateTransferErrorKind)>,
+) -> Result<Settled, LedgerError> {
+    let Some((_, kind)) = errors.find(|(index, _)| *index == 0) else {
+        return Err(super::no_event_error(Operation::CreateTransfers));
+    };
+    match kind {
+        CreateTransferErrorKind::PendingTransferExpired
+        | CreateTransferErrorKind::PendingTransferAlreadyVoided => Ok(Settled::LeaseGone),
+        kind => Err(super::unexpected_transfer("settlement: ", kind)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settlement_is_linked_and_records_what_the_lease_covered() {
+        let settlement = Settlement {
+            account_id: 7 | 1 << 127,
+            lease_id: 99,
+            units_used: 12,
+            requests: 10,
+            window_seconds: 30,
+        };
+        let chain = settlement_transfers(&settlement, model::LEDGER_REQUEST_RATE);
+        assert_eq!(chain.len(), 2);
+        assert!(chain[0].flags().contains(tb::transfer::Flags::LINKED));
+        assert!(chain[0]
+            .flags()
+            .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER));
+        assert_eq!(chain[0].pending_id(), 99);
+        assert_eq!((chain[0].user_data_64(), chain[0].user_data_32()), (10, 12));
+        assert!(
+            !chain[1].flags().contains(tb::transfer::Flags::LINKED),
+            "the chain ends"
+        );
+        assert_eq!(chain[1].amount(), 12);
+        assert_eq!(chain[1].timeout(), 30);
+        assert_eq!(
+            (chain[1].user_data_64(), chain[1].user_data_128()),
+            (10, 99)
+        );
+        let unused = Settlement {
+            units_used: 0,
+            requests: 0,
+            ..settlement
+        };
+        let chain = settlement_transfers(&unused, model::LEDGER_REQUEST_RATE);
+        assert_eq!(chain.len(), 1);
+        assert!(!chain[0].flags().contains(tb::transfer::Flags::LINKED));
+    }
+
+    #[test]
+    fn a_gone_lease_is_an_answer_and_other_refusals_are_errors() {
+        use CreateTransferErrorKind as K;
+        let gone = [(0, K::PendingTransferExpired), (1, K::LinkedEventFailed)];
+        assert_eq!(settlement_refused(gone.into_iter()), Ok(Settled::LeaseGone));
+        let voided = [(0, K::PendingTransferAlreadyVoided)];
+        assert_eq!(
+            settlement_refused(voided.into_iter()),
+            Ok(Settled::LeaseGone)
+        );
+        let odd = [(0, K::LinkedEventFailed), (1, K::ExceedsCredits)];
+        assert!(settlement_refused(odd.into_iter()).is_err());
+        assert!(settlement_refused(std::iter::empty()).is_err());
+    }
+}

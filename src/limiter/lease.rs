@@ -1,0 +1,647 @@
+//! Lease mode (opt-in per plan): a hot caller's requests admitted from leased credit in memory.
+//!
+//! An instance takes one pending transfer of `k` units (a *lease*, timeout = window + L), admits
+//! the caller's requests from it in memory for at most L, then *settles* it: one linked chain
+//! voids the lease and holds exactly the units used, for a window.
+//!
+//! Why it never over-admits (the invariant: at every instant, the units the ledger holds for a
+//! caller are at least the units admitted to it in the last window):
+//! - A lease is stamped by the ledger at `T0 ≥ sent_at` (the ledger stamps what it received) and
+//!   released no earlier than `T0 + window + L`. Requests are admitted from it only before
+//!   `sent_at + L`, so a unit admitted at `t < sent_at + L` stays held until at least
+//!   `t + window`, and never more units than the lease holds.
+//! - The settlement is stamped at `S ≥` its sending, which is after every admission from the lease
+//!   (a lease is taken out of the caller's state, under its lock, before its settlement is sent;
+//!   nothing admits from it after), and holds the used units until `S + window`: each
+//!   unit stays held at least a window after its admission. Void and hold are one linked chain,
+//!   so no instant sees the units released and not yet held again.
+//! - A settlement that fails or is lost leaves the lease pending; it covers every unit until
+//!   `T0 + window + L`. A lease found expired needs nothing: its units are out of the window.
+//!   An instance that dies leaves its lease to expire the same way.
+//!
+//! The cost is a bounded over-hold: a unit admitted at `t` may stay held until `t + window + L`
+//! (the lease, or a settlement sent up to L after `t`), and other instances may see the caller's
+//! unused leased units as held for up to L (settlement is due L after the lease was sent; a sweeper
+//! settles idle leases within [`SETTLE_TICK`] of that). Each lease takes at most half of what the
+//! local view knows to be left (fairness across instances) and at most the plan's
+//! `lease_units_max`.
+
+use std::collections::HashMap;
+use std::num::{NonZeroU32, NonZeroU64};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use metrics::{counter, describe_counter, Counter};
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
+
+use super::local_view::LocalQuota;
+use super::plan::{LeaseTerms, PlanBook, PlanId};
+use super::store::{Clock, Store};
+use super::{Charge, HoldReceipt, Limiter, Outcome};
+use crate::ledger::lease::{Settled, Settlement};
+use crate::ledger::metrics::Operation;
+use crate::ledger::model::UserAccount;
+use crate::ledger::{HoldReply, LedgerError};
+
+/// Callers with lease state per instance; beyond, a caller is decided per request (still exact).
+pub const LEASE_CALLERS_MAX: usize = 16_384;
+/// The first lease of a caller (then doubled while it runs out before L).
+pub const LEASE_UNITS_FIRST: u64 = 8;
+/// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
+pub const SETTLE_TICK: Duration = Duration::from_millis(100);
+/// Leases settled at once by one sweep, so a sweep's ledger calls stay bounded.
+const SETTLE_BATCH_MAX: usize = 256;
+const SHARD_COUNT: usize = 16;
+
+/// Units leased and requests admitted from them, by plan: `lease_transfers_total` over the
+/// plan's admitted decisions is the ledger transfers per admitted request.
+pub const LEASE_ADMITTED_TOTAL: &str = "ledger_limiter_lease_admitted_total";
+pub const LEASE_TRANSFERS_TOTAL: &str = "ledger_limiter_lease_transfers_total";
+/// Requests that waited for another request's renewal of their caller's lease, by plan: a hot
+/// caller whose leases run out before the next one lands (their latency includes a ledger call).
+pub const LEASE_WAITS_TOTAL: &str = "ledger_limiter_lease_waits_total";
+
+type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
+/// Callers by account id.
+type Shard = HashMap<u128, Arc<Slot>>;
+
+/// How often one request looks at its caller's lease (a renewal, or waiting for another's)
+/// before it is decided per request.
+const LEASE_ATTEMPTS_MAX: usize = 3;
+
+/// One lease this instance holds for a caller.
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    transfer_id: u128,
+    units: u64,
+    units_used: u64,
+    requests: u64,
+    /// When the lease was sent (taken before sending: the ledger stamps it no earlier).
+    sent_at: Instant,
+    /// No admission at or after this (`sent_at + L`): see the module's proof.
+    admit_until: Instant,
+    /// The expiry the local view recorded for the lease (to forget it once settled).
+    local_expires_at: Instant,
+}
+
+/// Who a lease is for: what settling it needs.
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    account_id: u128,
+    plan_id: PlanId,
+    capacity: u64,
+    window_seconds: u32,
+    terms: LeaseTerms,
+}
+
+/// A caller's lease state on this instance, under a short lock (never held across a ledger call).
+#[derive(Debug)]
+struct CallerLease {
+    holder: Holder,
+    lease: Option<Lease>,
+    /// A request is taking the next lease: others admit from the current one, or wait.
+    renewing: bool,
+    /// The next lease's size, from this caller's demand on this instance.
+    next_units: u64,
+    /// Sweeps that found no lease: the caller is forgotten after two.
+    idle_sweeps: u8,
+}
+
+/// A caller's lease state, and the signal that a renewal ended.
+struct Slot {
+    state: Mutex<CallerLease>,
+    renewed: Notify,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, CallerLease> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ends a renewal (whatever its outcome) and wakes the requests waiting for it.
+    fn renewal_ended(&self, caller: &mut CallerLease) {
+        assert!(caller.renewing);
+        caller.renewing = false;
+        self.renewed.notify_waiters();
+    }
+}
+
+impl CallerLease {
+    /// Admits `cost` from the lease, in memory, if it has the units and its time is not over.
+    fn admit(&mut self, cost: u64, now: Instant) -> bool {
+        let Some(lease) = &mut self.lease else {
+            return false;
+        };
+        if now >= lease.admit_until || lease.units_used + cost > lease.units {
+            return false;
+        }
+        lease.units_used += cost;
+        lease.requests += 1;
+        assert!(lease.units_used <= lease.units);
+        true
+    }
+
+    /// Whether to take the next lease now, ahead of need: the current one is past half its time
+    /// or half its units (so hot callers rarely wait for the ledger).
+    fn renew_ahead(&self, now: Instant) -> bool {
+        let Some(lease) = &self.lease else {
+            return false;
+        };
+        let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
+        !self.renewing && (now >= half_time || lease.units_used * 2 >= lease.units)
+    }
+
+    /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
+    fn start_renewal(&mut self, now: Instant) {
+        assert!(!self.renewing);
+        self.renewing = true;
+        if let Some(lease) = &self.lease {
+            let lease_time = lease.admit_until - lease.sent_at;
+            let elapsed = (now - lease.sent_at)
+                .max(Duration::from_millis(1))
+                .min(lease_time);
+            let per_lease_time =
+                u128::from(lease.units_used) * lease_time.as_nanos() / elapsed.as_nanos();
+            let wanted = u64::try_from(per_lease_time.saturating_mul(2)).unwrap_or(u64::MAX);
+            self.next_units = wanted.clamp(1, self.holder.terms.units_max.get());
+        }
+    }
+}
+
+impl Holder {
+    fn account(&self) -> UserAccount {
+        UserAccount {
+            id: self.account_id,
+            capacity: NonZeroU64::new(self.capacity).expect("a plan's capacity is not zero"),
+            window_seconds: NonZeroU32::new(self.window_seconds)
+                .expect("a plan's window is not zero"),
+        }
+    }
+
+    fn settlement(&self, lease: &Lease) -> Settlement {
+        Settlement {
+            account_id: self.account_id,
+            lease_id: lease.transfer_id,
+            units_used: lease.units_used,
+            requests: lease.requests,
+            window_seconds: self.window_seconds,
+        }
+    }
+}
+
+/// Per plan: requests admitted from leases, and ledger transfers made for the plan's callers.
+struct LeaseMetrics {
+    admitted: Vec<Counter>,
+    transfers: Vec<Counter>,
+    waits: Vec<Counter>,
+}
+
+impl LeaseMetrics {
+    fn register(plans: &PlanBook) -> Self {
+        describe_counter!(
+            LEASE_ADMITTED_TOTAL,
+            "Requests admitted from a lease in memory, by plan"
+        );
+        describe_counter!(
+            LEASE_TRANSFERS_TOTAL,
+            "Ledger transfers sent for callers of lease plans (leases, settlements, per-request holds), by plan"
+        );
+        let per_plan = |name: &'static str| {
+            plans
+                .plans()
+                .iter()
+                .map(|plan| counter!(name, "plan" => plan.name().to_owned()))
+                .collect()
+        };
+        describe_counter!(
+            LEASE_WAITS_TOTAL,
+            "Requests that waited for another request's lease renewal, by plan"
+        );
+        LeaseMetrics {
+            admitted: per_plan(LEASE_ADMITTED_TOTAL),
+            transfers: per_plan(LEASE_TRANSFERS_TOTAL),
+            waits: per_plan(LEASE_WAITS_TOTAL),
+        }
+    }
+}
+
+/// Every caller's lease state on this instance (bounded by [`LEASE_CALLERS_MAX`]).
+pub(super) struct LeaseBook {
+    shards: Box<[Mutex<Shard>]>,
+    metrics: LeaseMetrics,
+}
+
+impl LeaseBook {
+    pub(super) fn new(plans: &PlanBook) -> Self {
+        let shards = (0..SHARD_COUNT)
+            .map(|_| Mutex::new(HashMap::new()))
+            .collect();
+        LeaseBook {
+            shards,
+            metrics: LeaseMetrics::register(plans),
+        }
+    }
+
+    fn shard(&self, account_id: u128) -> MutexGuard<'_, Shard> {
+        let index = (account_id as usize) % SHARD_COUNT;
+        self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The caller's lease state; `None` when the book is full (the caller is decided per request).
+    fn slot(&self, charge: &Charge<'_>, terms: LeaseTerms) -> Option<Arc<Slot>> {
+        let mut shard = self.shard(charge.account.id);
+        if let Some(slot) = shard.get(&charge.account.id) {
+            return Some(slot.clone());
+        }
+        if shard.len() >= LEASE_CALLERS_MAX / SHARD_COUNT {
+            return None;
+        }
+        let holder = Holder {
+            account_id: charge.account.id,
+            plan_id: charge.plan_id,
+            capacity: charge.account.capacity.get(),
+            window_seconds: charge.account.window_seconds.get(),
+            terms,
+        };
+        let slot = Arc::new(Slot {
+            state: Mutex::new(CallerLease {
+                holder,
+                lease: None,
+                renewing: false,
+                next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
+                idle_sweeps: 0,
+            }),
+            renewed: Notify::new(),
+        });
+        shard.insert(charge.account.id, slot.clone());
+        Some(slot)
+    }
+
+    fn count_wait(&self, plan_id: PlanId) {
+        if let Some(counter) = self.metrics.waits.get(plan_id.index()) {
+            counter.increment(1);
+        }
+    }
+
+    fn count_transfers(&self, plan_id: PlanId, transfers: u64) {
+        if let Some(counter) = self.metrics.transfers.get(plan_id.index()) {
+            counter.increment(transfers);
+        }
+    }
+
+    /// Takes out the leases whose time is over and that nobody is renewing (at most a batch);
+    /// callers idle for two sweeps are forgotten.
+    fn due(&self, now: Instant, all: bool) -> Vec<(Holder, Lease)> {
+        let mut due = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            shard.retain(|_, slot| {
+                let mut caller = slot.lock();
+                if caller.renewing {
+                    return true;
+                }
+                match caller.lease {
+                    Some(lease)
+                        if (all || now >= lease.admit_until) && due.len() < SETTLE_BATCH_MAX =>
+                    {
+                        caller.lease = None;
+                        due.push((caller.holder, lease));
+                        true
+                    }
+                    Some(_) => true,
+                    None => {
+                        caller.idle_sweeps += 1;
+                        // Only the book holds it (checked under the shard lock, where `slot`
+                        // clones it): no request is about to use a forgotten caller.
+                        caller.idle_sweeps < 2 || Arc::strong_count(slot) > 1
+                    }
+                }
+            });
+        }
+        due
+    }
+}
+
+/// A renewal in progress: if its future is dropped before the renewal ends, the drop ends it, so
+/// the caller's other requests do not wait for it forever. (A lease taken meanwhile is voided by
+/// the ledger call when its answer finds nobody waiting; a retired lease expires on its own.)
+struct Renewal<'a> {
+    slot: &'a Slot,
+    ending: bool,
+}
+
+impl Drop for Renewal<'_> {
+    fn drop(&mut self) {
+        if self.ending {
+            let mut caller = self.slot.lock();
+            self.slot.renewal_ended(&mut caller);
+        }
+    }
+}
+
+/// What one look at the caller's lease came to.
+enum Look<'a> {
+    Admitted(Decided),
+    /// Admitted, and this request takes the next lease ahead of need.
+    AdmittedRenewing(Decided),
+    /// No room: this request renews (the current lease, if any, is retired first).
+    Renew(Option<Lease>),
+    /// Another request renews: wait for it.
+    Wait(Pin<Box<Notified<'a>>>),
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
+    /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
+    /// that finds it half spent takes the next one); else after a renewal, its own or another
+    /// request's; per request (exact, as without leases) when no lease can be had. Everything by
+    /// `started + ledger_timeout`.
+    pub(super) async fn decide_leased(
+        &self,
+        charge: &Charge<'_>,
+        terms: LeaseTerms,
+        started: Instant,
+    ) -> Result<Decided, u64> {
+        let slot = match self.leases.slot(charge, terms) {
+            Some(slot) if charge.cost <= terms.units_max.get() => slot,
+            _ => return self.decide_per_request_counted(charge, started).await,
+        };
+        let deadline = started + self.settings.ledger_timeout;
+        for _ in 0..LEASE_ATTEMPTS_MAX {
+            match self.look(&slot, charge.cost) {
+                Look::Admitted(decided) => return Ok(decided),
+                Look::AdmittedRenewing(decided) => {
+                    if let Err(error) = self.renew(&slot, charge.cost, None, deadline).await {
+                        tracing::debug!(%error, "could not renew a lease ahead; the next request will");
+                    }
+                    return Ok(decided);
+                }
+                Look::Renew(retired) => {
+                    match self.renew(&slot, charge.cost, retired, deadline).await {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(error) => return Ok(self.failed(error, charge)),
+                    }
+                }
+                Look::Wait(renewed) => {
+                    self.leases.count_wait(charge.plan_id);
+                    if tokio::time::timeout_at(deadline.into(), renewed)
+                        .await
+                        .is_err()
+                    {
+                        let operation = Operation::CreateTransfers;
+                        return Ok(self.failed(LedgerError::Timeout { operation }, charge));
+                    }
+                }
+            }
+        }
+        self.decide_per_request_counted(charge, started).await
+    }
+
+    /// One look at the caller's lease, under its lock (never held across a ledger call).
+    fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
+        let now = self.clock.now();
+        let mut caller = slot.lock();
+        if caller.admit(cost, now) {
+            let decided = self.admitted_from_lease(&caller, now);
+            if caller.renew_ahead(now) {
+                caller.start_renewal(now);
+                return Look::AdmittedRenewing(decided);
+            }
+            return Look::Admitted(decided);
+        }
+        if caller.renewing {
+            // Registered under the lock that ends a renewal: its end cannot be missed.
+            let mut renewed = Box::pin(slot.renewed.notified());
+            renewed.as_mut().enable();
+            return Look::Wait(renewed);
+        }
+        caller.start_renewal(now);
+        Look::Renew(caller.lease.take())
+    }
+
+    fn failed(&self, error: LedgerError, charge: &Charge<'_>) -> Decided {
+        let (outcome, local) = self.fail(error, charge);
+        (outcome, local, None)
+    }
+
+    /// Per request, on a lease plan: counts the hold (for the transfers-per-request metric).
+    async fn decide_per_request_counted(
+        &self,
+        charge: &Charge<'_>,
+        started: Instant,
+    ) -> Result<Decided, u64> {
+        let decided = self.decide_per_request(charge, started).await?;
+        if decided.2.is_some() {
+            self.leases.count_transfers(charge.plan_id, 1);
+        }
+        Ok(decided)
+    }
+
+    /// The renewal this request started: settles `retired` (a lease that can no longer admit)
+    /// first, so its unused units count again, then takes the next lease; a lease it replaces
+    /// ahead of need is settled after. `Ok(false)`: no lease now (credit too low, or a new caller
+    /// to provision), decide per request. Always ends the renewal.
+    async fn renew(
+        &self,
+        slot: &Slot,
+        cost: u64,
+        retired: Option<Lease>,
+        deadline: Instant,
+    ) -> Result<bool, LedgerError> {
+        // Ends the renewal if this future is dropped (a client went away) before it does.
+        let mut renewal = Renewal { slot, ending: true };
+        let holder = slot.lock().holder;
+        if let Some(lease) = retired {
+            self.settle(&holder, lease, deadline).await;
+        }
+        let taken = self.take(slot, &holder, cost, deadline).await;
+        let replaced = {
+            let mut caller = slot.lock();
+            let replaced = match taken {
+                Ok(Some(lease)) => caller.lease.replace(lease),
+                _ => None,
+            };
+            slot.renewal_ended(&mut caller);
+            renewal.ending = false;
+            replaced
+        };
+        // No admission from `replaced` after the lock above: its settlement is sent after its last.
+        if let Some(lease) = replaced {
+            self.settle(&holder, lease, deadline).await;
+        }
+        taken.map(|lease| lease.is_some())
+    }
+
+    /// Takes a lease for `holder`: `Ok(None)` when the ledger refused it or the caller should
+    /// be decided per request.
+    async fn take(
+        &self,
+        slot: &Slot,
+        holder: &Holder,
+        cost: u64,
+        deadline: Instant,
+    ) -> Result<Option<Lease>, LedgerError> {
+        let sent_at = self.clock.now();
+        let id = holder.account_id;
+        // The local view's remaining credit is an upper bound of the ledger's: a lease larger than
+        // half of it would fail, or starve other instances.
+        let remaining = self.local.quota(id, holder.capacity, sent_at).remaining;
+        if remaining < cost {
+            return Ok(None);
+        }
+        let units = slot.lock().next_units.min(remaining / 2).max(cost);
+        assert!(units >= cost && units <= holder.terms.units_max.get());
+        let lease_seconds = holder.terms.seconds.get();
+        let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
+        let mut reply = self
+            .store
+            .take_lease(id, units, timeout_seconds, deadline)
+            .await?;
+        self.leases.count_transfers(holder.plan_id, 1);
+        if reply == HoldReply::AccountNotFound {
+            // A new caller: provision it here (idempotent), once, so the requests waiting for
+            // this renewal get a lease rather than each provisioning per request.
+            self.store.provision(&holder.account(), deadline).await?;
+            reply = self
+                .store
+                .take_lease(id, units, timeout_seconds, deadline)
+                .await?;
+            self.leases.count_transfers(holder.plan_id, 1);
+        }
+        let (answered_at, transfer_id) = match reply {
+            HoldReply::Held {
+                answered_at,
+                transfer_id,
+            } => (answered_at, transfer_id),
+            HoldReply::ExceedsCredits => {
+                slot.lock().next_units = (units / 2).max(1);
+                return Ok(None);
+            }
+            // Not found after provisioning, or closed by an operator (a block, a move): no
+            // lease; the request is decided per request, which knows what to do.
+            HoldReply::AccountNotFound | HoldReply::Blocked => return Ok(None),
+        };
+        let timeout = Duration::from_secs(timeout_seconds.into());
+        self.local.record_hold(
+            id,
+            holder.capacity,
+            units,
+            answered_at,
+            timeout,
+            self.clock.now(),
+        );
+        slot.lock().idle_sweeps = 0;
+        Ok(Some(Lease {
+            transfer_id,
+            units,
+            units_used: 0,
+            requests: 0,
+            sent_at,
+            admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
+            local_expires_at: answered_at + timeout + self.settings.expiry_margin,
+        }))
+    }
+
+    /// Settles `lease`, which no longer admits. On an error the outcome is unknown and both are
+    /// safe: the lease is left to expire, which holds every unit it admitted long enough.
+    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) {
+        assert!(lease.units_used <= lease.units);
+        let settlement = holder.settlement(&lease);
+        let transfers = if lease.units_used == 0 { 1 } else { 2 };
+        let result = self.store.settle_lease(settlement, deadline).await;
+        self.leases.count_transfers(holder.plan_id, transfers);
+        match result {
+            Ok(Settled::Done) => {
+                let id = holder.account_id;
+                self.local.release(id, lease.units, lease.local_expires_at);
+                if lease.units_used > 0 {
+                    let now = self.clock.now();
+                    let window = Duration::from_secs(holder.window_seconds.into());
+                    self.local
+                        .record_hold(id, holder.capacity, lease.units_used, now, window, now);
+                }
+            }
+            // Expired: its units are out of every window that needed them; the local view forgets
+            // it at its recorded expiry.
+            Ok(Settled::LeaseGone) => {}
+            Err(error) => {
+                tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
+            }
+        }
+    }
+
+    fn admitted_from_lease(&self, caller: &CallerLease, now: Instant) -> Decided {
+        let holder = &caller.holder;
+        if let Some(counter) = self.leases.metrics.admitted.get(holder.plan_id.index()) {
+            counter.increment(1);
+        }
+        let local = self.local.quota(holder.account_id, holder.capacity, now);
+        let unused = caller.lease.map_or(0, |l| l.units - l.units_used);
+        let quota = LocalQuota {
+            // The lease counts as held in the local view; its unused units are still this
+            // caller's to spend here.
+            remaining: local.remaining.saturating_add(unused).min(holder.capacity),
+            reset_after: local.reset_after,
+        };
+        (Outcome::Admitted, quota, None)
+    }
+
+    /// Settles every lease whose time L is over (at most a batch per call): the sweeper calls it
+    /// every [`SETTLE_TICK`], so unused leased units return about L after the lease was taken
+    /// even when the caller stopped sending. Returns how many it settled.
+    pub async fn settle_due_leases(&self) -> usize {
+        self.settle_leases(false).await
+    }
+
+    /// Settles every lease now, whatever its time (a clean shutdown, after the server stopped
+    /// taking requests): unused leased units return at once rather than window + L later.
+    pub async fn settle_all_leases(&self) -> usize {
+        let mut settled = 0;
+        for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+            match self.settle_leases(true).await {
+                0 => break,
+                count => settled += count,
+            }
+        }
+        settled
+    }
+
+    async fn settle_leases(&self, all: bool) -> usize {
+        let now = self.clock.now();
+        let due = self.leases.due(now, all);
+        let count = due.len();
+        let deadline = now + self.settings.ledger_timeout;
+        let settlements = due
+            .iter()
+            .map(|(holder, lease)| self.settle(holder, *lease, deadline));
+        futures_util::future::join_all(settlements).await;
+        count
+    }
+}
+
+/// Starts the sweeper that settles leases whose time is over, if any plan has leases. It holds
+/// the limiter weakly: dropping the limiter ends it (and leaves leases to expire on their own).
+pub fn spawn_settler<S: Store, C: Clock>(
+    limiter: &Arc<Limiter<S, C>>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if !limiter.plans().plans().iter().any(|p| p.lease().is_some()) {
+        return None;
+    }
+    let weak: Weak<Limiter<S, C>> = Arc::downgrade(limiter);
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SETTLE_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(limiter) = weak.upgrade() else {
+                return;
+            };
+            limiter.settle_due_leases().await;
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests;

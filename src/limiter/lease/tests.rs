@@ -1,0 +1,500 @@
+//! The lease invariant, through the seams: an exact model of the ledger (pending transfers that
+//! release exactly at `stamp + timeout`, linked settlement, injected failures) shared by several
+//! limiter instances on a manual clock. At every instant — every event and every expiry between
+//! events — the units the model holds must be at least the units admitted in the last window.
+
+use std::collections::{HashMap, VecDeque};
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use proptest::prelude::*;
+
+use super::super::caller::CallerKey;
+use super::super::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
+use super::super::store::{Clock, Store};
+use super::super::{FailurePolicy, Limiter, LimiterSettings, Outcome};
+use crate::ledger::lease::{Settled, Settlement};
+use crate::ledger::metrics::Operation;
+use crate::ledger::model::{UserAccount, LEDGER_REQUEST_RATE};
+use crate::ledger::{AccountView, Hold, HoldReply, LedgerError};
+
+const CAPACITY: u64 = 24;
+const WINDOW_SECONDS: u32 = 3;
+const WINDOW: Duration = Duration::from_secs(WINDOW_SECONDS as u64);
+const LEASE_UNITS_MAX: u64 = 12;
+const LEASE_SECONDS: u32 = 1;
+
+#[derive(Clone)]
+struct TestClock(Arc<Mutex<(Instant, SystemTime)>>);
+
+impl TestClock {
+    fn advance_to(&self, to: Instant) {
+        let mut now = self.0.lock().unwrap();
+        let by = to - now.0;
+        now.0 = to;
+        now.1 += by;
+    }
+}
+
+impl Clock for TestClock {
+    fn now(&self) -> Instant {
+        self.0.lock().unwrap().0
+    }
+
+    fn wall(&self) -> SystemTime {
+        self.0.lock().unwrap().1
+    }
+}
+
+/// What the next ledger call does besides its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Applied, but the answer never arrives (the caller sees a timeout).
+    LostReply,
+    /// Never applied (the caller sees a timeout).
+    NotApplied,
+}
+
+#[derive(Default)]
+struct Model {
+    /// id → (amount, expires_at, voided)
+    pendings: HashMap<u128, (u64, Instant, bool)>,
+    next_id: u128,
+    faults: VecDeque<Fault>,
+    leases: u64,
+    settlements: u64,
+    /// The next lease call never answers.
+    hang_next_lease: bool,
+}
+
+impl Model {
+    fn held(&self, at: Instant) -> u64 {
+        let live = self.pendings.values().filter(|(_, e, v)| !v && *e > at);
+        live.map(|(a, _, _)| a).sum()
+    }
+
+    /// The ledger stamps a transfer no earlier than it was sent: here exactly then (the worst case).
+    fn pending(&mut self, amount: u64, timeout_seconds: u32, now: Instant) -> Option<u128> {
+        if CAPACITY - self.held(now) < amount {
+            return None;
+        }
+        self.next_id += 1;
+        let expires_at = now + Duration::from_secs(timeout_seconds.into());
+        self.pendings
+            .insert(self.next_id, (amount, expires_at, false));
+        Some(self.next_id)
+    }
+}
+
+#[derive(Clone)]
+struct ModelStore {
+    model: Arc<Mutex<Model>>,
+    clock: TestClock,
+}
+
+fn timeout() -> LedgerError {
+    LedgerError::Timeout {
+        operation: Operation::CreateTransfers,
+    }
+}
+
+impl ModelStore {
+    /// Runs `apply` unless the next fault says it is never applied; hides its answer if lost.
+    fn faulty<T>(&self, apply: impl FnOnce(&mut Model, Instant) -> T) -> Result<T, LedgerError> {
+        let mut model = self.model.lock().unwrap();
+        let fault = model.faults.pop_front();
+        if fault == Some(Fault::NotApplied) {
+            return Err(timeout());
+        }
+        let answer = apply(&mut model, self.clock.now());
+        match fault {
+            Some(Fault::LostReply) => Err(timeout()),
+            _ => Ok(answer),
+        }
+    }
+
+    fn place(
+        &self,
+        amount: u64,
+        timeout_seconds: u32,
+        lease: bool,
+    ) -> Result<HoldReply, LedgerError> {
+        self.faulty(
+            |model, now| match model.pending(amount, timeout_seconds, now) {
+                Some(transfer_id) => {
+                    model.leases += u64::from(lease);
+                    HoldReply::Held {
+                        answered_at: now,
+                        transfer_id,
+                    }
+                }
+                None => HoldReply::ExceedsCredits,
+            },
+        )
+    }
+}
+
+impl Store for ModelStore {
+    fn ledger_id(&self) -> u32 {
+        LEDGER_REQUEST_RATE
+    }
+
+    async fn hold(
+        &self,
+        _: u128,
+        amount: u64,
+        timeout_seconds: u32,
+        _: Instant,
+        _: bool,
+    ) -> Result<HoldReply, LedgerError> {
+        self.place(amount, timeout_seconds, false)
+    }
+
+    async fn void(&self, pending_id: u128, _: Instant) -> Result<bool, LedgerError> {
+        self.faulty(|model, now| match model.pendings.get_mut(&pending_id) {
+            Some((_, expires_at, voided)) if !*voided && *expires_at > now => {
+                *voided = true;
+                true
+            }
+            _ => false,
+        })
+    }
+
+    async fn provision(&self, _: &UserAccount, _: Instant) -> Result<(), LedgerError> {
+        Ok(())
+    }
+
+    async fn account_view(
+        &self,
+        _: u128,
+        _: u32,
+        _: Instant,
+    ) -> Result<Option<AccountView>, LedgerError> {
+        let model = self.model.lock().unwrap();
+        let (now, wall) = (self.clock.now(), self.clock.wall());
+        let mut holds: Vec<Hold> = (model.pendings.values())
+            .filter(|(_, e, v)| !v && *e > now)
+            .map(|(amount, e, _)| Hold {
+                amount: *amount,
+                expires_at: wall + (*e - now),
+            })
+            .collect();
+        holds.sort_by_key(|h| h.expires_at);
+        Ok(Some(AccountView {
+            credit: CAPACITY,
+            available: CAPACITY - model.held(now),
+            holds,
+            complete: true,
+            blocked: None,
+        }))
+    }
+
+    async fn hold_chain(
+        &self,
+        _: Vec<crate::ledger::ChainLink>,
+        _: Instant,
+        _: bool,
+    ) -> Result<crate::ledger::ChainReply, LedgerError> {
+        // Lease plans decide one limit at a time: a chain here is a bug in the limiter.
+        panic!("leases never place chains")
+    }
+
+    async fn ping(&self, _: Instant) -> Result<(), LedgerError> {
+        Ok(())
+    }
+
+    fn record_error(&self, _: &LedgerError) {}
+
+    async fn take_lease(
+        &self,
+        _: u128,
+        units: u64,
+        timeout_seconds: u32,
+        _: Instant,
+    ) -> Result<HoldReply, LedgerError> {
+        let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_lease);
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        self.place(units, timeout_seconds, true)
+    }
+
+    async fn settle_lease(
+        &self,
+        settlement: Settlement,
+        _: Instant,
+    ) -> Result<Settled, LedgerError> {
+        self.faulty(|model, now| {
+            let Some((_, expires_at, voided)) = model.pendings.get_mut(&settlement.lease_id) else {
+                return Settled::LeaseGone;
+            };
+            if *voided || *expires_at <= now {
+                return Settled::LeaseGone;
+            }
+            // The linked chain: the void and the new hold at one timestamp.
+            *voided = true;
+            if settlement.units_used > 0 {
+                let held = model.pending(settlement.units_used, settlement.window_seconds, now);
+                assert!(held.is_some(), "the void freed at least the units used");
+            }
+            model.settlements += 1;
+            Settled::Done
+        })
+    }
+}
+
+type Instance = Limiter<ModelStore, TestClock>;
+
+fn instance(store: &ModelStore) -> Instance {
+    let lease = LeaseTerms {
+        units_max: NonZeroU64::new(LEASE_UNITS_MAX).unwrap(),
+        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    };
+    let capacity = NonZeroU64::new(CAPACITY).unwrap();
+    let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    let plan = Plan::new("hot", capacity, window)
+        .unwrap()
+        .with_lease(lease)
+        .unwrap();
+    let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
+    let settings = LimiterSettings {
+        ledger_timeout: Duration::from_millis(500),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 100,
+        expiry_margin: Duration::ZERO,
+    };
+    Limiter::with_seams(
+        store.clone(),
+        store.clock.clone(),
+        Arc::new(plans),
+        settings,
+    )
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Request {
+        instance: usize,
+        cost: u64,
+    },
+    Advance {
+        ms: u64,
+    },
+    Sweep {
+        instance: usize,
+    },
+    /// The instance dies: its leases stay in the ledger, unsettled.
+    Kill {
+        instance: usize,
+    },
+    Fault(Fault),
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        8 => (0..2usize, 1..4u64).prop_map(|(instance, cost)| Event::Request { instance, cost }),
+        3 => (0..400u64).prop_map(|ms| Event::Advance { ms }),
+        1 => (400..4000u64).prop_map(|ms| Event::Advance { ms }),
+        2 => (0..2usize).prop_map(|instance| Event::Sweep { instance }),
+        1 => (0..2usize).prop_map(|instance| Event::Kill { instance }),
+        1 => prop_oneof![Just(Fault::LostReply), Just(Fault::NotApplied)].prop_map(Event::Fault),
+    ]
+}
+
+/// Runs `events`; checks the invariant at each event and at every expiry in between.
+fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock: clock.clone(),
+    };
+    let mut instances = [instance(&store), instance(&store)];
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let mut admitted: Vec<(Instant, u64)> = Vec::new();
+    let check = |at: Instant, admitted: &[(Instant, u64)]| -> Result<(), TestCaseError> {
+        let due: u64 = admitted
+            .iter()
+            .filter(|(t, _)| *t + WINDOW > at)
+            .map(|(_, c)| c)
+            .sum();
+        let held = store.model.lock().unwrap().held(at);
+        prop_assert!(
+            held >= due,
+            "held {held} < admitted in the last window {due}"
+        );
+        Ok(())
+    };
+    for event in events {
+        match event {
+            Event::Request { instance, cost } => {
+                let cost = NonZeroU64::new(*cost).unwrap();
+                let decision = runtime
+                    .block_on(instances[*instance].check(&key, cost))
+                    .unwrap();
+                if decision.outcome == Outcome::Admitted {
+                    admitted.push((clock.now(), cost.get()));
+                }
+            }
+            Event::Advance { ms } => {
+                let to = clock.now() + Duration::from_millis(*ms);
+                let model = store.model.lock().unwrap();
+                let mut expiries: Vec<Instant> = model
+                    .pendings
+                    .values()
+                    .map(|p| p.1)
+                    .filter(|e| *e > clock.now() && *e <= to)
+                    .collect();
+                drop(model);
+                expiries.sort();
+                for at in expiries {
+                    check(at, &admitted)?;
+                }
+                clock.advance_to(to);
+            }
+            Event::Sweep { instance } => {
+                runtime.block_on(instances[*instance].settle_due_leases());
+            }
+            Event::Kill { instance } => instances[*instance] = self::instance(&store),
+            Event::Fault(fault) => store.model.lock().unwrap().faults.push_back(*fault),
+        }
+        check(clock.now(), &admitted)?;
+    }
+    let total = admitted.iter().map(|(_, c)| c).sum();
+    let model = std::mem::take(&mut *store.model.lock().unwrap());
+    Ok((total, model))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Never over-admit: two instances, one hot caller, random requests, time, sweeps, deaths and
+    /// lost or unapplied ledger calls.
+    #[test]
+    fn leases_never_over_admit(events in proptest::collection::vec(event(), 1..400)) {
+        run(&events)?;
+    }
+}
+
+fn requests(instance: usize, count: usize) -> Vec<Event> {
+    vec![Event::Request { instance, cost: 1 }; count]
+}
+
+#[test]
+fn a_hot_caller_is_admitted_from_leases() {
+    // 4 requests per second, half the plan's rate, on one instance for 12 s: all admitted, and
+    // most from leases in memory.
+    let mut events = Vec::new();
+    for _ in 0..48 {
+        events.extend(requests(0, 1));
+        events.push(Event::Advance { ms: 250 });
+        events.push(Event::Sweep { instance: 0 });
+    }
+    let (admitted, model) = run(&events).unwrap();
+    let transfers = model.pendings.len() as u64;
+    eprintln!(
+        "admitted {admitted}, transfers {transfers}, leases {}, settlements {}",
+        model.leases, model.settlements
+    );
+    assert_eq!(admitted, 48);
+    assert!(model.leases >= 2 && model.settlements >= 1);
+    let per_request = model.pendings.len() as u64 - model.leases - model.settlements;
+    assert!(per_request <= 1, "{per_request} holds per request");
+}
+
+#[test]
+fn unused_leased_units_come_back_within_l() {
+    let mut events = requests(0, 3);
+    // Within L: the lease (8 units) is held whole.
+    events.push(Event::Advance { ms: 999 });
+    let store_check = run(&events).unwrap().1;
+    assert_eq!(
+        store_check.held(Instant::now() - Duration::from_secs(3600)),
+        8
+    );
+    events.push(Event::Advance { ms: 1 });
+    events.push(Event::Sweep { instance: 0 });
+    let (admitted, model) = run(&events).unwrap();
+    assert_eq!(admitted, 3);
+    assert_eq!(model.settlements, 1);
+    let live: u64 = model.pendings.values().filter(|p| !p.2).map(|p| p.0).sum();
+    assert_eq!(live, 3, "after L only the units used are held");
+}
+
+#[test]
+fn a_killed_instance_leaves_its_lease_to_cover_what_it_admitted() {
+    // Three of the first lease's eight units: no renewal yet, so lease 1 is the one it dies with.
+    let mut events = requests(0, 3);
+    events.push(Event::Kill { instance: 0 });
+    events.extend(requests(1, 40));
+    events.push(Event::Advance { ms: 3500 });
+    events.extend(requests(1, 40));
+    let (admitted, model) = run(&events).unwrap();
+    assert!(admitted <= 2 * CAPACITY);
+    let first_lease = model.pendings[&1];
+    assert!(
+        !first_lease.2,
+        "nobody settles (voids) a dead instance's lease"
+    );
+}
+
+#[test]
+fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock: clock.clone(),
+    };
+    let limiter = instance(&store);
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    store.model.lock().unwrap().hang_next_lease = true;
+    runtime.block_on(async {
+        // The client goes away while its request renews the lease.
+        let abandoned = limiter.check(&key, NonZeroU64::MIN);
+        let gone = tokio::time::timeout(Duration::from_millis(20), abandoned).await;
+        assert!(gone.is_err(), "the lease call hangs");
+        // The next request renews at once instead of waiting for the abandoned renewal.
+        let started = std::time::Instant::now();
+        let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        assert!(
+            started.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            started.elapsed()
+        );
+    });
+    assert_eq!(store.model.lock().unwrap().leases, 1);
+}
+
+#[test]
+fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock: clock.clone(),
+    };
+    let limiter = instance(&store);
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    runtime.block_on(async {
+        for _ in 0..3 {
+            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+        assert_eq!(limiter.settle_due_leases().await, 0, "L is not over");
+        assert_eq!(limiter.settle_all_leases().await, 1);
+    });
+    let model = store.model.lock().unwrap();
+    assert_eq!(model.held(clock.now()), 3, "only the units used stay held");
+}

@@ -1,0 +1,281 @@
+//! Lease mode against a real TigerBeetle: two instances (two limiters, each with its own client)
+//! and one hot caller, thousands of concurrent requests; an instance killed mid-lease; the audit
+//! trail. Admission times are bracketed by the instants before and after each decision, so the
+//! window check below is sound: requests whose whole decision fell inside one window were admitted
+//! inside it.
+
+mod common;
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ledger_limiter::limiter::caller::CallerKey;
+use ledger_limiter::limiter::lease::spawn_settler;
+use ledger_limiter::limiter::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
+use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings, Outcome};
+
+const WINDOW_SECONDS: u32 = 2;
+const LEASE_SECONDS: u32 = 1;
+
+fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
+    let ledger = common::ledger_client(vec![common::shared_ledger().address]);
+    let terms = LeaseTerms {
+        units_max: NonZeroU64::new(lease_units_max).unwrap(),
+        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    };
+    let capacity = NonZeroU64::new(capacity).unwrap();
+    let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    let plan = Plan::new("hot", capacity, window)
+        .unwrap()
+        .with_lease(terms)
+        .unwrap();
+    let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
+    let settings = LimiterSettings {
+        // Generous: the machine is shared; no decision here should fail.
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    };
+    Arc::new(Limiter::new(ledger, Arc::new(plans), settings))
+}
+
+/// The instants just before and just after an admitted decision.
+type Admission = (Instant, Instant);
+
+#[derive(Default)]
+struct Tally {
+    admitted: Vec<Admission>,
+    requests: u64,
+    failed: u64,
+}
+
+/// `tasks` concurrent callers sending `key` to `limiter` until `until`, pausing `pause` between
+/// requests.
+async fn hammer(
+    limiter: &Arc<Limiter>,
+    key: &str,
+    tasks: usize,
+    until: Instant,
+    pause: Duration,
+) -> Tally {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).unwrap();
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (limiter, key, tally) = (limiter.clone(), key.clone(), tally.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let before = Instant::now();
+                    let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+                    let after = Instant::now();
+                    {
+                        let mut tally = tally.lock().unwrap();
+                        tally.requests += 1;
+                        match decision.outcome {
+                            Outcome::Admitted => tally.admitted.push((before, after)),
+                            Outcome::Limited { .. } => {}
+                            _ => tally.failed += 1,
+                        }
+                    }
+                    if !pause.is_zero() {
+                        tokio::time::sleep(pause).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    Arc::try_unwrap(tally).ok().unwrap().into_inner().unwrap()
+}
+
+/// No window holds more than `capacity` admissions (each counted only if its whole decision fell
+/// inside the window, which makes the check sound).
+fn assert_within_capacity(admissions: &mut [Admission], capacity: u64) {
+    let window = Duration::from_secs(WINDOW_SECONDS.into());
+    admissions.sort();
+    for (j, (start, _)) in admissions.iter().enumerate() {
+        let inside = admissions[j..]
+            .iter()
+            .filter(|(_, after)| *after < *start + window)
+            .count() as u64;
+        assert!(
+            inside <= capacity,
+            "{inside} admitted within one window of capacity {capacity}"
+        );
+    }
+}
+
+async fn audit(limiter: &Limiter, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
+    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).unwrap();
+    let account_id = limiter.account_of(&key).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    limiter
+        .ledger()
+        .audit(account_id, deadline)
+        .await
+        .unwrap()
+        .expect("account exists")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_one_hot_caller_never_over_admit() {
+    const CAPACITY: u64 = 300;
+    let (a, b) = (limiter(CAPACITY, 100), limiter(CAPACITY, 100));
+    let settlers = [spawn_settler(&a).unwrap(), spawn_settler(&b).unwrap()];
+    let key = common::fresh_key("hot_");
+    let until = Instant::now() + Duration::from_secs(7);
+    let pause = Duration::from_millis(2);
+    let (ta, tb) = tokio::join!(
+        hammer(&a, &key, 32, until, pause),
+        hammer(&b, &key, 32, until, pause)
+    );
+    let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
+    let requests = ta.requests + tb.requests;
+    eprintln!(
+        "requests {requests}, admitted {} (a {}, b {}), failed {}",
+        all.len(),
+        ta.admitted.len(),
+        tb.admitted.len(),
+        ta.failed + tb.failed
+    );
+    assert!(
+        requests >= 5_000,
+        "thousands of concurrent requests: {requests}"
+    );
+    assert_eq!(ta.failed + tb.failed, 0);
+    assert_within_capacity(&mut all, CAPACITY);
+    // Not starved either: a unit is held at most window + L (plus settling) after admission.
+    let seconds = 7.0 / f64::from(WINDOW_SECONDS + LEASE_SECONDS + 1);
+    assert!(
+        all.len() as f64 >= CAPACITY as f64 * seconds * 0.8,
+        "admitted {}",
+        all.len()
+    );
+    for (name, tally) in [("a", &ta), ("b", &tb)] {
+        assert!(
+            tally.admitted.len() * 10 >= all.len(),
+            "instance {name} starved: {}",
+            tally.admitted.len()
+        );
+    }
+    settlers.iter().for_each(|s| s.abort());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_caller_under_its_limit_is_admitted_from_memory_and_audited_whole() {
+    const CAPACITY: u64 = 1_000_000;
+    let a = limiter(CAPACITY, 20_000);
+    let settler = spawn_settler(&a).unwrap();
+    let key = common::fresh_key("hot_");
+    let calls_before = a.ledger().calls_started();
+    let until = Instant::now() + Duration::from_secs(3);
+    let tally = hammer(&a, &key, 64, until, Duration::ZERO).await;
+    let calls = a.ledger().calls_started() - calls_before;
+    let admitted = tally.admitted.len() as u64;
+    eprintln!(
+        "requests {}, admitted {admitted}, ledger calls {calls}",
+        tally.requests
+    );
+    assert_eq!(admitted, tally.requests, "all admitted");
+    assert!(admitted >= 5_000, "{admitted}");
+    assert!(
+        calls * 20 <= admitted,
+        "{calls} ledger calls for {admitted} admitted: more than 0.05 each"
+    );
+    // Once the sweeper settled the last lease, the audit trail accounts for every request.
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 500)).await;
+    let audit = audit(&a, &key).await;
+    eprintln!("{audit:?}");
+    assert_eq!(audit.leases, audit.leases_settled, "every lease settled");
+    assert_eq!(
+        audit.admitted(),
+        admitted,
+        "each admitted request is in the trail exactly once"
+    );
+    assert!(audit.lease_settlements <= audit.leases_settled);
+    settler.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
+    const CAPACITY: u64 = 200;
+    let (a, b) = (limiter(CAPACITY, 100), limiter(CAPACITY, 100));
+    let settler_a = spawn_settler(&a).unwrap();
+    let settler_b = spawn_settler(&b).unwrap();
+    let key = common::fresh_key("hot_");
+    // Both clients connected (a client's first request takes ~0.6 s) and the caller provisioned.
+    for limiter in [&a, &b] {
+        limiter.ready(Duration::from_secs(10)).await.unwrap();
+    }
+    // A serves the caller for 0.7 s below its limit (about 100 requests/s, so it holds a lease
+    // with unused units), then dies: no settlement, no sweeper.
+    let until = Instant::now() + Duration::from_millis(700);
+    let ta = hammer(&a, &key, 2, until, Duration::from_millis(20)).await;
+    eprintln!(
+        "a: requests {}, admitted {}, failed {}",
+        ta.requests,
+        ta.admitted.len(),
+        ta.failed
+    );
+    settler_a.abort();
+    let killed = audit(&a, &key).await;
+    drop(a);
+    assert!(
+        killed.leases > killed.leases_settled,
+        "A died holding a lease: {killed:?}"
+    );
+    // B takes over at once, for longer than the dead lease lives (window + L).
+    let until = Instant::now() + Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS) + 1);
+    let tb = hammer(&b, &key, 32, until, Duration::from_millis(2)).await;
+    let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
+    eprintln!(
+        "admitted a {} then b {}",
+        ta.admitted.len(),
+        tb.admitted.len()
+    );
+    assert_eq!(ta.failed + tb.failed, 0);
+    assert_within_capacity(&mut all, CAPACITY);
+    assert!(!tb.admitted.is_empty());
+    // Nothing is lost: once B's last lease is settled and every hold expired, all credit is back,
+    // and the dead lease expired by itself (never settled).
+    settler_b.abort();
+    b.settle_due_leases().await;
+    let expiry =
+        Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS)) + Duration::from_millis(500);
+    tokio::time::sleep(expiry).await;
+    let after = audit(&b, &key).await;
+    assert_eq!(after.available, u128::from(CAPACITY), "{after:?}");
+    assert!(after.leases > after.leases_settled, "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back() {
+    let ledger = common::shared_ledger().address;
+    let mut config = common::test_config(ledger);
+    let mut hot = common::plan(100, WINDOW_SECONDS);
+    hot.lease_units_max = Some(50);
+    hot.lease_seconds = Some(LEASE_SECONDS);
+    config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
+    config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    let app = common::spawn_app(config).await;
+    let key = common::fresh_key("hot_");
+    for sent in 1..=5u64 {
+        let response = app.get("/greeting", Some(&key)).await;
+        assert_eq!(response.status(), 200);
+        // The lease's unused units are the caller's to spend here: nothing else is held.
+        assert_eq!(common::remaining(&response), 100 - sent);
+    }
+    // The settler (started by the service) settles the last lease once its L is over (the first
+    // was replaced ahead of need, half spent): only the five units used stay held.
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 400)).await;
+    let audit = audit(&app.limiter, &key).await;
+    assert!(audit.leases >= 1, "{audit:?}");
+    assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
+    assert_eq!(audit.debits_pending, 5, "{audit:?}");
+    assert_eq!(audit.admitted(), 5);
+    app.stop().await;
+}
