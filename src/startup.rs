@@ -105,18 +105,7 @@ impl Application {
         ));
         // Settles leases whose time is over; ends when the limiter is dropped.
         crate::limiter::lease::spawn_settler(&limiter);
-        let listener =
-            TcpListener::bind(&settings.listen).map_err(|source| StartupError::Listen {
-                address: settings.listen.clone(),
-                source,
-            })?;
-        let port = listener
-            .local_addr()
-            .map_err(|source| StartupError::Listen {
-                address: settings.listen.clone(),
-                source,
-            })?
-            .port();
+        let (listener, port) = bind(&settings.listen)?;
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
@@ -146,7 +135,6 @@ impl Application {
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
-
         let rls = match &settings.rls {
             Some(rls) => Some(rls_server(rls, limiter.clone(), settings.workers.get())?),
             None => None,
@@ -233,6 +221,17 @@ impl Application {
         }
         result
     }
+}
+
+/// The service's listener and the port it got (port 0 picks a free one).
+fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
+    let error = |source| StartupError::Listen {
+        address: listen.to_owned(),
+        source,
+    };
+    let listener = TcpListener::bind(listen).map_err(error)?;
+    let port = listener.local_addr().map_err(error)?.port();
+    Ok((listener, port))
 }
 
 /// The admin API on its own listener (one worker: it is for operators, not traffic), running.
