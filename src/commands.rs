@@ -77,7 +77,7 @@ pub struct Change {
 /// `ledger-limiter audit`: one account, as the ledger records it.
 pub async fn audit(settings: &Settings, caller: &Caller) -> anyhow::Result<()> {
     let account_id = account_id(settings, caller)?;
-    print_audit(&connect(settings).await?, account_id).await
+    print_audit(settings, &connect(settings).await?, account_id).await
 }
 
 /// `ledger-limiter admin ...`: one operator action, then the account's audit.
@@ -126,7 +126,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             }
         }
     };
-    print_audit(&ledger, id).await
+    print_audit(settings, &ledger, id).await
 }
 
 async fn adjust(
@@ -185,9 +185,15 @@ async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
     })?)
 }
 
-async fn print_audit(ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {
+async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {
     match ledger.audit(account_id, Instant::now() + DEADLINE).await? {
-        Some(audit) => println!("{}", serde_json::to_string_pretty(&audit)?),
+        Some(mut audit) => {
+            let plan = settings
+                .plans
+                .plan_with(audit.capacity, audit.window_seconds);
+            audit.plan = plan.map(|plan| plan.name().to_owned());
+            println!("{}", serde_json::to_string_pretty(&audit)?)
+        }
         None => anyhow::bail!("no account {account_id:032x} in the ledger"),
     }
     Ok(())

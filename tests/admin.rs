@@ -87,6 +87,10 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
         (Some(2), Some(0))
     );
     assert_eq!(seen["holds"], 2);
+    assert_eq!(
+        seen["plan"], "free",
+        "the one plan with its capacity and window"
+    );
 
     // A reduction of more than is free is refused; nothing changes.
     let path = format!("/admin/callers/{id}/debit");

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::problem::{self, ProblemKind};
+use crate::ledger::audit::AccountAudit;
 use crate::ledger::model::Actor;
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
@@ -109,6 +110,17 @@ pub fn configure(config: &mut web::ServiceConfig) {
         );
 }
 
+/// Names the account's plan in its audit, when the configuration tells it unambiguously.
+fn with_plan(mut audit: AccountAudit, state: &AdminState) -> AccountAudit {
+    let window_seconds = audit.window_seconds;
+    let plan = state
+        .limiter
+        .plans()
+        .plan_with(audit.capacity, window_seconds);
+    audit.plan = plan.map(|plan| plan.name().to_owned());
+    audit
+}
+
 fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
     problem::with_status(ProblemKind::Admin, status, detail)
 }
@@ -166,7 +178,7 @@ async fn inspect(
         .audit(id, Instant::now() + DEADLINE)
         .await
     {
-        Ok(Some(audit)) => HttpResponse::Ok().json(audit),
+        Ok(Some(audit)) => HttpResponse::Ok().json(with_plan(audit, &state)),
         Ok(None) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
         Err(error) => admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     }
@@ -253,7 +265,7 @@ async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpRespons
     // This instance forgets what it knew; the others when they read the operator epoch (1 s).
     state.limiter.forget_local(id);
     match state.limiter.ledger().audit(id, deadline).await {
-        Ok(Some(audit)) => HttpResponse::Ok().json(audit),
+        Ok(Some(audit)) => HttpResponse::Ok().json(with_plan(audit, state)),
         _ => HttpResponse::Ok().finish(),
     }
 }

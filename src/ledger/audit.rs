@@ -79,6 +79,9 @@ pub struct AccountAudit {
     /// The latest transfers (at most [`RECENT_TRANSFERS_MAX`]), oldest first.
     pub recent: Vec<TransferSummary>,
     pub complete: bool,
+    /// The configured plan with this account's capacity and window, when exactly one has them
+    /// (the ledger records those, not the plan's name); filled in by whoever knows the plans.
+    pub plan: Option<String>,
 }
 
 impl AccountAudit {
@@ -129,6 +132,7 @@ impl Ledger {
             transfers_read: 0,
             recent: Vec::new(),
             complete: false,
+            plan: None,
         };
         let both = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::CREDITS;
         let mut timestamp_min = SystemTime::UNIX_EPOCH;

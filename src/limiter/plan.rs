@@ -256,6 +256,15 @@ impl PlanBook {
         self.plans.get(id.index())
     }
 
+    /// The one plan with this capacity and window, if exactly one has them.
+    pub fn plan_with(&self, capacity: u64, window_seconds: u32) -> Option<&Plan> {
+        let mut matching = self.plans.iter().filter(|plan| {
+            plan.capacity().get() == capacity && plan.window_seconds().get() == window_seconds
+        });
+        let found = matching.next()?;
+        matching.next().is_none().then_some(found)
+    }
+
     /// The id of the plan at `index` in [`PlanBook::plans`].
     pub fn id_at(&self, index: usize) -> Option<PlanId> {
         (index < self.plans.len()).then(|| PlanId(u16::try_from(index).expect("few plans")))
