@@ -16,7 +16,7 @@ use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
-use super::{client_error, create_transfer, model, HoldReply, Ledger, LedgerError};
+use super::{client_error, model, HoldReply, Ledger, LedgerError};
 
 /// A lease: a pending debit of the leased units, timeout = window + L.
 pub const TRANSFER_CODE_LEASE: u16 = 9;
@@ -91,7 +91,7 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<HoldReply, LedgerError> {
         let transfer = lease_transfer(account_id, self.ledger_id, units, timeout_seconds);
-        self.place(transfer, deadline, true).await
+        self.place_pending(transfer, deadline, true).await
     }
 
     /// Settles a lease in one linked chain. An error leaves the outcome unknown, which is safe
@@ -115,52 +115,6 @@ impl Ledger {
                 }
             },
             None::<fn(Arc<tb::Client>, &Result<Settled, LedgerError>)>,
-        )
-        .await
-    }
-
-    /// One pending transfer (a lease here), with [`Ledger::hold`]'s replies.
-    async fn place(
-        &self,
-        transfer: tb::Transfer,
-        deadline: Instant,
-        void_if_abandoned: bool,
-    ) -> Result<HoldReply, LedgerError> {
-        let transfer_id = transfer.id();
-        let ledger_id = self.ledger_id;
-        let on_abandoned =
-            move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
-                if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
-                    let void =
-                        model::void_transfer(transfer_id, ledger_id).with_code(TRANSFER_CODE_LEASE);
-                    tokio::spawn(async move {
-                        // Best effort: if it fails, the lease still expires after its timeout.
-                        if let Err(error) = client.create_transfers(vec![void]).await {
-                            tracing::warn!(%error, "could not void an abandoned lease; it will expire");
-                        }
-                    });
-                }
-            };
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move {
-                match create_transfer(&client, transfer).await? {
-                    None => Ok(HoldReply::Held {
-                        answered_at: Instant::now(),
-                        transfer_id,
-                    }),
-                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
-                    Some(CreateTransferErrorKind::DebitAccountNotFound) => {
-                        Ok(HoldReply::AccountNotFound)
-                    }
-                    Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
-                        Ok(HoldReply::Blocked)
-                    }
-                    Some(kind) => Err(super::unexpected_transfer("lease: ", kind)),
-                }
-            },
-            Some(on_abandoned),
         )
         .await
     }

@@ -340,16 +340,28 @@ impl Ledger {
         void_if_abandoned: bool,
     ) -> Result<HoldReply, LedgerError> {
         let transfer = model::hold_transfer(account_id, self.ledger_id, amount, timeout_seconds);
-        let transfer_id = transfer.id();
+        self.place_pending(transfer, deadline, void_if_abandoned)
+            .await
+    }
+
+    /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
+    /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
+    async fn place_pending(
+        &self,
+        transfer: tb::Transfer,
+        deadline: Instant,
+        void_if_abandoned: bool,
+    ) -> Result<HoldReply, LedgerError> {
+        let (transfer_id, code) = (transfer.id(), transfer.code());
         let ledger_id = self.ledger_id;
         let on_abandoned =
             move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
                 if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
-                    let void = model::void_transfer(transfer_id, ledger_id);
+                    let void = model::void_transfer(transfer_id, ledger_id).with_code(code);
                     tokio::spawn(async move {
                         // Best effort: if it fails, the hold still expires after its timeout.
                         if let Err(error) = client.create_transfers(vec![void]).await {
-                            tracing::warn!(%error, "could not void an abandoned hold; it will expire");
+                            tracing::warn!(%error, code, "could not void an abandoned hold; it will expire");
                         }
                     });
                 }
@@ -370,7 +382,7 @@ impl Ledger {
                     Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
                         Ok(HoldReply::Blocked)
                     }
-                    Some(kind) => Err(unexpected_transfer("", kind)),
+                    Some(kind) => Err(unexpected_transfer("pending: ", kind)),
                 }
             },
             Some(on_abandoned),
@@ -571,6 +583,15 @@ impl Ledger {
         let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
             .with_timestamp_min(timestamp_min);
+        self.account_transfers(filter, deadline).await
+    }
+
+    /// The transfers `filter` selects (one `get_account_transfers` call).
+    async fn account_transfers(
+        &self,
+        filter: tb::account::Filter,
+        deadline: Instant,
+    ) -> Result<Vec<tb::Transfer>, LedgerError> {
         self.call(
             Operation::GetAccountTransfers,
             deadline,

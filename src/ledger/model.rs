@@ -109,11 +109,7 @@ pub fn move_transfer(account_id: u128, ledger: u32, plan_tag: u64, actor: Actor)
 
 /// Reopens an account a move closed (the caller moves back to its plan).
 pub fn unmove_transfer(move_id: u128, ledger: u32) -> tb::Transfer {
-    tb::Transfer::new(tb::id())
-        .with_pending_id(move_id)
-        .with_ledger(ledger)
-        .with_code(TRANSFER_CODE_MOVE)
-        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+    void_transfer(move_id, ledger).with_code(TRANSFER_CODE_MOVE)
 }
 
 /// A carried hold: as much of `amount` as the new account has free (balancing), pending for
@@ -125,15 +121,9 @@ pub fn carry_transfer(
     amount: u64,
     timeout_seconds: u32,
 ) -> tb::Transfer {
-    assert!(amount > 0 && timeout_seconds > 0);
-    tb::Transfer::new(tb::id())
-        .with_debit_account_id(to_account_id)
-        .with_credit_account_id(operator_account_id(ledger))
-        .with_amount(amount.into())
-        .with_ledger(ledger)
+    hold_transfer(to_account_id, ledger, amount, timeout_seconds)
         .with_code(TRANSFER_CODE_CARRY)
         .with_flags(tb::transfer::Flags::PENDING | tb::transfer::Flags::BALANCING_DEBIT)
-        .with_timeout(timeout_seconds)
         .with_user_data_128(from_account_id)
 }
 
@@ -184,11 +174,7 @@ pub fn block_transfer(
 
 /// Ends a block early (voids its closing transfer).
 pub fn unblock_transfer(block_id: u128, ledger: u32) -> tb::Transfer {
-    tb::Transfer::new(tb::id())
-        .with_pending_id(block_id)
-        .with_ledger(ledger)
-        .with_code(TRANSFER_CODE_BLOCK)
-        .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+    void_transfer(block_id, ledger).with_code(TRANSFER_CODE_BLOCK)
 }
 
 /// An operator's reduction of a caller's credit, posted at once (it does not come back).

@@ -10,7 +10,7 @@ use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::model::{self, Actor};
-use super::{client_error, create_transfer, unexpected_transfer, Ledger, LedgerError};
+use super::{create_transfer, unexpected_transfer, Ledger, LedgerError};
 use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 
 /// What an operator's credit change came to.
@@ -248,17 +248,6 @@ impl Ledger {
         let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
             .with_timestamp_max(timestamp_max);
-        self.call(
-            Operation::GetAccountTransfers,
-            deadline,
-            move |client| async move {
-                client
-                    .get_account_transfers(Box::new(filter))
-                    .await
-                    .map_err(|e| client_error(Operation::GetAccountTransfers, e))
-            },
-            None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
-        )
-        .await
+        self.account_transfers(filter, deadline).await
     }
 }
