@@ -9,7 +9,6 @@ use ledger_limiter::ledger::model::{self, Actor};
 use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerSettings, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
-use sha2::{Digest, Sha256};
 
 /// Operators' command-line actions are recorded as admin secret number 0.
 const COMMAND_LINE: u64 = 0;
@@ -159,18 +158,8 @@ async fn adjust(
 }
 
 fn actor(reason: &str) -> anyhow::Result<Actor> {
-    use ledger_limiter::http::admin::REASON_LENGTH_MAX;
-    anyhow::ensure!(
-        !reason.is_empty() && reason.len() <= REASON_LENGTH_MAX,
-        "--reason must be 1-{REASON_LENGTH_MAX} bytes"
-    );
-    let digest = Sha256::digest(reason.as_bytes());
-    let mut why = [0u8; 16];
-    why.copy_from_slice(&digest[..16]);
-    Ok(Actor {
-        who: COMMAND_LINE,
-        why: u128::from_le_bytes(why),
-    })
+    Actor::from_reason(COMMAND_LINE, reason)
+        .with_context(|| format!("--reason must be 1-{} bytes", model::REASON_LENGTH_MAX))
 }
 
 async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
@@ -212,12 +201,7 @@ fn read_key() -> anyhow::Result<CallerKey> {
 
 fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
     if let Some(hex) = &caller.account_id {
-        let hex = hex.trim_start_matches("0x");
-        anyhow::ensure!(
-            hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
-            "--account-id is 32 hex digits"
-        );
-        return Ok(u128::from_str_radix(hex, 16)?);
+        return model::parse_account_id(hex).context("--account-id is 32 hex digits");
     }
     let key = read_key()?;
     let plan = settings

@@ -22,8 +22,7 @@ use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::Limiter;
 
-/// The longest reason kept (its hash goes to the ledger; the text to the log).
-pub const REASON_LENGTH_MAX: usize = 200;
+pub use crate::ledger::model::REASON_LENGTH_MAX;
 /// No single adjustment may move more than this much credit.
 pub const AMOUNT_MAX: u64 = 1 << 40;
 /// Secrets shorter than this are refused: a bearer token must not be guessable.
@@ -156,11 +155,9 @@ fn authorized_account(
 }
 
 fn account_id(path: &str) -> Result<u128, Box<HttpResponse>> {
-    let hex = path.trim_start_matches("0x");
-    let valid = hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit());
-    let parsed = valid.then(|| u128::from_str_radix(hex, 16).ok()).flatten();
     let message = "an account id is 32 hex digits";
-    parsed.ok_or_else(|| Box::new(admin_problem(StatusCode::BAD_REQUEST, message)))
+    crate::ledger::model::parse_account_id(path)
+        .ok_or_else(|| Box::new(admin_problem(StatusCode::BAD_REQUEST, message)))
 }
 
 async fn inspect(
@@ -236,15 +233,9 @@ struct Block {
 
 /// Who acts and why: the secret's number, and the reason's SHA-256 (truncated) for the ledger.
 fn actor(who: u64, reason: &str) -> Result<Actor, Box<HttpResponse>> {
-    if reason.is_empty() || reason.len() > REASON_LENGTH_MAX {
+    Actor::from_reason(who, reason).ok_or_else(|| {
         let detail = format!("reason must be 1-{REASON_LENGTH_MAX} bytes");
-        return Err(Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail)));
-    }
-    let mut why = [0u8; 16];
-    why.copy_from_slice(&digest(reason.as_bytes())[..16]);
-    Ok(Actor {
-        who,
-        why: u128::from_le_bytes(why),
+        Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail))
     })
 }
 

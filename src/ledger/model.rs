@@ -134,6 +134,33 @@ pub struct Actor {
     pub why: u128,
 }
 
+/// The longest reason an operator may give (its hash goes to the ledger).
+pub const REASON_LENGTH_MAX: usize = 200;
+
+impl Actor {
+    /// `who` acting for `reason` (1 to [`REASON_LENGTH_MAX`] bytes; `None` otherwise): the
+    /// reason's SHA-256, truncated, is what the ledger records.
+    pub fn from_reason(who: u64, reason: &str) -> Option<Actor> {
+        use sha2::{Digest, Sha256};
+        if reason.is_empty() || reason.len() > REASON_LENGTH_MAX {
+            return None;
+        }
+        let mut why = [0u8; 16];
+        why.copy_from_slice(&Sha256::digest(reason.as_bytes())[..16]);
+        Some(Actor {
+            who,
+            why: u128::from_le_bytes(why),
+        })
+    }
+}
+
+/// An account id as operators write it: 32 hex digits, `0x` allowed.
+pub fn parse_account_id(text: &str) -> Option<u128> {
+    let hex = text.trim_start_matches("0x");
+    let valid = hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+    valid.then(|| u128::from_str_radix(hex, 16).ok()).flatten()
+}
+
 fn operator_transfer(
     debit: u128,
     credit: u128,

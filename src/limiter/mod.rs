@@ -127,6 +127,17 @@ pub struct Decision<'a> {
     pub refused_by: Option<usize>,
 }
 
+impl Decision<'_> {
+    /// Every hold of an admitted request, as (account, hold): its plan's first, then its route
+    /// limits'.
+    pub fn holds(&self) -> impl Iterator<Item = (u128, HoldReceipt)> + '_ {
+        let plan = self.hold.map(|hold| (self.account_id, hold));
+        let limits = self.route_limits.iter();
+        plan.into_iter()
+            .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
+    }
+}
+
 /// One request to decide: who pays, on which account, how much.
 struct Charge<'a> {
     /// The account the caller's configured plan derives (where a move is recorded).
@@ -257,10 +268,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
-        for limit in &decision.route_limits {
-            if let Some(hold) = limit.hold {
-                self.release(limit.account_id, hold).await?;
-            }
+        for (account_id, hold) in decision.holds().skip(1) {
+            self.release(account_id, hold).await?;
         }
         let voided = self.release(decision.account_id, hold).await?;
         if voided {
@@ -344,16 +353,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(decision)
     }
 
+    /// The account `key` has on `plan` (the plan is part of its identity).
+    fn account_on(&self, key: &CallerKey, plan: &Plan) -> u128 {
+        let key = key.expose_secret().as_bytes();
+        model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
+    }
+
     fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge<'_>> {
         let home_plan_id = self.plans.plan_for(key)?;
-        let account_on = |plan: &Plan| {
-            let key = key.expose_secret().as_bytes();
-            model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
-        };
-        let home_account_id = account_on(self.plans.get(home_plan_id)?);
+        let home_account_id = self.account_on(key, self.plans.get(home_plan_id)?);
         let plan_id = self.moves.get(home_account_id).unwrap_or(home_plan_id);
         let plan = self.plans.get(plan_id)?;
-        let id = account_on(plan);
+        let id = self.account_on(key, plan);
         Some(Charge {
             home_account_id,
             home_plan_id,

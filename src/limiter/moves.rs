@@ -102,7 +102,8 @@ impl super::Limiter {
             .ok_or_else(|| MoveError::UnknownPlan(plan_name.to_owned()))?;
         let (home_plan, home_account) = self.home(key).ok_or(MoveError::UnknownKey)?;
         let (from_plan, from) = self.current(key, home_plan, home_account, deadline).await?;
-        let (plan, to) = (self.plan(target), self.account_on(key, target));
+        let plan = self.plan(target);
+        let to = self.account_on(key, plan);
         if from_plan == target {
             return Err(MoveError::SamePlan(plan.name().to_owned()));
         }
@@ -135,17 +136,11 @@ impl super::Limiter {
 
     fn home(&self, key: &super::CallerKey) -> Option<(PlanId, u128)> {
         let plan = self.plans.plan_for(key)?;
-        Some((plan, self.account_on(key, plan)))
+        Some((plan, self.account_on(key, self.plan(plan))))
     }
 
     fn plan(&self, id: PlanId) -> &super::Plan {
         self.plans.get(id).expect("an id from this book")
-    }
-
-    fn account_on(&self, key: &super::CallerKey, plan: PlanId) -> u128 {
-        let plan = self.plan(plan);
-        let key = key.expose_secret().as_bytes();
-        model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
     }
 
     /// The caller's account now, following the moves the ledger records.
@@ -170,7 +165,7 @@ impl super::Limiter {
                 Some(None) => return Err(MoveError::Blocked),
                 Some(Some(tag)) => {
                     plan = plan_of_tag(&self.plans, tag).ok_or(MoveError::LostTrack)?;
-                    account = self.account_on(key, plan);
+                    account = self.account_on(key, self.plan(plan));
                 }
             }
         }

@@ -24,7 +24,8 @@ impl Limiter {
         }
         let now = self.clock.now();
         let margin = self.settings.expiry_margin;
-        let recharges: Vec<Recharge> = holds_of(decision)
+        let recharges: Vec<Recharge> = decision
+            .holds()
             .map(|(account_id, hold): (u128, HoldReceipt)| {
                 // What is left of the hold's window (its expiry, less the local margin).
                 let left = hold.expires_at.saturating_duration_since(now + margin);
@@ -41,7 +42,7 @@ impl Limiter {
         match ledger.recharge(&recharges, deadline).await? {
             Recharged::Expired => Ok(false),
             Recharged::Done(_) => {
-                for (account_id, hold) in holds_of(decision) {
+                for (account_id, hold) in decision.holds() {
                     let old = LocalRecharge {
                         amount: hold.amount,
                         expires_at: hold.expires_at,
@@ -52,12 +53,4 @@ impl Limiter {
             }
         }
     }
-}
-
-/// Every hold of an admitted request: its plan's, then its route limits'.
-fn holds_of<'d>(decision: &'d Decision<'_>) -> impl Iterator<Item = (u128, HoldReceipt)> + 'd {
-    let plan = decision.hold.map(|hold| (decision.account_id, hold));
-    let limits = decision.route_limits.iter();
-    plan.into_iter()
-        .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
 }
