@@ -11,9 +11,7 @@ use futures_util::future::join_all;
 use ledger_limiter::ledger::model::UserAccount;
 use ledger_limiter::ledger::{ChainLink, ChainReply, Ledger, LinkRefusal};
 use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-use ledger_limiter::limiter::{
-    DecisionSource, FailurePolicy, Limit, Limiter, LimiterSettings, Outcome,
-};
+use ledger_limiter::limiter::{DecisionSource, Limit, Limiter, Outcome};
 
 fn limiter(ledger: Ledger) -> Limiter {
     let plan = Plan::new(
@@ -28,12 +26,7 @@ fn limiter(ledger: Ledger) -> Limiter {
         [],
         UnknownKeys::DefaultPlan,
     );
-    let settings = LimiterSettings {
-        ledger_timeout: Duration::from_secs(5),
-        failure_policy: FailurePolicy::Closed,
-        local_callers_max: 1000,
-        expiry_margin: Duration::from_millis(250),
-    };
+    let settings = library_settings();
     Limiter::new(ledger, Arc::new(plans.unwrap()), settings)
 }
 

@@ -215,7 +215,7 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{RateLimit, RequestRules};
     use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use ledger_limiter::limiter::Limiter;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
@@ -234,12 +234,7 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
         [],
         UnknownKeys::DefaultPlan,
     );
-    let settings = LimiterSettings {
-        ledger_timeout: Duration::from_secs(5),
-        failure_policy: FailurePolicy::Closed,
-        local_callers_max: 1000,
-        expiry_margin: Duration::from_millis(250),
-    };
+    let settings = library_settings();
     let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
     let rules = RequestRules::builder()
         .refund_server_errors("/boom")
@@ -280,12 +275,7 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     assert_eq!(get("/charged-boom").await, 500);
     assert_eq!(get("/ok").await, 429);
     let account_id = {
-        let caller = ledger_limiter::limiter::caller::CallerKey::from_header_value(
-            "x-api-key",
-            key.as_bytes(),
-            128,
-        )
-        .unwrap();
+        let caller = caller(&key);
         limiter.account_of(&caller).unwrap()
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -310,18 +300,13 @@ async fn slow_instance() -> (
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{ConcurrencyLimits, RateLimit, RequestRules};
     use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use ledger_limiter::limiter::Limiter;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
 
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let settings = LimiterSettings {
-        ledger_timeout: Duration::from_secs(5),
-        failure_policy: FailurePolicy::Closed,
-        local_callers_max: 1000,
-        expiry_margin: Duration::from_millis(250),
-    };
+    let settings = library_settings();
     let two = NonZeroU64::new(2).unwrap();
     let slots = [("/slow".to_owned(), two), ("/stream".to_owned(), two)];
     let timeout = NonZeroU32::new(30).unwrap();
@@ -396,12 +381,7 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
 
     // In the ledger: no slot is held now, and the refused requests were not charged.
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let caller = ledger_limiter::limiter::caller::CallerKey::from_header_value(
-        "x-api-key",
-        key.as_bytes(),
-        128,
-    )
-    .unwrap();
+    let caller = caller(&key);
     let slot_account = model::user_account_id(
         LEDGER_CONCURRENCY,
         "concurrency-0",
@@ -488,9 +468,7 @@ async fn several_limits_per_request_admit_exactly_the_tightest_and_name_it() {
     let ledger = a.limiter.ledger();
     let plan_audit = held(&a, &key).await;
     assert_eq!((plan_audit.admitted(), plan_audit.debits_pending), (3, 3));
-    let caller =
-        ledger_limiter::limiter::caller::CallerKey::from_header_value("k", key.as_bytes(), 128)
-            .unwrap();
+    let caller = caller(&key);
     for (name, capacity, window) in [("short", 3, 60), ("long", 5, 600)] {
         let limit = Plan::new(
             name,
@@ -581,7 +559,7 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{RateLimit, RequestRules};
     use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-    use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings};
+    use ledger_limiter::limiter::Limiter;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
@@ -599,12 +577,7 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
         [],
         UnknownKeys::DefaultPlan,
     );
-    let settings = LimiterSettings {
-        ledger_timeout: Duration::from_secs(5),
-        failure_policy: FailurePolicy::Closed,
-        local_callers_max: 1000,
-        expiry_margin: Duration::from_millis(250),
-    };
+    let settings = library_settings();
     let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
     let rules = RequestRules::builder()
         .cost_header("x-cost")
@@ -648,9 +621,7 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     // More than is free: the ledger takes what is free (5), and the caller is out.
     assert_eq!(get("7").await.status(), 200);
     assert_eq!(get("1").await.status(), 429);
-    let caller =
-        ledger_limiter::limiter::caller::CallerKey::from_header_value("k", key.as_bytes(), 128)
-            .unwrap();
+    let caller = caller(&key);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let audit = limiter
         .ledger()

@@ -10,10 +10,10 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ledger_limiter::limiter::caller::CallerKey;
+use common::{caller, library_settings};
 use ledger_limiter::limiter::lease::spawn_settler;
 use ledger_limiter::limiter::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
-use ledger_limiter::limiter::{FailurePolicy, Limiter, LimiterSettings, Outcome};
+use ledger_limiter::limiter::{Limiter, Outcome};
 
 const WINDOW_SECONDS: u32 = 2;
 const LEASE_SECONDS: u32 = 1;
@@ -31,13 +31,7 @@ fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
         .with_lease(terms)
         .unwrap();
     let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
-    let settings = LimiterSettings {
-        // Generous: the machine is shared; no decision here should fail.
-        ledger_timeout: Duration::from_secs(5),
-        failure_policy: FailurePolicy::Closed,
-        local_callers_max: 1000,
-        expiry_margin: Duration::from_millis(250),
-    };
+    let settings = library_settings();
     Arc::new(Limiter::new(ledger, Arc::new(plans), settings))
 }
 
@@ -61,7 +55,7 @@ async fn hammer(
     pause: Duration,
 ) -> Tally {
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).unwrap();
+    let key = caller(key);
     let handles: Vec<_> = (0..tasks)
         .map(|_| {
             let (limiter, key, tally) = (limiter.clone(), key.clone(), tally.clone());
@@ -110,7 +104,7 @@ fn assert_within_capacity(admissions: &mut [Admission], capacity: u64) {
 }
 
 async fn audit(limiter: &Limiter, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
-    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).unwrap();
+    let key = caller(key);
     let account_id = limiter.account_of(&key).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     limiter

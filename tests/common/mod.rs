@@ -467,8 +467,25 @@ pub async fn spawn_app_without_ledger(config: FileConfig) -> TestApp {
 
 /// The ledger account of an API key on the app's plans (as the limiter derives it).
 pub fn account_id(app: &TestApp, key: &str) -> u128 {
-    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).expect("valid key");
-    app.limiter.account_of(&key).expect("the key has a plan")
+    app.limiter
+        .account_of(&caller(key))
+        .expect("the key has a plan")
+}
+
+/// A test's key as the limiter knows it.
+pub fn caller(key: &str) -> CallerKey {
+    CallerKey::from_header_value("x-api-key", key.as_bytes(), 128).expect("valid key")
+}
+
+/// Limiter settings as a library user's test sets them: a generous deadline (the machine is
+/// shared; no decision here should fail), fail closed, a local view, the usual expiry margin.
+pub fn library_settings() -> ledger_limiter::limiter::LimiterSettings {
+    ledger_limiter::limiter::LimiterSettings {
+        ledger_timeout: Duration::from_secs(5),
+        failure_policy: ledger_limiter::limiter::FailurePolicy::Closed,
+        local_callers_max: 1000,
+        expiry_margin: Duration::from_millis(250),
+    }
 }
 
 /// Reads a response's `RateLimit` remaining (`r=`) parameter.
