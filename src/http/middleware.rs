@@ -140,7 +140,7 @@ where
                     limits,
                 } => (key, cost, shadow, refund, limits),
             };
-            let mut decision = match inner.limiter.check_with(&key, cost, &limits).await {
+            let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
                 Ok(decision) => decision,
                 Err(error) => {
                     let response = respond::rejected(&error, missing);

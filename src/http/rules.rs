@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
-use std::sync::Arc;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
@@ -35,7 +34,7 @@ pub enum KeySource {
 
 /// A request, as the limiter needs to know it.
 #[derive(Debug)]
-pub enum Classified {
+pub enum Classified<'a> {
     /// Not rate-limited at all.
     Exempt,
     /// No usable key: answered 400/401 before any ledger call.
@@ -48,7 +47,7 @@ pub enum Classified {
         /// Give the credit back if the handler answers with a server error (5xx).
         refund: bool,
         /// The route's further limits, charged with the plan atomically (usually none).
-        limits: Arc<[Plan]>,
+        limits: &'a [Plan],
     },
 }
 
@@ -69,8 +68,7 @@ pub struct RequestRules {
     /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
     trusted_proxies: Vec<Cidr>,
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
-    route_limits: Vec<(String, Arc<[Plan]>)>,
-    no_limits: Arc<[Plan]>,
+    route_limits: Vec<(String, Vec<Plan>)>,
     /// A response header in which handlers report what a request actually cost.
     cost_header: Option<HeaderName>,
 }
@@ -82,7 +80,7 @@ impl RequestRules {
     }
 
     /// Exempt, rejected or a charge: no ledger call is needed to tell.
-    pub fn classify(&self, req: &ServiceRequest) -> Classified {
+    pub fn classify(&self, req: &ServiceRequest) -> Classified<'_> {
         let path = req.path();
         if self.exempt_paths.iter().any(|p| path_matches(p, path)) {
             return Classified::Exempt;
@@ -99,12 +97,12 @@ impl RequestRules {
         }
     }
 
-    fn route_limits(&self, path: &str) -> Arc<[Plan]> {
+    fn route_limits(&self, path: &str) -> &[Plan] {
         let found = self
             .route_limits
             .iter()
             .find(|(p, _)| path_matches(p, path));
-        found.map_or_else(|| self.no_limits.clone(), |(_, limits)| limits.clone())
+        found.map_or(&[], |(_, limits)| limits.as_slice())
     }
 
     /// The response header in which handlers report a request's actual cost, if configured.
@@ -444,7 +442,6 @@ impl RequestRulesBuilder {
             missing_key_status,
             trusted_proxies,
             route_limits,
-            no_limits: Arc::from(Vec::new()),
             cost_header,
         })
     }
@@ -456,7 +453,7 @@ fn checked_limits(
     route: String,
     limits: Vec<Plan>,
     costs: &RouteCosts,
-) -> Result<(String, Arc<[Plan]>), RulesError> {
+) -> Result<(String, Vec<Plan>), RulesError> {
     let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
     if !route.starts_with('/') {
         return invalid("must start with /".into());
@@ -476,7 +473,7 @@ fn checked_limits(
             ));
         }
     }
-    Ok((route, Arc::from(limits)))
+    Ok((route, limits))
 }
 
 /// A route's cost must be positive and affordable on every plan: a request that costs more than a

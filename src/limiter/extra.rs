@@ -6,7 +6,6 @@
 //! (derived from `+<limit name>`, a name no plan can have, its capacity and the key).
 
 use std::num::NonZeroU64;
-use std::sync::Arc;
 
 use super::caller::{CallerKey, KeyError};
 use super::multi::{Limit, MultiDecision};
@@ -47,7 +46,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         key: &CallerKey,
         cost: NonZeroU64,
-        route_limits: &Arc<[Plan]>,
+        route_limits: &[Plan],
     ) -> Result<Decision<'_>, KeyError> {
         if route_limits.is_empty() {
             return self.check(key, cost).await;
