@@ -364,7 +364,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let home_account_id = self.account_on(key, self.plans.get(home_plan_id)?);
         let plan_id = self.moves.get(home_account_id).unwrap_or(home_plan_id);
         let plan = self.plans.get(plan_id)?;
-        let id = self.account_on(key, plan);
+        // The key's hash is the costliest step of a refusal from memory: once, unless moved.
+        let id = if plan_id == home_plan_id {
+            home_account_id
+        } else {
+            self.account_on(key, plan)
+        };
         Some(Charge {
             home_account_id,
             home_plan_id,
