@@ -127,15 +127,15 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
                 source = source.as_str(),
                 "limited"
             );
-            let (name, quota) = match decision.refused_by {
+            let (what, name, quota) = match decision.refused_by {
                 Some(index) => {
                     let limit = &decision.route_limits[index];
-                    (format!("limit {}", limit.limit.name()), &limit.quota)
+                    ("limit", limit.limit.name(), &limit.quota)
                 }
-                None => (format!("plan {}", decision.plan.name()), &decision.quota),
+                None => ("plan", decision.plan.name(), &decision.quota),
             };
             let detail = format!(
-                "{name} allows {} units per {} s; retry after {retry_after_seconds} s",
+                "{what} {name} allows {} units per {} s; retry after {retry_after_seconds} s",
                 quota.limit, quota.window_seconds
             );
             let response = problem::response(ProblemKind::RateLimited, &detail);
