@@ -110,6 +110,9 @@ fn method_label(method: &Method) -> &'static str {
 
 /// The current span's trace id, if the trace is sampled (so the exemplar leads somewhere).
 pub fn sampled_trace_id(span: &tracing::Span) -> Option<String> {
+    if span.is_disabled() {
+        return None;
+    }
     let context = span.context();
     let span_ref = context.span();
     let span_context = span_ref.span_context();
