@@ -5,6 +5,7 @@
 //! [`FailurePolicy`]; a decision never takes longer than the ledger deadline. The limiter counts
 //! its own decisions and records them on the request's span, whichever front end asked.
 
+mod account_ids;
 pub mod caller;
 pub mod extra;
 pub mod lease;
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 use crate::ledger::model::{self, UserAccount};
 use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
 use crate::telemetry::span::fields;
+use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
 use local_view::{LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
@@ -181,6 +183,7 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     moves: moves::Moves,
     decisions: DecisionMetrics,
     leases: lease::LeaseBook,
+    account_ids: AccountIds,
 }
 
 impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
@@ -211,6 +214,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         let leases = lease::LeaseBook::new(&plans);
+        let account_ids = AccountIds::new(plans.plans().len(), settings.local_callers_max);
         Limiter {
             store,
             clock,
@@ -220,6 +224,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             moves: moves::Moves::default(),
             decisions,
             leases,
+            account_ids,
         }
     }
 
@@ -359,16 +364,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         model::user_account_id(self.store.ledger_id(), plan.name(), plan.capacity(), key)
     }
 
+    /// [`Limiter::account_on`], remembered per key and plan ([`AccountIds`]).
+    fn account_id(&self, key: &CallerKey, plan_id: PlanId, plan: &Plan) -> u128 {
+        let bytes = key.expose_secret().as_bytes();
+        self.account_ids
+            .get_or_derive(plan_id, bytes, || self.account_on(key, plan))
+    }
+
     fn charge(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Charge<'_>> {
         let home_plan_id = self.plans.plan_for(key)?;
-        let home_account_id = self.account_on(key, self.plans.get(home_plan_id)?);
+        let home_plan = self.plans.get(home_plan_id)?;
+        let home_account_id = self.account_id(key, home_plan_id, home_plan);
         let plan_id = self.moves.get(home_account_id).unwrap_or(home_plan_id);
         let plan = self.plans.get(plan_id)?;
-        // The key's hash is the costliest step of a refusal from memory: once, unless moved.
         let id = if plan_id == home_plan_id {
             home_account_id
         } else {
-            self.account_on(key, plan)
+            self.account_id(key, plan_id, plan)
         };
         Some(Charge {
             home_account_id,

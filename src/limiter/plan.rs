@@ -127,6 +127,11 @@ impl PlanId {
     pub fn index(self) -> usize {
         self.0.into()
     }
+
+    #[cfg(test)]
+    pub(crate) fn from_index(index: usize) -> PlanId {
+        PlanId(u16::try_from(index).expect("few plans"))
+    }
 }
 
 /// Every plan, and the rules that map a key to one. Its `Debug` shows how many keys are listed,
