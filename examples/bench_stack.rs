@@ -1,0 +1,189 @@
+//! What the service's own code costs per request, without sockets, wrk or the kernel: the
+//! `ledger-limiter` stack (rate limit, HTTP metrics with exemplars, routing, the handler) against
+//! a bare app with the same route, each called in-process through actix's service API on one
+//! thread, in alternating rounds. Prints nanoseconds per request for:
+//!
+//! - `bare`: the route alone (the request's construction is in every row);
+//! - `refused`: a caller over its limit, refused from the local view (the abusive workload);
+//! - `leased`: a hot caller on a lease plan, admitted from its lease (the hot workload).
+//!
+//! Run it:
+//!
+//!     cargo run --release --example bench_stack             # a development-mode TigerBeetle
+//!     BENCH_REQUESTS=200000 BENCH_ROUNDS=5 cargo run --release --example bench_stack
+//!
+//! The ledger is touched only while warming up (the first 100 holds of the refused caller, the
+//! leases of the hot one), so a development-mode ledger is fine here. The sockets' share of a
+//! request is in `scripts/bench`'s figures; this one isolates what our code adds to it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::{test, web, App, HttpResponse};
+use ledger_limiter::config::{FileConfig, Settings};
+use ledger_limiter::http::request_metrics::{HttpMetrics, RecordHttpMetrics};
+use ledger_limiter::http::RateLimit;
+use ledger_limiter::ledger::{Ledger, LedgerSettings};
+use ledger_limiter::limiter::caller::CallerKey;
+use ledger_limiter::limiter::{Limiter, Outcome};
+
+fn one() -> std::num::NonZeroU64 {
+    std::num::NonZeroU64::MIN
+}
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+const CONFIG: &str = r#"
+workers = 1
+default_plan = "abuse"
+[embedded]
+data_dir = "DATA_DIR"
+tigerbeetle_bin = ".tools/tigerbeetle"
+development = true
+[plans.abuse]
+capacity = 100
+window_seconds = 60
+[plans.hot]
+capacity = 1000000000
+window_seconds = 5
+lease_units_max = 200000
+lease_seconds = 1
+[key_prefixes]
+"hot_" = "hot"
+[routes.costs]
+"/greeting" = 1
+"#;
+
+async fn greeting() -> HttpResponse {
+    HttpResponse::Ok().content_type("text/plain").body("hello")
+}
+
+/// ns per request over `requests` calls with `key`, all of which must answer `status`.
+async fn measure<S, B>(app: &S, key: &str, status: u16, requests: usize) -> f64
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
+    let started = Instant::now();
+    for _ in 0..requests {
+        let request = test::TestRequest::get()
+            .uri("/greeting")
+            .insert_header(("x-api-key", key))
+            .to_request();
+        let response = app.call(request).await.expect("a response");
+        assert_eq!(response.status().as_u16(), status, "{key}");
+    }
+    started.elapsed().as_nanos() as f64 / requests as f64
+}
+
+fn settings(data_dir: &std::path::Path) -> Settings {
+    let path = data_dir.join("bench.toml");
+    let text = CONFIG.replace("DATA_DIR", &data_dir.join("ledger").display().to_string());
+    std::fs::write(&path, text).expect("write the configuration");
+    FileConfig::load(&path)
+        .and_then(Settings::with_overrides)
+        .expect("a valid configuration")
+}
+
+#[actix_web::main]
+async fn main() -> anyhow::Result<()> {
+    let requests = env_or("BENCH_REQUESTS", 100_000);
+    let rounds = env_or("BENCH_ROUNDS", 5);
+    let dir = tempfile::tempdir()?;
+    let settings = settings(dir.path());
+    let ledger_location = settings.ledger.clone();
+    let ledger_limiter::config::LedgerLocation::Embedded {
+        data_dir,
+        tigerbeetle_bin,
+        development,
+    } = ledger_location
+    else {
+        unreachable!("the configuration above embeds the ledger")
+    };
+    let embedded = ledger_limiter::ledger::embedded::EmbeddedLedger::start(
+        ledger_limiter::ledger::embedded::EmbeddedOptions {
+            bin: tigerbeetle_bin,
+            data_dir,
+            cluster_id: settings.cluster_id,
+            development,
+        },
+    )
+    .await?;
+    let ledger = Ledger::connect(&LedgerSettings {
+        cluster_id: settings.cluster_id,
+        addresses: vec![embedded.address()],
+        ledger_id: ledger_limiter::ledger::model::LEDGER_REQUEST_RATE,
+        in_flight_max: settings.in_flight_max,
+    })?;
+    let limiter = Arc::new(Limiter::new(
+        ledger,
+        settings.plans.clone(),
+        settings.limiter.clone(),
+    ));
+    ledger_limiter::limiter::lease::spawn_settler(&limiter);
+    let metrics = Arc::new(HttpMetrics::new());
+    let limited = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(RateLimit::new(limiter.clone(), settings.rules.clone()))
+                .wrap(RecordHttpMetrics::new(Some(metrics)))
+                .route("/greeting", web::get().to(greeting)),
+        ),
+    )
+    .await;
+    let bare = test::init_service(App::new().route("/greeting", web::get().to(greeting))).await;
+
+    // Warm up: the ledger's first answer (a new client's first request is slow), then the refused
+    // caller spends its 100 units on the ledger and the hot one takes leases.
+    for _ in 0..100 {
+        if limiter
+            .check(
+                &CallerKey::from_header_value("x-api-key", b"probe", 128)?,
+                one(),
+            )
+            .await
+            .is_ok_and(|d| d.outcome == Outcome::Admitted)
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    measure(&limited, "abuse_00001", 200, 100).await;
+    measure(&limited, "abuse_00001", 429, 1_000).await;
+    measure(&limited, "hot_00001", 200, requests / 10).await;
+    measure(&bare, "bare_00001", 200, requests / 10).await;
+
+    println!("round | bare ns | refused ns | leased ns | refused − bare | leased − bare");
+    let mut rows = Vec::new();
+    for round in 1..=rounds {
+        let bare_ns = measure(&bare, "bare_00001", 200, requests).await;
+        let refused_ns = measure(&limited, "abuse_00001", 429, requests).await;
+        let leased_ns = measure(&limited, "hot_00001", 200, requests).await;
+        println!(
+            "{round} | {bare_ns:.0} | {refused_ns:.0} | {leased_ns:.0} | {:.0} | {:.0}",
+            refused_ns - bare_ns,
+            leased_ns - bare_ns
+        );
+        rows.push((bare_ns, refused_ns - bare_ns, leased_ns - bare_ns));
+    }
+    // The machine is shared: the least of the rounds is the best estimate of the code's own cost,
+    // the median says how noisy the rounds were.
+    let summary = |pick: fn(&(f64, f64, f64)) -> f64| {
+        let mut values: Vec<f64> = rows.iter().map(pick).collect();
+        values.sort_by(f64::total_cmp);
+        (values[0], values[values.len() / 2])
+    };
+    let (bare_min, bare_median) = summary(|r| r.0);
+    let (refused_min, refused_median) = summary(|r| r.1);
+    let (leased_min, leased_median) = summary(|r| r.2);
+    println!(
+        "RESULT {{\"bare_ns\":[{bare_min:.0},{bare_median:.0}],\"refused_added_ns\":[{refused_min:.0},{refused_median:.0}],\"leased_added_ns\":[{leased_min:.0},{leased_median:.0}]}} (least, median)"
+    );
+    drop(embedded);
+    Ok(())
+}
