@@ -8,6 +8,7 @@
 
 pub mod addresses;
 pub mod audit;
+pub mod batch;
 pub mod chain;
 pub mod embedded;
 pub mod lease;
@@ -107,20 +108,14 @@ fn resolved_pending(transfer: &tb::Transfer) -> Option<u128> {
         .then(|| transfer.pending_id())
 }
 
-/// Creates one transfer: `Ok(None)` when it was created, `Ok(Some(kind))` when the ledger refused
-/// it (the event's result), `Err` when the call itself failed.
+/// Creates one transfer, in the batch this thread is filling (`batch.rs`): `Ok(None)` when it
+/// was created, `Ok(Some(kind))` when the ledger refused it (the event's result), `Err` when the
+/// call itself failed.
 async fn create_transfer(
-    client: &tb::Client,
+    client: &Arc<tb::Client>,
     transfer: tb::Transfer,
 ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
-    match client.create_transfers(vec![transfer]).await {
-        Ok(()) => Ok(None),
-        Err(tb::error::CreateTransfersError::Api(errors)) => match errors.as_slice().first() {
-            Some(error) => Ok(Some(error.kind())),
-            None => Err(no_event_error(Operation::CreateTransfers)),
-        },
-        Err(e) => Err(client_error(Operation::CreateTransfers, e)),
-    }
+    batch::create_transfer(client.clone(), transfer).await
 }
 
 /// A transfer result the model does not expect (`what`: which transfer, for the message).
