@@ -273,3 +273,52 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     assert_eq!(audit.admitted(), 5);
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_what_stayed_used() {
+    const SENT: u64 = 40;
+    let a = limiter(1_000_000, 1_000);
+    let settler = spawn_settler(&a).unwrap();
+    let key = common::fresh_key("hot_");
+    let who = caller(&key);
+    let mut decisions = Vec::new();
+    for _ in 0..SENT {
+        let decision = a.check(&who, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        decisions.push(decision);
+    }
+    let leased = decisions.iter().filter(|d| d.leased.is_some()).count();
+    assert!(
+        leased as u64 >= SENT / 2,
+        "most admitted from leases: {leased}"
+    );
+    // The latest decisions came from the lease that is still open; earlier ones may be from
+    // leases already replaced (and settled), which keep their units.
+    let mut refunded = 0;
+    for decision in decisions.iter_mut().rev().take(5) {
+        if a.refund(decision).await.unwrap() {
+            refunded += 1;
+        }
+        assert_eq!(decision.leased, None, "a refund takes the receipt");
+        assert!(!a.refund(decision).await.unwrap(), "never refunded twice");
+    }
+    assert!(refunded >= 1, "the open lease took units back");
+    // Once the lease is settled, a refund has nothing left to give back.
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 500)).await;
+    let late = decisions.iter_mut().rev().nth(5).unwrap();
+    assert!(late.leased.is_some());
+    assert!(
+        !a.refund(late).await.unwrap(),
+        "settled: its units stay held"
+    );
+    let audit = audit(&a, &key).await;
+    eprintln!("refunded {refunded}: {audit:?}");
+    assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
+    assert_eq!(
+        audit.admitted(),
+        SENT - refunded,
+        "the trail counts what stayed used"
+    );
+    assert_eq!(audit.debits_pending, u128::from(SENT - refunded), "{audit:?}");
+    settler.abort();
+}

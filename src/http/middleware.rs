@@ -159,7 +159,7 @@ where
                 Ok(slot) => slot,
                 Err(response) => {
                     // Not served, so not charged.
-                    let _ = inner.limiter.refund(&decision).await;
+                    let _ = inner.limiter.refund(&mut decision).await;
                     return Ok(req.into_response(response).map_into_right_body());
                 }
             };

@@ -94,7 +94,14 @@ fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, Hold)> {
     let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
     (pending && request && transfer.timeout() > 0 && expires_at > now).then(|| {
         let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
-        (transfer.id(), Hold { amount, expires_at })
+        let leased_at =
+            (transfer.code() == lease::TRANSFER_CODE_LEASE).then(|| transfer.timestamp());
+        let hold = Hold {
+            amount,
+            expires_at,
+            leased_at,
+        };
+        (transfer.id(), hold)
     })
 }
 
@@ -177,6 +184,9 @@ pub struct Hold {
     pub amount: u64,
     /// When the ledger will release it, in ledger (wall-clock) time.
     pub expires_at: SystemTime,
+    /// For a lease: when the ledger placed it. Its instance settles it about L later (unless it
+    /// died), long before `expires_at`, which covers the window after L.
+    pub leased_at: Option<SystemTime>,
 }
 
 /// What the ledger says about one user account: its available credit and its live holds.

@@ -184,6 +184,7 @@ mod tests {
         let hold = |ms: u64, amount: u64| super::super::Hold {
             amount,
             expires_at: now + Duration::from_millis(ms),
+            leased_at: None,
         };
         let holds = [hold(100, 1), hold(900, 2), hold(1500, 3)];
         assert_eq!(carried_holds(&holds, now), [(3, 1), (3, 2)]);

@@ -122,6 +122,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             account_id: charge.account.id,
             quota: plan.quota,
             hold: plan.hold,
+            leased: None,
             route_limits,
             refused_by: multi.refused_by.and_then(|index| index.checked_sub(1)),
         }

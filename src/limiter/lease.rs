@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
-use super::{Charge, HoldReceipt, Limiter, Outcome};
+use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
@@ -63,7 +63,6 @@ pub const LEASE_TRANSFERS_TOTAL: &str = "ledger_limiter_lease_transfers_total";
 /// caller whose leases run out before the next one lands (their latency includes a ledger call).
 pub const LEASE_WAITS_TOTAL: &str = "ledger_limiter_lease_waits_total";
 
-type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
 /// Callers by account id.
 type Shard = HashMap<u128, Arc<Slot>>;
 
@@ -279,6 +278,30 @@ impl LeaseBook {
         Some(slot)
     }
 
+    /// Gives a refunded request's units back to the lease that admitted it, if that lease is
+    /// still open on this instance: they may admit another request before its time is over, and
+    /// its settlement holds only what stayed used. `false` once it was settled (the settlement
+    /// holds them until its window ends, as a per-request hold that expired would).
+    pub(super) fn give_back(&self, account_id: u128, leased: LeaseReceipt) -> bool {
+        let Some(slot) = self.shard(account_id).get(&account_id).cloned() else {
+            return false;
+        };
+        let mut caller = slot.lock();
+        match &mut caller.lease {
+            Some(lease) if lease.transfer_id == leased.lease_id => {
+                assert!(
+                    lease.units_used >= leased.units,
+                    "gave back more than it admitted"
+                );
+                assert!(lease.requests > 0);
+                lease.units_used -= leased.units;
+                lease.requests -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn count_wait(&self, plan_id: PlanId) {
         if let Some(counter) = self.metrics.waits.get(plan_id.index()) {
             counter.increment(1);
@@ -343,13 +366,33 @@ impl Drop for Renewal<'_> {
 
 /// What one look at the caller's lease came to.
 enum Look<'a> {
-    Admitted(Decided),
+    Admitted(Decided, LeaseReceipt),
     /// Admitted, and this request takes the next lease ahead of need.
-    AdmittedRenewing(Decided),
+    AdmittedRenewing(Decided, LeaseReceipt),
     /// No room: this request renews (the current lease, if any, is retired first).
     Renew(Option<Lease>),
     /// Another request renews: wait for it.
     Wait(Pin<Box<Notified<'a>>>),
+}
+
+/// `view` with every lease ending when its instance settles it (L after it was placed, plus a
+/// sweep), not at its timeout (window + L): what a caller refused because of other instances'
+/// leases is told to wait (`Retry-After`, `RateLimit`'s `t`), at most L + [`SETTLE_TICK`] for
+/// their unused units. Only earlier than the ledger's release, so the local view that learns from
+/// it knows fewer holds, never more: it refuses less, never wrongly. (The settlement holds the
+/// used units on; a lease whose instance died holds them until its timeout.)
+pub(super) fn settling_soon(
+    mut view: crate::ledger::AccountView,
+    terms: LeaseTerms,
+) -> crate::ledger::AccountView {
+    let settled_within = Duration::from_secs(terms.seconds.get().into()) + SETTLE_TICK;
+    for hold in &mut view.holds {
+        if let Some(leased_at) = hold.leased_at {
+            hold.expires_at = hold.expires_at.min(leased_at + settled_within);
+        }
+    }
+    view.holds.sort_by_key(|hold| hold.expires_at);
+    view
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
@@ -362,7 +405,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         terms: LeaseTerms,
         started: Instant,
-    ) -> Result<Decided, u64> {
+    ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
         let slot = match self.leases.slot(charge, terms) {
             Some(slot) if charge.cost <= terms.units_max.get() => slot,
             _ => return self.decide_per_request_counted(charge, started).await,
@@ -370,18 +413,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let deadline = started + self.settings.ledger_timeout;
         for _ in 0..LEASE_ATTEMPTS_MAX {
             match self.look(&slot, charge.cost) {
-                Look::Admitted(decided) => return Ok(decided),
-                Look::AdmittedRenewing(decided) => {
+                Look::Admitted(decided, leased) => return Ok((decided, Some(leased))),
+                Look::AdmittedRenewing(decided, leased) => {
                     if let Err(error) = self.renew(&slot, charge.cost, None, deadline).await {
                         tracing::debug!(%error, "could not renew a lease ahead; the next request will");
                     }
-                    return Ok(decided);
+                    return Ok((decided, Some(leased)));
                 }
                 Look::Renew(retired) => {
                     match self.renew(&slot, charge.cost, retired, deadline).await {
                         Ok(true) => {}
                         Ok(false) => break,
-                        Err(error) => return Ok(self.failed(error, charge)),
+                        Err(error) => return Ok((self.failed(error, charge), None)),
                     }
                 }
                 Look::Wait(renewed) => {
@@ -391,7 +434,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         .is_err()
                     {
                         let operation = Operation::CreateTransfers;
-                        return Ok(self.failed(LedgerError::Timeout { operation }, charge));
+                        let failed = self.failed(LedgerError::Timeout { operation }, charge);
+                        return Ok((failed, None));
                     }
                 }
             }
@@ -405,11 +449,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut caller = slot.lock();
         if caller.admit(cost, now) {
             let decided = self.admitted_from_lease(&caller, now);
+            let lease_id = caller.lease.expect("it admitted").transfer_id;
+            let leased = LeaseReceipt {
+                lease_id,
+                units: cost,
+            };
             if caller.renew_ahead(now) {
                 caller.start_renewal(now);
-                return Look::AdmittedRenewing(decided);
+                return Look::AdmittedRenewing(decided, leased);
             }
-            return Look::Admitted(decided);
+            return Look::Admitted(decided, leased);
         }
         if caller.renewing {
             // Registered under the lock that ends a renewal: its end cannot be missed.
@@ -431,12 +480,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         charge: &Charge<'_>,
         started: Instant,
-    ) -> Result<Decided, u64> {
+    ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
         let decided = self.decide_per_request(charge, started).await?;
         if decided.2.is_some() {
             self.leases.count_transfers(charge.plan_id, 1);
         }
-        Ok(decided)
+        Ok((decided, None))
     }
 
     /// The renewal this request started: settles `retired` (a lease that can no longer admit)

@@ -391,6 +391,7 @@ mod tests {
             .map(|e| Hold {
                 amount: 1,
                 expires_at: wall + *e,
+                leased_at: None,
             })
             .collect();
         AccountView {
@@ -493,6 +494,7 @@ mod tests {
                 .map(|s| Hold {
                     amount: 1,
                     expires_at: wall + Duration::from_secs(s),
+                    leased_at: None,
                 })
                 .collect(),
             complete: true,

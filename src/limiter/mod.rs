@@ -111,6 +111,15 @@ pub struct HoldReceipt {
     pub expires_at: Instant,
 }
 
+/// The units of its caller's lease that admitted a request (lease plans): a refund gives them
+/// back to the lease while it is open on this instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseReceipt {
+    /// The lease's pending transfer.
+    pub lease_id: u128,
+    pub units: u64,
+}
+
 /// A decision, borrowing its plan from the limiter (no copy on the hot path).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision<'a> {
@@ -121,8 +130,10 @@ pub struct Decision<'a> {
     /// The caller's account in the ledger: a non-secret id, safe for traces.
     pub account_id: u128,
     pub quota: Quota,
-    /// The hold of an admitted request (none for any other outcome).
+    /// The hold of an admitted request (none for any other outcome, or when a lease admitted it).
     pub hold: Option<HoldReceipt>,
+    /// The lease units that admitted the request, on a lease plan.
+    pub leased: Option<LeaseReceipt>,
     /// The route's further limits ([`Limiter::check_with`]), in the route's order.
     pub route_limits: Vec<extra::RouteLimitStatus>,
     /// Which of `route_limits` refused the request (`None`: the plan did, or nobody).
@@ -139,6 +150,9 @@ impl Decision<'_> {
             .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
     }
 }
+
+/// A decision before it is a [`Decision`]: the outcome, the quota, the hold if one admitted it.
+type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
 
 /// One request to decide: who pays, on which account, how much.
 struct Charge<'a> {
@@ -268,8 +282,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Gives an admitted request's credit back now (the handler failed: callers are not charged
-    /// for our errors). `Ok(false)` when there was nothing to give back: no hold, or it had expired.
-    pub async fn refund(&self, decision: &Decision<'_>) -> Result<bool, LedgerError> {
+    /// for our errors). `Ok(false)` when there was nothing to give back: no hold, or it had expired,
+    /// or the lease that admitted it was settled already (its settlement holds the units).
+    /// Taking the lease receipt out makes a second refund of the same decision give nothing.
+    pub async fn refund(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
+        if let Some(leased) = decision.leased.take() {
+            let given = self.leases.give_back(decision.account_id, leased);
+            if given {
+                self.decisions.record_refund(decision.plan_id);
+            }
+            return Ok(given);
+        }
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
@@ -317,7 +340,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return Err(KeyError::Unknown);
         };
         let mut followed = 0;
-        let (outcome, local, hold) = loop {
+        let ((outcome, local, hold), leased) = loop {
             match self.decide(&charge).await {
                 Ok(decided) => break decided,
                 Err(tag) => match moves::plan_of_tag(&self.plans, tag) {
@@ -334,7 +357,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         let window =
                             Duration::from_secs(charge.account.window_seconds.get().into());
                         let quota = self.local.quota(charge.account.id, 0, self.clock.now());
-                        break (refused(window, DecisionSource::Ledger, true), quota, None);
+                        let outcome = refused(window, DecisionSource::Ledger, true);
+                        break ((outcome, quota, None), None);
                     }
                 },
             }
@@ -342,6 +366,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let decision = Decision {
             outcome,
             hold,
+            leased,
             quota: Quota {
                 limit: charge.account.capacity.get(),
                 window_seconds: charge.account.window_seconds.get(),
@@ -398,15 +423,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// From the caller's lease on lease plans (`lease.rs`), else per request. `Err` with the new
     /// plan's tag when the caller moved to another plan.
-    async fn decide(
-        &self,
-        charge: &Charge<'_>,
-    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), u64> {
+    async fn decide(&self, charge: &Charge<'_>) -> Result<(Decided, Option<LeaseReceipt>), u64> {
         let started = self.clock.now();
         if let Some(terms) = charge.plan.lease() {
             return self.decide_leased(charge, terms, started).await;
         }
-        self.decide_per_request(charge, started).await
+        let decided = self.decide_per_request(charge, started).await?;
+        Ok((decided, None))
     }
 
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides
@@ -619,6 +642,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         view: Result<Option<AccountView>, LedgerError>,
     ) -> Duration {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        let view = match (view, charge.plan.lease()) {
+            (Ok(Some(view)), Some(terms)) => Ok(Some(lease::settling_soon(view, terms))),
+            (view, _) => view,
+        };
         self.retry_after_for(charge.account.id, charge.cost, window_max, view)
     }
 

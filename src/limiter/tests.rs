@@ -165,6 +165,7 @@ impl Fixture {
             .map(|s| Hold {
                 amount: 1,
                 expires_at: wall + Duration::from_secs(*s),
+                leased_at: None,
             })
             .collect();
         AccountView {
@@ -488,10 +489,10 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
         s.voids.push_back(Ok(true));
     });
     let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let decision = f.limiter.check(&key, ONE).await.unwrap();
+    let mut decision = f.limiter.check(&key, ONE).await.unwrap();
     assert_eq!(decision.hold.map(|h| h.transfer_id), Some(42));
     assert_eq!(decision.quota.remaining, CAPACITY - 1);
-    assert_eq!(f.limiter.refund(&decision).await, Ok(true));
+    assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
     assert_eq!(f.calls(), ["hold", "void"]);
     // This instance knows the credit is back: the next request sees the whole quota again.
     let held = f.held();
@@ -509,15 +510,15 @@ async fn nothing_to_refund_without_a_pending_hold() {
         s.holds.push_back(Err(timeout()));
     });
     let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let decision = f.limiter.check(&key, ONE).await.unwrap();
+    let mut decision = f.limiter.check(&key, ONE).await.unwrap();
     // It expired meanwhile: nothing comes back, and the view keeps the hold (errs to holding).
-    assert_eq!(f.limiter.refund(&decision).await, Ok(false));
-    let failed = f.limiter.check(&key, ONE).await.unwrap();
+    assert_eq!(f.limiter.refund(&mut decision).await, Ok(false));
+    let mut failed = f.limiter.check(&key, ONE).await.unwrap();
     assert_eq!(failed.quota.remaining, CAPACITY - 1);
     // A decision that placed no hold makes no call.
     assert_eq!(failed.hold, None);
     f.calls();
-    assert_eq!(f.limiter.refund(&failed).await, Ok(false));
+    assert_eq!(f.limiter.refund(&mut failed).await, Ok(false));
     assert!(f.calls().is_empty());
 }
 

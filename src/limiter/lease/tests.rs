@@ -178,6 +178,7 @@ impl Store for ModelStore {
             .map(|(amount, e, _)| Hold {
                 amount: *amount,
                 expires_at: wall + (*e - now),
+                leased_at: None,
             })
             .collect();
         holds.sort_by_key(|h| h.expires_at);
@@ -497,4 +498,46 @@ fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
     });
     let model = store.model.lock().unwrap();
     assert_eq!(model.held(clock.now()), 3, "only the units used stay held");
+}
+
+/// A caller refused because of leases is told to wait for their settlement (L plus a sweep), not
+/// for their timeout; other holds keep theirs, and the earliest comes first.
+#[test]
+fn leases_end_at_their_settlement_for_retry_after() {
+    let placed = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+    let terms = LeaseTerms {
+        units_max: NonZeroU64::new(LEASE_UNITS_MAX).unwrap(),
+        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    };
+    let lease_timeout = WINDOW + Duration::from_secs(LEASE_SECONDS.into());
+    let view = AccountView {
+        credit: CAPACITY,
+        available: 0,
+        holds: vec![
+            Hold {
+                amount: 4,
+                expires_at: placed + Duration::from_millis(1_500),
+                leased_at: None,
+            },
+            Hold {
+                amount: 20,
+                expires_at: placed + lease_timeout,
+                leased_at: Some(placed),
+            },
+        ],
+        complete: true,
+        blocked: None,
+    };
+    let soon = super::settling_soon(view, terms);
+    let settled_at = placed + Duration::from_secs(LEASE_SECONDS.into()) + super::SETTLE_TICK;
+    let expiries: Vec<(u64, SystemTime)> = soon
+        .holds
+        .iter()
+        .map(|h| (h.amount, h.expires_at))
+        .collect();
+    assert_eq!(
+        expiries,
+        [(20, settled_at), (4, placed + Duration::from_millis(1_500))]
+    );
+    assert!(settled_at < placed + lease_timeout);
 }
