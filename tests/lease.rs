@@ -319,6 +319,10 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
         SENT - refunded,
         "the trail counts what stayed used"
     );
-    assert_eq!(audit.debits_pending, u128::from(SENT - refunded), "{audit:?}");
+    assert_eq!(
+        audit.debits_pending,
+        u128::from(SENT - refunded),
+        "{audit:?}"
+    );
     settler.abort();
 }
