@@ -5,6 +5,8 @@
 //! (`/metrics/exemplars`). An exemplar is attached only when the request's trace is sampled, so
 //! every exemplar leads to a trace that was exported.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::future::{ready, Ready};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use std::time::Instant;
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::http::Method;
-use actix_web::Error;
+use actix_web::{Error, HttpRequest};
 use futures_util::future::LocalBoxFuture;
 use opentelemetry::trace::TraceContextExt;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -44,7 +46,8 @@ pub struct TraceExemplar {
     pub trace_id: String,
 }
 
-type Histograms = Family<RequestLabels, HistogramWithExemplars<TraceExemplar>>;
+type Series = HistogramWithExemplars<TraceExemplar>;
+type Histograms = Family<RequestLabels, Series>;
 
 /// The registry and its one histogram family.
 pub struct HttpMetrics {
@@ -82,6 +85,11 @@ impl HttpMetrics {
             trace_id.map(|trace_id| TraceExemplar { trace_id }),
             None,
         );
+    }
+
+    /// The series of `labels` (a handle sharing the family's data).
+    fn series(&self, labels: &RequestLabels) -> Series {
+        self.durations.get_or_create(labels).clone()
     }
 
     pub fn render(&self) -> String {
@@ -148,6 +156,7 @@ where
         ready(Ok(RecordHttpMetricsMiddleware {
             service: Rc::new(service),
             metrics: self.metrics.clone(),
+            series: Rc::default(),
         }))
     }
 }
@@ -155,6 +164,57 @@ where
 pub struct RecordHttpMetricsMiddleware<S> {
     service: Rc<S>,
     metrics: Option<Arc<HttpMetrics>>,
+    series: Rc<RefCell<SeriesByPath>>,
+}
+
+/// Paths remembered per worker, beyond which a request's series is found the long way.
+pub const SERIES_PATHS_MAX: usize = 64;
+/// (method, status) series remembered per path.
+const SERIES_PER_PATH_MAX: usize = 8;
+
+/// This worker's series by request path: a path's route pattern (a walk of the resource map into
+/// a new `String`) and its labelled series (a hash and a lock) are found once, then reused; they
+/// were a tenth of a refusal's cost. The route for a path and method never changes within an app.
+/// Bounded: a scan of distinct paths (404s) fills it, then its requests take the long way.
+#[derive(Default)]
+struct SeriesByPath(HashMap<Box<str>, Vec<(&'static str, u16, Series)>>);
+
+impl SeriesByPath {
+    fn observe(
+        &mut self,
+        metrics: &HttpMetrics,
+        request: &HttpRequest,
+        (method, status): (&'static str, u16),
+        seconds: f64,
+        trace_id: Option<String>,
+    ) {
+        let exemplar = trace_id.map(|trace_id| TraceExemplar { trace_id });
+        let path = request.path();
+        let known = self
+            .0
+            .get(path)
+            .and_then(|series| series.iter().find(|(m, s, _)| *m == method && *s == status));
+        if let Some((_, _, series)) = known {
+            series.observe(seconds, exemplar, None);
+            return;
+        }
+        let route = request
+            .match_pattern()
+            .unwrap_or_else(|| "unmatched".to_owned());
+        let series = metrics.series(&RequestLabels {
+            method,
+            route,
+            status,
+        });
+        series.observe(seconds, exemplar, None);
+        if let Some(known) = self.0.get_mut(path) {
+            if known.len() < SERIES_PER_PATH_MAX {
+                known.push((method, status, series));
+            }
+        } else if self.0.len() < SERIES_PATHS_MAX {
+            self.0.insert(path.into(), vec![(method, status, series)]);
+        }
+    }
 }
 
 impl<S, B> Service<ServiceRequest> for RecordHttpMetricsMiddleware<S>
@@ -175,20 +235,14 @@ where
         let started = Instant::now();
         let method = method_label(req.method());
         let span = tracing::Span::current();
+        let series = self.series.clone();
         let future = self.service.call(req);
         Box::pin(async move {
             let response = future.await?;
-            let route = response
-                .request()
-                .match_pattern()
-                .unwrap_or_else(|| "unmatched".to_owned());
-            let labels = RequestLabels {
-                method,
-                route,
-                status: response.status().as_u16(),
-            };
-            metrics.observe(
-                labels,
+            series.borrow_mut().observe(
+                &metrics,
+                response.request(),
+                (method, response.status().as_u16()),
                 started.elapsed().as_secs_f64(),
                 sampled_trace_id(&span),
             );
@@ -229,5 +283,44 @@ mod tests {
             method_label(&Method::from_bytes(b"BREW").unwrap()),
             "_OTHER"
         );
+    }
+
+    fn count(text: &str, route: &str, status: u16) -> u64 {
+        let line = format!(
+            r#"http_server_request_duration_seconds_count{{method="GET",route="{route}",status="{status}"}} "#
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .map_or(0, |n| n.trim().parse().expect("a count"))
+    }
+
+    /// Remembered series count like the long way, past the bound too.
+    #[actix_web::test]
+    async fn series_are_counted_alike_whether_remembered_or_not() {
+        use actix_web::{test, web, App};
+        let metrics = Arc::new(HttpMetrics::new());
+        let app = test::init_service(
+            App::new()
+                .wrap(RecordHttpMetrics::new(Some(metrics.clone())))
+                .route("/greeting", web::get().to(|| async { "hello" }))
+                .route("/users/{id}", web::get().to(|| async { "user" })),
+        )
+        .await;
+        let get = |uri: String| test::TestRequest::get().uri(&uri).to_request();
+        for _ in 0..3 {
+            test::call_service(&app, get("/greeting".into())).await;
+        }
+        let users = SERIES_PATHS_MAX + 10;
+        for id in 0..users {
+            test::call_service(&app, get(format!("/users/{id}"))).await;
+        }
+        for _ in 0..2 {
+            test::call_service(&app, get("/nowhere".into())).await;
+            test::call_service(&app, get("/greeting".into())).await;
+        }
+        let text = metrics.render();
+        assert_eq!(count(&text, "/greeting", 200), 5, "{text}");
+        assert_eq!(count(&text, "/users/{id}", 200), users as u64, "{text}");
+        assert_eq!(count(&text, "unmatched", 404), 2, "{text}");
     }
 }
