@@ -247,11 +247,29 @@ impl Store for ModelStore {
 
 type Instance = Limiter<ModelStore, TestClock>;
 
-fn instance(store: &ModelStore) -> Instance {
-    let lease = LeaseTerms {
+fn terms() -> LeaseTerms {
+    LeaseTerms {
         units_max: NonZeroU64::new(LEASE_UNITS_MAX).unwrap(),
         seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    }
+}
+
+/// A runtime for one test, and an empty ledger model on a manual clock starting now.
+fn runtime_and_store() -> (tokio::runtime::Runtime, ModelStore) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
+    let store = ModelStore {
+        model: Arc::new(Mutex::new(Model::default())),
+        clock,
     };
+    (runtime, store)
+}
+
+fn instance(store: &ModelStore) -> Instance {
+    let lease = terms();
     let capacity = NonZeroU64::new(CAPACITY).unwrap();
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
     let plan = Plan::new("hot", capacity, window)
@@ -305,15 +323,8 @@ fn event() -> impl Strategy<Value = Event> {
 
 /// Runs `events`; checks the invariant at each event and at every expiry in between.
 fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
-    let store = ModelStore {
-        model: Arc::new(Mutex::new(Model::default())),
-        clock: clock.clone(),
-    };
+    let (runtime, store) = runtime_and_store();
+    let clock = store.clock.clone();
     let mut instances = [instance(&store), instance(&store)];
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
     let mut admitted: Vec<(Instant, u64)> = Vec::new();
@@ -445,15 +456,7 @@ fn a_killed_instance_leaves_its_lease_to_cover_what_it_admitted() {
 
 #[test]
 fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
-    let store = ModelStore {
-        model: Arc::new(Mutex::new(Model::default())),
-        clock: clock.clone(),
-    };
+    let (runtime, store) = runtime_and_store();
     let limiter = instance(&store);
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
     store.model.lock().unwrap().hang_next_lease = true;
@@ -477,15 +480,8 @@ fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
 
 #[test]
 fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    let clock = TestClock(Arc::new(Mutex::new((Instant::now(), SystemTime::now()))));
-    let store = ModelStore {
-        model: Arc::new(Mutex::new(Model::default())),
-        clock: clock.clone(),
-    };
+    let (runtime, store) = runtime_and_store();
+    let clock = store.clock.clone();
     let limiter = instance(&store);
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
     runtime.block_on(async {
@@ -505,10 +501,7 @@ fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
 #[test]
 fn leases_end_at_their_settlement_for_retry_after() {
     let placed = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
-    let terms = LeaseTerms {
-        units_max: NonZeroU64::new(LEASE_UNITS_MAX).unwrap(),
-        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
-    };
+    let terms = terms();
     let lease_timeout = WINDOW + Duration::from_secs(LEASE_SECONDS.into());
     let view = AccountView {
         credit: CAPACITY,
