@@ -79,14 +79,6 @@ impl HttpMetrics {
         }
     }
 
-    pub fn observe(&self, labels: RequestLabels, seconds: f64, trace_id: Option<String>) {
-        self.durations.get_or_create(&labels).observe(
-            seconds,
-            trace_id.map(|trace_id| TraceExemplar { trace_id }),
-            None,
-        );
-    }
-
     /// The series of `labels` (a handle sharing the family's data).
     fn series(&self, labels: &RequestLabels) -> Series {
         self.durations.get_or_create(labels).clone()
@@ -263,12 +255,10 @@ mod tests {
             route: "/greeting".into(),
             status: 200,
         };
-        metrics.observe(
-            labels.clone(),
-            0.003,
-            Some("0af7651916cd43dd8448eb211c80319c".into()),
-        );
-        metrics.observe(labels, 0.2, None);
+        let series = metrics.series(&labels);
+        let trace_id = "0af7651916cd43dd8448eb211c80319c".to_owned();
+        series.observe(0.003, Some(TraceExemplar { trace_id }), None);
+        series.observe(0.2, None, None);
         let text = metrics.render();
         assert!(
             text.contains("# TYPE http_server_request_duration_seconds histogram"),
