@@ -1,7 +1,10 @@
 //! The IETF rate-limit header fields (draft-ietf-httpapi-ratelimit-headers, -10 and later):
 //! `RateLimit-Policy: "free";q=5;w=30` and `RateLimit: "free";r=3;t=27`, plus `Retry-After`.
 
+use std::sync::OnceLock;
+
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
+use actix_web::web::Bytes;
 
 use crate::limiter::plan::{Plan, PlanBook, PlanId};
 use crate::limiter::Quota;
@@ -23,6 +26,59 @@ pub fn policy_value(plan: &Plan) -> String {
 /// `"<plan>";r=<remaining>;t=<seconds until the quota is whole again>`.
 pub fn ratelimit_value(plan: &str, quota: &Quota) -> String {
     format!("\"{plan}\";r={};t={}", quota.remaining, quota.reset_seconds)
+}
+
+/// [`ratelimit_value`] as a field, on every response of a limited route: written without the
+/// formatting machinery, and remembered per worker for an exhausted caller, who is refused with
+/// the same field many times a second.
+pub fn ratelimit_field(plan: &str, quota: &Quota) -> HeaderValue {
+    let make = || {
+        let mut numbers = itoa::Buffer::new();
+        let mut value = Vec::with_capacity(plan.len() + 2 * 20 + 8);
+        value.push(b'"');
+        value.extend_from_slice(plan.as_bytes());
+        value.extend_from_slice(b"\";r=");
+        value.extend_from_slice(numbers.format(quota.remaining).as_bytes());
+        value.extend_from_slice(b";t=");
+        value.extend_from_slice(numbers.format(quota.reset_seconds).as_bytes());
+        HeaderValue::from_maybe_shared(Bytes::from(value)).expect("plan names are header-safe")
+    };
+    if quota.remaining == 0 {
+        super::repeats::exhausted_ratelimit_field(plan, quota, make)
+    } else {
+        make()
+    }
+}
+
+/// Counts of seconds up to this are made once for the process.
+const SECONDS_VALUES_MAX: u64 = 3600;
+
+/// A count of seconds (`Retry-After`, …) as a field. Counts up to an hour, nearly all of them,
+/// come from one table made once: a fresh `HeaderValue` is an allocation.
+pub fn seconds_field(seconds: u64) -> HeaderValue {
+    static TABLE: OnceLock<Vec<HeaderValue>> = OnceLock::new();
+    if seconds > SECONDS_VALUES_MAX {
+        return HeaderValue::from(seconds);
+    }
+    let table = TABLE.get_or_init(|| {
+        // One string for all of them, kept for the life of the process (about 15 KiB).
+        let mut all = String::new();
+        let mut ends = Vec::with_capacity(SECONDS_VALUES_MAX as usize + 1);
+        for n in 0..=SECONDS_VALUES_MAX {
+            all.push_str(itoa::Buffer::new().format(n));
+            ends.push(all.len());
+        }
+        let all: &'static str = Box::leak(all.into_boxed_str());
+        let mut start = 0;
+        ends.into_iter()
+            .map(|end| {
+                let value = HeaderValue::from_static(&all[start..end]);
+                start = end;
+                value
+            })
+            .collect()
+    });
+    table[seconds as usize].clone()
 }
 
 /// `RateLimit-Policy` never changes for a plan: made once per plan of a book, found by
@@ -118,10 +174,7 @@ pub fn insert(
 ) {
     if styles.ietf {
         headers.insert(RATELIMIT_POLICY, policy);
-        headers.insert(
-            RATELIMIT,
-            HeaderValue::try_from(ratelimit_value(plan, quota)).expect("header values are ASCII"),
-        );
+        headers.insert(RATELIMIT, ratelimit_field(plan, quota));
     }
     if styles.github {
         let now = std::time::SystemTime::now()
@@ -140,11 +193,11 @@ pub fn insert(
     if styles.bucket4j {
         headers.insert(X_RATE_LIMIT_REMAINING, HeaderValue::from(quota.remaining));
         if let Some(seconds) = retry_after_seconds {
-            headers.insert(X_RATE_LIMIT_RETRY_AFTER_SECONDS, HeaderValue::from(seconds));
+            headers.insert(X_RATE_LIMIT_RETRY_AFTER_SECONDS, seconds_field(seconds));
         }
     }
     if let Some(seconds) = retry_after_seconds {
-        headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+        headers.insert(RETRY_AFTER, seconds_field(seconds));
     }
 }
 
@@ -227,6 +280,26 @@ mod tests {
         );
         assert_eq!(headers.get("retry-after").unwrap(), "27");
         assert_eq!(HeaderStyles::parse(&["nope".into()]), Err("nope".into()));
+    }
+
+    /// The fast, remembered fields are the formatted ones, at the edges of the table and past it.
+    #[test]
+    fn fields_are_the_formatted_values() {
+        for seconds in [0, 1, 9, 10, 99, 100, 3599, 3600, 3601, 86_400, u64::MAX] {
+            assert_eq!(seconds_field(seconds), seconds.to_string().as_str());
+        }
+        for (remaining, reset_seconds) in [(0, 0), (0, 27), (0, 27), (3, 27), (u64::MAX, 1)] {
+            let quota = Quota {
+                limit: 5,
+                window_seconds: 30,
+                remaining,
+                reset_seconds,
+            };
+            for plan in ["free", "pro_2-x"] {
+                let field = ratelimit_field(plan, &quota);
+                assert_eq!(field, ratelimit_value(plan, &quota).as_str());
+            }
+        }
         assert_eq!(HeaderStyles::parse(&[]), Err(String::new()));
     }
 }

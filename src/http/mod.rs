@@ -8,6 +8,7 @@ pub mod concurrency;
 pub mod headers;
 pub mod middleware;
 pub mod problem;
+mod repeats;
 pub mod request_metrics;
 pub mod respond;
 pub mod routes;

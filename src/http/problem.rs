@@ -1,6 +1,8 @@
 //! RFC 9457 problem details (`application/problem+json`) for every response the limiter makes.
 
+use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::StatusCode;
+use actix_web::web::Bytes;
 use actix_web::HttpResponse;
 
 pub const CONTENT_TYPE: &str = "application/problem+json";
@@ -64,9 +66,22 @@ pub fn response(kind: ProblemKind, detail: &str) -> HttpResponse {
 
 /// The same, with a configured status instead of the kind's own (a missing key as 400).
 pub fn with_status(kind: ProblemKind, status: StatusCode, detail: &str) -> HttpResponse {
-    HttpResponse::build(status)
-        .content_type(CONTENT_TYPE)
-        .body(body(kind, status, detail))
+    with_body(status, Bytes::from(body(kind, status, detail)))
+}
+
+/// A problem response around a body [`body_bytes`] made (perhaps earlier: see `repeats`).
+pub fn with_body(status: StatusCode, body: Bytes) -> HttpResponse {
+    const CONTENT_TYPE_FIELD: HeaderValue = HeaderValue::from_static(CONTENT_TYPE);
+    let mut response = HttpResponse::with_body(status, body);
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, CONTENT_TYPE_FIELD);
+    response.map_into_boxed_body()
+}
+
+/// The body of a problem of `kind`, for [`with_body`].
+pub fn body_bytes(kind: ProblemKind, detail: &str) -> Bytes {
+    Bytes::from(body(kind, kind.status(), detail))
 }
 
 /// `{"type":…,"title":…,"status":…,"detail":…}`, written straight into one buffer: a refusal

@@ -7,6 +7,7 @@ use actix_web::HttpResponse;
 
 use super::headers::{self, HeaderStyles, PolicyHeaders};
 use super::problem::{self, ProblemKind};
+use super::repeats::{self, Refuser};
 use crate::limiter::caller::KeyError;
 use crate::limiter::{Decision, Outcome};
 
@@ -130,15 +131,21 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
             let (what, name, quota) = match decision.refused_by {
                 Some(index) => {
                     let limit = &decision.route_limits[index];
-                    ("limit", limit.limit.name(), &limit.quota)
+                    (Refuser::Limit, limit.limit.name(), &limit.quota)
                 }
-                None => ("plan", decision.plan.name(), &decision.quota),
+                None => (Refuser::Plan, decision.plan.name(), &decision.quota),
             };
-            let detail = format!(
-                "{what} {name} allows {} units per {} s; retry after {retry_after_seconds} s",
-                quota.limit, quota.window_seconds
-            );
-            let response = problem::response(ProblemKind::RateLimited, &detail);
+            let retry = *retry_after_seconds;
+            let body = repeats::rate_limited_body(what, name, quota, retry, || {
+                let detail = format!(
+                    "{} {name} allows {} units per {} s; retry after {retry} s",
+                    what.as_str(),
+                    quota.limit,
+                    quota.window_seconds
+                );
+                problem::body_bytes(ProblemKind::RateLimited, &detail)
+            });
+            let response = problem::with_body(ProblemKind::RateLimited.status(), body);
             (response, *retry_after_seconds)
         }
         Outcome::Blocked {
