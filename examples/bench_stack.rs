@@ -81,6 +81,15 @@ where
     started.elapsed().as_nanos() as f64 / requests as f64
 }
 
+/// A decision's future is moved (copied) at each level on every request: its size is part of
+/// what a request costs, and the ledger's paths are boxed to keep it small.
+fn print_future_sizes(limiter: &Limiter) {
+    let key = CallerKey::from_header_value("x-api-key", b"abuse_1", 64).expect("a valid key");
+    let check = std::mem::size_of_val(&limiter.check(&key, one()));
+    let check_with = std::mem::size_of_val(&limiter.check_with(&key, one(), &[]));
+    println!("future bytes: Limiter::check {check}, Limiter::check_with {check_with}");
+}
+
 fn settings(data_dir: &std::path::Path) -> Settings {
     let path = data_dir.join("bench.toml");
     let text = CONFIG.replace("DATA_DIR", &data_dir.join("ledger").display().to_string());
@@ -126,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
         settings.limiter.clone(),
     ));
     ledger_limiter::limiter::lease::spawn_settler(&limiter);
+    print_future_sizes(&limiter);
     let metrics = Arc::new(HttpMetrics::new());
     let limited = test::init_service(
         App::new().service(

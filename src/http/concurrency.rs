@@ -76,7 +76,8 @@ impl ConcurrencyLimits {
         let Some(slots) = self.for_path(path) else {
             return Ok(None);
         };
-        let refused = match Slot::take(slots, key).await {
+        // Boxed: only routes with a concurrency limit carry the decision's state.
+        let refused = match Box::pin(Slot::take(slots, key)).await {
             Ok(slot) => return Ok(slot),
             Err(_) if shadow => return Ok(None),
             Err(refused) => refused,

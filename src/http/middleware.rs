@@ -159,7 +159,7 @@ where
                 Ok(slot) => slot,
                 Err(response) => {
                     // Not served, so not charged.
-                    let _ = inner.limiter.refund(&mut decision).await;
+                    let _ = Box::pin(inner.limiter.refund(&mut decision)).await;
                     return Ok(req.into_response(response).map_into_right_body());
                 }
             };
@@ -183,7 +183,9 @@ impl Inner {
         refund: bool,
     ) {
         if refund && response.status().is_server_error() {
-            if let Err(error) = self.limiter.refund(decision).await {
+            // The ledger's futures are boxed here and below: inline, they would make every
+            // request's middleware future kilobytes larger, and it is moved on each request.
+            if let Err(error) = Box::pin(self.limiter.refund(decision)).await {
                 tracing::debug!(%error, "could not refund; the hold expires with its window");
             }
             return;
@@ -198,7 +200,7 @@ impl Inner {
             tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, "the handler reported a cost that is not a number up to 2^40; the estimate stands");
             return;
         };
-        match self.limiter.recharge(decision, actual).await {
+        match Box::pin(self.limiter.recharge(decision, actual)).await {
             Ok(true) => {
                 let held = decision.hold.map_or(0, |hold| hold.amount);
                 let remaining = (decision.quota.remaining + held).saturating_sub(actual);

@@ -51,6 +51,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if route_limits.is_empty() {
             return self.check(key, cost).await;
         }
+        // Boxed: the all-or-none chain's future is large, and most routes have no further limits.
+        Box::pin(self.check_with_limits(key, cost, route_limits)).await
+    }
+
+    async fn check_with_limits(
+        &self,
+        key: &CallerKey,
+        cost: NonZeroU64,
+        route_limits: &[Plan],
+    ) -> Result<Decision<'_>, KeyError> {
         assert!(
             route_limits.len() <= ROUTE_LIMITS_MAX,
             "validated by the rules"

@@ -408,20 +408,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
         let slot = match self.leases.slot(charge, terms) {
             Some(slot) if charge.cost <= terms.units_max.get() => slot,
-            _ => return self.decide_per_request_counted(charge, started).await,
+            _ => return Box::pin(self.decide_per_request_counted(charge, started)).await,
         };
         let deadline = started + self.settings.ledger_timeout;
         for _ in 0..LEASE_ATTEMPTS_MAX {
             match self.look(&slot, charge.cost) {
                 Look::Admitted(decided, leased) => return Ok((decided, Some(leased))),
+                // The ledger paths are boxed: inline, their kilobytes of state would make every
+                // lease admission's future (and its copies) that large.
                 Look::AdmittedRenewing(decided, leased) => {
-                    if let Err(error) = self.renew(&slot, charge.cost, None, deadline).await {
+                    let renewal = Box::pin(self.renew(&slot, charge.cost, None, deadline));
+                    if let Err(error) = renewal.await {
                         tracing::debug!(%error, "could not renew a lease ahead; the next request will");
                     }
                     return Ok((decided, Some(leased)));
                 }
                 Look::Renew(retired) => {
-                    match self.renew(&slot, charge.cost, retired, deadline).await {
+                    match Box::pin(self.renew(&slot, charge.cost, retired, deadline)).await {
                         Ok(true) => {}
                         Ok(false) => break,
                         Err(error) => return Ok((self.failed(error, charge), None)),
@@ -440,7 +443,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
             }
         }
-        self.decide_per_request_counted(charge, started).await
+        Box::pin(self.decide_per_request_counted(charge, started)).await
     }
 
     /// One look at the caller's lease, under its lock (never held across a ledger call).

@@ -456,6 +456,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
             return Err(NotAdmitted::Refused(outcome, limit.quota));
         }
+        // Boxed: the ledger's futures are kilobytes, and every enclosing future (up to the
+        // middleware's) would otherwise be that large and copied on each request, refusals from
+        // memory included. One allocation on a path that waits for the ledger anyway.
+        Box::pin(self.decide_on_ledger(charge, started)).await
+    }
+
+    /// [`Limiter::try_decide`] past the local view: a hold, and the ledger's word on a refusal.
+    async fn decide_on_ledger(
+        &self,
+        charge: &Charge<'_>,
+        started: Instant,
+    ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
         let deadline = started + self.settings.ledger_timeout;
         let mut provisioned = false;
         match self.place(charge, deadline, &mut provisioned).await? {
