@@ -7,20 +7,27 @@
 //! client already packs concurrent calls into one request to the cluster; this packs them
 //! before they cross threads, so a batch of n holds costs two wake-ups instead of 2n.
 //!
-//! How: the first transfer a thread sends opens a batch and, after one yield (every request this
-//! thread has ready joins meanwhile), sends it and hands each transfer its own result. Results
-//! are per event, as TigerBeetle gives them: a batch is n independent transfers, never a linked
-//! chain (those keep their own calls). Bounded: [`BATCH_TRANSFERS_MAX`] transfers per call.
+//! How: the first transfer a thread sends opens a batch and spawns one task for it. That task
+//! yields once (every request this thread has ready joins meanwhile), sends the batch and hands
+//! each transfer its own result. Results are per event, as TigerBeetle gives them: a batch is n
+//! independent transfers, never a linked chain (those keep their own calls). Bounded:
+//! [`BATCH_TRANSFERS_MAX`] transfers per call.
+//!
+//! The batch's task, not the request, owns what must outlive a request that stops waiting: each
+//! member's in-flight permit (given back when the ledger answers) and, for a hold, the void that
+//! gives its credit back if it lands after its caller left. So a request waits on a channel and
+//! its deadline only: one task per batch, not one per request.
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 use tokio::sync::oneshot;
 
 use super::metrics::Operation;
-use super::{client_error, LedgerError};
+use super::{client_error, model, InFlight, LedgerError};
 
 /// Transfers per call: well under a development-mode cluster's 32 KiB request (about 255).
 pub const BATCH_TRANSFERS_MAX: usize = 128;
@@ -31,9 +38,25 @@ pub type TransferResult = Result<Option<CreateTransferErrorKind>, LedgerError>;
 struct Batch {
     client: Arc<tb::Client>,
     transfers: Vec<tb::Transfer>,
-    replies: Vec<oneshot::Sender<TransferResult>>,
+    members: Vec<Member>,
     /// Taken to be sent: nothing may join any more.
     sent: bool,
+}
+
+/// One transfer's caller, as the batch sees it.
+struct Member {
+    reply: oneshot::Sender<TransferResult>,
+    /// Held until the ledger answers: the in-flight bound counts calls at the ledger, not
+    /// callers still waiting.
+    _in_flight: Option<InFlight>,
+    /// A hold created after its caller stopped waiting is voided with this code.
+    void_if_abandoned: Option<u16>,
+}
+
+/// What a transfer's caller leaves with the batch ([`create_transfer_until`]).
+pub struct Leave {
+    pub in_flight: Option<InFlight>,
+    pub void_if_abandoned: Option<u16>,
 }
 
 thread_local! {
@@ -47,17 +70,49 @@ fn lock(batch: &Mutex<Batch>) -> MutexGuard<'_, Batch> {
 
 /// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own.
 pub async fn create_transfer(client: Arc<tb::Client>, transfer: tb::Transfer) -> TransferResult {
+    let leave = Leave {
+        in_flight: None,
+        void_if_abandoned: None,
+    };
+    create_transfer_until(client, transfer, leave, None).await
+}
+
+/// [`create_transfer`], waiting until `deadline` at most (`Timeout` after it). What `leave`
+/// holds stays with the batch until the ledger answers.
+pub async fn create_transfer_until(
+    client: Arc<tb::Client>,
+    transfer: tb::Transfer,
+    leave: Leave,
+    deadline: Option<Instant>,
+) -> TransferResult {
     assert!(
         !transfer.flags().contains(tb::transfer::Flags::LINKED),
         "a linked chain is not a batch of independent transfers"
     );
     let (reply, result) = oneshot::channel();
-    if let Some(opened) = join_or_open(client, transfer, reply) {
-        // Every request this thread has ready gets to join before the batch goes.
-        tokio::task::yield_now().await;
-        send(&opened).await;
+    let member = Member {
+        reply,
+        _in_flight: leave.in_flight,
+        void_if_abandoned: leave.void_if_abandoned,
+    };
+    if let Some(opened) = join_or_open(client, transfer, member) {
+        tokio::spawn(async move {
+            // Every request this thread has ready gets to join before the batch goes.
+            tokio::task::yield_now().await;
+            send(&opened).await;
+        });
     }
-    result.await.unwrap_or_else(|_| {
+    let answer = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline.into(), result).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                let operation = Operation::CreateTransfers;
+                return Err(LedgerError::Timeout { operation });
+            }
+        },
+        None => result.await,
+    };
+    answer.unwrap_or_else(|_| {
         Err(LedgerError::Unexpected {
             operation: Operation::CreateTransfers,
             message: "a batch ended without an answer".to_owned(),
@@ -66,11 +121,11 @@ pub async fn create_transfer(client: Arc<tb::Client>, transfer: tb::Transfer) ->
 }
 
 /// Joins this thread's open batch when it is for the same client and has room; else opens one
-/// (returned: the caller sends it).
+/// (returned: the caller has it sent).
 fn join_or_open(
     client: Arc<tb::Client>,
     transfer: tb::Transfer,
-    reply: oneshot::Sender<TransferResult>,
+    member: Member,
 ) -> Option<Arc<Mutex<Batch>>> {
     FILLING.with(|filling| {
         let mut filling = filling.borrow_mut();
@@ -79,14 +134,14 @@ fn join_or_open(
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
             if fits && Arc::ptr_eq(&batch.client, &client) {
                 batch.transfers.push(transfer);
-                batch.replies.push(reply);
+                batch.members.push(member);
                 return None;
             }
         }
         let opened = Arc::new(Mutex::new(Batch {
             client,
             transfers: vec![transfer],
-            replies: vec![reply],
+            members: vec![member],
             sent: false,
         }));
         *filling = Some(opened.clone());
@@ -94,17 +149,18 @@ fn join_or_open(
     })
 }
 
-/// Sends the batch (closed to newcomers first) and answers each of its transfers.
+/// Sends the batch (closed to newcomers first) and answers each of its transfers; voids the
+/// holds that landed after their callers left.
 async fn send(opened: &Arc<Mutex<Batch>>) {
-    let (client, transfers, replies) = {
+    let (client, transfers, members) = {
         let mut batch = lock(opened);
         assert!(!batch.sent);
         batch.sent = true;
         let transfers = std::mem::take(&mut batch.transfers);
-        let replies = std::mem::take(&mut batch.replies);
-        (batch.client.clone(), transfers, replies)
+        let members = std::mem::take(&mut batch.members);
+        (batch.client.clone(), transfers, members)
     };
-    // Whichever thread this task resumed on, its own open batch is another one: leave it.
+    // Whichever thread this task runs on, its own open batch is another one: leave it.
     FILLING.with(|filling| {
         let mut filling = filling.borrow_mut();
         if filling
@@ -114,30 +170,48 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
             *filling = None;
         }
     });
-    assert_eq!(transfers.len(), replies.len());
+    assert_eq!(transfers.len(), members.len());
     let count = transfers.len();
-    match client.create_transfers(transfers).await {
-        Ok(()) => replies.into_iter().for_each(|reply| {
-            let _ = reply.send(Ok(None));
-        }),
+    let ids: Vec<(u128, u32)> = transfers.iter().map(|t| (t.id(), t.ledger())).collect();
+    let results = results(client.create_transfers(transfers).await, count);
+    let mut voids = Vec::new();
+    for ((member, result), (id, ledger_id)) in members.into_iter().zip(results).zip(ids) {
+        let created = matches!(result, Ok(None));
+        let left = member.reply.send(result).is_err();
+        if let (true, true, Some(code)) = (left, created, member.void_if_abandoned) {
+            voids.push(model::void_transfer(id, ledger_id).with_code(code));
+        }
+        // The member's in-flight permit goes here: the ledger has answered.
+    }
+    if !voids.is_empty() {
+        // Best effort: if it fails, the holds still expire after their timeouts.
+        if let Err(error) = client.create_transfers(voids).await {
+            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
+        }
+    }
+}
+
+/// Each transfer's result from the call's.
+fn results(
+    answer: Result<(), tb::error::CreateTransfersError>,
+    count: usize,
+) -> Vec<TransferResult> {
+    match answer {
+        Ok(()) => vec![Ok(None); count],
         Err(tb::error::CreateTransfersError::Api(errors)) => {
-            let mut kinds: Vec<Option<CreateTransferErrorKind>> = vec![None; count];
+            let mut kinds: Vec<TransferResult> = vec![Ok(None); count];
             for error in errors.as_slice() {
                 // An index outside the batch would be the client's bug: that transfer's caller
                 // gets no kind, the others theirs.
                 if let Some(kind) = kinds.get_mut(error.index() as usize) {
-                    *kind = Some(error.kind());
+                    *kind = Ok(Some(error.kind()));
                 }
             }
-            for (reply, kind) in replies.into_iter().zip(kinds) {
-                let _ = reply.send(Ok(kind));
-            }
+            kinds
         }
         Err(error) => {
             let error = client_error(Operation::CreateTransfers, error);
-            for reply in replies {
-                let _ = reply.send(Err(error.clone()));
-            }
+            vec![Err(error); count]
         }
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! Every call here has a deadline (TigerBeetle requests never time out on their own, and dropping
 //! a request's future does not cancel it) and is bounded: at most `in_flight_max` calls are in
-//! flight, and a call beyond that is refused at once rather than queued. Each call runs in its own
-//! task that owns its in-flight permit until the ledger answers, so a dead ledger fills the bound
+//! flight, and a call beyond that is refused at once rather than queued. The task that talks to
+//! the ledger owns each call's in-flight permit until the ledger answers (a call's own task, or
+//! for single transfers the task of their batch, `batch.rs`), so a dead ledger fills the bound
 //! and further calls fail fast instead of piling up inside the client.
 
 pub mod addresses;
@@ -350,49 +351,41 @@ impl Ledger {
     }
 
     /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
-    /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
+    /// does, voiding it (with its own code) if it lands after its caller stopped waiting. The
+    /// batch's task keeps the in-flight permit and the void (`batch.rs`): no task of its own.
     async fn place_pending(
         &self,
         transfer: tb::Transfer,
         deadline: Instant,
         void_if_abandoned: bool,
     ) -> Result<HoldReply, LedgerError> {
+        let operation = Operation::CreateTransfers;
         let (transfer_id, code) = (transfer.id(), transfer.code());
-        let ledger_id = self.ledger_id;
-        let on_abandoned =
-            move |client: Arc<tb::Client>, outcome: &Result<HoldReply, LedgerError>| {
-                if void_if_abandoned && matches!(outcome, Ok(HoldReply::Held { .. })) {
-                    let void = model::void_transfer(transfer_id, ledger_id).with_code(code);
-                    tokio::spawn(async move {
-                        // Best effort: if it fails, the hold still expires after its timeout.
-                        if let Err(error) = client.create_transfers(vec![void]).await {
-                            tracing::warn!(%error, code, "could not void an abandoned hold; it will expire");
-                        }
-                    });
-                }
-            };
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move {
-                match create_transfer(&client, transfer).await? {
-                    None => Ok(HoldReply::Held {
-                        answered_at: Instant::now(),
-                        transfer_id,
-                    }),
-                    Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
-                    Some(CreateTransferErrorKind::DebitAccountNotFound) => {
-                        Ok(HoldReply::AccountNotFound)
-                    }
-                    Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
-                        Ok(HoldReply::Blocked)
-                    }
-                    Some(kind) => Err(unexpected_transfer("pending: ", kind)),
-                }
-            },
-            Some(on_abandoned),
-        )
-        .await
+        let leave = batch::Leave {
+            in_flight: Some(self.in_flight()?),
+            void_if_abandoned: void_if_abandoned.then_some(code),
+        };
+        let client = self.client.load().client.clone();
+        let span = call_span(operation);
+        let started = Instant::now();
+        let created = batch::create_transfer_until(client, transfer, leave, Some(deadline))
+            .instrument(span.clone())
+            .await;
+        let reply = match created {
+            Ok(None) => Ok(HoldReply::Held {
+                answered_at: Instant::now(),
+                transfer_id,
+            }),
+            Ok(Some(CreateTransferErrorKind::ExceedsCredits)) => Ok(HoldReply::ExceedsCredits),
+            Ok(Some(CreateTransferErrorKind::DebitAccountNotFound)) => {
+                Ok(HoldReply::AccountNotFound)
+            }
+            Ok(Some(CreateTransferErrorKind::DebitAccountAlreadyClosed)) => Ok(HoldReply::Blocked),
+            Ok(Some(kind)) => Err(unexpected_transfer("pending: ", kind)),
+            Err(error) => Err(error),
+        };
+        self.finish(operation, started, &span, &reply);
+        reply
     }
 
     /// Voids a hold, giving its credit back now. `false` if it was no longer pending (expired,
@@ -629,6 +622,45 @@ impl Ledger {
         .await
     }
 
+    /// A permit under the in-flight bound (counted in the gauge while held), or `Overloaded`.
+    fn in_flight(&self) -> Result<InFlight, LedgerError> {
+        self.calls_started.fetch_add(1, Ordering::Relaxed);
+        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+            let error = LedgerError::Overloaded {
+                in_flight_max: self.in_flight_max,
+            };
+            self.metrics.record_error(error.kind());
+            return Err(error);
+        };
+        self.metrics.in_flight_add(1.0);
+        Ok(InFlight {
+            _permit: permit,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Counts a finished call (its duration as its caller waited, and its error's kind) and
+    /// names its outcome on its span.
+    fn finish<T>(
+        &self,
+        operation: Operation,
+        started: Instant,
+        span: &tracing::Span,
+        result: &Result<T, LedgerError>,
+    ) {
+        let status = if result.is_ok() {
+            CallStatus::Ok
+        } else {
+            CallStatus::Error
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        self.metrics.record_call(operation, status, seconds);
+        span.record("ledger.outcome", status.as_str());
+        if let Err(error) = result {
+            self.metrics.record_error(error.kind());
+        }
+    }
+
     /// Runs one ledger call in its own task under the in-flight bound, and waits for it until
     /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting.
     /// Every failure is counted by kind.
@@ -645,40 +677,24 @@ impl Ledger {
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
         A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
     {
-        self.calls_started.fetch_add(1, Ordering::Relaxed);
-        let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
-            let error = LedgerError::Overloaded {
-                in_flight_max: self.in_flight_max,
-            };
-            self.metrics.record_error(error.kind());
-            return Err(error);
-        };
+        let in_flight = self.in_flight()?;
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
         let client = self.client.load().client.clone();
-        let metrics = self.metrics.clone();
         let future = make(client.clone());
         let started = Instant::now();
         tokio::spawn(
             async move {
-                metrics.in_flight_add(1.0);
                 let result = future.await;
-                let status = if result.is_ok() {
-                    CallStatus::Ok
-                } else {
-                    CallStatus::Error
-                };
-                metrics.record_call(operation, status, started.elapsed().as_secs_f64());
-                metrics.in_flight_add(-1.0);
-                tracing::Span::current().record("ledger.outcome", status.as_str());
-                drop(permit);
+                // The ledger answered: the permit goes back even if nobody waits any more.
+                drop(in_flight);
                 if let Err(result) = sender.send(result) {
                     if let Some(on_abandoned) = on_abandoned {
                         on_abandoned(client, &result);
                     }
                 }
             }
-            .instrument(span),
+            .instrument(span.clone()),
         );
         let result = match tokio::time::timeout_at(deadline.into(), receiver).await {
             Ok(Ok(result)) => result,
@@ -688,9 +704,20 @@ impl Ledger {
             }),
             Err(_) => Err(LedgerError::Timeout { operation }),
         };
-        if let Err(error) = &result {
-            self.metrics.record_error(error.kind());
-        }
+        self.finish(operation, started, &span, &result);
         result
+    }
+}
+
+/// A call's place under the in-flight bound, shown in the in-flight gauge; both end when it is
+/// dropped, once the ledger has answered.
+pub struct InFlight {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    metrics: Arc<LedgerMetrics>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.metrics.in_flight_add(-1.0);
     }
 }
