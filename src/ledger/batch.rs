@@ -60,7 +60,8 @@ pub struct Leave {
 }
 
 thread_local! {
-    /// The batch this thread is filling (its opener sends it after one yield).
+    /// The batch this thread is filling (the task its first transfer spawned sends it after one
+    /// yield).
     static FILLING: RefCell<Option<Arc<Mutex<Batch>>>> = const { RefCell::new(None) };
 }
 
