@@ -48,14 +48,14 @@ struct Member {
     reply: oneshot::Sender<TransferResult>,
     /// Held until the ledger answers: the in-flight bound counts calls at the ledger, not
     /// callers still waiting.
-    _in_flight: Option<InFlight>,
+    _in_flight: InFlight,
     /// A hold created after its caller stopped waiting is voided with this code.
     void_if_abandoned: Option<u16>,
 }
 
-/// What a transfer's caller leaves with the batch ([`create_transfer_until`]).
+/// What a transfer's caller leaves with the batch ([`create_transfer`]).
 pub struct Leave {
-    pub in_flight: Option<InFlight>,
+    pub in_flight: InFlight,
     pub void_if_abandoned: Option<u16>,
 }
 
@@ -69,22 +69,14 @@ fn lock(batch: &Mutex<Batch>) -> MutexGuard<'_, Batch> {
     batch.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own.
-pub async fn create_transfer(client: Arc<tb::Client>, transfer: tb::Transfer) -> TransferResult {
-    let leave = Leave {
-        in_flight: None,
-        void_if_abandoned: None,
-    };
-    create_transfer_until(client, transfer, leave, None).await
-}
-
-/// [`create_transfer`], waiting until `deadline` at most (`Timeout` after it). What `leave`
-/// holds stays with the batch until the ledger answers.
-pub async fn create_transfer_until(
+/// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own,
+/// waited for until `deadline` at most (`Timeout` after it). What `leave` holds stays with the
+/// batch until the ledger answers.
+pub async fn create_transfer(
     client: Arc<tb::Client>,
     transfer: tb::Transfer,
     leave: Leave,
-    deadline: Option<Instant>,
+    deadline: Instant,
 ) -> TransferResult {
     assert!(
         !transfer.flags().contains(tb::transfer::Flags::LINKED),
@@ -103,15 +95,9 @@ pub async fn create_transfer_until(
             send(&opened).await;
         });
     }
-    let answer = match deadline {
-        Some(deadline) => match tokio::time::timeout_at(deadline.into(), result).await {
-            Ok(answer) => answer,
-            Err(_) => {
-                let operation = Operation::CreateTransfers;
-                return Err(LedgerError::Timeout { operation });
-            }
-        },
-        None => result.await,
+    let Ok(answer) = tokio::time::timeout_at(deadline.into(), result).await else {
+        let operation = Operation::CreateTransfers;
+        return Err(LedgerError::Timeout { operation });
     };
     answer.unwrap_or_else(|_| {
         Err(LedgerError::Unexpected {

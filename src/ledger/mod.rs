@@ -116,16 +116,6 @@ fn resolved_pending(transfer: &tb::Transfer) -> Option<u128> {
         .then(|| transfer.pending_id())
 }
 
-/// Creates one transfer, in the batch this thread is filling (`batch.rs`): `Ok(None)` when it
-/// was created, `Ok(Some(kind))` when the ledger refused it (the event's result), `Err` when the
-/// call itself failed.
-async fn create_transfer(
-    client: &Arc<tb::Client>,
-    transfer: tb::Transfer,
-) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
-    batch::create_transfer(client.clone(), transfer).await
-}
-
 /// A transfer result the model does not expect (`what`: which transfer, for the message).
 fn unexpected_transfer(what: &str, kind: CreateTransferErrorKind) -> LedgerError {
     LedgerError::Unexpected {
@@ -351,60 +341,65 @@ impl Ledger {
     }
 
     /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
-    /// does, voiding it (with its own code) if it lands after its caller stopped waiting. The
-    /// batch's task keeps the in-flight permit and the void (`batch.rs`): no task of its own.
+    /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
     async fn place_pending(
         &self,
         transfer: tb::Transfer,
         deadline: Instant,
         void_if_abandoned: bool,
     ) -> Result<HoldReply, LedgerError> {
-        let operation = Operation::CreateTransfers;
         let (transfer_id, code) = (transfer.id(), transfer.code());
+        let void_code = void_if_abandoned.then_some(code);
+        self.single_transfer(transfer, deadline, void_code, |kind| match kind {
+            None => Ok(HoldReply::Held {
+                answered_at: Instant::now(),
+                transfer_id,
+            }),
+            Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
+            Some(CreateTransferErrorKind::DebitAccountNotFound) => Ok(HoldReply::AccountNotFound),
+            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => Ok(HoldReply::Blocked),
+            Some(kind) => Err(unexpected_transfer("pending: ", kind)),
+        })
+        .await
+    }
+
+    /// One single (not linked) transfer, in the batch this thread is filling (`batch.rs`), under
+    /// the in-flight bound and waited for until `deadline`. `answer` reads the ledger's result
+    /// (`None`: created). The batch's task, not one of the call's own, keeps the in-flight permit
+    /// and, given `void_code`, voids a transfer that lands after its caller stopped waiting.
+    async fn single_transfer<T>(
+        &self,
+        transfer: tb::Transfer,
+        deadline: Instant,
+        void_code: Option<u16>,
+        answer: impl FnOnce(Option<CreateTransferErrorKind>) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        let operation = Operation::CreateTransfers;
         let leave = batch::Leave {
-            in_flight: Some(self.in_flight()?),
-            void_if_abandoned: void_if_abandoned.then_some(code),
+            in_flight: self.in_flight()?,
+            void_if_abandoned: void_code,
         };
         let client = self.client.load().client.clone();
         let span = call_span(operation);
         let started = Instant::now();
-        let created = batch::create_transfer_until(client, transfer, leave, Some(deadline))
+        let created = batch::create_transfer(client, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
-        let reply = match created {
-            Ok(None) => Ok(HoldReply::Held {
-                answered_at: Instant::now(),
-                transfer_id,
-            }),
-            Ok(Some(CreateTransferErrorKind::ExceedsCredits)) => Ok(HoldReply::ExceedsCredits),
-            Ok(Some(CreateTransferErrorKind::DebitAccountNotFound)) => {
-                Ok(HoldReply::AccountNotFound)
-            }
-            Ok(Some(CreateTransferErrorKind::DebitAccountAlreadyClosed)) => Ok(HoldReply::Blocked),
-            Ok(Some(kind)) => Err(unexpected_transfer("pending: ", kind)),
-            Err(error) => Err(error),
-        };
-        self.finish(operation, started, &span, &reply);
-        reply
+        let result = created.and_then(answer);
+        self.finish(operation, started, &span, &result);
+        result
     }
 
     /// Voids a hold, giving its credit back now. `false` if it was no longer pending (expired,
     /// or voided already): nothing to give back.
     pub async fn void(&self, pending_id: u128, deadline: Instant) -> Result<bool, LedgerError> {
         let void = model::void_transfer(pending_id, self.ledger_id);
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move {
-                match create_transfer(&client, void).await? {
-                    None => Ok(true),
-                    Some(CreateTransferErrorKind::PendingTransferExpired)
-                    | Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => Ok(false),
-                    Some(kind) => Err(unexpected_transfer("void: ", kind)),
-                }
-            },
-            None::<fn(Arc<tb::Client>, &Result<bool, LedgerError>)>,
-        )
+        self.single_transfer(void, deadline, None, |kind| match kind {
+            None => Ok(true),
+            Some(CreateTransferErrorKind::PendingTransferExpired)
+            | Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => Ok(false),
+            Some(kind) => Err(unexpected_transfer("void: ", kind)),
+        })
         .await
     }
 
@@ -460,18 +455,11 @@ impl Ledger {
         self.create_accounts_idempotent(accounts, deadline).await?;
 
         let grant = model::grant_transfer(account, self.ledger_id);
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move {
-                match create_transfer(&client, grant).await? {
-                    None => Ok(()),
-                    Some(CreateTransferErrorKind::Exists) => Ok(()),
-                    Some(kind) => Err(unexpected_transfer("grant: ", kind)),
-                }
-            },
-            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
-        )
+        self.single_transfer(grant, deadline, None, |kind| match kind {
+            None => Ok(()),
+            Some(CreateTransferErrorKind::Exists) => Ok(()),
+            Some(kind) => Err(unexpected_transfer("grant: ", kind)),
+        })
         .await
     }
 

@@ -2,15 +2,13 @@
 //! while and unblock it. Each is one transfer from or to the operator account, carrying who acted
 //! and why ([`Actor`]), so the audit trail shows every change.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
-use super::metrics::Operation;
 use super::model::{self, Actor};
-use super::{create_transfer, unexpected_transfer, Ledger, LedgerError};
+use super::{unexpected_transfer, Ledger, LedgerError};
 use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 
 /// What an operator's credit change came to.
@@ -88,13 +86,7 @@ impl Ledger {
         transfer: tb::Transfer,
         deadline: Instant,
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
-        self.call(
-            Operation::CreateTransfers,
-            deadline,
-            move |client| async move { create_transfer(&client, transfer).await },
-            None::<fn(Arc<tb::Client>, &Result<Option<CreateTransferErrorKind>, LedgerError>)>,
-        )
-        .await
+        self.single_transfer(transfer, deadline, None, Ok).await
     }
 
     async fn bumped_if(
