@@ -146,7 +146,7 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
                 problem::body_bytes(ProblemKind::RateLimited, &detail)
             });
             let response = problem::with_body(ProblemKind::RateLimited.status(), body);
-            (response, *retry_after_seconds)
+            (response, retry)
         }
         Outcome::Blocked {
             retry_after_seconds,
