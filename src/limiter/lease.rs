@@ -408,14 +408,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
         let slot = match self.leases.slot(charge, terms) {
             Some(slot) if charge.cost <= terms.units_max.get() => slot,
-            _ => return Box::pin(self.decide_per_request_counted(charge, started)).await,
+            _ => return self.decide_per_request_counted(charge, started).await,
         };
         let deadline = started + self.settings.ledger_timeout;
         for _ in 0..LEASE_ATTEMPTS_MAX {
             match self.look(&slot, charge.cost) {
                 Look::Admitted(decided, leased) => return Ok((decided, Some(leased))),
-                // The ledger paths are boxed: inline, their kilobytes of state would make every
-                // lease admission's future (and its copies) that large.
+                // Renewals are boxed: inline, their kilobytes of state would make every lease
+                // admission's future (and its copies) that large. (A decision per request boxes
+                // its own ledger path.)
                 Look::AdmittedRenewing(decided, leased) => {
                     let renewal = Box::pin(self.renew(&slot, charge.cost, None, deadline));
                     if let Err(error) = renewal.await {
@@ -443,7 +444,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
             }
         }
-        Box::pin(self.decide_per_request_counted(charge, started)).await
+        self.decide_per_request_counted(charge, started).await
     }
 
     /// One look at the caller's lease, under its lock (never held across a ledger call).
