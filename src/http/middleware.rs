@@ -38,7 +38,9 @@ use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
 use crate::limiter::{Decision, Limiter, Outcome};
 
-/// What every worker's middleware shares.
+/// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
+/// touches no reference count or header bytes that the other workers write too: with both
+/// cores on the same callers, those shared cache lines cost more than the decision itself.
 struct Inner {
     limiter: Arc<Limiter>,
     rules: Arc<RequestRules>,
@@ -93,14 +95,14 @@ where
     fn new_transform(&self, service: S) -> Self::Future {
         ready(Ok(RateLimitMiddleware {
             service: Rc::new(service),
-            inner: self.0.clone(),
+            inner: Rc::new(self.0.for_worker()),
         }))
     }
 }
 
 pub struct RateLimitMiddleware<S> {
     service: Rc<S>,
-    inner: Arc<Inner>,
+    inner: Rc<Inner>,
 }
 
 impl<S, B> Service<ServiceRequest> for RateLimitMiddleware<S>
@@ -174,6 +176,19 @@ where
 }
 
 impl Inner {
+    /// A copy for one worker, with header values of its own.
+    fn for_worker(&self) -> Self {
+        Inner {
+            limiter: self.limiter.clone(),
+            rules: self.rules.clone(),
+            fields: Fields {
+                policies: self.fields.policies.deep_copy(),
+                styles: self.fields.styles,
+            },
+            concurrency: self.concurrency.clone(),
+        }
+    }
+
     /// After the handler: a refund for a server error on a refund route, else the actual cost
     /// when the handler reported one (in the configured cost header, removed here).
     async fn settle<B>(

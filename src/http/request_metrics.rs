@@ -145,18 +145,31 @@ where
     type Future = Ready<Result<Self::Transform, Self::InitError>>;
 
     fn new_transform(&self, service: S) -> Self::Future {
+        let worker = self.metrics.clone().map(|metrics| {
+            Rc::new(WorkerSeries {
+                metrics,
+                series: RefCell::default(),
+            })
+        });
         ready(Ok(RecordHttpMetricsMiddleware {
             service: Rc::new(service),
-            metrics: self.metrics.clone(),
-            series: Rc::default(),
+            worker,
         }))
     }
 }
 
 pub struct RecordHttpMetricsMiddleware<S> {
     service: Rc<S>,
-    metrics: Option<Arc<HttpMetrics>>,
-    series: Rc<RefCell<SeriesByPath>>,
+    /// `None` when HTTP metrics are off.
+    worker: Option<Rc<WorkerSeries>>,
+}
+
+/// One worker's handle on the histograms. A request clones this `Rc`, not the shared `Arc`:
+/// with every worker counting references on one `Arc`, that count's cache line moves between
+/// cores on each request.
+struct WorkerSeries {
+    metrics: Arc<HttpMetrics>,
+    series: RefCell<SeriesByPath>,
 }
 
 /// Paths remembered per worker, beyond which a request's series is found the long way.
@@ -221,18 +234,17 @@ where
     forward_ready!(service);
 
     fn call(&self, req: ServiceRequest) -> Self::Future {
-        let Some(metrics) = self.metrics.clone() else {
+        let Some(worker) = self.worker.clone() else {
             return Box::pin(self.service.call(req));
         };
         let started = Instant::now();
         let method = method_label(req.method());
         let span = tracing::Span::current();
-        let series = self.series.clone();
         let future = self.service.call(req);
         Box::pin(async move {
             let response = future.await?;
-            series.borrow_mut().observe(
-                &metrics,
+            worker.series.borrow_mut().observe(
+                &worker.metrics,
                 response.request(),
                 (method, response.status().as_u16()),
                 started.elapsed().as_secs_f64(),
