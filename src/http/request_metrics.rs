@@ -1,15 +1,21 @@
 //! HTTP request latency with trace exemplars, in OpenMetrics text.
 //!
 //! `metrics-exporter-prometheus` cannot emit exemplars (metrics-rs/metrics#175), so this one
-//! histogram lives in a `prometheus-client` registry served on its own path
-//! (`/metrics/exemplars`). An exemplar is attached only when the request's trace is sampled, so
-//! every exemplar leads to a trace that was exported.
+//! histogram is served on its own path (`/metrics/exemplars`). An exemplar is attached only when
+//! the request's trace is sampled, so every exemplar leads to a trace that was exported.
+//!
+//! Each worker counts into series of its own, summed when the text is made: one series shared
+//! by every worker (as `prometheus-client`'s histograms are) takes two locks per request that
+//! the workers fight over, and its counts' cache lines move between cores on each request. The
+//! text is what `prometheus-client` writes for the same observations (a test checks it).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
 use std::future::{ready, Ready};
 use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
@@ -17,10 +23,6 @@ use actix_web::http::Method;
 use actix_web::{Error, HttpRequest};
 use futures_util::future::LocalBoxFuture;
 use opentelemetry::trace::TraceContextExt;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::exemplar::HistogramWithExemplars;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub const OPENMETRICS_CONTENT_TYPE: &str =
@@ -33,7 +35,12 @@ pub const HTTP_BUCKETS_SECONDS: &[f64] = &[
     7.5, 10.0,
 ];
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+/// The family's name, unit included, as OpenMetrics wants it.
+const NAME: &str = "http_server_request_duration_seconds";
+const HELP: &str = "Duration of HTTP server requests, with trace exemplars.";
+
+/// A series' labels. Every value is bounded: a method label, a route pattern, a status.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RequestLabels {
     pub method: &'static str,
     /// The matched route pattern (never the raw path: that would be unbounded).
@@ -41,55 +48,168 @@ pub struct RequestLabels {
     pub status: u16,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TraceExemplar {
-    pub trace_id: String,
+/// The latest observation of a bucket that came with a sampled trace.
+#[derive(Clone, Debug)]
+struct Exemplar {
+    trace_id: String,
+    seconds: f64,
+    observed_at: Instant,
 }
 
-type Series = HistogramWithExemplars<TraceExemplar>;
-type Histograms = Family<RequestLabels, Series>;
-
-/// The registry and its one histogram family.
-pub struct HttpMetrics {
-    registry: Registry,
-    durations: Histograms,
+/// One worker's counts for one series. Only that worker writes them (so its cache lines stay on
+/// its core); whichever worker renders reads them.
+#[derive(Debug)]
+struct Cells {
+    /// Observations per bucket, not cumulative; the last one is `+Inf`'s.
+    buckets: Box<[AtomicU64]>,
+    sum_bits: AtomicU64,
+    /// Per bucket; locked only to record an exemplar and to render.
+    exemplars: Mutex<Box<[Option<Exemplar>]>>,
 }
 
-impl Default for HttpMetrics {
-    fn default() -> Self {
-        Self::new()
+impl Cells {
+    fn new() -> Self {
+        let buckets = HTTP_BUCKETS_SECONDS.len() + 1;
+        Cells {
+            buckets: (0..buckets).map(|_| AtomicU64::new(0)).collect(),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+            exemplars: Mutex::new(vec![None; buckets].into_boxed_slice()),
+        }
     }
+
+    fn observe(&self, seconds: f64, trace_id: Option<String>) {
+        // The first bucket whose bound is at least `seconds` (`le`), else `+Inf`.
+        let bucket = HTTP_BUCKETS_SECONDS.partition_point(|bound| *bound < seconds);
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        let add = |bits: u64| Some((f64::from_bits(bits) + seconds).to_bits());
+        let _ = self
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
+        if let Some(trace_id) = trace_id {
+            lock(&self.exemplars)[bucket] = Some(Exemplar {
+                trace_id,
+                seconds,
+                observed_at: Instant::now(),
+            });
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One series as rendered: every worker's cells summed, the latest exemplar of each bucket.
+struct Summed {
+    buckets: Vec<u64>,
+    sum_seconds: f64,
+    exemplars: Vec<Option<Exemplar>>,
+}
+
+impl Summed {
+    fn new() -> Self {
+        let buckets = HTTP_BUCKETS_SECONDS.len() + 1;
+        Summed {
+            buckets: vec![0; buckets],
+            sum_seconds: 0.0,
+            exemplars: vec![None; buckets],
+        }
+    }
+
+    fn add(&mut self, cells: &Cells) {
+        for (total, count) in self.buckets.iter_mut().zip(cells.buckets.iter()) {
+            *total += count.load(Ordering::Relaxed);
+        }
+        self.sum_seconds += f64::from_bits(cells.sum_bits.load(Ordering::Relaxed));
+        for (latest, exemplar) in self.exemplars.iter_mut().zip(lock(&cells.exemplars).iter()) {
+            let newer = match (&latest, exemplar) {
+                (_, None) => false,
+                (None, Some(_)) => true,
+                (Some(l), Some(e)) => e.observed_at > l.observed_at,
+            };
+            if newer {
+                latest.clone_from(exemplar);
+            }
+        }
+    }
+}
+
+/// Every worker's series, and the text made from them.
+#[derive(Debug, Default)]
+pub struct HttpMetrics {
+    /// One entry per worker and label set: added when a worker first sees the labels.
+    cells: Mutex<Vec<(RequestLabels, Arc<Cells>)>>,
 }
 
 impl HttpMetrics {
     pub fn new() -> Self {
-        let durations: Histograms = Family::new_with_constructor(|| {
-            HistogramWithExemplars::new(HTTP_BUCKETS_SECONDS.iter().copied())
-        });
-        let mut registry = Registry::default();
-        registry.register_with_unit(
-            "http_server_request_duration",
-            "Duration of HTTP server requests, with trace exemplars",
-            prometheus_client::registry::Unit::Seconds,
-            durations.clone(),
-        );
-        HttpMetrics {
-            registry,
-            durations,
-        }
+        Self::default()
     }
 
-    /// The series of `labels` (a handle sharing the family's data).
-    fn series(&self, labels: &RequestLabels) -> Series {
-        self.durations.get_or_create(labels).clone()
+    /// New cells for one worker's series of `labels`.
+    fn register(&self, labels: RequestLabels) -> Arc<Cells> {
+        let cells = Arc::new(Cells::new());
+        lock(&self.cells).push((labels, cells.clone()));
+        cells
     }
 
+    /// The OpenMetrics text: every series, its workers' counts summed.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
-            .expect("writing to a String cannot fail");
+        let mut series: BTreeMap<RequestLabels, Summed> = BTreeMap::new();
+        for (labels, cells) in lock(&self.cells).iter() {
+            series
+                .entry(labels.clone())
+                .or_insert_with(Summed::new)
+                .add(cells);
+        }
+        let mut out =
+            format!("# HELP {NAME} {HELP}\n# TYPE {NAME} histogram\n# UNIT {NAME} seconds\n");
+        for (labels, summed) in &series {
+            write_series(&mut out, labels, summed);
+        }
+        out.push_str("# EOF\n");
         out
     }
+}
+
+/// One series' lines: sum, count, then the cumulative buckets with their exemplars.
+fn write_series(out: &mut String, labels: &RequestLabels, summed: &Summed) {
+    let RequestLabels {
+        method,
+        route,
+        status,
+    } = labels;
+    let route = escape_label_value(route);
+    let labels = format!("method=\"{method}\",route=\"{route}\",status=\"{status}\"");
+    let count: u64 = summed.buckets.iter().sum();
+    // `{:?}` writes an f64 as prometheus-client does: always with a fraction or an exponent.
+    let _ = writeln!(out, "{NAME}_sum{{{labels}}} {:?}", summed.sum_seconds);
+    let _ = writeln!(out, "{NAME}_count{{{labels}}} {count}");
+    let mut cumulative = 0;
+    for (index, observed) in summed.buckets.iter().enumerate() {
+        cumulative += observed;
+        let bound = HTTP_BUCKETS_SECONDS
+            .get(index)
+            .map_or_else(|| "+Inf".to_owned(), |bound| format!("{bound:?}"));
+        let _ = write!(out, "{NAME}_bucket{{le=\"{bound}\",{labels}}} {cumulative}");
+        if let Some(exemplar) = &summed.exemplars[index] {
+            let trace_id = escape_label_value(&exemplar.trace_id);
+            let _ = write!(out, " # {{trace_id=\"{trace_id}\"}} {:?}", exemplar.seconds);
+        }
+        out.push('\n');
+    }
+}
+
+/// OpenMetrics label values escape `\`, `"` and line feeds.
+fn escape_label_value(value: &str) -> std::borrow::Cow<'_, str> {
+    if !value.contains(['\\', '"', '\n']) {
+        return value.into();
+    }
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+        .into()
 }
 
 /// Bounded method label: the standard methods, everything else `_OTHER` (as OpenTelemetry does).
@@ -164,9 +284,9 @@ pub struct RecordHttpMetricsMiddleware<S> {
     worker: Option<Rc<WorkerSeries>>,
 }
 
-/// One worker's handle on the histograms. A request clones this `Rc`, not the shared `Arc`:
-/// with every worker counting references on one `Arc`, that count's cache line moves between
-/// cores on each request.
+/// One worker's series. A request clones this `Rc`, not a shared `Arc`: with every worker
+/// counting references on one `Arc`, that count's cache line moves between cores on each
+/// request.
 struct WorkerSeries {
     metrics: Arc<HttpMetrics>,
     series: RefCell<SeriesByPath>,
@@ -177,12 +297,19 @@ pub const SERIES_PATHS_MAX: usize = 64;
 /// (method, status) series remembered per path.
 const SERIES_PER_PATH_MAX: usize = 8;
 
-/// This worker's series by request path: a path's route pattern (a walk of the resource map into
-/// a new `String`) and its labelled series (a hash and a lock) are found once, then reused; they
-/// were a tenth of a refusal's cost. The route for a path and method never changes within an app.
-/// Bounded: a scan of distinct paths (404s) fills it, then its requests take the long way.
+/// A path's series for one (method, status).
+type PathSeries = (&'static str, u16, Arc<Cells>);
+
+/// This worker's series, by labels and by request path. A path's route pattern (a walk of the
+/// resource map into a new `String`) and its series (a hash of the labels) are found once, then
+/// reused; they were a tenth of a refusal's cost. The route for a path and method never changes
+/// within an app. Bounded: a scan of distinct paths (404s) fills the paths, then its requests
+/// take the long way; the label sets are bounded by the app's routes and statuses.
 #[derive(Default)]
-struct SeriesByPath(HashMap<Box<str>, Vec<(&'static str, u16, Series)>>);
+struct SeriesByPath {
+    by_path: HashMap<Box<str>, Vec<PathSeries>>,
+    by_labels: HashMap<RequestLabels, Arc<Cells>>,
+}
 
 impl SeriesByPath {
     fn observe(
@@ -193,31 +320,39 @@ impl SeriesByPath {
         seconds: f64,
         trace_id: Option<String>,
     ) {
-        let exemplar = trace_id.map(|trace_id| TraceExemplar { trace_id });
         let path = request.path();
         let known = self
-            .0
+            .by_path
             .get(path)
             .and_then(|series| series.iter().find(|(m, s, _)| *m == method && *s == status));
-        if let Some((_, _, series)) = known {
-            series.observe(seconds, exemplar, None);
+        if let Some((_, _, cells)) = known {
+            cells.observe(seconds, trace_id);
             return;
         }
         let route = request
             .match_pattern()
             .unwrap_or_else(|| "unmatched".to_owned());
-        let series = metrics.series(&RequestLabels {
+        let labels = RequestLabels {
             method,
             route,
             status,
-        });
-        series.observe(seconds, exemplar, None);
-        if let Some(known) = self.0.get_mut(path) {
-            if known.len() < SERIES_PER_PATH_MAX {
-                known.push((method, status, series));
+        };
+        let cells = match self.by_labels.get(&labels) {
+            Some(cells) => cells.clone(),
+            None => {
+                let cells = metrics.register(labels.clone());
+                self.by_labels.insert(labels, cells.clone());
+                cells
             }
-        } else if self.0.len() < SERIES_PATHS_MAX {
-            self.0.insert(path.into(), vec![(method, status, series)]);
+        };
+        cells.observe(seconds, trace_id);
+        if let Some(known) = self.by_path.get_mut(path) {
+            if known.len() < SERIES_PER_PATH_MAX {
+                known.push((method, status, cells));
+            }
+        } else if self.by_path.len() < SERIES_PATHS_MAX {
+            self.by_path
+                .insert(path.into(), vec![(method, status, cells)]);
         }
     }
 }
@@ -259,18 +394,22 @@ where
 mod tests {
     use super::*;
 
+    fn greeting(status: u16) -> RequestLabels {
+        RequestLabels {
+            method: "GET",
+            route: "/greeting".into(),
+            status,
+        }
+    }
+
+    const TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+
     #[test]
     fn renders_openmetrics_with_exemplars() {
         let metrics = HttpMetrics::new();
-        let labels = RequestLabels {
-            method: "GET",
-            route: "/greeting".into(),
-            status: 200,
-        };
-        let series = metrics.series(&labels);
-        let trace_id = "0af7651916cd43dd8448eb211c80319c".to_owned();
-        series.observe(0.003, Some(TraceExemplar { trace_id }), None);
-        series.observe(0.2, None, None);
+        let series = metrics.register(greeting(200));
+        series.observe(0.003, Some(TRACE_ID.to_owned()));
+        series.observe(0.2, None);
         let text = metrics.render();
         assert!(
             text.contains("# TYPE http_server_request_duration_seconds histogram"),
@@ -285,6 +424,111 @@ mod tests {
             method_label(&Method::from_bytes(b"BREW").unwrap()),
             "_OTHER"
         );
+    }
+
+    /// What `prometheus-client` (the reference, one series shared by every worker) writes for
+    /// the same observations.
+    fn reference_text(observations: &[(RequestLabels, f64, Option<&str>)]) -> String {
+        use prometheus_client::encoding::EncodeLabelSet;
+        use prometheus_client::metrics::exemplar::HistogramWithExemplars;
+        use prometheus_client::metrics::family::Family;
+        use prometheus_client::registry::{Registry, Unit};
+        #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+        struct Labels {
+            method: &'static str,
+            route: String,
+            status: u16,
+        }
+        #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+        struct Trace {
+            trace_id: String,
+        }
+        let family: Family<Labels, HistogramWithExemplars<Trace>> =
+            Family::new_with_constructor(|| {
+                HistogramWithExemplars::new(HTTP_BUCKETS_SECONDS.iter().copied())
+            });
+        let mut registry = Registry::default();
+        let help = "Duration of HTTP server requests, with trace exemplars";
+        let name = "http_server_request_duration";
+        registry.register_with_unit(name, help, Unit::Seconds, family.clone());
+        for (labels, seconds, trace_id) in observations {
+            let labels = Labels {
+                method: labels.method,
+                route: labels.route.clone(),
+                status: labels.status,
+            };
+            let trace = trace_id.map(|id| Trace {
+                trace_id: id.to_owned(),
+            });
+            family.get_or_create(&labels).observe(*seconds, trace, None);
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    }
+
+    /// Two workers' cells for one series render as the reference's one series; series come
+    /// out in a fixed order (the reference's order is its hash map's).
+    #[test]
+    fn renders_what_prometheus_client_renders() {
+        let observations = [
+            (greeting(200), 0.0002, None),
+            (greeting(200), 0.003, Some(TRACE_ID)),
+            (greeting(200), 0.2, None),
+            (
+                greeting(200),
+                12.0,
+                Some("ffffffffffffffffffffffffffffffff"),
+            ),
+            (
+                greeting(200),
+                0.004,
+                Some("11111111111111111111111111111111"),
+            ),
+            (greeting(429), 0.0007, None),
+            (greeting(429), 0.0005, None),
+        ];
+        let metrics = HttpMetrics::new();
+        let workers = [
+            metrics.register(greeting(200)),
+            metrics.register(greeting(200)),
+        ];
+        let refusals = metrics.register(greeting(429));
+        for (index, (labels, seconds, trace_id)) in observations.iter().enumerate() {
+            let cells = if labels.status == 429 {
+                &refusals
+            } else {
+                &workers[index % 2]
+            };
+            cells.observe(*seconds, trace_id.map(str::to_owned));
+        }
+        let ours = metrics.render();
+        let reference = reference_text(&observations);
+        // Numbers compared as numbers: the reference's float formatting is not always the
+        // shortest (0.0012000000000000002 for what `{:?}` writes as 0.0012000000000000001).
+        let number = |token: &str| match token.parse::<f64>() {
+            Ok(value) => format!("{value:?}"),
+            Err(_) => token.to_owned(),
+        };
+        let lines = |text: &str| {
+            let line = |l: &str| l.split(' ').map(number).collect::<Vec<_>>().join(" ");
+            let mut lines: Vec<String> = text.lines().map(line).collect();
+            lines.sort();
+            lines
+        };
+        assert_eq!(
+            lines(&ours),
+            lines(&reference),
+            "ours:\n{ours}\nreference:\n{reference}"
+        );
+        let first_429 = ours.find("status=\"429\"").unwrap();
+        assert!(ours.rfind("status=\"200\"").unwrap() < first_429, "{ours}");
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label_value("/users/{id}"), "/users/{id}");
+        assert_eq!(escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 
     fn count(text: &str, route: &str, status: u16) -> u64 {
