@@ -97,20 +97,6 @@ impl PolicyHeaders {
         )
     }
 
-    /// A copy whose values share no bytes with these: cloning a value into a response counts a
-    /// reference on its bytes, and each worker should count on its own.
-    pub fn deep_copy(&self) -> Self {
-        let copy = |value: &HeaderValue| {
-            HeaderValue::from_bytes(value.as_bytes()).expect("it was a header value")
-        };
-        PolicyHeaders(
-            self.0
-                .iter()
-                .map(|(plan, value)| (plan.clone(), copy(value)))
-                .collect(),
-        )
-    }
-
     /// The field for `plan`; made afresh for a plan of another book (a library user mixing
     /// limiters) rather than showing a wrong one.
     pub fn get(&self, id: PlanId, plan: &Plan) -> HeaderValue {
@@ -241,10 +227,6 @@ mod tests {
         let fields = PolicyHeaders::new(&book);
         let policy = fields.get(book.default_plan(), &free);
         assert_eq!(policy, "\"free\";q=5;w=30");
-        // A worker's copy gives the same field from bytes of its own.
-        let copy = fields.deep_copy().get(book.default_plan(), &free);
-        assert_eq!(copy, policy);
-        assert_ne!(copy.as_bytes().as_ptr(), policy.as_bytes().as_ptr());
         let other = crate::limiter::plan::test_plan("other", 7);
         assert_eq!(
             fields.get(book.default_plan(), &other),

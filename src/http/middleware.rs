@@ -48,36 +48,31 @@ struct Inner {
     concurrency: Arc<ConcurrencyLimits>,
 }
 
-/// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`.
+/// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`. Each worker makes its own
+/// state from it ([`Inner::for_worker`]).
 #[derive(Clone)]
-pub struct RateLimit(Arc<Inner>);
+pub struct RateLimit {
+    limiter: Arc<Limiter>,
+    rules: Arc<RequestRules>,
+    concurrency: Arc<ConcurrencyLimits>,
+}
 
 impl RateLimit {
     pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
-        Self::with_limits(limiter, rules, ConcurrencyLimits::default())
-    }
-
-    fn with_limits(
-        limiter: Arc<Limiter>,
-        rules: Arc<RequestRules>,
-        concurrency: ConcurrencyLimits,
-    ) -> Self {
-        let fields = Fields {
-            policies: PolicyHeaders::new(limiter.plans()),
-            styles: rules.header_styles(),
-        };
-        RateLimit(Arc::new(Inner {
+        RateLimit {
             limiter,
             rules,
-            fields,
-            concurrency: Arc::new(concurrency),
-        }))
+            concurrency: Arc::new(ConcurrencyLimits::default()),
+        }
     }
 
     /// Adds concurrency limits: after the rate limit admits a request, it also takes a slot
     /// (see [`ConcurrencyLimits`]); a request refused for want of a slot is not charged.
     pub fn with_concurrency(self, limits: ConcurrencyLimits) -> Self {
-        Self::with_limits(self.0.limiter.clone(), self.0.rules.clone(), limits)
+        RateLimit {
+            concurrency: Arc::new(limits),
+            ..self
+        }
     }
 }
 
@@ -95,7 +90,7 @@ where
     fn new_transform(&self, service: S) -> Self::Future {
         ready(Ok(RateLimitMiddleware {
             service: Rc::new(service),
-            inner: Rc::new(self.0.for_worker()),
+            inner: Rc::new(Inner::for_worker(self)),
         }))
     }
 }
@@ -176,16 +171,16 @@ where
 }
 
 impl Inner {
-    /// A copy for one worker, with header values of its own.
-    fn for_worker(&self) -> Self {
+    /// One worker's state; its `RateLimit-Policy` values are made here, so their bytes are its own.
+    fn for_worker(factory: &RateLimit) -> Self {
         Inner {
-            limiter: self.limiter.clone(),
-            rules: self.rules.clone(),
+            limiter: factory.limiter.clone(),
+            rules: factory.rules.clone(),
             fields: Fields {
-                policies: self.fields.policies.deep_copy(),
-                styles: self.fields.styles,
+                policies: PolicyHeaders::new(factory.limiter.plans()),
+                styles: factory.rules.header_styles(),
             },
-            concurrency: self.concurrency.clone(),
+            concurrency: factory.concurrency.clone(),
         }
     }
 

@@ -122,13 +122,12 @@ impl Summed {
         }
         self.sum_seconds += f64::from_bits(cells.sum_bits.load(Ordering::Relaxed));
         for (latest, exemplar) in self.exemplars.iter_mut().zip(lock(&cells.exemplars).iter()) {
-            let newer = match (&latest, exemplar) {
-                (_, None) => false,
-                (None, Some(_)) => true,
-                (Some(l), Some(e)) => e.observed_at > l.observed_at,
-            };
-            if newer {
-                latest.clone_from(exemplar);
+            let Some(exemplar) = exemplar else { continue };
+            if latest
+                .as_ref()
+                .is_none_or(|l| exemplar.observed_at > l.observed_at)
+            {
+                *latest = Some(exemplar.clone());
             }
         }
     }
