@@ -348,10 +348,16 @@ async fn spans_are_flushed_on_shutdown() {
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let endpoint = collector.endpoint();
     // A batch delay far longer than the test: only the shutdown flush can deliver the span.
+    // The deadline is the in-process tests' 5 s, not the default 250 ms: this request provisions
+    // a new caller (four ledger calls in a row) on the shared development-mode ledger while the
+    // test beside it loads that ledger, and a 503 here would say nothing about flushing.
     let (service, port) = start_service(
         ledger.address,
         &endpoint,
-        &[("OTEL_BSP_SCHEDULE_DELAY", "600000")],
+        &[
+            ("OTEL_BSP_SCHEDULE_DELAY", "600000"),
+            ("LEDGER_LIMITER_LEDGER_TIMEOUT_MS", "5000"),
+        ],
     );
     let trace_id = format!("{:032x}", rand::random::<u128>());
     let response = reqwest::Client::new()
