@@ -22,6 +22,7 @@ pub mod http;
 pub mod ledger;
 pub mod limiter;
 pub mod startup;
+mod sync;
 pub mod telemetry;
 
 /// The README's Rust examples compile as doc tests.

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 use std::future::{ready, Ready};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
@@ -24,6 +24,8 @@ use actix_web::{Error, HttpRequest};
 use futures_util::future::LocalBoxFuture;
 use opentelemetry::trace::TraceContextExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use crate::sync::lock;
 
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -93,10 +95,6 @@ impl Cells {
             });
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One series as rendered: every worker's cells summed, the latest exemplar of each bucket.

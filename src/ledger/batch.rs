@@ -19,7 +19,7 @@
 //! its deadline only: one task per batch, not one per request.
 
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tb::error::CreateTransferErrorKind;
@@ -28,6 +28,7 @@ use tokio::sync::oneshot;
 
 use super::metrics::Operation;
 use super::{client_error, model, InFlight, LedgerError};
+use crate::sync::lock;
 
 /// Transfers per call: well under a development-mode cluster's 32 KiB request (about 255).
 pub const BATCH_TRANSFERS_MAX: usize = 128;
@@ -63,10 +64,6 @@ thread_local! {
     /// The batch this thread is filling (the task its first transfer spawned sends it after one
     /// yield).
     static FILLING: RefCell<Option<Arc<Mutex<Batch>>>> = const { RefCell::new(None) };
-}
-
-fn lock(batch: &Mutex<Batch>) -> MutexGuard<'_, Batch> {
-    batch.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own,

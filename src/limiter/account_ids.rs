@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::plan::PlanId;
+use crate::sync::lock;
 
 const SHARD_COUNT: usize = 16;
 
@@ -60,10 +61,6 @@ fn shard_of(key: &[u8]) -> usize {
     let last = key.last().copied().unwrap_or(0);
     let before = key.len().checked_sub(2).map_or(0, |i| key[i]);
     (usize::from(last) ^ usize::from(before).rotate_left(3) ^ key.len()) % SHARD_COUNT
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

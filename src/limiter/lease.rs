@@ -44,6 +44,7 @@ use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{HoldReply, LedgerError};
+use crate::sync::lock;
 
 /// Callers with lease state per instance; beyond, a caller is decided per request (still exact).
 pub const LEASE_CALLERS_MAX: usize = 16_384;
@@ -116,7 +117,7 @@ struct Slot {
 
 impl Slot {
     fn lock(&self) -> MutexGuard<'_, CallerLease> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Ends a renewal (whatever its outcome) and wakes the requests waiting for it.
@@ -245,7 +246,7 @@ impl LeaseBook {
 
     fn shard(&self, account_id: u128) -> MutexGuard<'_, Shard> {
         let index = (account_id as usize) % SHARD_COUNT;
-        self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shards[index])
     }
 
     /// The caller's lease state; `None` when the book is full (the caller is decided per request).
@@ -319,7 +320,7 @@ impl LeaseBook {
     fn due(&self, now: Instant, all: bool) -> Vec<(Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
-            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let mut shard = lock(shard);
             shard.retain(|_, slot| {
                 let mut caller = slot.lock();
                 if caller.renewing {

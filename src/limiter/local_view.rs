@@ -21,6 +21,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::ledger::AccountView;
+use crate::sync::lock;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
 const SHARD_COUNT: usize = 64;
@@ -174,7 +175,7 @@ impl LocalView {
     fn shard(&self, account_id: u128) -> std::sync::MutexGuard<'_, HashMap<u128, CallerHolds>> {
         // Account ids are uniformly distributed hashes: the low bits pick a shard well.
         let index = (account_id as usize) % SHARD_COUNT;
-        self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shards[index])
     }
 
     /// `Some` when `cost` surely exceeds the caller's available credit right now.
@@ -217,7 +218,7 @@ impl LocalView {
     /// Forgets every caller (an operator acted somewhere: any credit or block may have changed).
     pub fn clear(&self) {
         for shard in self.shards.iter() {
-            shard.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            lock(shard).clear();
         }
     }
 
@@ -369,10 +370,7 @@ impl LocalView {
     }
 
     pub fn callers(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
-            .sum()
+        self.shards.iter().map(|s| lock(s).len()).sum()
     }
 }
 

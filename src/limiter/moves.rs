@@ -28,13 +28,13 @@ impl Moves {
         if !self.any.load(Ordering::Relaxed) {
             return None;
         }
-        let moved = self.moved.read().unwrap_or_else(|e| e.into_inner());
+        let moved = crate::sync::read(&self.moved);
         moved.get(&home_account_id).copied()
     }
 
     /// Remembers a move; moving back to the home plan forgets it.
     pub fn learn(&self, home_account_id: u128, plan: PlanId, home_plan: PlanId) {
-        let mut moved = self.moved.write().unwrap_or_else(|e| e.into_inner());
+        let mut moved = crate::sync::write(&self.moved);
         if plan == home_plan {
             moved.remove(&home_account_id);
             return;
