@@ -139,10 +139,10 @@ async fn main() -> anyhow::Result<()> {
     let metrics = Arc::new(HttpMetrics::new());
     let limited = test::init_service(
         App::new().service(
-            web::scope("")
+            web::resource("/greeting")
                 .wrap(RateLimit::new(limiter.clone(), settings.rules.clone()))
                 .wrap(RecordHttpMetrics::new(Some(metrics)))
-                .route("/greeting", web::get().to(greeting)),
+                .route(web::get().to(greeting)),
         ),
     )
     .await;
