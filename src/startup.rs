@@ -366,7 +366,9 @@ fn operational_routes(config: &mut web::ServiceConfig, exporters: &Exporters) {
     if let Some(handle) = exporters.prometheus.clone() {
         config.route(
             "/metrics",
-            web::get().to(move || {
+            web::get().to(move |limiter: web::Data<Limiter>| {
+                // The limiter counts per thread: what was decided before this scrape is in it.
+                limiter.drain_counts();
                 let body = handle.render();
                 async move {
                     HttpResponse::Ok()

@@ -36,6 +36,7 @@ use metrics::{counter, describe_counter, Counter};
 use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
+use super::counts::ThreadCounts;
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
@@ -193,7 +194,8 @@ impl Holder {
 
 /// Per plan: requests admitted from leases, and ledger transfers made for the plan's callers.
 struct LeaseMetrics {
-    admitted: Vec<Counter>,
+    /// Counted per thread, like the decisions: one per lease admission.
+    admitted: ThreadCounts,
     transfers: Vec<Counter>,
     waits: Vec<Counter>,
 }
@@ -220,7 +222,7 @@ impl LeaseMetrics {
             "Requests that waited for another request's lease renewal, by plan"
         );
         LeaseMetrics {
-            admitted: per_plan(LEASE_ADMITTED_TOTAL),
+            admitted: ThreadCounts::new(per_plan(LEASE_ADMITTED_TOTAL)),
             transfers: per_plan(LEASE_TRANSFERS_TOTAL),
             waits: per_plan(LEASE_WAITS_TOTAL),
         }
@@ -301,6 +303,10 @@ impl LeaseBook {
             }
             _ => false,
         }
+    }
+
+    pub(super) fn drain_counts(&self) {
+        self.metrics.admitted.drain();
     }
 
     fn count_wait(&self, plan_id: PlanId) {
@@ -628,9 +634,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     fn admitted_from_lease(&self, caller: &CallerLease, now: Instant) -> Decided {
         let holder = &caller.holder;
-        if let Some(counter) = self.leases.metrics.admitted.get(holder.plan_id.index()) {
-            counter.increment(1);
-        }
+        self.leases.metrics.admitted.add(holder.plan_id.index(), 1);
         let local = self.local.quota(holder.account_id, holder.capacity, now);
         let unused = caller.lease.map_or(0, |l| l.units - l.units_used);
         let quota = LocalQuota {

@@ -5,6 +5,7 @@
 
 use metrics::{counter, describe_counter, Counter};
 
+use super::counts::ThreadCounts;
 use super::plan::{PlanBook, PlanId};
 use super::{DecisionSource, Outcome};
 
@@ -106,8 +107,9 @@ impl SourceLabel {
 /// Handles for the decision counter, one per valid (decision, plan, source), made once so that
 /// counting neither allocates nor hashes label sets.
 pub struct DecisionMetrics {
-    /// Indexed by [`DecisionMetrics::index`]; invalid combinations hold no-op counters.
-    counters: Vec<Counter>,
+    /// Indexed by [`DecisionMetrics::index`]; invalid combinations hold no-op counters. Counted
+    /// per thread ([`ThreadCounts`]): [`DecisionMetrics::drain`] before reading them.
+    counts: ThreadCounts,
     /// Per plan: [limited, failed_closed] let through in shadow mode.
     shadow: Vec<[Counter; 2]>,
     /// Per plan: refunds.
@@ -174,7 +176,7 @@ impl DecisionMetrics {
             })
             .collect();
         DecisionMetrics {
-            counters,
+            counts: ThreadCounts::new(counters),
             shadow,
             refunds,
         }
@@ -212,9 +214,12 @@ impl DecisionMetrics {
     /// Counts one decision; `plan` is `None` for a rejected key. A plan this book does not have
     /// counts nowhere (a library user mixing limiters), rather than panicking.
     pub fn record(&self, decision: DecisionLabel, plan: Option<PlanId>, source: SourceLabel) {
-        if let Some(counter) = self.counters.get(Self::index(decision, plan, source)) {
-            counter.increment(1);
-        }
+        self.counts.add(Self::index(decision, plan, source), 1);
+    }
+
+    /// Moves the decisions each thread counted to the decision counter (before a scrape).
+    pub fn drain(&self) {
+        self.counts.drain();
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod account_ids;
 pub mod caller;
+pub mod counts;
 pub mod extra;
 pub mod lease;
 pub mod local_view;
@@ -248,6 +249,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     pub fn ledger(&self) -> &S {
         &self.store
+    }
+
+    /// Moves what each thread counted (decisions, lease admissions) to the `metrics` counters:
+    /// call it before rendering them. Without it, each thread's counts lag by less than
+    /// [`counts::SPILL_COUNT`] per counter.
+    pub fn drain_counts(&self) {
+        self.decisions.drain();
+        self.leases.drain_counts();
     }
 
     pub fn settings(&self) -> &LimiterSettings {
