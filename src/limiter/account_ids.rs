@@ -34,7 +34,6 @@ pub struct AccountIds {
     shard_keys_max: usize,
     /// Each thread's ids, one map per plan.
     near: ThreadLocal<RefCell<Near>>,
-    plan_count: usize,
 }
 
 #[derive(Default)]
@@ -57,14 +56,13 @@ impl AccountIds {
             shards: (0..shard_count).map(|_| Mutex::default()).collect(),
             shard_keys_max: (callers_max / shard_count).max(1),
             near: ThreadLocal::new(),
-            plan_count: plan_count.max(1),
         }
     }
 
     /// The id `key` has on `plan`, from memory, else from `derive` (and then remembered).
     pub fn get_or_derive(&self, plan: PlanId, key: &[u8], derive: impl FnOnce() -> u128) -> u128 {
         let index = plan.index();
-        if index >= self.plan_count {
+        if index >= self.shards.len() / SHARD_COUNT {
             return derive(); // a plan of another book: not worth remembering
         }
         let near = self.near.get_or_default();
