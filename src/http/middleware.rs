@@ -23,19 +23,21 @@
 //! ```
 
 use std::future::{ready, Ready};
+use std::num::NonZeroU64;
 use std::rc::Rc;
 use std::sync::Arc;
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
-use actix_web::Error;
-use futures_util::future::LocalBoxFuture;
+use actix_web::{Error, HttpResponse};
+use futures_util::future::{Either, LocalBoxFuture};
 
 use super::concurrency::ConcurrencyLimits;
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
+use crate::limiter::caller::CallerKey;
 use crate::limiter::{Decision, Limiter, Outcome};
 
 /// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
@@ -107,70 +109,132 @@ where
 {
     type Response = ServiceResponse<EitherBody<SlotBody<B>>>;
     type Error = Error;
-    type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
+    /// Ready for the answers made at once, boxed for the rest.
+    type Future = Either<
+        Ready<Result<Self::Response, Self::Error>>,
+        LocalBoxFuture<'static, Result<Self::Response, Self::Error>>,
+    >;
 
     forward_ready!(service);
 
-    /// Classify → decide → respond.
+    /// Classify → decide → respond. A rejected key and a refusal from memory are answered here;
+    /// everything else waits in the request's future.
     fn call(&self, req: ServiceRequest) -> Self::Future {
-        let service = self.service.clone();
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let missing = inner.rules.missing_key_status();
-            let (key, cost, shadow, refund, limits) = match inner.rules.classify(&req) {
-                Classified::Exempt => {
-                    let response = service.call(req).await?;
-                    return Ok(response
+        let charge = match self.inner.rules.classify(&req) {
+            Classified::Exempt => {
+                let response = self.service.call(req);
+                return Either::Right(Box::pin(async move {
+                    let response = response.await?;
+                    Ok(response
                         .map_body(|_, body| SlotBody::plain(body))
-                        .map_into_left_body());
+                        .map_into_left_body())
+                }));
+            }
+            Classified::Rejected(error) => {
+                self.inner.limiter.reject_key();
+                let response = respond::rejected(&error, self.inner.rules.missing_key_status());
+                return Either::Left(ready(Ok(req.into_response(response).map_into_right_body())));
+            }
+            Classified::Charge {
+                key,
+                cost,
+                shadow,
+                refund,
+                limits,
+            } => {
+                // Shadow mode and further limits take the long way: they are rare, and both
+                // change what a refusal means.
+                if !shadow && limits.is_empty() {
+                    if let Some(response) = self.inner.refused_from_memory(&key, cost) {
+                        let response = req.into_response(response);
+                        return Either::Left(ready(Ok(response.map_into_right_body())));
+                    }
                 }
-                Classified::Rejected(error) => {
-                    inner.limiter.reject_key();
-                    let response = respond::rejected(&error, missing);
-                    return Ok(req.into_response(response).map_into_right_body());
-                }
-                Classified::Charge {
+                Charge {
                     key,
                     cost,
                     shadow,
                     refund,
-                    limits,
-                } => (key, cost, shadow, refund, limits),
-            };
-            let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
-                Ok(decision) => decision,
-                Err(error) => {
-                    let response = respond::rejected(&error, missing);
-                    return Ok(req.into_response(response).map_into_right_body());
                 }
-            };
-            if let Some(response) = respond::refusal(&decision, &inner.fields) {
-                // Shadow mode tries limits out; an operator's block is meant at once.
-                let blocked = matches!(decision.outcome, Outcome::Blocked { .. });
-                if !shadow || blocked {
-                    return Ok(req.into_response(response).map_into_right_body());
-                }
-                inner.limiter.pass_in_shadow(&decision);
             }
-            let slot = match inner.concurrency.take(req.path(), &key, shadow).await {
-                Ok(slot) => slot,
-                Err(response) => {
-                    // Not served, so not charged.
-                    let _ = Box::pin(inner.limiter.refund(&mut decision)).await;
-                    return Ok(req.into_response(response).map_into_right_body());
-                }
-            };
-            let mut response = service.call(req).await?;
-            inner.settle(&mut decision, &mut response, refund).await;
-            respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
-            // The slot is given back when the body is sent (or the client goes away).
-            let response = response.map_body(|_, body| SlotBody::new(body, slot));
-            Ok(response.map_into_left_body())
-        })
+        };
+        let service = self.service.clone();
+        Either::Right(Box::pin(decide_and_serve(
+            service,
+            self.inner.clone(),
+            req,
+            charge,
+        )))
     }
 }
 
+/// What the request is charged, from [`Classified::Charge`] (its route's further limits are
+/// found again in the request's future, which cannot borrow the rules).
+struct Charge {
+    key: CallerKey,
+    cost: NonZeroU64,
+    shadow: bool,
+    refund: bool,
+}
+
+/// Decide on the ledger (or a lease) → refuse, or serve with a concurrency slot and settle.
+async fn decide_and_serve<S, B>(
+    service: Rc<S>,
+    inner: Rc<Inner>,
+    req: ServiceRequest,
+    charge: Charge,
+) -> Result<ServiceResponse<EitherBody<SlotBody<B>>>, Error>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    let Charge {
+        key,
+        cost,
+        shadow,
+        refund,
+    } = charge;
+    let limits = inner.rules.route_limits(req.path());
+    let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
+        Ok(decision) => decision,
+        Err(error) => {
+            let response = respond::rejected(&error, inner.rules.missing_key_status());
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    };
+    if let Some(response) = respond::refusal(&decision, &inner.fields) {
+        // Shadow mode tries limits out; an operator's block is meant at once.
+        let blocked = matches!(decision.outcome, Outcome::Blocked { .. });
+        if !shadow || blocked {
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+        inner.limiter.pass_in_shadow(&decision);
+    }
+    let slot = match inner.concurrency.take(req.path(), &key, shadow).await {
+        Ok(slot) => slot,
+        Err(response) => {
+            // Not served, so not charged.
+            let _ = Box::pin(inner.limiter.refund(&mut decision)).await;
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    };
+    let mut response = service.call(req).await?;
+    inner.settle(&mut decision, &mut response, refund).await;
+    respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
+    // The slot is given back when the body is sent (or the client goes away).
+    let response = response.map_body(|_, body| SlotBody::new(body, slot));
+    Ok(response.map_into_left_body())
+}
+
 impl Inner {
+    /// The 429 (or 403) for a caller that memory alone refuses ([`Limiter::refused_from_memory`]).
+    fn refused_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<HttpResponse> {
+        let decision = self.limiter.refused_from_memory(key, cost)?;
+        let response = respond::refusal(&decision, &self.fields);
+        debug_assert!(response.is_some(), "a refusal from memory refuses");
+        response
+    }
+
     /// One worker's state; its `RateLimit-Policy` values are made here, so their bytes are its own.
     fn for_worker(factory: &RateLimit) -> Self {
         Inner {

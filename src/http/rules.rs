@@ -97,7 +97,8 @@ impl RequestRules {
         }
     }
 
-    fn route_limits(&self, path: &str) -> &[Plan] {
+    /// The further limits of the route `path` is on (usually none).
+    pub fn route_limits(&self, path: &str) -> &[Plan] {
         let found = self
             .route_limits
             .iter()

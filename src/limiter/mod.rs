@@ -372,24 +372,34 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 },
             }
         };
-        let decision = Decision {
-            outcome,
-            hold,
-            leased,
-            quota: Quota {
-                limit: charge.account.capacity.get(),
-                window_seconds: charge.account.window_seconds.get(),
-                remaining: local.remaining,
-                reset_seconds: whole_seconds_up(local.reset_after),
-            },
-            account_id: charge.account.id,
-            plan_id: charge.plan_id,
-            plan: charge.plan,
-            route_limits: Vec::new(),
-            refused_by: None,
-        };
+        let decision = decision(&charge, outcome, local, hold, leased);
         self.record(&decision, key, cost);
         Ok(decision)
+    }
+
+    /// The decision [`Limiter::check`] reaches without waiting when memory alone refuses: a
+    /// per-request plan whose local view refuses `cost` (counted and recorded the same way).
+    /// `None` when anything else must be asked: the ledger, a lease, or [`Limiter::check`] itself
+    /// for a key without a plan. Why: a refusal from memory is the abusive caller's path, and the
+    /// HTTP middleware answers it without making the request's future (a kilobyte, allocated
+    /// and moved on each request).
+    pub fn refused_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Decision<'_>> {
+        // A hot caller's plan is known before its account id is: it costs no lookup then.
+        let home_plan = self.plans.get(self.plans.plan_for(key)?)?;
+        if home_plan.lease().is_some() {
+            return None;
+        }
+        let charge = self.charge(key, cost)?;
+        if charge.plan.lease().is_some() {
+            return None;
+        }
+        let limit = self
+            .local
+            .check(charge.account.id, charge.cost, self.clock.now())?;
+        let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
+        let decision = decision(&charge, outcome, limit.quota, None, None);
+        self.record(&decision, key, cost);
+        Some(decision)
     }
 
     /// The account `key` has on `plan` (the plan is part of its identity).
@@ -717,6 +727,32 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         span.record(fields::DECISION, label.as_str());
         span.record(fields::SOURCE, source.as_str());
         span.record(fields::REMAINING, decision.quota.remaining);
+    }
+}
+
+/// A decision on the caller's plan alone, as [`Limiter::check`] gives it.
+fn decision<'a>(
+    charge: &Charge<'a>,
+    outcome: Outcome,
+    local: LocalQuota,
+    hold: Option<HoldReceipt>,
+    leased: Option<LeaseReceipt>,
+) -> Decision<'a> {
+    Decision {
+        outcome,
+        hold,
+        leased,
+        quota: Quota {
+            limit: charge.account.capacity.get(),
+            window_seconds: charge.account.window_seconds.get(),
+            remaining: local.remaining,
+            reset_seconds: whole_seconds_up(local.reset_after),
+        },
+        account_id: charge.account.id,
+        plan_id: charge.plan_id,
+        plan: charge.plan,
+        route_limits: Vec::new(),
+        refused_by: None,
     }
 }
 

@@ -249,6 +249,61 @@ async fn an_exhausted_caller_is_refused_locally_on_the_ledgers_word() {
     assert_eq!(f.calls(), ["hold"]);
 }
 
+/// The middleware answers a refusal from memory without the async path: it must be the very
+/// decision `check` would have made, and come only when memory alone decides.
+#[tokio::test]
+async fn memory_alone_refuses_exactly_what_check_refuses_locally() {
+    let f = Fixture::closed();
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    assert!(
+        f.limiter.refused_from_memory(&key, ONE).is_none(),
+        "a new caller"
+    );
+    for _ in 0..CAPACITY {
+        let held = f.held();
+        f.script(|s| s.holds.push_back(held));
+        assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+        assert!(
+            f.limiter.refused_from_memory(&key, ONE).is_none(),
+            "not yet the ledger's word"
+        );
+    }
+    let full = f.view(CAPACITY, &[WINDOW.as_secs(); CAPACITY as usize], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(full.clone())));
+    });
+    assert!(limited_by(&f.check(ONE).await).is_some());
+    f.calls();
+    let fast = f
+        .limiter
+        .refused_from_memory(&key, ONE)
+        .expect("refused from memory");
+    let slow = f.check(ONE).await;
+    assert_eq!(fast.outcome, slow.outcome);
+    assert_eq!(
+        limited_by(&fast),
+        Some((WINDOW.as_secs(), DecisionSource::LocalView))
+    );
+    assert_eq!(fast.quota, slow.quota);
+    assert_eq!(
+        (fast.account_id, fast.plan_id),
+        (slow.account_id, slow.plan_id)
+    );
+    assert!(fast.hold.is_none() && fast.leased.is_none());
+    assert!(f.calls().is_empty(), "no ledger call either way");
+    // A caller without a plan, and a caller whose holds expired, are the ledger's to decide.
+    let unknown = CallerKey::from_header_value("x-api-key", b"nobody", 64).unwrap();
+    let rejecting = Fixture::new(FailurePolicy::Closed, UnknownKeys::Reject);
+    assert!(rejecting
+        .limiter
+        .refused_from_memory(&unknown, ONE)
+        .is_none());
+    f.clock.advance(WINDOW);
+    assert!(f.limiter.refused_from_memory(&key, ONE).is_none());
+    assert!(f.calls().is_empty());
+}
+
 #[tokio::test]
 async fn a_blocked_caller_is_refused_until_the_block_ends() {
     let f = Fixture::closed();
