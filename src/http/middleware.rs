@@ -22,10 +22,12 @@
 //! # }
 //! ```
 
-use std::future::{ready, Ready};
+use std::future::{ready, Future, Ready};
 use std::num::NonZeroU64;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
@@ -38,7 +40,8 @@ use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
 use crate::limiter::caller::CallerKey;
-use crate::limiter::{Decision, Limiter, Outcome};
+use crate::limiter::plan::PlanId;
+use crate::limiter::{Decision, Limiter, Outcome, Quota};
 
 /// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
 /// touches no reference count or header bytes that the other workers write too: with both
@@ -109,26 +112,30 @@ where
 {
     type Response = ServiceResponse<EitherBody<SlotBody<B>>>;
     type Error = Error;
-    /// Ready for the answers made at once, boxed for the rest.
+    /// Ready for the answers made at once, the handler's own future for a request admitted from
+    /// its caller's lease, boxed for the rest.
     type Future = Either<
         Ready<Result<Self::Response, Self::Error>>,
-        LocalBoxFuture<'static, Result<Self::Response, Self::Error>>,
+        Either<
+            LeasedResponse<S::Future>,
+            LocalBoxFuture<'static, Result<Self::Response, Self::Error>>,
+        >,
     >;
 
     forward_ready!(service);
 
-    /// Classify → decide → respond. A rejected key and a refusal from memory are answered here;
-    /// everything else waits in the request's future.
+    /// Classify → decide → respond. A rejected key, a refusal from memory and an admission from a
+    /// lease are decided here; everything else is decided in the request's future.
     fn call(&self, req: ServiceRequest) -> Self::Future {
         let charge = match self.inner.rules.classify(&req) {
             Classified::Exempt => {
                 let response = self.service.call(req);
-                return Either::Right(Box::pin(async move {
+                return Either::Right(Either::Right(Box::pin(async move {
                     let response = response.await?;
                     Ok(response
                         .map_body(|_, body| SlotBody::plain(body))
                         .map_into_left_body())
-                }));
+                })));
             }
             Classified::Rejected(error) => {
                 self.inner.limiter.reject_key();
@@ -149,6 +156,12 @@ where
                         let response = req.into_response(response);
                         return Either::Left(ready(Ok(response.map_into_right_body())));
                     }
+                    if !refund && self.inner.serves_plainly(req.path()) {
+                        if let Some(leased) = self.inner.leased_from_memory(&key, cost) {
+                            let response = self.service.call(req);
+                            return Either::Right(Either::Left(leased.serve(response)));
+                        }
+                    }
                 }
                 Charge {
                     key,
@@ -159,12 +172,8 @@ where
             }
         };
         let service = self.service.clone();
-        Either::Right(Box::pin(decide_and_serve(
-            service,
-            self.inner.clone(),
-            req,
-            charge,
-        )))
+        let decided = decide_and_serve(service, self.inner.clone(), req, charge);
+        Either::Right(Either::Right(Box::pin(decided)))
     }
 }
 
@@ -226,7 +235,75 @@ where
     Ok(response.map_into_left_body())
 }
 
+pin_project_lite::pin_project! {
+    /// A request admitted from its caller's lease in `call`: the handler's future, then the
+    /// rate-limit fields on its response (what [`decide_and_serve`] does for an admission, when
+    /// the route has no refund, reported cost or concurrency limit).
+    pub struct LeasedResponse<F> {
+        #[pin]
+        response: F,
+        inner: Rc<Inner>,
+        plan_id: PlanId,
+        quota: Quota,
+    }
+}
+
+impl<F, B> Future for LeasedResponse<F>
+where
+    F: Future<Output = Result<ServiceResponse<B>, Error>>,
+{
+    type Output = Result<ServiceResponse<EitherBody<SlotBody<B>>>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = ready!(this.response.poll(cx))?;
+        let plan = this.inner.limiter.plans().get(*this.plan_id);
+        let plan = plan.expect("a decision's plan is in the limiter's book");
+        let fields = &this.inner.fields;
+        let headers = response.headers_mut();
+        respond::add_plan_fields(headers, fields, (*this.plan_id, plan), this.quota, None);
+        let response = response.map_body(|_, body| SlotBody::plain(body));
+        Poll::Ready(Ok(response.map_into_left_body()))
+    }
+}
+
+/// An admission from a lease, waiting for the handler's future.
+struct Leased {
+    inner: Rc<Inner>,
+    plan_id: PlanId,
+    quota: Quota,
+}
+
+impl Leased {
+    fn serve<F>(self, response: F) -> LeasedResponse<F> {
+        LeasedResponse {
+            response,
+            inner: self.inner,
+            plan_id: self.plan_id,
+            quota: self.quota,
+        }
+    }
+}
+
 impl Inner {
+    /// Whether an admitted request needs nothing after its handler but the rate-limit fields:
+    /// no reported cost to settle and no concurrency slot on `path` (refund routes are the
+    /// caller's to check).
+    fn serves_plainly(&self, path: &str) -> bool {
+        self.rules.cost_header().is_none() && self.concurrency.for_path(path).is_none()
+    }
+
+    /// A caller admitted from its lease without waiting ([`Limiter::leased_from_memory`]).
+    fn leased_from_memory(self: &Rc<Self>, key: &CallerKey, cost: NonZeroU64) -> Option<Leased> {
+        let decision = self.limiter.leased_from_memory(key, cost)?;
+        debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
+        Some(Leased {
+            inner: self.clone(),
+            plan_id: decision.plan_id,
+            quota: decision.quota,
+        })
+    }
+
     /// The 429 (or 403) for a caller that memory alone refuses ([`Limiter::refused_from_memory`]).
     fn refused_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<HttpResponse> {
         let decision = self.limiter.refused_from_memory(key, cost)?;

@@ -9,7 +9,8 @@ use super::headers::{self, HeaderStyles, PolicyHeaders};
 use super::problem::{self, ProblemKind};
 use super::repeats::{self, Refuser};
 use crate::limiter::caller::KeyError;
-use crate::limiter::{Decision, Outcome};
+use crate::limiter::plan::{Plan, PlanId};
+use crate::limiter::{Decision, Outcome, Quota};
 
 /// 400/401 for a key that is missing (`missing_status`: 401 unless configured 400), malformed or
 /// unknown.
@@ -53,19 +54,30 @@ pub fn add_fields(
     decision: &Decision<'_>,
     retry_after_seconds: Option<u64>,
 ) {
-    let plan = decision.plan;
-    let policy = fields.policies.get(decision.plan_id, plan);
+    let plan = (decision.plan_id, decision.plan);
+    add_plan_fields(headers, fields, plan, &decision.quota, retry_after_seconds);
+    if !decision.route_limits.is_empty() {
+        add_route_limits(headers, fields, decision);
+    }
+}
+
+/// [`add_fields`] for a decision on its plan alone, from its parts.
+pub fn add_plan_fields(
+    headers: &mut HeaderMap,
+    fields: &Fields,
+    (plan_id, plan): (PlanId, &Plan),
+    quota: &Quota,
+    retry_after_seconds: Option<u64>,
+) {
+    let policy = fields.policies.get(plan_id, plan);
     headers::insert(
         headers,
         fields.styles,
         plan.name(),
         policy,
-        &decision.quota,
+        quota,
         retry_after_seconds,
     );
-    if !decision.route_limits.is_empty() {
-        add_route_limits(headers, fields, decision);
-    }
 }
 
 /// A route with further limits: the IETF fields list every policy (the plan's first), as the

@@ -147,11 +147,17 @@ impl CallerLease {
     /// Whether to take the next lease now, ahead of need: the current one is past half its time
     /// or half its units (so hot callers rarely wait for the ledger).
     fn renew_ahead(&self, now: Instant) -> bool {
+        self.renewal_due(0, now)
+    }
+
+    /// [`CallerLease::renew_ahead`] once `cost` more units are admitted.
+    fn renewal_due(&self, cost: u64, now: Instant) -> bool {
         let Some(lease) = &self.lease else {
             return false;
         };
         let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
-        !self.renewing && (now >= half_time || lease.units_used * 2 >= lease.units)
+        let used = lease.units_used.saturating_add(cost);
+        !self.renewing && (now >= half_time || used.saturating_mul(2) >= lease.units)
     }
 
     /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
@@ -454,17 +460,32 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.decide_per_request_counted(charge, started).await
     }
 
+    /// [`Limiter::decide_leased`]'s first look when it would need no ledger call: admits `cost`
+    /// from the caller's lease when it has room and taking the next lease is not due after it.
+    /// `None` (nothing changed) otherwise.
+    pub(super) fn admit_from_lease_now(
+        &self,
+        charge: &Charge<'_>,
+        terms: LeaseTerms,
+    ) -> Option<(Decided, LeaseReceipt)> {
+        if charge.cost > terms.units_max.get() {
+            return None;
+        }
+        let slot = self.leases.slot(charge, terms)?;
+        let now = self.clock.now();
+        let mut caller = slot.lock();
+        if caller.renewal_due(charge.cost, now) || !caller.admit(charge.cost, now) {
+            return None;
+        }
+        Some(self.admitted_from_lease(&caller, charge.cost, now))
+    }
+
     /// One look at the caller's lease, under its lock (never held across a ledger call).
     fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
         let now = self.clock.now();
         let mut caller = slot.lock();
         if caller.admit(cost, now) {
-            let decided = self.admitted_from_lease(&caller, now);
-            let lease_id = caller.lease.expect("it admitted").transfer_id;
-            let leased = LeaseReceipt {
-                lease_id,
-                units: cost,
-            };
+            let (decided, leased) = self.admitted_from_lease(&caller, cost, now);
             if caller.renew_ahead(now) {
                 caller.start_renewal(now);
                 return Look::AdmittedRenewing(decided, leased);
@@ -632,18 +653,31 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    fn admitted_from_lease(&self, caller: &CallerLease, now: Instant) -> Decided {
+    /// The decision and receipt for `cost` units just admitted from the caller's lease.
+    fn admitted_from_lease(
+        &self,
+        caller: &CallerLease,
+        cost: u64,
+        now: Instant,
+    ) -> (Decided, LeaseReceipt) {
         let holder = &caller.holder;
+        let lease = caller.lease.expect("it admitted");
         self.leases.metrics.admitted.add(holder.plan_id.index(), 1);
         let local = self.local.quota(holder.account_id, holder.capacity, now);
-        let unused = caller.lease.map_or(0, |l| l.units - l.units_used);
         let quota = LocalQuota {
             // The lease counts as held in the local view; its unused units are still this
             // caller's to spend here.
-            remaining: local.remaining.saturating_add(unused).min(holder.capacity),
+            remaining: local
+                .remaining
+                .saturating_add(lease.units - lease.units_used)
+                .min(holder.capacity),
             reset_after: local.reset_after,
         };
-        (Outcome::Admitted, quota, None)
+        let leased = LeaseReceipt {
+            lease_id: lease.transfer_id,
+            units: cost,
+        };
+        ((Outcome::Admitted, quota, None), leased)
     }
 
     /// Settles every lease whose time L is over (at most a batch per call): the sweeper calls it

@@ -402,6 +402,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Some(decision)
     }
 
+    /// The decision [`Limiter::check`] reaches without waiting when a lease plan's caller is
+    /// admitted from its lease and taking the next lease is not due yet (counted and recorded
+    /// the same way). `None`, with nothing spent, when anything else must happen: a renewal,
+    /// the ledger, a refusal, or a per-request plan. Why: this is the hot caller's path, and the
+    /// HTTP middleware then serves the request without making the decision's future.
+    pub fn leased_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Decision<'_>> {
+        let home_plan = self.plans.get(self.plans.plan_for(key)?)?;
+        home_plan.lease()?;
+        let charge = self.charge(key, cost)?;
+        let terms = charge.plan.lease()?;
+        let ((outcome, local, hold), leased) = self.admit_from_lease_now(&charge, terms)?;
+        let decision = decision(&charge, outcome, local, hold, Some(leased));
+        self.record(&decision, key, cost);
+        Some(decision)
+    }
+
     /// The account `key` has on `plan` (the plan is part of its identity).
     fn account_on(&self, key: &CallerKey, plan: &Plan) -> u128 {
         let key = key.expose_secret().as_bytes();

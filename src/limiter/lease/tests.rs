@@ -297,6 +297,12 @@ enum Event {
         instance: usize,
         cost: u64,
     },
+    /// A request as the HTTP middleware makes it: admitted from the lease in memory when that
+    /// needs no renewal ([`Limiter::leased_from_memory`]), else decided by `check`.
+    FastRequest {
+        instance: usize,
+        cost: u64,
+    },
     Advance {
         ms: u64,
     },
@@ -312,7 +318,9 @@ enum Event {
 
 fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
-        8 => (0..2usize, 1..4u64).prop_map(|(instance, cost)| Event::Request { instance, cost }),
+        4 => (0..2usize, 1..4u64).prop_map(|(instance, cost)| Event::Request { instance, cost }),
+        4 => (0..2usize, 1..4u64)
+            .prop_map(|(instance, cost)| Event::FastRequest { instance, cost }),
         3 => (0..400u64).prop_map(|ms| Event::Advance { ms }),
         1 => (400..4000u64).prop_map(|ms| Event::Advance { ms }),
         2 => (0..2usize).prop_map(|instance| Event::Sweep { instance }),
@@ -349,6 +357,17 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
                     .block_on(instances[*instance].check(&key, cost))
                     .unwrap();
                 if decision.outcome == Outcome::Admitted {
+                    admitted.push((clock.now(), cost.get()));
+                }
+            }
+            Event::FastRequest { instance, cost } => {
+                let cost = NonZeroU64::new(*cost).unwrap();
+                let limiter = &instances[*instance];
+                let outcome = match limiter.leased_from_memory(&key, cost) {
+                    Some(decision) => decision.outcome,
+                    None => runtime.block_on(limiter.check(&key, cost)).unwrap().outcome,
+                };
+                if outcome == Outcome::Admitted {
                     admitted.push((clock.now(), cost.get()));
                 }
             }
@@ -416,6 +435,67 @@ fn a_hot_caller_is_admitted_from_leases() {
     assert!(model.leases >= 2 && model.settlements >= 1);
     let per_request = model.pendings.len() as u64 - model.leases - model.settlements;
     assert!(per_request <= 1, "{per_request} holds per request");
+}
+
+/// The middleware admits from a lease without the async path: only while the lease has room and
+/// its renewal is not due (the request that makes it due renews, through `check`), spending the
+/// same units `check` would, with no ledger call.
+#[test]
+fn memory_alone_admits_from_a_lease_only_while_no_renewal_is_due() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let one = NonZeroU64::MIN;
+    assert!(
+        limiter.leased_from_memory(&key, one).is_none(),
+        "no lease yet"
+    );
+    let first = runtime.block_on(limiter.check(&key, one)).unwrap();
+    let lease = first.leased.expect("admitted from the first lease");
+    let transfers = store.model.lock().unwrap().pendings.len();
+    // The first lease has 8 units; its renewal is due once 4 are used.
+    let mut remaining = first.quota.remaining;
+    for _ in 0..2 {
+        let fast = limiter
+            .leased_from_memory(&key, one)
+            .expect("room, renewal not due");
+        assert_eq!(fast.outcome, Outcome::Admitted);
+        assert_eq!(
+            fast.leased.map(|l| (l.lease_id, l.units)),
+            Some((lease.lease_id, 1))
+        );
+        assert!(fast.hold.is_none());
+        assert_eq!(fast.quota.remaining, remaining - 1);
+        remaining = fast.quota.remaining;
+    }
+    assert!(
+        limiter.leased_from_memory(&key, one).is_none(),
+        "the next one renews"
+    );
+    assert_eq!(
+        store.model.lock().unwrap().pendings.len(),
+        transfers,
+        "no ledger call"
+    );
+    let renewing = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert_eq!(renewing.leased.map(|l| l.lease_id), Some(lease.lease_id));
+    assert_eq!(
+        renewing.quota.remaining,
+        remaining - 1,
+        "nothing spent by the refusals"
+    );
+    let renewed = limiter
+        .leased_from_memory(&key, one)
+        .expect("the next lease");
+    assert_ne!(renewed.leased.map(|l| l.lease_id), Some(lease.lease_id));
+    // Past half the lease's time, its renewal is due again: the async path takes it.
+    store
+        .clock
+        .advance_to(store.clock.now() + Duration::from_millis(600));
+    assert!(limiter.leased_from_memory(&key, one).is_none());
+    // A cost above the lease's size never comes from a lease.
+    let large = NonZeroU64::new(LEASE_UNITS_MAX + 1).unwrap();
+    assert!(limiter.leased_from_memory(&key, large).is_none());
 }
 
 #[test]
