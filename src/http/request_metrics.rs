@@ -12,16 +12,17 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::future::{ready, Ready};
+use std::future::{ready, Future, Ready};
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::http::Method;
 use actix_web::{Error, HttpRequest};
-use futures_util::future::LocalBoxFuture;
 use opentelemetry::trace::TraceContextExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -79,14 +80,15 @@ impl Cells {
         }
     }
 
+    /// Only the worker that owns these cells calls this: a load and a store, not a locked
+    /// read-modify-write, since no other thread writes them.
     fn observe(&self, seconds: f64, trace_id: Option<String>) {
         // The first bucket whose bound is at least `seconds` (`le`), else `+Inf`.
         let bucket = HTTP_BUCKETS_SECONDS.partition_point(|bound| *bound < seconds);
-        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        let add = |bits: u64| Some((f64::from_bits(bits) + seconds).to_bits());
-        let _ = self
-            .sum_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
+        let count = &self.buckets[bucket];
+        count.store(count.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        let sum = f64::from_bits(self.sum_bits.load(Ordering::Relaxed)) + seconds;
+        self.sum_bits.store(sum.to_bits(), Ordering::Relaxed);
         if let Some(trace_id) = trace_id {
             lock(&self.exemplars)[bucket] = Some(Exemplar {
                 trace_id,
@@ -361,29 +363,62 @@ where
 {
     type Response = ServiceResponse<B>;
     type Error = Error;
-    type Future = LocalBoxFuture<'static, Result<Self::Response, Self::Error>>;
+    type Future = Timed<S::Future>;
 
     forward_ready!(service);
 
     fn call(&self, req: ServiceRequest) -> Self::Future {
-        let Some(worker) = self.worker.clone() else {
-            return Box::pin(self.service.call(req));
-        };
-        let started = Instant::now();
-        let method = method_label(req.method());
-        let span = tracing::Span::current();
-        let future = self.service.call(req);
-        Box::pin(async move {
-            let response = future.await?;
-            worker.series.borrow_mut().observe(
-                &worker.metrics,
+        let timer = self.worker.clone().map(|worker| Timer {
+            worker,
+            started: Instant::now(),
+            method: method_label(req.method()),
+            span: tracing::Span::current(),
+        });
+        Timed {
+            response: self.service.call(req),
+            timer,
+        }
+    }
+}
+
+/// What a request's observation needs from its start.
+struct Timer {
+    worker: Rc<WorkerSeries>,
+    started: Instant,
+    method: &'static str,
+    span: tracing::Span,
+}
+
+pin_project_lite::pin_project! {
+    /// The inner service's future, observed into the worker's series when it answers. Not boxed:
+    /// it is the request's path, and the enclosing future holds it in place.
+    pub struct Timed<F> {
+        #[pin]
+        response: F,
+        // `None` when HTTP metrics are off.
+        timer: Option<Timer>,
+    }
+}
+
+impl<F, B> Future for Timed<F>
+where
+    F: Future<Output = Result<ServiceResponse<B>, Error>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = ready!(this.response.poll(cx))?;
+        if let Some(timer) = this.timer.take() {
+            timer.worker.series.borrow_mut().observe(
+                &timer.worker.metrics,
                 response.request(),
-                (method, response.status().as_u16()),
-                started.elapsed().as_secs_f64(),
-                sampled_trace_id(&span),
+                (timer.method, response.status().as_u16()),
+                timer.started.elapsed().as_secs_f64(),
+                sampled_trace_id(&timer.span),
             );
-            Ok(response)
-        })
+        }
+        Poll::Ready(Ok(response))
     }
 }
 
