@@ -306,7 +306,9 @@ type PathSeries = (&'static str, u16, Arc<Cells>);
 /// take the long way; the label sets are bounded by the app's routes and statuses.
 #[derive(Default)]
 struct SeriesByPath {
-    by_path: HashMap<Box<str>, Vec<PathSeries>>,
+    /// A fast hash: a request's path is looked up on every request, and the map holds at most
+    /// [`SERIES_PATHS_MAX`] paths, so colliding paths could not make it slow.
+    by_path: HashMap<Box<str>, Vec<PathSeries>, foldhash::fast::RandomState>,
     by_labels: HashMap<RequestLabels, Arc<Cells>>,
 }
 
