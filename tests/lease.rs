@@ -260,9 +260,9 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     for sent in 1..=5u64 {
         let response = app.get("/greeting", Some(&key)).await;
         assert_eq!(response.status(), 200);
-        // The lease's unused units are the caller's to spend here: nothing else is held. (The
-        // second, third and fifth are admitted in the middleware's `call`, from memory: their
-        // fields are the same.)
+        // The lease's unused units are the caller's to spend here: nothing else is held. (From
+        // the second on they are admitted in the middleware's `call`, from memory, with the same
+        // fields; the fourth's renewal runs after its answer.)
         assert_eq!(common::remaining(&response), 100 - sent);
         let policy = response.headers().get("ratelimit-policy");
         assert_eq!(policy.unwrap(), "\"hot\";q=100;w=2", "{sent}");

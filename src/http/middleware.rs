@@ -293,10 +293,16 @@ impl Inner {
         self.rules.cost_header().is_none() && self.concurrency.for_path(path).is_none()
     }
 
-    /// A caller admitted from its lease without waiting ([`Limiter::leased_from_memory`]).
+    /// A caller admitted from its lease without waiting ([`Limiter::leased_from_memory`]). The
+    /// renewal the admission made due runs as a task of this worker: the request is answered
+    /// without waiting for the ledger.
     fn leased_from_memory(self: &Rc<Self>, key: &CallerKey, cost: NonZeroU64) -> Option<Leased> {
-        let decision = self.limiter.leased_from_memory(key, cost)?;
+        let (decision, renewal) = self.limiter.leased_from_memory(key, cost)?;
         debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
+        if let Some(renewal) = renewal {
+            let limiter = self.limiter.clone();
+            actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
+        }
         Some(Leased {
             inner: self.clone(),
             plan_id: decision.plan_id,

@@ -147,17 +147,11 @@ impl CallerLease {
     /// Whether to take the next lease now, ahead of need: the current one is past half its time
     /// or half its units (so hot callers rarely wait for the ledger).
     fn renew_ahead(&self, now: Instant) -> bool {
-        self.renewal_due(0, now)
-    }
-
-    /// [`CallerLease::renew_ahead`] once `cost` more units are admitted.
-    fn renewal_due(&self, cost: u64, now: Instant) -> bool {
         let Some(lease) = &self.lease else {
             return false;
         };
         let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
-        let used = lease.units_used.saturating_add(cost);
-        !self.renewing && (now >= half_time || used.saturating_mul(2) >= lease.units)
+        !self.renewing && (now >= half_time || lease.units_used * 2 >= lease.units)
     }
 
     /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
@@ -377,6 +371,26 @@ impl Drop for Renewal<'_> {
     }
 }
 
+/// A renewal ahead of need that a lease admission decided without waiting started
+/// ([`Limiter::leased_from_memory`]): whoever holds it runs it with
+/// [`Limiter::renew_lease_ahead`], so that the admitted request is answered without waiting for
+/// the ledger. Dropped unrun, it ends the renewal, so another request takes the next lease.
+#[must_use = "a renewal ahead ends unrun when dropped"]
+pub struct RenewalAhead {
+    /// `None` once handed to [`Limiter::renew`], whose own guard then ends it.
+    slot: Option<Arc<Slot>>,
+    cost: u64,
+}
+
+impl Drop for RenewalAhead {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            let mut caller = slot.lock();
+            slot.renewal_ended(&mut caller);
+        }
+    }
+}
+
 /// What one look at the caller's lease came to.
 enum Look<'a> {
     Admitted(Decided, LeaseReceipt),
@@ -460,24 +474,47 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.decide_per_request_counted(charge, started).await
     }
 
-    /// [`Limiter::decide_leased`]'s first look when it would need no ledger call: admits `cost`
-    /// from the caller's lease when it has room and taking the next lease is not due after it.
-    /// `None` (nothing changed) otherwise.
+    /// [`Limiter::decide_leased`]'s first look, without waiting: admits `cost` from the caller's
+    /// lease when it has room, and starts the renewal when that makes it due (the caller runs it).
+    /// `None` (nothing changed) when the lease cannot admit it.
     pub(super) fn admit_from_lease_now(
         &self,
         charge: &Charge<'_>,
         terms: LeaseTerms,
-    ) -> Option<(Decided, LeaseReceipt)> {
+    ) -> Option<(Decided, LeaseReceipt, Option<RenewalAhead>)> {
         if charge.cost > terms.units_max.get() {
             return None;
         }
         let slot = self.leases.slot(charge, terms)?;
         let now = self.clock.now();
         let mut caller = slot.lock();
-        if caller.renewal_due(charge.cost, now) || !caller.admit(charge.cost, now) {
+        if !caller.admit(charge.cost, now) {
             return None;
         }
-        Some(self.admitted_from_lease(&caller, charge.cost, now))
+        let (decided, leased) = self.admitted_from_lease(&caller, charge.cost, now);
+        if !caller.renew_ahead(now) {
+            return Some((decided, leased, None));
+        }
+        caller.start_renewal(now);
+        drop(caller);
+        let renewal = RenewalAhead {
+            slot: Some(slot),
+            cost: charge.cost,
+        };
+        Some((decided, leased, Some(renewal)))
+    }
+
+    /// Runs a renewal ahead of need that [`Limiter::leased_from_memory`] started, by
+    /// `ledger_timeout` from now. Its outcome is the next lease or none; either way the caller's
+    /// next requests go on (a failed renewal is retried by the next request that finds the lease
+    /// half spent).
+    pub async fn renew_lease_ahead(&self, mut renewal: RenewalAhead) {
+        let slot = renewal.slot.take().expect("a renewal ahead is run once");
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        // `renew` ends the renewal from its first poll on, which is this one: no gap.
+        if let Err(error) = Box::pin(self.renew(&slot, renewal.cost, None, deadline)).await {
+            tracing::debug!(%error, "could not renew a lease ahead; the next request will");
+        }
     }
 
     /// One look at the caller's lease, under its lock (never held across a ledger call).

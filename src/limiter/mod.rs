@@ -31,6 +31,7 @@ use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
 use crate::telemetry::span::fields;
 use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
+pub use lease::RenewalAhead;
 use local_view::{LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
 pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
@@ -403,19 +404,26 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// The decision [`Limiter::check`] reaches without waiting when a lease plan's caller is
-    /// admitted from its lease and taking the next lease is not due yet (counted and recorded
-    /// the same way). `None`, with nothing spent, when anything else must happen: a renewal,
-    /// the ledger, a refusal, or a per-request plan. Why: this is the hot caller's path, and the
-    /// HTTP middleware then serves the request without making the decision's future.
-    pub fn leased_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Decision<'_>> {
+    /// admitted from its lease (counted and recorded the same way), and the renewal ahead of need
+    /// that the admission made due, if any, for the caller to run
+    /// ([`Limiter::renew_lease_ahead`]) after answering. `None`, with nothing spent, when the
+    /// lease cannot admit it (no lease, out of units or time), or on a per-request plan. Why:
+    /// this is the hot caller's path, and the HTTP middleware then serves the request without
+    /// making the decision's future, and without waiting for the ledger.
+    pub fn leased_from_memory(
+        &self,
+        key: &CallerKey,
+        cost: NonZeroU64,
+    ) -> Option<(Decision<'_>, Option<RenewalAhead>)> {
         let home_plan = self.plans.get(self.plans.plan_for(key)?)?;
         home_plan.lease()?;
         let charge = self.charge(key, cost)?;
         let terms = charge.plan.lease()?;
-        let ((outcome, local, hold), leased) = self.admit_from_lease_now(&charge, terms)?;
+        let ((outcome, local, hold), leased, renewal) =
+            self.admit_from_lease_now(&charge, terms)?;
         let decision = decision(&charge, outcome, local, hold, Some(leased));
         self.record(&decision, key, cost);
-        Some(decision)
+        Some((decision, renewal))
     }
 
     /// The account `key` has on `plan` (the plan is part of its identity).

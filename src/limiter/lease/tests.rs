@@ -297,8 +297,9 @@ enum Event {
         instance: usize,
         cost: u64,
     },
-    /// A request as the HTTP middleware makes it: admitted from the lease in memory when that
-    /// needs no renewal ([`Limiter::leased_from_memory`]), else decided by `check`.
+    /// A request as the HTTP middleware makes it: admitted from the lease in memory when it has
+    /// room ([`Limiter::leased_from_memory`], then the renewal that made due), else decided by
+    /// `check`.
     FastRequest {
         instance: usize,
         cost: u64,
@@ -364,7 +365,12 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
                 let cost = NonZeroU64::new(*cost).unwrap();
                 let limiter = &instances[*instance];
                 let outcome = match limiter.leased_from_memory(&key, cost) {
-                    Some(decision) => decision.outcome,
+                    Some((decision, renewal)) => {
+                        if let Some(renewal) = renewal {
+                            runtime.block_on(limiter.renew_lease_ahead(renewal));
+                        }
+                        decision.outcome
+                    }
                     None => runtime.block_on(limiter.check(&key, cost)).unwrap().outcome,
                 };
                 if outcome == Outcome::Admitted {
@@ -437,11 +443,11 @@ fn a_hot_caller_is_admitted_from_leases() {
     assert!(per_request <= 1, "{per_request} holds per request");
 }
 
-/// The middleware admits from a lease without the async path: only while the lease has room and
-/// its renewal is not due (the request that makes it due renews, through `check`), spending the
-/// same units `check` would, with no ledger call.
+/// The middleware admits from a lease without the async path: while the lease has room, spending
+/// the same units `check` would, with no ledger call; the admission that makes the renewal due
+/// hands it over to be run after the answer, and a renewal dropped unrun ends.
 #[test]
-fn memory_alone_admits_from_a_lease_only_while_no_renewal_is_due() {
+fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
     let (runtime, store) = runtime_and_store();
     let limiter = instance(&store);
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
@@ -455,44 +461,41 @@ fn memory_alone_admits_from_a_lease_only_while_no_renewal_is_due() {
     let transfers = store.model.lock().unwrap().pendings.len();
     // The first lease has 8 units; its renewal is due once 4 are used.
     let mut remaining = first.quota.remaining;
-    for _ in 0..2 {
-        let fast = limiter
-            .leased_from_memory(&key, one)
-            .expect("room, renewal not due");
+    let mut renewal = None;
+    for used in 2..=4 {
+        let (fast, due) = limiter.leased_from_memory(&key, one).expect("room");
         assert_eq!(fast.outcome, Outcome::Admitted);
-        assert_eq!(
-            fast.leased.map(|l| (l.lease_id, l.units)),
-            Some((lease.lease_id, 1))
-        );
+        let receipt = fast.leased.map(|l| (l.lease_id, l.units));
+        assert_eq!(receipt, Some((lease.lease_id, 1)));
         assert!(fast.hold.is_none());
         assert_eq!(fast.quota.remaining, remaining - 1);
         remaining = fast.quota.remaining;
+        assert_eq!(due.is_some(), used == 4, "{used} units used");
+        renewal = renewal.or(due);
     }
-    assert!(
-        limiter.leased_from_memory(&key, one).is_none(),
-        "the next one renews"
-    );
     assert_eq!(
         store.model.lock().unwrap().pendings.len(),
         transfers,
-        "no ledger call"
+        "no ledger call yet"
     );
-    let renewing = runtime.block_on(limiter.check(&key, one)).unwrap();
-    assert_eq!(renewing.leased.map(|l| l.lease_id), Some(lease.lease_id));
-    assert_eq!(
-        renewing.quota.remaining,
-        remaining - 1,
-        "nothing spent by the refusals"
-    );
-    let renewed = limiter
+    // While that renewal is out, the lease still admits, and no other renewal starts.
+    let (_, again) = limiter.leased_from_memory(&key, one).expect("room");
+    assert!(again.is_none());
+    runtime.block_on(limiter.renew_lease_ahead(renewal.expect("due at 4 units")));
+    assert!(store.model.lock().unwrap().pendings.len() > transfers);
+    let (renewed, _) = limiter
         .leased_from_memory(&key, one)
         .expect("the next lease");
     assert_ne!(renewed.leased.map(|l| l.lease_id), Some(lease.lease_id));
-    // Past half the lease's time, its renewal is due again: the async path takes it.
+    // Past half the lease's time a renewal is due again; dropped unrun, it ends, and the next
+    // admission starts it anew (rather than every request waiting on one that never runs).
     store
         .clock
         .advance_to(store.clock.now() + Duration::from_millis(600));
-    assert!(limiter.leased_from_memory(&key, one).is_none());
+    let (_, due) = limiter.leased_from_memory(&key, one).expect("room");
+    drop(due.expect("half the lease's time is over"));
+    let (_, due) = limiter.leased_from_memory(&key, one).expect("room");
+    assert!(due.is_some(), "the dropped renewal ended");
     // A cost above the lease's size never comes from a lease.
     let large = NonZeroU64::new(LEASE_UNITS_MAX + 1).unwrap();
     assert!(limiter.leased_from_memory(&key, large).is_none());
