@@ -487,21 +487,32 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         let slot = self.leases.slot(charge, terms)?;
         let now = self.clock.now();
-        let mut caller = slot.lock();
-        if !caller.admit(charge.cost, now) {
-            return None;
-        }
-        let (decided, leased) = self.admitted_from_lease(&caller, charge.cost, now);
-        if !caller.renew_ahead(now) {
-            return Some((decided, leased, None));
-        }
-        caller.start_renewal(now);
-        drop(caller);
-        let renewal = RenewalAhead {
+        let (decided, leased, renewing) = self.admit_locked(&mut slot.lock(), charge.cost, now)?;
+        let renewal = renewing.then(|| RenewalAhead {
             slot: Some(slot),
             cost: charge.cost,
-        };
-        Some((decided, leased, Some(renewal)))
+        });
+        Some((decided, leased, renewal))
+    }
+
+    /// Admits `cost` from the caller's lease, under its lock: `None` when the lease cannot, else
+    /// the decision, the receipt, and whether this admission started the renewal ahead of need
+    /// (the lease is now half spent, and nobody was renewing).
+    fn admit_locked(
+        &self,
+        caller: &mut CallerLease,
+        cost: u64,
+        now: Instant,
+    ) -> Option<(Decided, LeaseReceipt, bool)> {
+        if !caller.admit(cost, now) {
+            return None;
+        }
+        let (decided, leased) = self.admitted_from_lease(caller, cost, now);
+        let renewing = caller.renew_ahead(now);
+        if renewing {
+            caller.start_renewal(now);
+        }
+        Some((decided, leased, renewing))
     }
 
     /// Runs a renewal ahead of need that [`Limiter::leased_from_memory`] started, by
@@ -521,13 +532,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
         let now = self.clock.now();
         let mut caller = slot.lock();
-        if caller.admit(cost, now) {
-            let (decided, leased) = self.admitted_from_lease(&caller, cost, now);
-            if caller.renew_ahead(now) {
-                caller.start_renewal(now);
-                return Look::AdmittedRenewing(decided, leased);
-            }
-            return Look::Admitted(decided, leased);
+        match self.admit_locked(&mut caller, cost, now) {
+            Some((decided, leased, true)) => return Look::AdmittedRenewing(decided, leased),
+            Some((decided, leased, false)) => return Look::Admitted(decided, leased),
+            None => {}
         }
         if caller.renewing {
             // Registered under the lock that ends a renewal: its end cannot be missed.
