@@ -45,6 +45,13 @@ struct Tally {
     failed: u64,
 }
 
+/// What one request came to.
+enum Answer {
+    Admitted,
+    Limited,
+    Failed,
+}
+
 /// `tasks` concurrent callers sending `key` to `limiter` until `until`, pausing `pause` between
 /// requests.
 async fn hammer(
@@ -54,23 +61,66 @@ async fn hammer(
     until: Instant,
     pause: Duration,
 ) -> Tally {
+    let (limiter, key) = (limiter.clone(), caller(key));
+    hammer_with(tasks, until, pause, move || {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        async move {
+            match limiter.check(&key, NonZeroU64::MIN).await.unwrap().outcome {
+                Outcome::Admitted => Answer::Admitted,
+                Outcome::Limited { .. } => Answer::Limited,
+                _ => Answer::Failed,
+            }
+        }
+    })
+    .await
+}
+
+/// [`hammer`] over HTTP: `tasks` concurrent clients of the service at `address` (keep-alive
+/// connections, as a load generator's), each request decided by the middleware.
+async fn hammer_http(
+    http: &reqwest::Client,
+    address: &str,
+    key: &str,
+    tasks: usize,
+    until: Instant,
+) -> Tally {
+    let (http, url, key) = (http.clone(), format!("{address}/greeting"), key.to_owned());
+    hammer_with(tasks, until, Duration::ZERO, move || {
+        let request = http.get(&url).header("X-Api-Key", &key);
+        async move {
+            match request.send().await.map(|r| r.status().as_u16()) {
+                Ok(200) => Answer::Admitted,
+                Ok(429) => Answer::Limited,
+                _ => Answer::Failed,
+            }
+        }
+    })
+    .await
+}
+
+/// `tasks` concurrent tasks calling `send` until `until`, each admission bracketed by the
+/// instants before and after it.
+async fn hammer_with<F, Fut>(tasks: usize, until: Instant, pause: Duration, send: F) -> Tally
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Answer> + Send,
+{
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let key = caller(key);
     let handles: Vec<_> = (0..tasks)
         .map(|_| {
-            let (limiter, key, tally) = (limiter.clone(), key.clone(), tally.clone());
+            let (send, tally) = (send.clone(), tally.clone());
             tokio::spawn(async move {
                 while Instant::now() < until {
                     let before = Instant::now();
-                    let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+                    let answer = send().await;
                     let after = Instant::now();
                     {
                         let mut tally = tally.lock().unwrap();
                         tally.requests += 1;
-                        match decision.outcome {
-                            Outcome::Admitted => tally.admitted.push((before, after)),
-                            Outcome::Limited { .. } => {}
-                            _ => tally.failed += 1,
+                        match answer {
+                            Answer::Admitted => tally.admitted.push((before, after)),
+                            Answer::Limited => {}
+                            Answer::Failed => tally.failed += 1,
                         }
                     }
                     if !pause.is_zero() {
@@ -103,6 +153,40 @@ fn assert_within_capacity(admissions: &mut [Admission], capacity: u64) {
     }
 }
 
+/// Two instances' tallies over `seconds`: at least `requests_min` requests, none failed, no window
+/// over `capacity`, and not starved: together they admitted most of what the plan allows (a unit
+/// is held at most window + L, plus settling, after its admission), each at least a tenth.
+fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64, requests_min: u64) {
+    let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
+    let requests = ta.requests + tb.requests;
+    eprintln!(
+        "requests {requests}, admitted {} (a {}, b {}), failed {}",
+        all.len(),
+        ta.admitted.len(),
+        tb.admitted.len(),
+        ta.failed + tb.failed
+    );
+    assert!(
+        requests >= requests_min,
+        "thousands of concurrent requests: {requests}"
+    );
+    assert_eq!(ta.failed + tb.failed, 0);
+    assert_within_capacity(&mut all, capacity);
+    let windows = seconds / f64::from(WINDOW_SECONDS + LEASE_SECONDS + 1);
+    assert!(
+        all.len() as f64 >= capacity as f64 * windows * 0.8,
+        "admitted {}",
+        all.len()
+    );
+    for (name, tally) in [("a", ta), ("b", tb)] {
+        assert!(
+            tally.admitted.len() * 10 >= all.len(),
+            "instance {name} starved: {}",
+            tally.admitted.len()
+        );
+    }
+}
+
 async fn audit(limiter: &Limiter, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
     let key = caller(key);
     let account_id = limiter.account_of(&key).unwrap();
@@ -127,36 +211,35 @@ async fn two_instances_one_hot_caller_never_over_admit() {
         hammer(&a, &key, 32, until, pause),
         hammer(&b, &key, 32, until, pause)
     );
-    let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
-    let requests = ta.requests + tb.requests;
-    eprintln!(
-        "requests {requests}, admitted {} (a {}, b {}), failed {}",
-        all.len(),
-        ta.admitted.len(),
-        tb.admitted.len(),
-        ta.failed + tb.failed
-    );
-    assert!(
-        requests >= 5_000,
-        "thousands of concurrent requests: {requests}"
-    );
-    assert_eq!(ta.failed + tb.failed, 0);
-    assert_within_capacity(&mut all, CAPACITY);
-    // Not starved either: a unit is held at most window + L (plus settling) after admission.
-    let seconds = 7.0 / f64::from(WINDOW_SECONDS + LEASE_SECONDS + 1);
-    assert!(
-        all.len() as f64 >= CAPACITY as f64 * seconds * 0.8,
-        "admitted {}",
-        all.len()
-    );
-    for (name, tally) in [("a", &ta), ("b", &tb)] {
-        assert!(
-            tally.admitted.len() * 10 >= all.len(),
-            "instance {name} starved: {}",
-            tally.admitted.len()
-        );
-    }
+    assert_exact_and_shared(&ta, &tb, CAPACITY, 7.0, 5_000);
     settlers.iter().for_each(|s| s.abort());
+}
+
+/// The same invariant through the HTTP middleware, where a lease admission is decided in `call`
+/// and its renewal runs as a task after the answer: two services on one ledger, one hot caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_services_one_hot_caller_never_over_admit_over_http() {
+    const CAPACITY: u64 = 300;
+    let ledger = common::shared_ledger().address;
+    let mut config = common::test_config(ledger);
+    let mut hot = common::plan(CAPACITY, WINDOW_SECONDS);
+    hot.lease_units_max = Some(100);
+    hot.lease_seconds = Some(LEASE_SECONDS);
+    config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
+    config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    let (a, b) = (
+        common::spawn_app(config.clone()).await,
+        common::spawn_app(config).await,
+    );
+    let key = common::fresh_key("hot_");
+    let until = Instant::now() + Duration::from_secs(6);
+    let (ta, tb) = tokio::join!(
+        hammer_http(&a.http, &a.address, &key, 16, until),
+        hammer_http(&b.http, &b.address, &key, 16, until)
+    );
+    assert_exact_and_shared(&ta, &tb, CAPACITY, 6.0, 2_000);
+    a.stop().await;
+    b.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
