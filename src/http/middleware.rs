@@ -41,7 +41,7 @@ use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
 use crate::limiter::caller::CallerKey;
 use crate::limiter::plan::PlanId;
-use crate::limiter::{Decision, Limiter, Outcome, Quota};
+use crate::limiter::{Decision, FromMemory, Limiter, Outcome, Quota, RenewalAhead};
 
 /// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
 /// touches no reference count or header bytes that the other workers write too: with both
@@ -152,15 +152,18 @@ where
                 // Shadow mode and further limits take the long way: they are rare, and both
                 // change what a refusal means.
                 if !shadow && limits.is_empty() {
-                    if let Some(response) = self.inner.refused_from_memory(&key, cost) {
-                        let response = req.into_response(response);
-                        return Either::Left(ready(Ok(response.map_into_right_body())));
-                    }
-                    if !refund && self.inner.serves_plainly(req.path()) {
-                        if let Some(leased) = self.inner.leased_from_memory(&key, cost) {
+                    let may_lease = !refund && self.inner.serves_plainly(req.path());
+                    match self.inner.limiter.from_memory(&key, cost, may_lease) {
+                        Some(FromMemory::Refused(decision)) => {
+                            let response = req.into_response(self.inner.refusal(&decision));
+                            return Either::Left(ready(Ok(response.map_into_right_body())));
+                        }
+                        Some(FromMemory::Leased(decision, renewal)) => {
+                            let leased = self.inner.leased(&decision, renewal);
                             let response = self.service.call(req);
                             return Either::Right(Either::Left(leased.serve(response)));
                         }
+                        None => {}
                     }
                 }
                 Charge {
@@ -293,29 +296,25 @@ impl Inner {
         self.rules.cost_header().is_none() && self.concurrency.for_path(path).is_none()
     }
 
-    /// A caller admitted from its lease without waiting ([`Limiter::leased_from_memory`]). The
-    /// renewal the admission made due runs as a task of this worker: the request is answered
-    /// without waiting for the ledger.
-    fn leased_from_memory(self: &Rc<Self>, key: &CallerKey, cost: NonZeroU64) -> Option<Leased> {
-        let (decision, renewal) = self.limiter.leased_from_memory(key, cost)?;
+    /// A caller admitted from its lease without waiting ([`Limiter::from_memory`]). The renewal
+    /// the admission made due runs as a task of this worker: the request is answered without
+    /// waiting for the ledger.
+    fn leased(self: &Rc<Self>, decision: &Decision<'_>, renewal: Option<RenewalAhead>) -> Leased {
         debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
         if let Some(renewal) = renewal {
             let limiter = self.limiter.clone();
             actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
         }
-        Some(Leased {
+        Leased {
             inner: self.clone(),
             plan_id: decision.plan_id,
             quota: decision.quota,
-        })
+        }
     }
 
-    /// The 429 (or 403) for a caller that memory alone refuses ([`Limiter::refused_from_memory`]).
-    fn refused_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<HttpResponse> {
-        let decision = self.limiter.refused_from_memory(key, cost)?;
-        let response = respond::refusal(&decision, &self.fields);
-        debug_assert!(response.is_some(), "a refusal from memory refuses");
-        response
+    /// The 429 (or 403) for a caller that memory alone refuses ([`Limiter::from_memory`]).
+    fn refusal(&self, decision: &Decision<'_>) -> HttpResponse {
+        respond::refusal(decision, &self.fields).expect("a refusal from memory refuses")
     }
 
     /// One worker's state; its `RateLimit-Policy` values are made here, so their bytes are its own.

@@ -372,7 +372,7 @@ impl Drop for Renewal<'_> {
 }
 
 /// A renewal ahead of need that a lease admission decided without waiting started
-/// ([`Limiter::leased_from_memory`]): whoever holds it runs it with
+/// ([`Limiter::from_memory`]): whoever holds it runs it with
 /// [`Limiter::renew_lease_ahead`], so that the admitted request is answered without waiting for
 /// the ledger. Dropped unrun, it ends the renewal, so another request takes the next lease.
 #[must_use = "a renewal ahead ends unrun when dropped"]
@@ -515,7 +515,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Some((decided, leased, renewing))
     }
 
-    /// Runs a renewal ahead of need that [`Limiter::leased_from_memory`] started, by
+    /// Runs a renewal ahead of need that [`Limiter::from_memory`] started, by
     /// `ledger_timeout` from now. Its outcome is the next lease or none; either way the caller's
     /// next requests go on (a failed renewal is retried by the next request that finds the lease
     /// half spent).

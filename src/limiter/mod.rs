@@ -122,6 +122,14 @@ pub struct LeaseReceipt {
     pub units: u64,
 }
 
+/// What memory alone decided for a request ([`Limiter::from_memory`]).
+pub enum FromMemory<'a> {
+    /// Refused (429) or blocked (403) by the local view, on a per-request plan.
+    Refused(Decision<'a>),
+    /// Admitted from the caller's lease, with the renewal ahead of need it made due, if any.
+    Leased(Decision<'a>, Option<RenewalAhead>),
+}
+
 /// A decision, borrowing its plan from the limiter (no copy on the hot path).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision<'a> {
@@ -378,52 +386,43 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(decision)
     }
 
-    /// The decision [`Limiter::check`] reaches without waiting when memory alone refuses: a
-    /// per-request plan whose local view refuses `cost` (counted and recorded the same way).
-    /// `None` when anything else must be asked: the ledger, a lease, or [`Limiter::check`] itself
-    /// for a key without a plan. Why: a refusal from memory is the abusive caller's path, and the
-    /// HTTP middleware answers it without making the request's future (a kilobyte, allocated
-    /// and moved on each request).
-    pub fn refused_from_memory(&self, key: &CallerKey, cost: NonZeroU64) -> Option<Decision<'_>> {
-        // A hot caller's plan is known before its account id is: it costs no lookup then.
-        let home_plan = self.plans.get(self.plans.plan_for(key)?)?;
-        if home_plan.lease().is_some() {
-            return None;
-        }
-        let charge = self.charge(key, cost)?;
-        if charge.plan.lease().is_some() {
-            return None;
-        }
-        let limit = self
-            .local
-            .check(charge.account.id, charge.cost, self.clock.now())?;
-        let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
-        let decision = decision(&charge, outcome, limit.quota, None, None);
-        self.record(&decision, key, cost);
-        Some(decision)
-    }
-
-    /// The decision [`Limiter::check`] reaches without waiting when a lease plan's caller is
-    /// admitted from its lease (counted and recorded the same way), and the renewal ahead of need
-    /// that the admission made due, if any, for the caller to run
-    /// ([`Limiter::renew_lease_ahead`]) after answering. `None`, with nothing spent, when the
-    /// lease cannot admit it (no lease, out of units or time), or on a per-request plan. Why:
-    /// this is the hot caller's path, and the HTTP middleware then serves the request without
-    /// making the decision's future, and without waiting for the ledger.
-    pub fn leased_from_memory(
+    /// The decision [`Limiter::check`] reaches without waiting, when memory alone can make it
+    /// (counted and recorded the same way):
+    /// - on a per-request plan, a refusal by the local view;
+    /// - on a lease plan, when `may_lease`, an admission from the caller's lease, with the
+    ///   renewal ahead of need it made due, if any, for the caller to run
+    ///   ([`Limiter::renew_lease_ahead`]) after answering.
+    ///
+    /// `None`, with nothing spent, when anything else must happen: the ledger, a lease that
+    /// cannot admit the request, or [`Limiter::check`] itself for a key without a plan. Why:
+    /// these are the abusive and the hot caller's paths, and the HTTP middleware answers them
+    /// without making the request's future (a kilobyte, allocated and moved on each request) and
+    /// without waiting for the ledger.
+    pub fn from_memory(
         &self,
         key: &CallerKey,
         cost: NonZeroU64,
-    ) -> Option<(Decision<'_>, Option<RenewalAhead>)> {
-        let home_plan = self.plans.get(self.plans.plan_for(key)?)?;
-        home_plan.lease()?;
+        may_lease: bool,
+    ) -> Option<FromMemory<'_>> {
         let charge = self.charge(key, cost)?;
-        let terms = charge.plan.lease()?;
-        let ((outcome, local, hold), leased, renewal) =
-            self.admit_from_lease_now(&charge, terms)?;
-        let decision = decision(&charge, outcome, local, hold, Some(leased));
-        self.record(&decision, key, cost);
-        Some((decision, renewal))
+        let decided = match charge.plan.lease() {
+            None => {
+                let now = self.clock.now();
+                let limit = self.local.check(charge.account.id, charge.cost, now)?;
+                let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
+                FromMemory::Refused(decision(&charge, outcome, limit.quota, None, None))
+            }
+            Some(terms) if may_lease => {
+                let ((outcome, local, hold), leased, renewal) =
+                    self.admit_from_lease_now(&charge, terms)?;
+                let decision = decision(&charge, outcome, local, hold, Some(leased));
+                FromMemory::Leased(decision, renewal)
+            }
+            Some(_) => return None,
+        };
+        let (FromMemory::Refused(decision) | FromMemory::Leased(decision, _)) = &decided;
+        self.record(decision, key, cost);
+        Some(decided)
     }
 
     /// The account `key` has on `plan` (the plan is part of its identity).

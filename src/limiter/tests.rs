@@ -249,6 +249,17 @@ async fn an_exhausted_caller_is_refused_locally_on_the_ledgers_word() {
     assert_eq!(f.calls(), ["hold"]);
 }
 
+/// [`Limiter::from_memory`]'s refusal for one unit (a per-request plan never leases).
+fn refused_from_memory<'a, S: Store, C: Clock>(
+    limiter: &'a Limiter<S, C>,
+    key: &CallerKey,
+) -> Option<Decision<'a>> {
+    match limiter.from_memory(key, ONE, true)? {
+        FromMemory::Refused(decision) => Some(decision),
+        FromMemory::Leased(..) => panic!("a per-request plan admitted from a lease"),
+    }
+}
+
 /// The middleware answers a refusal from memory without the async path: it must be the very
 /// decision `check` would have made, and come only when memory alone decides.
 #[tokio::test]
@@ -256,7 +267,7 @@ async fn memory_alone_refuses_exactly_what_check_refuses_locally() {
     let f = Fixture::closed();
     let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
     assert!(
-        f.limiter.refused_from_memory(&key, ONE).is_none(),
+        refused_from_memory(&f.limiter, &key).is_none(),
         "a new caller"
     );
     for _ in 0..CAPACITY {
@@ -264,7 +275,7 @@ async fn memory_alone_refuses_exactly_what_check_refuses_locally() {
         f.script(|s| s.holds.push_back(held));
         assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
         assert!(
-            f.limiter.refused_from_memory(&key, ONE).is_none(),
+            refused_from_memory(&f.limiter, &key).is_none(),
             "not yet the ledger's word"
         );
     }
@@ -275,10 +286,7 @@ async fn memory_alone_refuses_exactly_what_check_refuses_locally() {
     });
     assert!(limited_by(&f.check(ONE).await).is_some());
     f.calls();
-    let fast = f
-        .limiter
-        .refused_from_memory(&key, ONE)
-        .expect("refused from memory");
+    let fast = refused_from_memory(&f.limiter, &key).expect("refused from memory");
     let slow = f.check(ONE).await;
     assert_eq!(fast.outcome, slow.outcome);
     assert_eq!(
@@ -295,12 +303,9 @@ async fn memory_alone_refuses_exactly_what_check_refuses_locally() {
     // A caller without a plan, and a caller whose holds expired, are the ledger's to decide.
     let unknown = CallerKey::from_header_value("x-api-key", b"nobody", 64).unwrap();
     let rejecting = Fixture::new(FailurePolicy::Closed, UnknownKeys::Reject);
-    assert!(rejecting
-        .limiter
-        .refused_from_memory(&unknown, ONE)
-        .is_none());
+    assert!(refused_from_memory(&rejecting.limiter, &unknown).is_none());
     f.clock.advance(WINDOW);
-    assert!(f.limiter.refused_from_memory(&key, ONE).is_none());
+    assert!(refused_from_memory(&f.limiter, &key).is_none());
     assert!(f.calls().is_empty());
 }
 

@@ -13,7 +13,8 @@ use proptest::prelude::*;
 use super::super::caller::CallerKey;
 use super::super::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
 use super::super::store::{Clock, Store};
-use super::super::{FailurePolicy, Limiter, LimiterSettings, Outcome};
+use super::super::{Decision, FailurePolicy, FromMemory, Limiter, LimiterSettings, Outcome};
+use super::RenewalAhead;
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::{UserAccount, LEDGER_REQUEST_RATE};
@@ -298,8 +299,7 @@ enum Event {
         cost: u64,
     },
     /// A request as the HTTP middleware makes it: admitted from the lease in memory when it has
-    /// room ([`Limiter::leased_from_memory`], then the renewal that made due), else decided by
-    /// `check`.
+    /// room ([`Limiter::from_memory`], then the renewal that made due), else decided by `check`.
     FastRequest {
         instance: usize,
         cost: u64,
@@ -364,7 +364,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
             Event::FastRequest { instance, cost } => {
                 let cost = NonZeroU64::new(*cost).unwrap();
                 let limiter = &instances[*instance];
-                let outcome = match limiter.leased_from_memory(&key, cost) {
+                let outcome = match leased_from_memory(limiter, &key, cost) {
                     Some((decision, renewal)) => {
                         if let Some(renewal) = renewal {
                             runtime.block_on(limiter.renew_lease_ahead(renewal));
@@ -443,6 +443,18 @@ fn a_hot_caller_is_admitted_from_leases() {
     assert!(per_request <= 1, "{per_request} holds per request");
 }
 
+/// [`Limiter::from_memory`]'s admission from the lease (a lease plan never refuses from memory).
+fn leased_from_memory<'a>(
+    limiter: &'a Instance,
+    key: &CallerKey,
+    cost: NonZeroU64,
+) -> Option<(Decision<'a>, Option<RenewalAhead>)> {
+    match limiter.from_memory(key, cost, true)? {
+        FromMemory::Leased(decision, renewal) => Some((decision, renewal)),
+        FromMemory::Refused(_) => panic!("a lease plan refused from memory"),
+    }
+}
+
 /// The middleware admits from a lease without the async path: while the lease has room, spending
 /// the same units `check` would, with no ledger call; the admission that makes the renewal due
 /// hands it over to be run after the answer, and a renewal dropped unrun ends.
@@ -453,7 +465,7 @@ fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
     let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
     let one = NonZeroU64::MIN;
     assert!(
-        limiter.leased_from_memory(&key, one).is_none(),
+        leased_from_memory(&limiter, &key, one).is_none(),
         "no lease yet"
     );
     let first = runtime.block_on(limiter.check(&key, one)).unwrap();
@@ -463,7 +475,7 @@ fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
     let mut remaining = first.quota.remaining;
     let mut renewal = None;
     for used in 2..=4 {
-        let (fast, due) = limiter.leased_from_memory(&key, one).expect("room");
+        let (fast, due) = leased_from_memory(&limiter, &key, one).expect("room");
         assert_eq!(fast.outcome, Outcome::Admitted);
         let receipt = fast.leased.map(|l| (l.lease_id, l.units));
         assert_eq!(receipt, Some((lease.lease_id, 1)));
@@ -479,26 +491,24 @@ fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
         "no ledger call yet"
     );
     // While that renewal is out, the lease still admits, and no other renewal starts.
-    let (_, again) = limiter.leased_from_memory(&key, one).expect("room");
+    let (_, again) = leased_from_memory(&limiter, &key, one).expect("room");
     assert!(again.is_none());
     runtime.block_on(limiter.renew_lease_ahead(renewal.expect("due at 4 units")));
     assert!(store.model.lock().unwrap().pendings.len() > transfers);
-    let (renewed, _) = limiter
-        .leased_from_memory(&key, one)
-        .expect("the next lease");
+    let (renewed, _) = leased_from_memory(&limiter, &key, one).expect("the next lease");
     assert_ne!(renewed.leased.map(|l| l.lease_id), Some(lease.lease_id));
     // Past half the lease's time a renewal is due again; dropped unrun, it ends, and the next
     // admission starts it anew (rather than every request waiting on one that never runs).
     store
         .clock
         .advance_to(store.clock.now() + Duration::from_millis(600));
-    let (_, due) = limiter.leased_from_memory(&key, one).expect("room");
+    let (_, due) = leased_from_memory(&limiter, &key, one).expect("room");
     drop(due.expect("half the lease's time is over"));
-    let (_, due) = limiter.leased_from_memory(&key, one).expect("room");
+    let (_, due) = leased_from_memory(&limiter, &key, one).expect("room");
     assert!(due.is_some(), "the dropped renewal ended");
     // A cost above the lease's size never comes from a lease.
     let large = NonZeroU64::new(LEASE_UNITS_MAX + 1).unwrap();
-    assert!(limiter.leased_from_memory(&key, large).is_none());
+    assert!(leased_from_memory(&limiter, &key, large).is_none());
 }
 
 #[test]
