@@ -159,9 +159,9 @@ where
                             return Either::Left(ready(Ok(response.map_into_right_body())));
                         }
                         Some(FromMemory::Leased(decision, renewal)) => {
-                            let leased = self.inner.leased(&decision, renewal);
                             let response = self.service.call(req);
-                            return Either::Right(Either::Left(leased.serve(response)));
+                            let leased = self.inner.leased(&decision, renewal, response);
+                            return Either::Right(Either::Left(leased));
                         }
                         None => {}
                     }
@@ -270,24 +270,6 @@ where
     }
 }
 
-/// An admission from a lease, waiting for the handler's future.
-struct Leased {
-    inner: Rc<Inner>,
-    plan_id: PlanId,
-    quota: Quota,
-}
-
-impl Leased {
-    fn serve<F>(self, response: F) -> LeasedResponse<F> {
-        LeasedResponse {
-            response,
-            inner: self.inner,
-            plan_id: self.plan_id,
-            quota: self.quota,
-        }
-    }
-}
-
 impl Inner {
     /// Whether an admitted request needs nothing after its handler but the rate-limit fields:
     /// no reported cost to settle and no concurrency slot on `path` (refund routes are the
@@ -296,16 +278,23 @@ impl Inner {
         self.rules.cost_header().is_none() && self.concurrency.for_path(path).is_none()
     }
 
-    /// A caller admitted from its lease without waiting ([`Limiter::from_memory`]). The renewal
-    /// the admission made due runs as a task of this worker: the request is answered without
-    /// waiting for the ledger.
-    fn leased(self: &Rc<Self>, decision: &Decision<'_>, renewal: Option<RenewalAhead>) -> Leased {
+    /// The response future of a caller admitted from its lease without waiting
+    /// ([`Limiter::from_memory`]): the handler's `response`, then the fields. The renewal the
+    /// admission made due runs as a task of this worker: the request is answered without waiting
+    /// for the ledger.
+    fn leased<F>(
+        self: &Rc<Self>,
+        decision: &Decision<'_>,
+        renewal: Option<RenewalAhead>,
+        response: F,
+    ) -> LeasedResponse<F> {
         debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
         if let Some(renewal) = renewal {
             let limiter = self.limiter.clone();
             actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
         }
-        Leased {
+        LeasedResponse {
+            response,
             inner: self.clone(),
             plan_id: decision.plan_id,
             quota: decision.quota,
