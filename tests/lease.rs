@@ -215,8 +215,9 @@ async fn two_instances_one_hot_caller_never_over_admit() {
     settlers.iter().for_each(|s| s.abort());
 }
 
-/// The same invariant through the HTTP middleware, where a lease admission is decided in `call`
-/// and its renewal runs as a task after the answer: two services on one ledger, one hot caller.
+/// The same invariant through the HTTP middleware, where a request's renewal runs as a task after
+/// its answer: two services on one ledger, one hot caller. Service `a` decides in the request's
+/// future (`/greeting` is a refund route there, which `call` cannot finish), `b` in `call`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_services_one_hot_caller_never_over_admit_over_http() {
     const CAPACITY: u64 = 300;
@@ -227,8 +228,10 @@ async fn two_services_one_hot_caller_never_over_admit_over_http() {
     hot.lease_seconds = Some(LEASE_SECONDS);
     config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
     config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    let mut slow = config.clone();
+    slow.routes.refund_server_errors = Some(vec!["/greeting".to_owned()]);
     let (a, b) = (
-        common::spawn_app(config.clone()).await,
+        common::spawn_app(slow).await,
         common::spawn_app(config).await,
     );
     let key = common::fresh_key("hot_");

@@ -208,7 +208,10 @@ where
     } = charge;
     let limits = inner.rules.route_limits(req.path());
     let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
-        Ok(decision) => decision,
+        Ok((decision, renewal)) => {
+            inner.renew_ahead(renewal);
+            decision
+        }
         Err(error) => {
             let response = respond::rejected(&error, inner.rules.missing_key_status());
             return Ok(req.into_response(response).map_into_right_body());
@@ -279,9 +282,8 @@ impl Inner {
     }
 
     /// The response future of a caller admitted from its lease without waiting
-    /// ([`Limiter::from_memory`]): the handler's `response`, then the fields. The renewal the
-    /// admission made due runs as a task of this worker: the request is answered without waiting
-    /// for the ledger.
+    /// ([`Limiter::from_memory`]): the handler's `response`, then the fields (the renewal the
+    /// admission made due runs apart, [`Inner::renew_ahead`]).
     fn leased<F>(
         self: &Rc<Self>,
         decision: &Decision<'_>,
@@ -289,15 +291,21 @@ impl Inner {
         response: F,
     ) -> LeasedResponse<F> {
         debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
-        if let Some(renewal) = renewal {
-            let limiter = self.limiter.clone();
-            actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
-        }
+        self.renew_ahead(renewal);
         LeasedResponse {
             response,
             inner: self.clone(),
             plan_id: decision.plan_id,
             quota: decision.quota,
+        }
+    }
+
+    /// Runs the renewal ahead of need an admission made due, if any, as a task of this worker:
+    /// the request is answered without waiting for the ledger.
+    fn renew_ahead(&self, renewal: Option<RenewalAhead>) {
+        if let Some(renewal) = renewal {
+            let limiter = self.limiter.clone();
+            actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
         }
     }
 

@@ -11,7 +11,7 @@ use super::caller::{CallerKey, KeyError};
 use super::multi::{Limit, MultiDecision};
 use super::plan::Plan;
 use super::store::{Clock, Store};
-use super::{moves, Decision, DecisionSource, HoldReceipt, Limiter, Outcome, Quota};
+use super::{moves, Decision, DecisionSource, HoldReceipt, Limiter, Outcome, Quota, RenewalAhead};
 use crate::ledger::model::{self, UserAccount};
 use crate::telemetry::span::fields;
 
@@ -42,17 +42,23 @@ pub fn route_limit_account(ledger_id: u32, limit: &Plan, key: &CallerKey) -> Use
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// [`Limiter::check`] against the caller's plan and every limit of `route_limits` (at most
     /// [`ROUTE_LIMITS_MAX`]), all or none. [`Decision::refused_by`] names the limit that refused.
+    ///
+    /// Unlike [`Limiter::check`], it leaves the renewal ahead of need that an admission from a
+    /// lease made due to its caller, to run after answering ([`Limiter::renew_lease_ahead`]):
+    /// the request need not wait for the ledger. Dropped unrun, the renewal ends, and a later
+    /// request starts it again. (A route with further limits is decided per request: none.)
     pub async fn check_with(
         &self,
         key: &CallerKey,
         cost: NonZeroU64,
         route_limits: &[Plan],
-    ) -> Result<Decision<'_>, KeyError> {
+    ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
         if route_limits.is_empty() {
-            return self.check(key, cost).await;
+            return self.check_leaving_renewal(key, cost).await;
         }
         // Boxed: the all-or-none chain's future is large, and most routes have no further limits.
-        Box::pin(self.check_with_limits(key, cost, route_limits)).await
+        let decision = Box::pin(self.check_with_limits(key, cost, route_limits)).await?;
+        Ok((decision, None))
     }
 
     async fn check_with_limits(

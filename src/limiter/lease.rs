@@ -40,7 +40,7 @@ use super::counts::ThreadCounts;
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
-use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome};
+use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
@@ -432,7 +432,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         terms: LeaseTerms,
         started: Instant,
-    ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
+    ) -> Result<Reached, u64> {
         let slot = match self.leases.slot(charge, terms) {
             Some(slot) if charge.cost <= terms.units_max.get() => slot,
             _ => return self.decide_per_request_counted(charge, started).await,
@@ -440,22 +440,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let deadline = started + self.settings.ledger_timeout;
         for _ in 0..LEASE_ATTEMPTS_MAX {
             match self.look(&slot, charge.cost) {
-                Look::Admitted(decided, leased) => return Ok((decided, Some(leased))),
+                Look::Admitted(decided, leased) => return Ok((decided, Some(leased), None)),
+                // The renewal ahead of need is the caller's to run, after its answer.
+                Look::AdmittedRenewing(decided, leased) => {
+                    let renewal = RenewalAhead {
+                        slot: Some(slot.clone()),
+                        cost: charge.cost,
+                    };
+                    return Ok((decided, Some(leased), Some(renewal)));
+                }
                 // Renewals are boxed: inline, their kilobytes of state would make every lease
                 // admission's future (and its copies) that large. (A decision per request boxes
                 // its own ledger path.)
-                Look::AdmittedRenewing(decided, leased) => {
-                    let renewal = Box::pin(self.renew(&slot, charge.cost, None, deadline));
-                    if let Err(error) = renewal.await {
-                        tracing::debug!(%error, "could not renew a lease ahead; the next request will");
-                    }
-                    return Ok((decided, Some(leased)));
-                }
                 Look::Renew(retired) => {
                     match Box::pin(self.renew(&slot, charge.cost, retired, deadline)).await {
                         Ok(true) => {}
                         Ok(false) => break,
-                        Err(error) => return Ok((self.failed(error, charge), None)),
+                        Err(error) => return Ok((self.failed(error, charge), None, None)),
                     }
                 }
                 Look::Wait(renewed) => {
@@ -466,7 +467,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     {
                         let operation = Operation::CreateTransfers;
                         let failed = self.failed(LedgerError::Timeout { operation }, charge);
-                        return Ok((failed, None));
+                        return Ok((failed, None, None));
                     }
                 }
             }
@@ -519,9 +520,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// `ledger_timeout` from now. Its outcome is the next lease or none; either way the caller's
     /// next requests go on (a failed renewal is retried by the next request that finds the lease
     /// half spent).
-    pub async fn renew_lease_ahead(&self, mut renewal: RenewalAhead) {
-        let slot = renewal.slot.take().expect("a renewal ahead is run once");
+    pub async fn renew_lease_ahead(&self, renewal: RenewalAhead) {
         let deadline = self.clock.now() + self.settings.ledger_timeout;
+        self.renew_lease_ahead_by(renewal, deadline).await;
+    }
+
+    /// [`Limiter::renew_lease_ahead`] by `deadline` ([`Limiter::check`]'s own, which runs it).
+    pub(super) async fn renew_lease_ahead_by(&self, mut renewal: RenewalAhead, deadline: Instant) {
+        let slot = renewal.slot.take().expect("a renewal ahead is run once");
         // `renew` ends the renewal from its first poll on, which is this one: no gap.
         if let Err(error) = Box::pin(self.renew(&slot, renewal.cost, None, deadline)).await {
             tracing::debug!(%error, "could not renew a lease ahead; the next request will");
@@ -557,12 +563,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         charge: &Charge<'_>,
         started: Instant,
-    ) -> Result<(Decided, Option<LeaseReceipt>), u64> {
+    ) -> Result<Reached, u64> {
         let decided = self.decide_per_request(charge, started).await?;
         if decided.2.is_some() {
             self.leases.count_transfers(charge.plan_id, 1);
         }
-        Ok((decided, None))
+        Ok((decided, None, None))
     }
 
     /// The renewal this request started: settles `retired` (a lease that can no longer admit)

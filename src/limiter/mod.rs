@@ -164,6 +164,10 @@ impl Decision<'_> {
 /// A decision before it is a [`Decision`]: the outcome, the quota, the hold if one admitted it.
 type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
 
+/// What [`Limiter::decide`] reached: the decision, the lease units that admitted it, and the
+/// renewal ahead of need that admission made due (lease plans).
+type Reached = (Decided, Option<LeaseReceipt>, Option<RenewalAhead>);
+
 /// One request to decide: who pays, on which account, how much.
 struct Charge<'a> {
     /// The account the caller's configured plan derives (where a move is recorded).
@@ -351,14 +355,30 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Decides one request of `cost` units for `key`: `Err` (and no ledger call) when the key has
-    /// no plan, a [`Decision`] otherwise, counted and recorded on the current span.
+    /// no plan, a [`Decision`] otherwise, counted and recorded on the current span. A renewal
+    /// ahead of need that the admission made due runs before it returns, within the same
+    /// deadline ([`Limiter::check_with`] leaves it to its caller instead).
     pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision<'_>, KeyError> {
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let (decision, renewal) = self.check_leaving_renewal(key, cost).await?;
+        if let Some(renewal) = renewal {
+            self.renew_lease_ahead_by(renewal, deadline).await;
+        }
+        Ok(decision)
+    }
+
+    /// [`Limiter::check`], with the renewal ahead of need (if any) for the caller to run.
+    async fn check_leaving_renewal(
+        &self,
+        key: &CallerKey,
+        cost: NonZeroU64,
+    ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
         let Some(mut charge) = self.charge(key, cost) else {
             self.reject_key();
             return Err(KeyError::Unknown);
         };
         let mut followed = 0;
-        let ((outcome, local, hold), leased) = loop {
+        let ((outcome, local, hold), leased, renewal) = loop {
             match self.decide(&charge).await {
                 Ok(decided) => break decided,
                 Err(tag) => match moves::plan_of_tag(&self.plans, tag) {
@@ -376,14 +396,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                             Duration::from_secs(charge.account.window_seconds.get().into());
                         let quota = self.local.quota(charge.account.id, 0, self.clock.now());
                         let outcome = refused(window, DecisionSource::Ledger, true);
-                        break ((outcome, quota, None), None);
+                        break ((outcome, quota, None), None, None);
                     }
                 },
             }
         };
         let decision = decision(&charge, outcome, local, hold, leased);
         self.record(&decision, key, cost);
-        Ok(decision)
+        Ok((decision, renewal))
     }
 
     /// The decision [`Limiter::check`] reaches without waiting, when memory alone can make it
@@ -465,13 +485,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// From the caller's lease on lease plans (`lease.rs`), else per request. `Err` with the new
     /// plan's tag when the caller moved to another plan.
-    async fn decide(&self, charge: &Charge<'_>) -> Result<(Decided, Option<LeaseReceipt>), u64> {
+    async fn decide(&self, charge: &Charge<'_>) -> Result<Reached, u64> {
         let started = self.clock.now();
         if let Some(terms) = charge.plan.lease() {
             return self.decide_leased(charge, terms, started).await;
         }
         let decided = self.decide_per_request(charge, started).await?;
-        Ok((decided, None))
+        Ok((decided, None, None))
     }
 
     /// Local refusal, else one hold; on `exceeds_credits`, a second look at the account decides

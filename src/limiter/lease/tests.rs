@@ -298,8 +298,7 @@ enum Event {
         instance: usize,
         cost: u64,
     },
-    /// A request as the HTTP middleware makes it: admitted from the lease in memory when it has
-    /// room ([`Limiter::from_memory`], then the renewal that made due), else decided by `check`.
+    /// A request as the HTTP middleware makes it ([`as_the_middleware`]).
     FastRequest {
         instance: usize,
         cost: u64,
@@ -328,6 +327,26 @@ fn event() -> impl Strategy<Value = Event> {
         1 => (0..2usize).prop_map(|instance| Event::Kill { instance }),
         1 => prop_oneof![Just(Fault::LostReply), Just(Fault::NotApplied)].prop_map(Event::Fault),
     ]
+}
+
+/// One request decided as the HTTP middleware decides it: from memory when it can, else by
+/// `check_with`; either way, the renewal the admission made due runs after the answer.
+fn as_the_middleware(
+    runtime: &tokio::runtime::Runtime,
+    limiter: &Instance,
+    key: &CallerKey,
+    cost: NonZeroU64,
+) -> Outcome {
+    let (decision, renewal) = match leased_from_memory(limiter, key, cost) {
+        Some(fast) => fast,
+        None => runtime
+            .block_on(limiter.check_with(key, cost, &[]))
+            .unwrap(),
+    };
+    if let Some(renewal) = renewal {
+        runtime.block_on(limiter.renew_lease_ahead(renewal));
+    }
+    decision.outcome
 }
 
 /// Runs `events`; checks the invariant at each event and at every expiry in between.
@@ -363,16 +382,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
             }
             Event::FastRequest { instance, cost } => {
                 let cost = NonZeroU64::new(*cost).unwrap();
-                let limiter = &instances[*instance];
-                let outcome = match leased_from_memory(limiter, &key, cost) {
-                    Some((decision, renewal)) => {
-                        if let Some(renewal) = renewal {
-                            runtime.block_on(limiter.renew_lease_ahead(renewal));
-                        }
-                        decision.outcome
-                    }
-                    None => runtime.block_on(limiter.check(&key, cost)).unwrap().outcome,
-                };
+                let outcome = as_the_middleware(&runtime, &instances[*instance], &key, cost);
                 if outcome == Outcome::Admitted {
                     admitted.push((clock.now(), cost.get()));
                 }
@@ -509,6 +519,65 @@ fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
     // A cost above the lease's size never comes from a lease.
     let large = NonZeroU64::new(LEASE_UNITS_MAX + 1).unwrap();
     assert!(leased_from_memory(&limiter, &key, large).is_none());
+}
+
+/// When memory alone cannot decide, the middleware asks `check_with`: it too leaves the renewal
+/// its admission made due to its caller, and the request does not wait for the ledger.
+#[test]
+fn check_with_leaves_the_renewal_to_its_caller() {
+    let (runtime, store) = runtime_and_store();
+    let pendings = || store.model.lock().unwrap().pendings.len();
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let one = NonZeroU64::MIN;
+    let leaving = instance(&store);
+    let first = runtime
+        .block_on(leaving.check_with(&key, one, &[]))
+        .unwrap();
+    assert!(
+        first.1.is_none(),
+        "the first lease was taken, not renewed ahead"
+    );
+    let lease_id = first
+        .0
+        .leased
+        .expect("admitted from the first lease")
+        .lease_id;
+    let before = pendings();
+    // The first lease has 8 units; its renewal is due once 4 are used.
+    let mut renewal = None;
+    for used in 2..=4 {
+        let (decision, due) = runtime
+            .block_on(leaving.check_with(&key, one, &[]))
+            .unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        assert_eq!(decision.leased.map(|l| l.lease_id), Some(lease_id));
+        assert_eq!(due.is_some(), used == 4, "{used} units used");
+        renewal = renewal.or(due);
+    }
+    assert_eq!(pendings(), before, "no request waited for a renewal");
+    runtime.block_on(leaving.renew_lease_ahead(renewal.expect("due at 4 units")));
+    // The next lease, and the settlement of the one it replaced (a hold of the units it admitted).
+    assert_eq!(pendings(), before + 2, "the renewal ran");
+}
+
+/// `check` (the library's call) runs the renewal its admission made due before it returns.
+#[test]
+fn check_runs_the_renewal_before_it_returns() {
+    let (runtime, store) = runtime_and_store();
+    let pendings = || store.model.lock().unwrap().pendings.len();
+    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let one = NonZeroU64::MIN;
+    let running = instance(&store);
+    let first = runtime.block_on(running.check(&key, one)).unwrap();
+    assert!(first.leased.is_some(), "admitted from its first lease");
+    let before = pendings();
+    for _ in 2..=3 {
+        runtime.block_on(running.check(&key, one)).unwrap();
+    }
+    assert_eq!(pendings(), before);
+    let fourth = runtime.block_on(running.check(&key, one)).unwrap();
+    assert_eq!(fourth.outcome, Outcome::Admitted);
+    assert_eq!(pendings(), before + 2, "check renewed before it returned");
 }
 
 #[test]
