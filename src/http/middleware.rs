@@ -112,14 +112,11 @@ where
 {
     type Response = ServiceResponse<EitherBody<SlotBody<B>>>;
     type Error = Error;
-    /// Ready for the answers made at once, the handler's own future for a request admitted from
-    /// its caller's lease, boxed for the rest.
+    /// Ready for the answers made at once, the handler's own future for an exempt request or
+    /// one admitted from its caller's lease, boxed for the rest.
     type Future = Either<
         Ready<Result<Self::Response, Self::Error>>,
-        Either<
-            LeasedResponse<S::Future>,
-            LocalBoxFuture<'static, Result<Self::Response, Self::Error>>,
-        >,
+        Either<Served<S::Future>, LocalBoxFuture<'static, Result<Self::Response, Self::Error>>>,
     >;
 
     forward_ready!(service);
@@ -130,12 +127,8 @@ where
         let charge = match self.inner.rules.classify(&req) {
             Classified::Exempt => {
                 let response = self.service.call(req);
-                return Either::Right(Either::Right(Box::pin(async move {
-                    let response = response.await?;
-                    Ok(response
-                        .map_body(|_, body| SlotBody::plain(body))
-                        .map_into_left_body())
-                })));
+                let fields = None;
+                return Either::Right(Either::Left(Served { response, fields }));
             }
             Classified::Rejected(error) => {
                 self.inner.limiter.reject_key();
@@ -242,19 +235,26 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// A request admitted from its caller's lease in `call`: the handler's future, then the
-    /// rate-limit fields on its response (what [`decide_and_serve`] does for an admission, when
-    /// the route has no refund, reported cost or concurrency limit).
-    pub struct LeasedResponse<F> {
+    /// A request served without a future of the middleware's own: the handler's future, then
+    /// the body wrapped for the middleware's response type and, for a request admitted from its
+    /// caller's lease in `call`, the rate-limit fields (what [`decide_and_serve`] does for an
+    /// admission, when the route has no refund, reported cost or concurrency limit). An exempt
+    /// request has no fields.
+    pub struct Served<F> {
         #[pin]
         response: F,
-        inner: Rc<Inner>,
-        plan_id: PlanId,
-        quota: Quota,
+        fields: Option<PlanFields>,
     }
 }
 
-impl<F, B> Future for LeasedResponse<F>
+/// The rate-limit fields of an admission from a lease: the plan and the quota after it.
+struct PlanFields {
+    inner: Rc<Inner>,
+    plan_id: PlanId,
+    quota: Quota,
+}
+
+impl<F, B> Future for Served<F>
 where
     F: Future<Output = Result<ServiceResponse<B>, Error>>,
 {
@@ -263,11 +263,17 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = ready!(this.response.poll(cx))?;
-        let plan = this.inner.limiter.plans().get(*this.plan_id);
-        let plan = plan.expect("a decision's plan is in the limiter's book");
-        let fields = &this.inner.fields;
-        let headers = response.headers_mut();
-        respond::add_plan_fields(headers, fields, (*this.plan_id, plan), this.quota, None);
+        if let Some(PlanFields {
+            inner,
+            plan_id,
+            quota,
+        }) = this.fields
+        {
+            let plan = inner.limiter.plans().get(*plan_id);
+            let plan = plan.expect("a decision's plan is in the limiter's book");
+            let headers = response.headers_mut();
+            respond::add_plan_fields(headers, &inner.fields, (*plan_id, plan), quota, None);
+        }
         let response = response.map_body(|_, body| SlotBody::plain(body));
         Poll::Ready(Ok(response.map_into_left_body()))
     }
@@ -289,14 +295,16 @@ impl Inner {
         decision: &Decision<'_>,
         renewal: Option<RenewalAhead>,
         response: F,
-    ) -> LeasedResponse<F> {
+    ) -> Served<F> {
         debug_assert!(decision.outcome == Outcome::Admitted && decision.route_limits.is_empty());
         self.renew_ahead(renewal);
-        LeasedResponse {
+        Served {
             response,
-            inner: self.clone(),
-            plan_id: decision.plan_id,
-            quota: decision.quota,
+            fields: Some(PlanFields {
+                inner: self.clone(),
+                plan_id: decision.plan_id,
+                quota: decision.quota,
+            }),
         }
     }
 
