@@ -371,8 +371,8 @@ impl Drop for Renewal<'_> {
     }
 }
 
-/// A renewal ahead of need that a lease admission decided without waiting started
-/// ([`Limiter::from_memory`]): whoever holds it runs it with
+/// A renewal ahead of need that a lease admission started ([`Limiter::from_memory`],
+/// [`Limiter::check_with`]): whoever holds it runs it with
 /// [`Limiter::renew_lease_ahead`], so that the admitted request is answered without waiting for
 /// the ledger. Dropped unrun, it ends the renewal, so another request takes the next lease.
 #[must_use = "a renewal ahead ends unrun when dropped"]
@@ -424,9 +424,9 @@ pub(super) fn settling_soon(
 
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
-    /// that finds it half spent takes the next one); else after a renewal, its own or another
-    /// request's; per request (exact, as without leases) when no lease can be had. Everything by
-    /// `started + ledger_timeout`.
+    /// that finds it half spent also gets the renewal of the next one, to run); else after a
+    /// renewal, its own or another request's; per request (exact, as without leases) when no
+    /// lease can be had. Everything by `started + ledger_timeout`.
     pub(super) async fn decide_leased(
         &self,
         charge: &Charge<'_>,
@@ -516,7 +516,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Some((decided, leased, renewing))
     }
 
-    /// Runs a renewal ahead of need that [`Limiter::from_memory`] started, by
+    /// Runs a renewal ahead of need that an admission started ([`RenewalAhead`]), by
     /// `ledger_timeout` from now. Its outcome is the next lease or none; either way the caller's
     /// next requests go on (a failed renewal is retried by the next request that finds the lease
     /// half spent).
