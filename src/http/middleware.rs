@@ -40,7 +40,7 @@ use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
 use crate::limiter::caller::CallerKey;
-use crate::limiter::plan::PlanId;
+use crate::limiter::plan::{Plan, PlanId};
 use crate::limiter::{Decision, FromMemory, Limiter, Outcome, Quota, RenewalAhead};
 
 /// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
@@ -144,7 +144,7 @@ where
             } => {
                 // Shadow mode and further limits take the long way: they are rare, and both
                 // change what a refusal means.
-                if !shadow && limits.is_empty() {
+                if !shadow && limits.is_none() {
                     let may_lease = !refund && self.inner.serves_plainly(req.path());
                     match self.inner.limiter.from_memory(&key, cost, may_lease) {
                         Some(FromMemory::Refused(decision)) => {
@@ -164,6 +164,7 @@ where
                     cost,
                     shadow,
                     refund,
+                    limits,
                 }
             }
         };
@@ -173,13 +174,13 @@ where
     }
 }
 
-/// What the request is charged, from [`Classified::Charge`] (its route's further limits are
-/// found again in the request's future, which cannot borrow the rules).
+/// What the request is charged, from [`Classified::Charge`].
 struct Charge {
     key: CallerKey,
     cost: NonZeroU64,
     shadow: bool,
     refund: bool,
+    limits: Option<Arc<[Plan]>>,
 }
 
 /// Decide on the ledger (or a lease) → refuse, or serve with a concurrency slot and settle.
@@ -198,8 +199,9 @@ where
         cost,
         shadow,
         refund,
+        limits,
     } = charge;
-    let limits = inner.rules.route_limits(req.path());
+    let limits = limits.as_deref().unwrap_or_default();
     let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
         Ok((decision, renewal)) => {
             inner.renew_ahead(renewal);

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
@@ -34,7 +35,7 @@ pub enum KeySource {
 
 /// A request, as the limiter needs to know it.
 #[derive(Debug)]
-pub enum Classified<'a> {
+pub enum Classified {
     /// Not rate-limited at all.
     Exempt,
     /// No usable key: answered 400/401 before any ledger call.
@@ -46,8 +47,9 @@ pub enum Classified<'a> {
         shadow: bool,
         /// Give the credit back if the handler answers with a server error (5xx).
         refund: bool,
-        /// The route's further limits, charged with the plan atomically (usually none).
-        limits: &'a [Plan],
+        /// The route's further limits, charged with the plan atomically (usually none). Shared
+        /// with the rules, so the request's future keeps them without finding them again.
+        limits: Option<Arc<[Plan]>>,
     },
 }
 
@@ -68,7 +70,7 @@ pub struct RequestRules {
     /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
     trusted_proxies: Vec<Cidr>,
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
-    route_limits: Vec<(String, Vec<Plan>)>,
+    route_limits: Vec<(String, Arc<[Plan]>)>,
     /// A response header in which handlers report what a request actually cost.
     cost_header: Option<HeaderName>,
 }
@@ -80,7 +82,7 @@ impl RequestRules {
     }
 
     /// Exempt, rejected or a charge: no ledger call is needed to tell.
-    pub fn classify(&self, req: &ServiceRequest) -> Classified<'_> {
+    pub fn classify(&self, req: &ServiceRequest) -> Classified {
         let path = req.path();
         if self.exempt_paths.iter().any(|p| path_matches(p, path)) {
             return Classified::Exempt;
@@ -91,7 +93,7 @@ impl RequestRules {
                 cost: self.route_costs.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
-                limits: self.route_limits(path),
+                limits: self.route_limits_of(path).cloned(),
             },
             Err(error) => Classified::Rejected(error),
         }
@@ -99,11 +101,15 @@ impl RequestRules {
 
     /// The further limits of the route `path` is on (usually none).
     pub fn route_limits(&self, path: &str) -> &[Plan] {
+        self.route_limits_of(path).map_or(&[], |limits| limits)
+    }
+
+    fn route_limits_of(&self, path: &str) -> Option<&Arc<[Plan]>> {
         let found = self
             .route_limits
             .iter()
             .find(|(p, _)| path_matches(p, path));
-        found.map_or(&[], |(_, limits)| limits.as_slice())
+        found.map(|(_, limits)| limits)
     }
 
     /// The response header in which handlers report a request's actual cost, if configured.
@@ -456,7 +462,7 @@ fn checked_limits(
     route: String,
     limits: Vec<Plan>,
     costs: &RouteCosts,
-) -> Result<(String, Vec<Plan>), RulesError> {
+) -> Result<(String, Arc<[Plan]>), RulesError> {
     let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
     if !route.starts_with('/') {
         return invalid("must start with /".into());
@@ -476,7 +482,7 @@ fn checked_limits(
             ));
         }
     }
-    Ok((route, limits))
+    Ok((route, limits.into()))
 }
 
 /// A route's cost must be positive and affordable on every plan: a request that costs more than a
