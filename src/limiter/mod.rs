@@ -427,10 +427,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let charge = self.charge(key, cost)?;
         let decided = match charge.plan.lease() {
             None => {
-                let now = self.clock.now();
-                let limit = self.local.check(charge.account.id, charge.cost, now)?;
-                let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
-                FromMemory::Refused(decision(&charge, outcome, limit.quota, None, None))
+                let (outcome, quota) = self.refused_locally(&charge, self.clock.now())?;
+                FromMemory::Refused(decision(&charge, outcome, quota, None, None))
             }
             Some(terms) if may_lease => {
                 let ((outcome, local, hold), leased, renewal) =
@@ -508,15 +506,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
+    /// The local view's refusal of `charge` at `now`, if it refuses: the one answer both
+    /// [`Limiter::check`] (before any ledger call) and [`Limiter::from_memory`] give from memory.
+    fn refused_locally(&self, charge: &Charge<'_>, now: Instant) -> Option<(Outcome, LocalQuota)> {
+        let limit = self.local.check(charge.account.id, charge.cost, now)?;
+        let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
+        Some((outcome, limit.quota))
+    }
+
     /// `Ok` when admitted (with the hold's receipt), `Err` with any other outcome.
     async fn try_decide(
         &self,
         charge: &Charge<'_>,
         started: Instant,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
-        if let Some(limit) = self.local.check(charge.account.id, charge.cost, started) {
-            let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
-            return Err(NotAdmitted::Refused(outcome, limit.quota));
+        if let Some((outcome, quota)) = self.refused_locally(charge, started) {
+            return Err(NotAdmitted::Refused(outcome, quota));
         }
         // Boxed: the ledger's futures are kilobytes, and every enclosing future (up to the
         // middleware's) would otherwise be that large and copied on each request, refusals from
