@@ -93,18 +93,14 @@ impl RequestRules {
                 cost: self.route_costs.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
-                limits: self.route_limits_of(path).cloned(),
+                limits: self.route_limits(path).cloned(),
             },
             Err(error) => Classified::Rejected(error),
         }
     }
 
-    /// The further limits of the route `path` is on (usually none).
-    pub fn route_limits(&self, path: &str) -> &[Plan] {
-        self.route_limits_of(path).map_or(&[], |limits| limits)
-    }
-
-    fn route_limits_of(&self, path: &str) -> Option<&Arc<[Plan]>> {
+    /// The further limits of the route `path` is on (`None` for nearly every route).
+    fn route_limits(&self, path: &str) -> Option<&Arc<[Plan]>> {
         let found = self
             .route_limits
             .iter()
