@@ -329,6 +329,11 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
+/// The one caller every test here leases for.
+fn hot_key() -> CallerKey {
+    CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap()
+}
+
 /// One request decided as the HTTP middleware decides it: from memory when it can, else by
 /// `check_with`; either way, the renewal the admission made due runs after the answer.
 fn as_the_middleware(
@@ -354,7 +359,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
     let (runtime, store) = runtime_and_store();
     let clock = store.clock.clone();
     let mut instances = [instance(&store), instance(&store)];
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     let mut admitted: Vec<(Instant, u64)> = Vec::new();
     let check = |at: Instant, admitted: &[(Instant, u64)]| -> Result<(), TestCaseError> {
         let due: u64 = admitted
@@ -472,7 +477,7 @@ fn leased_from_memory<'a>(
 fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
     let (runtime, store) = runtime_and_store();
     let limiter = instance(&store);
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     let one = NonZeroU64::MIN;
     assert!(
         leased_from_memory(&limiter, &key, one).is_none(),
@@ -527,7 +532,7 @@ fn memory_alone_admits_from_a_lease_and_hands_its_renewal_over() {
 fn check_with_leaves_the_renewal_to_its_caller() {
     let (runtime, store) = runtime_and_store();
     let pendings = || store.model.lock().unwrap().pendings.len();
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     let one = NonZeroU64::MIN;
     let leaving = instance(&store);
     let checked = leaving.check_with(&key, one, &[]);
@@ -560,7 +565,7 @@ fn check_with_leaves_the_renewal_to_its_caller() {
 fn check_runs_the_renewal_before_it_returns() {
     let (runtime, store) = runtime_and_store();
     let pendings = || store.model.lock().unwrap().pendings.len();
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     let one = NonZeroU64::MIN;
     let running = instance(&store);
     let first = runtime.block_on(running.check(&key, one)).unwrap();
@@ -615,7 +620,7 @@ fn a_killed_instance_leaves_its_lease_to_cover_what_it_admitted() {
 fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
     let (runtime, store) = runtime_and_store();
     let limiter = instance(&store);
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     store.model.lock().unwrap().hang_next_lease = true;
     runtime.block_on(async {
         // The client goes away while its request renews the lease.
@@ -640,7 +645,7 @@ fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
     let (runtime, store) = runtime_and_store();
     let clock = store.clock.clone();
     let limiter = instance(&store);
-    let key = CallerKey::from_header_value("x-api-key", b"hot", 64).unwrap();
+    let key = hot_key();
     runtime.block_on(async {
         for _ in 0..3 {
             let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
