@@ -229,9 +229,12 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     cluster.restart(primary);
     tokio::task::block_in_place(|| cluster.wait_normal(primary, Duration::from_secs(30)));
 
-    // One instance is replaced mid-load: a new one takes its place, then the old one stops.
+    // One instance is replaced mid-load: a new one takes its place, the old one drains, then it
+    // stops. Without the drain, a request that picked b just before the switch could go out on
+    // a keep-alive connection that b's stop was closing, and fail in the client (one CI run).
     let c = spawn_app(config(&cluster)).await;
     load.urls.lock().unwrap()[1] = c.address.clone();
+    pause(1).await;
     b.stop().await;
     let from = load.now();
     pause(3).await;
