@@ -58,27 +58,43 @@ struct Tally {
     timeouts: u64,
 }
 
+/// Bounds on the arguments: a bench run, not a stress tool.
+const RATE_PER_SECOND_MAX: u64 = 1_000_000;
+const SECONDS_MAX: u64 = 3_600;
+const CONNECTIONS_MAX: u64 = 10_000;
+
+fn usage(problem: &str) -> ! {
+    eprintln!("bench_open: {problem}");
+    eprintln!("usage: bench_open ADDR RATE SECONDS CONNECTIONS PREFIX KEYS");
+    std::process::exit(2)
+}
+
 fn arg<T: std::str::FromStr>(args: &[String], index: usize, name: &str) -> T {
     args.get(index)
         .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| {
-            eprintln!("usage: bench_open ADDR RATE SECONDS CONNECTIONS PREFIX KEYS ({name}?)");
-            std::process::exit(2)
-        })
+        .unwrap_or_else(|| usage(&format!("{name} is missing or not valid")))
+}
+
+/// A whole number in 1..=max.
+fn count(args: &[String], index: usize, name: &str, max: u64) -> u64 {
+    let n: u64 = arg(args, index, name);
+    if n == 0 || n > max {
+        usage(&format!("{name} must be 1..={max}, got {n}"));
+    }
+    n
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let seconds: u64 = arg(&args, 3, "SECONDS");
-    let rate_per_second: u64 = arg(&args, 2, "RATE");
-    let connections: usize = arg(&args, 4, "CONNECTIONS");
-    assert!(rate_per_second > 0 && seconds > 0 && connections > 0);
+    let rate_per_second = count(&args, 2, "RATE", RATE_PER_SECOND_MAX);
+    let seconds = count(&args, 3, "SECONDS", SECONDS_MAX);
+    let connections = count(&args, 4, "CONNECTIONS", CONNECTIONS_MAX);
     let plan = Arc::new(Plan {
         addr: arg(&args, 1, "ADDR"),
         rate_per_second,
         total: rate_per_second * seconds,
         prefix: arg(&args, 5, "PREFIX"),
-        keys: arg::<u64>(&args, 6, "KEYS").max(1),
+        keys: count(&args, 6, "KEYS", u64::from(u32::MAX)),
         start: Instant::now() + Duration::from_millis(200),
         next: AtomicU64::new(0),
     });
