@@ -98,6 +98,23 @@ pub fn tigerbeetle_bin() -> PathBuf {
     bin
 }
 
+/// A folder for test ledgers' data files (about 1.1 GB each): in RAM under `/dev/shm` where there
+/// is one, so that a stall of the machine's disk cannot push a request past a test's deadline. The
+/// tests prove the logic against a real server; `scripts/bench` and `scripts/sustain` measure a
+/// real disk. `--development` needs no direct I/O, so any folder works.
+fn ledger_dir() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    let in_ram = shm.is_dir().then(|| {
+        tempfile::Builder::new()
+            .prefix("ledger-limiter-test")
+            .tempdir_in(shm)
+    });
+    match in_ram {
+        Some(Ok(dir)) => dir,
+        _ => tempfile::tempdir().expect("tempdir"),
+    }
+}
+
 /// A TigerBeetle server in --development mode on a free port. It exits when this test binary
 /// does: its stdin is a pipe held here, and TigerBeetle stops when its stdin closes.
 pub struct TestLedger {
@@ -107,7 +124,7 @@ pub struct TestLedger {
 
 impl TestLedger {
     pub fn start() -> TestLedger {
-        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = ledger_dir();
         let file = dir.path().join("0_0.tigerbeetle");
         let status = Command::new(tigerbeetle_bin())
             .args([
@@ -171,7 +188,7 @@ pub struct TestCluster {
 
 impl TestCluster {
     pub fn start(replicas: usize) -> TestCluster {
-        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = ledger_dir();
         // Free ports now; a replica binds its own later (a race another process is unlikely to win).
         let listeners: Vec<_> = (0..replicas)
             .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
