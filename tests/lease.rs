@@ -337,7 +337,8 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     let ledger = common::shared_ledger().address;
     let mut config = common::test_config(ledger);
     let mut hot = common::plan(100, WINDOW_SECONDS);
-    hot.lease_units_max = Some(50);
+    const LEASE_UNITS_MAX: u64 = 50;
+    hot.lease_units_max = Some(LEASE_UNITS_MAX);
     hot.lease_seconds = Some(LEASE_SECONDS);
     config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
     config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
@@ -357,7 +358,7 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
             assert_eq!(remaining, 100 - sent);
         } else {
             assert!(
-                remaining <= 100 - sent && remaining >= 100 - sent - 50,
+                remaining <= 100 - sent && remaining >= 100 - sent - LEASE_UNITS_MAX,
                 "{remaining}"
             );
         }
