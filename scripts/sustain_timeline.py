@@ -7,8 +7,9 @@ create_transfers calls: the ledger falling behind shows there before answers fai
     sustain_timeline.py PORT INTERVAL_SECONDS STOP_FILE
 
 Percentiles come from the histograms' bucket counts in the interval (linear within a bucket), so
-they are as coarse as the buckets (0.5, 1, 2.5, 5, 10, 25, 50, 75, 100 ms, ...). Stops, after a last
-and shorter interval, when STOP_FILE exists. Standard library only.
+they are as coarse as the buckets (0.5, 1, 2.5, 5, 10, 25, 50, 75, 100 ms, ...). Stops when
+STOP_FILE exists, after a last, shorter interval that ends when the file was made (none if that
+is under a second). Standard library only.
 """
 import os
 import re
@@ -78,6 +79,12 @@ def main():
         at = time.monotonic()
         if now[0] is None or now[1] is None:
             continue
+        if stopped:
+            # The step ended when the stop file was made (right after k6 exits): the last
+            # interval ends there, not at this read, or its idle tail would lower its rate.
+            at = min(at, at - (time.time() - os.path.getmtime(stop_file)))
+            if at - last_at < 1:
+                break
         p50, n = percentile(last[0], now[0], 0.50)
         p99, _ = percentile(last[0], now[0], 0.99)
         l99, _ = percentile(last[1], now[1], 0.99)
