@@ -59,7 +59,7 @@ fn tigerbeetle_processes_using(dir: &Path) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_ledger_runs_and_is_reused_and_stopped() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::ledger_dir();
     let data = dir.path().join("data");
     let args = embedded_args(&data);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -132,7 +132,7 @@ fn tigerbeetle_pids(dir: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::ledger_dir();
     let data = dir.path().join("data");
     let args = embedded_args(&data);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

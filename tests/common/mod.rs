@@ -102,7 +102,7 @@ pub fn tigerbeetle_bin() -> PathBuf {
 /// is one, so that a stall of the machine's disk cannot push a request past a test's deadline. The
 /// tests prove the logic against a real server; `scripts/bench` and `scripts/sustain` measure a
 /// real disk. `--development` needs no direct I/O, so any folder works.
-fn ledger_dir() -> tempfile::TempDir {
+pub fn ledger_dir() -> tempfile::TempDir {
     let shm = std::path::Path::new("/dev/shm");
     let in_ram = shm.is_dir().then(|| {
         tempfile::Builder::new()
