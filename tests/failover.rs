@@ -187,7 +187,10 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     let backup_down = load.between(from, load.now());
     report(&format!("backup {backup} killed"), &backup_down);
     cluster.restart(backup);
-    tokio::task::block_in_place(|| cluster.wait_normal(backup, Duration::from_secs(30)));
+    tokio::task::block_in_place(|| {
+        cluster.wait_listening(LISTEN_TIMEOUT);
+        cluster.wait_normal(backup, Duration::from_secs(30))
+    });
 
     // The primary dies: the others elect a new one; decisions fail over to the policy meanwhile.
     let primary = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
@@ -227,7 +230,10 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
         recovered_at - killed_at
     );
     cluster.restart(primary);
-    tokio::task::block_in_place(|| cluster.wait_normal(primary, Duration::from_secs(30)));
+    tokio::task::block_in_place(|| {
+        cluster.wait_listening(LISTEN_TIMEOUT);
+        cluster.wait_normal(primary, Duration::from_secs(30))
+    });
 
     // One instance is replaced mid-load: a new one takes its place, the old one drains, then it
     // stops. Without the drain, a request that picked b just before the switch could go out on
@@ -257,10 +263,13 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     assert!(count(&outage, 503) > 0);
     assert_eq!(ready(&a.address).await, 503);
     assert_eq!(ready(&c.address).await, 503);
-    let restarted_at = load.now();
     for replica in 0..3 {
         cluster.restart(replica);
     }
+    // The instances' 30 s to be ready again count from when the replicas listen: their recovery
+    // of their logs is the ledger's time, not the service's.
+    tokio::task::block_in_place(|| cluster.wait_listening(LISTEN_TIMEOUT));
+    let restarted_at = load.now();
     let deadline = Instant::now() + Duration::from_secs(30);
     while ready(&a.address).await != 200 || ready(&c.address).await != 200 {
         assert!(
@@ -271,7 +280,7 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     }
     let back = load.now();
     eprintln!(
-        "failover: ready again {:?} after the cluster restarted",
+        "failover: ready again {:?} after the restarted cluster listened",
         back - restarted_at
     );
     pause(3).await;

@@ -177,6 +177,8 @@ impl TestLedger {
 }
 
 const RESTART_MARK: &str = "---- restarted by the test\n";
+/// How long replicas may take to recover their logs and listen: several times what was seen.
+pub const LISTEN_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// A TigerBeetle cluster of `replicas` on loopback ports (`--development`), each replica its own
 /// data file; replicas can be killed and restarted on the same port and file.
@@ -217,6 +219,7 @@ impl TestCluster {
         for replica in 0..replicas {
             cluster.restart(replica);
         }
+        cluster.wait_listening(LISTEN_TIMEOUT);
         cluster
     }
 
@@ -232,11 +235,8 @@ impl TestCluster {
     /// primary)`. TigerBeetle logs every transition at info level, e.g.
     /// `info(replica): 2N: transition_to_normal_from_view_change_status: view=1..2 primary`.
     fn status(&self, replica: usize) -> Option<(bool, u64, bool)> {
-        let log = std::fs::read_to_string(self.log(replica)).ok()?;
-        let start = log.rfind(RESTART_MARK).unwrap_or(0);
-        let line = log[start..]
-            .lines()
-            .rfind(|l| l.contains(" transition_to_"))?;
+        let log = self.log_since_restart(replica)?;
+        let line = log.lines().rfind(|l| l.contains(" transition_to_"))?;
         let view = line.split(" view=").nth(1)?;
         let view = view
             .split(|c: char| !c.is_ascii_digit() && c != '.')
@@ -248,6 +248,37 @@ impl TestCluster {
             view,
             normal && line.trim_end().ends_with(" primary"),
         ))
+    }
+
+    /// What a replica logged since it was last (re)started.
+    fn log_since_restart(&self, replica: usize) -> Option<String> {
+        let log = std::fs::read_to_string(self.log(replica)).ok()?;
+        let start = log.rfind(RESTART_MARK).unwrap_or(0);
+        Some(log[start..].to_owned())
+    }
+
+    /// Until every running replica listens. A replica first reads its whole write-ahead log
+    /// (1 GiB in --development): 10 to 17 s with three starting at once on two cores. A test's
+    /// deadline for the service must not include the ledger's own recovery: a CI run once failed
+    /// "ledger not ready" 20 s after the cluster started, with no replica listening yet.
+    pub fn wait_listening(&self, timeout: Duration) {
+        let started = std::time::Instant::now();
+        for replica in (0..self.replicas.len()).filter(|r| self.replicas[*r].is_some()) {
+            while !self
+                .log_since_restart(replica)
+                .is_some_and(|log| log.contains(": listening on "))
+            {
+                assert!(
+                    started.elapsed() < timeout,
+                    "replica {replica} not listening after {timeout:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        eprintln!(
+            "cluster: listening {:?} after the wait began",
+            started.elapsed()
+        );
     }
 
     /// The running replica that is primary of the highest view, if one is now.
