@@ -14,8 +14,10 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// How long the server may take to print its port (formatting a production file takes longer).
-const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the server may take to print its port. A production-mode server allocates about
+/// 3 GiB before it listens: 25 s on a VM whose host had taken that memory back (touching such
+/// memory cost 8–14 s per GiB here), more with the cores busy; 60 s left too little margin.
+const START_TIMEOUT: Duration = Duration::from_secs(180);
 /// TigerBeetle exits at once when its stdin closes; a restarted one (fixed port, no stdin
 /// watchdog) is killed after this. Either way is safe: TigerBeetle is built for sudden stops.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
