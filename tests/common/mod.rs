@@ -257,10 +257,12 @@ impl TestCluster {
         Some(log[start..].to_owned())
     }
 
-    /// Until every running replica listens. A replica first reads its whole write-ahead log
-    /// (1 GiB in --development): 10 to 17 s with three starting at once on two cores. A test's
-    /// deadline for the service must not include the ledger's own recovery: a CI run once failed
-    /// "ledger not ready" 20 s after the cluster started, with no replica listening yet.
+    /// Until every running replica listens. Before it does, a replica allocates 1.5 GiB
+    /// (--development) and reads its write-ahead log; on a VM whose host has taken its free
+    /// memory back, touching that memory took 4.5 to 32 s for three replicas at once here, nearly
+    /// all of it in the kernel. A test's deadline for the service must not include the ledger's
+    /// own start: a CI run once failed "ledger not ready" 20 s after the cluster started, with no
+    /// replica listening yet.
     pub fn wait_listening(&self, timeout: Duration) {
         let started = std::time::Instant::now();
         for replica in (0..self.replicas.len()).filter(|r| self.replicas[*r].is_some()) {
