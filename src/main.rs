@@ -173,8 +173,79 @@ async fn main() -> anyhow::Result<()> {
         None => {}
     }
 
-    let mut telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
+    // Before anything starts: a signal during start-up must stop us cleanly, not kill us.
+    let signals = StopSignals::install()?;
+    serve(settings, signals).await
+}
+
+/// SIGINT and SIGTERM, listened for from the start. actix installs its own handlers only once its
+/// server first runs, after the ledger answers; until then either signal killed the process (exit
+/// by signal 15 in a CI run) while the Envoy front end was already answering. Once the server
+/// runs, both it and this see a signal; this one is no longer asked.
+struct StopSignals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals {
+            interrupt: signal(SignalKind::interrupt()).context("listening for SIGINT")?,
+            terminate: signal(SignalKind::terminate()).context("listening for SIGTERM")?,
+        })
+    }
+
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}
+
+/// Starts the service and serves until stopped. A stop signal while the application is built
+/// drops what was built (an embedded ledger is killed with it); one while the ledger is awaited
+/// stops the built servers gracefully.
+async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<()> {
+    let telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
     let exporting_traces = telemetry.exporting();
+    let exporters = Exporters {
+        prometheus: Some(prometheus_recorder()?),
+        http_metrics: Some(Arc::new(HttpMetrics::new())),
+        trace_requests: exporting_traces,
+    };
+    let application = tokio::select! {
+        built = Application::build(settings, exporters) => built.context("starting ledger-limiter")?,
+        () = signals.recv() => {
+            tracing::info!("stop signal during start-up: stopped before serving");
+            return flush_telemetry(telemetry).await;
+        }
+    };
+    tokio::select! {
+        ready = application.wait_for_ledger(Duration::from_secs(30)) => {
+            if ready {
+                tracing::info!("ledger ready");
+            }
+            tracing::info!(
+                port = application.port(),
+                otlp = exporting_traces,
+                "ledger-limiter listening on port {}",
+                application.port()
+            );
+        }
+        () = signals.recv() => {
+            tracing::info!("stop signal while waiting for the ledger: stopping");
+            // Queued for the server, which takes it as it first runs, below.
+            drop(application.server_handle().stop(true));
+        }
+    }
+    application.run_until_stopped().await?;
+    flush_telemetry(telemetry).await
+}
+
+/// The Prometheus recorder, installed, with its upkeep task.
+fn prometheus_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
     let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(ledger_limiter::ledger::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
@@ -191,27 +262,14 @@ async fn main() -> anyhow::Result<()> {
             upkeep.run_upkeep();
         }
     });
+    Ok(prometheus)
+}
 
-    let exporters = Exporters {
-        prometheus: Some(prometheus),
-        http_metrics: Some(Arc::new(HttpMetrics::new())),
-        trace_requests: exporting_traces,
-    };
-    let application = Application::build(settings, exporters)
-        .await
-        .context("starting ledger-limiter")?;
-    if application.wait_for_ledger(Duration::from_secs(30)).await {
-        tracing::info!("ledger ready");
-    }
-    tracing::info!(
-        port = application.port(),
-        otlp = exporting_traces,
-        "ledger-limiter listening on port {}",
-        application.port()
-    );
-    application.run_until_stopped().await?;
-    // Flush spans off the runtime: the OTLP exporter needs this runtime to make progress, so a
-    // blocking shutdown on it would wait for itself and drop the last batch.
+/// Flushes spans off the runtime: the OTLP exporter needs this runtime to make progress, so a
+/// blocking shutdown on it would wait for itself and drop the last batch.
+async fn flush_telemetry(
+    mut telemetry: ledger_limiter::telemetry::TelemetryGuard,
+) -> anyhow::Result<()> {
     tokio::task::spawn_blocking(move || telemetry.shutdown())
         .await
         .context("flushing traces")?;

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{binary_command, start_binary, Guard};
+use common::{binary_command, start_binary, start_binary_logged, Guard};
 
 fn command(dir: &Path) -> Command {
     let mut command = binary_command();
@@ -180,6 +180,43 @@ async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
         "the data survived: the caller is still exhausted"
     );
     assert!(sigterm_and_wait(child).success());
+}
+
+/// actix handles SIGINT and SIGTERM only once its server runs, after the ledger answers; the
+/// binary listens for them from the start. A stop while it waits for the ledger is a clean exit,
+/// not death by signal 15 (a CI run saw that, with the Envoy front end already answering).
+#[test]
+fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
+    // Nothing listens here once the listener is dropped: the ledger never answers, and the
+    // binary waits for it (up to 30 s) before it serves.
+    let unreachable = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut command = binary_command();
+    command
+        .env(
+            "LEDGER_LIMITER_ADMIN_SECRETS",
+            "admin-secret-for-tests-0001",
+        )
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg(format!("--ledger-addresses={unreachable}"));
+    // The admin API is up during the build, before the wait for the ledger begins.
+    let (running, _, log) = start_binary_logged(command, "admin API listening on port ");
+    let status = sigterm_and_wait(running);
+    // The reader thread may still hold the last lines when the process has exited.
+    let logged = |text: &str| log.lock().unwrap().contains(text);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !logged("stop signal while waiting for the ledger") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = log.lock().unwrap();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        log.contains("stop signal while waiting for the ledger"),
+        "{log}"
+    );
+    assert!(!log.contains("ledger-limiter listening on port"), "{log}");
 }
 
 #[test]
