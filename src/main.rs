@@ -209,6 +209,10 @@ impl StopSignals {
 /// stops the built servers gracefully.
 async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<()> {
     let telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        "ledger-limiter starting"
+    );
     let exporting_traces = telemetry.exporting();
     let exporters = Exporters {
         prometheus: Some(prometheus_recorder()?),

@@ -219,6 +219,47 @@ fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
     assert!(!log.contains("ledger-limiter listening on port"), "{log}");
 }
 
+/// A stop while the binary formats and starts its embedded TigerBeetle: a clean exit, and no
+/// TigerBeetle process (format or server) left behind on the data folder.
+#[test]
+fn a_stop_signal_while_the_embedded_ledger_starts_leaves_nothing_running() {
+    use std::io::{BufRead, BufReader};
+    let dir = common::ledger_dir();
+    let data = dir.path().join("data");
+    let args = embedded_args(&data);
+    let mut command = command(dir.path());
+    command
+        .args(["--listen", "127.0.0.1:0"])
+        .args(&args)
+        .stderr(std::process::Stdio::piped());
+    let mut running = Guard(Some(command.spawn().unwrap()));
+    let stderr = running.0.as_mut().unwrap().stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
+    // Signals are heard from before this line; the data file does not exist yet, so formatting
+    // (about a second) follows it.
+    assert!(
+        lines.any(|line| line.contains("ledger-limiter starting")),
+        "no start line"
+    );
+    let status = sigterm_and_wait(running);
+    let log: Vec<String> = lines.collect();
+    assert!(status.success(), "{status:?}\n{log:#?}");
+    assert!(log.iter().any(|l| l.contains("stop signal")), "{log:#?}");
+    let left = || {
+        let out = Command::new("pgrep")
+            .args(["-f", &format!("tigerbeetle .*{}", data.display())])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    // The supervisor closes the server's stdin (2 s at most), or its drop kills it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !left().is_empty() {
+        assert!(Instant::now() < deadline, "left running: {}", left());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn bad_configuration_is_refused_naming_the_setting() {
     let dir = tempfile::tempdir().unwrap();

@@ -119,6 +119,8 @@ async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), EmbeddedEr
         .arg(&partial)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
+        // A stop during start-up drops this future: the format must not outlive the service.
+        .kill_on_drop(true)
         .status()
         .await
         .map_err(|source| EmbeddedError::Spawn {
