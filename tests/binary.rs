@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{binary_command, start_binary, start_binary_logged, Guard};
+use common::{
+    binary_command, start_binary, start_binary_logged, start_binary_until, wait_logged, Guard,
+};
 
 fn command(dir: &Path) -> Command {
     let mut command = binary_command();
@@ -120,8 +122,13 @@ async fn embedded_ledger_runs_and_is_reused_and_stopped() {
 /// The pids of the TigerBeetle servers serving files under `dir` (not the binary, whose own
 /// arguments name `dir` too).
 fn tigerbeetle_pids(dir: &Path) -> Vec<String> {
+    pgrep(&format!("tigerbeetle start .*{}", dir.display()))
+}
+
+/// The pids of the processes whose command line matches `pattern`.
+fn pgrep(pattern: &str) -> Vec<String> {
     let out = Command::new("pgrep")
-        .args(["-f", &format!("tigerbeetle start .*{}", dir.display())])
+        .args(["-f", pattern])
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -204,18 +211,14 @@ fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
     // The admin API is up during the build, before the wait for the ledger begins.
     let (running, _, log) = start_binary_logged(command, "admin API listening on port ");
     let status = sigterm_and_wait(running);
-    // The reader thread may still hold the last lines when the process has exited.
-    let logged = |text: &str| log.lock().unwrap().contains(text);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !logged("stop signal while waiting for the ledger") && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let stopped = wait_logged(
+        &log,
+        "stop signal while waiting for the ledger",
+        Duration::from_secs(5),
+    );
     let log = log.lock().unwrap();
     assert!(status.success(), "{status:?}\n{log}");
-    assert!(
-        log.contains("stop signal while waiting for the ledger"),
-        "{log}"
-    );
+    assert!(stopped, "{log}");
     assert!(!log.contains("ledger-limiter listening on port"), "{log}");
 }
 
@@ -223,35 +226,22 @@ fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
 /// TigerBeetle process (format or server) left behind on the data folder.
 #[test]
 fn a_stop_signal_while_the_embedded_ledger_starts_leaves_nothing_running() {
-    use std::io::{BufRead, BufReader};
     let dir = common::ledger_dir();
     let data = dir.path().join("data");
     let args = embedded_args(&data);
     let mut command = command(dir.path());
-    command
-        .args(["--listen", "127.0.0.1:0"])
-        .args(&args)
-        .stderr(std::process::Stdio::piped());
-    let mut running = Guard(Some(command.spawn().unwrap()));
-    let stderr = running.0.as_mut().unwrap().stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
+    command.args(["--listen", "127.0.0.1:0"]).args(&args);
     // Signals are heard from before this line; the data file does not exist yet, so formatting
     // (about a second) follows it.
-    assert!(
-        lines.any(|line| line.contains("ledger-limiter starting")),
-        "no start line"
-    );
+    let (running, _, log) = start_binary_until(command, "ledger-limiter starting");
     let status = sigterm_and_wait(running);
-    let log: Vec<String> = lines.collect();
-    assert!(status.success(), "{status:?}\n{log:#?}");
-    assert!(log.iter().any(|l| l.contains("stop signal")), "{log:#?}");
-    let left = || {
-        let out = Command::new("pgrep")
-            .args(["-f", &format!("tigerbeetle .*{}", data.display())])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    };
+    let stopped = wait_logged(&log, "stop signal", Duration::from_secs(5));
+    {
+        let log = log.lock().unwrap();
+        assert!(status.success(), "{status:?}\n{log}");
+        assert!(stopped, "{log}");
+    }
+    let left = || pgrep(&format!("tigerbeetle .*{}", data.display())).join(" ");
     // The supervisor closes the server's stdin (2 s at most), or its drop kills it.
     let deadline = Instant::now() + Duration::from_secs(10);
     while !left().is_empty() {

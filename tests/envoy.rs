@@ -533,10 +533,15 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(exit.success(), "{exit:?}");
-    assert!(log
-        .lock()
-        .unwrap()
-        .contains("Envoy rate-limit service stopped"));
+    assert!(
+        wait_logged(
+            &log,
+            "Envoy rate-limit service stopped",
+            Duration::from_secs(5)
+        ),
+        "{}",
+        log.lock().unwrap()
+    );
     let (_second, port, _) = start();
     assert_eq!(
         remaining_after(port),

@@ -37,8 +37,12 @@ impl Drop for Guard {
     }
 }
 
-/// Like [`start_binary`], keeping everything the binary logs (to check what it never logs).
-pub fn start_binary_logged(mut command: Command, marker: &str) -> (Guard, u16, Arc<Mutex<String>>) {
+/// What a running binary has logged so far, kept by a reader thread.
+pub type Log = Arc<Mutex<String>>;
+
+/// Starts `command` and returns once it logs a line with `marker`: the text after the marker on
+/// that line, and everything it logs (to check what it logs, or never logs).
+pub fn start_binary_until(mut command: Command, marker: &str) -> (Guard, String, Log) {
     let mut child = command
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -47,28 +51,48 @@ pub fn start_binary_logged(mut command: Command, marker: &str) -> (Guard, u16, A
     let stderr = child.stderr.take().expect("piped");
     let guard = Guard(Some(child));
     let log = Arc::new(Mutex::new(String::new()));
-    let (found, port) = std::sync::mpsc::channel();
+    let (found, rest) = std::sync::mpsc::channel();
     let (sink, wanted) = (log.clone(), marker.to_owned());
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(rest) = line.split(wanted.as_str()).nth(1) {
-                let number = rest
-                    .split_whitespace()
-                    .next()
-                    .and_then(|p| p.parse::<u16>().ok());
-                let _ = found.send(number);
+            if let Some(after) = line.split(wanted.as_str()).nth(1) {
+                let _ = found.send(after.to_owned());
             }
             let mut log = sink.lock().unwrap();
             log.push_str(&line);
             log.push('\n');
         }
     });
-    let port = port
+    let rest = rest
         .recv_timeout(Duration::from_secs(60))
-        .ok()
-        .flatten()
-        .unwrap_or_else(|| panic!("no line with {marker:?}"));
+        .unwrap_or_else(|_| panic!("no line with {marker:?}"));
+    (guard, rest, log)
+}
+
+/// Like [`start_binary`], keeping everything the binary logs; the port follows `marker`.
+pub fn start_binary_logged(command: Command, marker: &str) -> (Guard, u16, Log) {
+    let (guard, rest, log) = start_binary_until(command, marker);
+    let port = rest
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse::<u16>().ok())
+        .unwrap_or_else(|| panic!("no port after {marker:?}: {rest:?}"));
     (guard, port, log)
+}
+
+/// Whether `log` has `text` within `timeout`: once a process has exited, its reader thread may
+/// still be taking in its last lines.
+pub fn wait_logged(log: &Log, text: &str, timeout: Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if log.lock().unwrap().contains(text) {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Starts the `ledger-limiter` binary as `command` describes (with `--listen 127.0.0.1:0` among
