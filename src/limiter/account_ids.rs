@@ -13,6 +13,12 @@
 //! thread; a full map is emptied rather than grown (a flood of new keys costs hashing again,
 //! never memory). A forgotten id is derived again to the same value, so neither level can
 //! change a decision: an id depends on the key and the plan only.
+//!
+//! A full near level is not emptied at its next miss but after [`NEAR_REFILL_MISSES`] of them.
+//! Why: with more callers than it holds, each in turn (10,000 callers round-robin), every request
+//! missed it, and each miss copied its key into the near map and every 1,024th emptied it: an
+//! allocation and a free per request for ids that were never read again. Now most misses only
+//! read; a hot caller that arrives while the level is full waits for the next refill.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -26,6 +32,8 @@ use crate::sync::lock;
 const SHARD_COUNT: usize = 16;
 /// Keys each thread keeps in front of the shards (over all plans): the hot ones, not all.
 pub const NEAR_KEYS_MAX: usize = 1024;
+/// Misses a full near level takes before it is emptied and filled again.
+pub const NEAR_REFILL_MISSES: usize = 4 * NEAR_KEYS_MAX;
 
 /// Its `Debug` shows how many keys it holds, never the keys.
 pub struct AccountIds {
@@ -40,6 +48,8 @@ pub struct AccountIds {
 struct Near {
     by_plan: Vec<HashMap<Box<[u8]>, u128>>,
     keys: usize,
+    /// Misses since it became full.
+    misses_full: usize,
 }
 
 impl std::fmt::Debug for AccountIds {
@@ -77,8 +87,13 @@ impl AccountIds {
         let id = self.shared(index, key, derive);
         let mut near = near.borrow_mut();
         if near.keys >= NEAR_KEYS_MAX {
+            near.misses_full += 1;
+            if near.misses_full < NEAR_REFILL_MISSES {
+                return id;
+            }
             near.by_plan.iter_mut().for_each(HashMap::clear);
             near.keys = 0;
+            near.misses_full = 0;
         }
         if near.by_plan.len() <= index {
             near.by_plan.resize_with(index + 1, HashMap::new);
@@ -162,6 +177,37 @@ mod tests {
         let near = ids.near.get().unwrap().borrow();
         assert_eq!(near.by_plan[0].get(&b"hot"[..]), Some(&42));
         assert_eq!(near.keys, 1);
+    }
+
+    #[test]
+    fn a_full_near_level_refills_after_its_misses_not_at_each() {
+        let ids = AccountIds::new(1, 1_000_000);
+        let key = |n: usize| format!("k{n}");
+        for n in 0..NEAR_KEYS_MAX {
+            ids.get_or_derive(plan(0), key(n).as_bytes(), || n as u128);
+        }
+        let near_keys = || ids.near.get().unwrap().borrow().keys;
+        let in_near = |k: &str| {
+            let near = ids.near.get().unwrap().borrow();
+            near.by_plan[0].contains_key(k.as_bytes())
+        };
+        assert_eq!(near_keys(), NEAR_KEYS_MAX);
+        // Misses on a full level read the shards and copy nothing, up to the refill.
+        for n in 0..NEAR_REFILL_MISSES - 1 {
+            let k = key(NEAR_KEYS_MAX + n);
+            let id = (NEAR_KEYS_MAX + n) as u128;
+            assert_eq!(ids.get_or_derive(plan(0), k.as_bytes(), || id), id);
+            assert!(!in_near(&k));
+        }
+        assert_eq!(near_keys(), NEAR_KEYS_MAX);
+        assert!(in_near("k0"), "the level kept what it held");
+        // The next miss empties it, and its key is the first of the new ones.
+        assert_eq!(ids.get_or_derive(plan(0), b"hot", || 42), 42);
+        assert_eq!(near_keys(), 1);
+        assert!(in_near("hot") && !in_near("k0"));
+        // The shards still know every id: nothing is derived again.
+        let again = ids.get_or_derive(plan(0), b"k0", || unreachable!("in the shards"));
+        assert_eq!(again, 0);
     }
 
     #[test]
