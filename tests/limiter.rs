@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use futures_util::future::join_all;
 use ledger_limiter::config::{CallerFile, FileConfig, LedgerFile, RoutesFile};
-use ledger_limiter::ledger::model;
+use ledger_limiter::ledger::{self, model};
 use tigerbeetle_unofficial as tb;
 
 fn header<'a>(response: &'a reqwest::Response, name: &str) -> &'a str {
@@ -603,4 +603,72 @@ async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
     assert!(on(old.address, &before).await);
     follower.abort();
     app.stop().await;
+}
+
+/// A ledger client of this test's own, with `in_flight_max` places.
+fn bounded_ledger(address: std::net::SocketAddr, in_flight_max: usize) -> ledger::Ledger {
+    ledger::Ledger::connect(&ledger::LedgerSettings {
+        cluster_id: 0,
+        addresses: vec![address],
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: std::num::NonZeroUsize::new(in_flight_max).unwrap(),
+    })
+    .unwrap()
+}
+
+/// Holds sent from one thread at once share a batch (`ledger/batch.rs`); each still times out at
+/// its own deadline, not at the batch's earliest.
+#[tokio::test]
+async fn holds_in_one_batch_each_time_out_at_their_own_deadline() {
+    let ledger = bounded_ledger(dead_address(), 8);
+    let started = Instant::now();
+    let hold = |deadline_ms: u64| {
+        let ledger = ledger.clone();
+        async move {
+            let deadline = started + Duration::from_millis(deadline_ms);
+            let result = ledger.hold(fresh_id(), 1, 30, deadline, true).await;
+            (result, started.elapsed())
+        }
+    };
+    let ((early, early_at), (late, late_at)) = tokio::join!(hold(100), hold(700));
+    let timeout = ledger::LedgerError::Timeout {
+        operation: ledger::metrics::Operation::CreateTransfers,
+    };
+    assert_eq!(early.unwrap_err(), timeout);
+    assert_eq!(late.unwrap_err(), timeout);
+    assert!(
+        early_at >= Duration::from_millis(100) && early_at < Duration::from_millis(600),
+        "the early hold at {early_at:?}"
+    );
+    assert!(
+        late_at >= Duration::from_millis(700),
+        "the late hold at {late_at:?}"
+    );
+}
+
+/// A batch holds one in-flight place per transfer until the ledger answers, then gives them all
+/// back: the bound refuses a call beyond it at once, and frees up after the answer.
+#[tokio::test]
+async fn a_batch_takes_a_place_per_transfer_and_gives_them_back_when_answered() {
+    let ledger = bounded_ledger(shared_ledger().address, 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let round = || join_all((0..4).map(|_| ledger.hold(fresh_id(), 1, 30, deadline, true)));
+    for _ in 0..2 {
+        let results = round().await;
+        // Accounts nobody created: the ledger answers each transfer, and refuses none for credit.
+        let answered = results
+            .iter()
+            .filter(|r| matches!(r, Ok(ledger::HoldReply::AccountNotFound)))
+            .count();
+        let overloaded = results
+            .iter()
+            .filter(|r| matches!(r, Err(ledger::LedgerError::Overloaded { in_flight_max: 3 })))
+            .count();
+        assert_eq!((answered, overloaded), (3, 1), "{results:?}");
+    }
+}
+
+/// An id no account has.
+fn fresh_id() -> u128 {
+    rand::random()
 }

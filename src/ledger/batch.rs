@@ -13,10 +13,13 @@
 //! independent transfers, never a linked chain (those keep their own calls). Bounded:
 //! [`BATCH_TRANSFERS_MAX`] transfers per call.
 //!
-//! The batch's task, not the request, owns what must outlive a request that stops waiting: each
-//! member's in-flight permit (given back when the ledger answers) and, for a hold, the void that
-//! gives its credit back if it lands after its caller left. So a request waits on a channel and
-//! its deadline only: one task per batch, not one per request.
+//! The batch's task, not the request, owns what must outlive a request that stops waiting: its
+//! members' in-flight permits (merged, given back at once when the ledger answers) and, for a
+//! hold, the void that gives its credit back if it lands after its caller left. It also keeps
+//! its members' deadlines: it answers each one `Timeout` at its own deadline, then goes on
+//! waiting for the ledger. So a request waits on a channel only: one task and one timer per
+//! batch, not one of each per request (a timer is a lock of the runtime's timer wheel to set it
+//! and another to clear it).
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
@@ -40,16 +43,19 @@ struct Batch {
     client: Arc<tb::Client>,
     transfers: Vec<tb::Transfer>,
     members: Vec<Member>,
+    /// Every member's place under the in-flight bound, merged: held until the ledger answers
+    /// (the bound counts calls at the ledger, not callers still waiting). Taken with the rest
+    /// when sent.
+    in_flight: Option<InFlight>,
     /// Taken to be sent: nothing may join any more.
     sent: bool,
 }
 
 /// One transfer's caller, as the batch sees it.
 struct Member {
-    reply: oneshot::Sender<TransferResult>,
-    /// Held until the ledger answers: the in-flight bound counts calls at the ledger, not
-    /// callers still waiting.
-    _in_flight: InFlight,
+    /// `None` once answered `Timeout`: its caller stopped waiting.
+    reply: Option<oneshot::Sender<TransferResult>>,
+    deadline: Instant,
     /// A hold created after its caller stopped waiting is voided with this code.
     void_if_abandoned: Option<u16>,
 }
@@ -67,7 +73,7 @@ thread_local! {
 }
 
 /// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own,
-/// waited for until `deadline` at most (`Timeout` after it). What `leave` holds stays with the
+/// answered by `deadline` at the latest (`Timeout` then). What `leave` holds stays with the
 /// batch until the ledger answers.
 pub async fn create_transfer(
     client: Arc<tb::Client>,
@@ -81,22 +87,19 @@ pub async fn create_transfer(
     );
     let (reply, result) = oneshot::channel();
     let member = Member {
-        reply,
-        _in_flight: leave.in_flight,
+        reply: Some(reply),
+        deadline,
         void_if_abandoned: leave.void_if_abandoned,
     };
-    if let Some(opened) = join_or_open(client, transfer, member) {
+    if let Some(opened) = join_or_open(client, transfer, member, leave.in_flight) {
         tokio::spawn(async move {
             // Every request this thread has ready gets to join before the batch goes.
             tokio::task::yield_now().await;
             send(&opened).await;
         });
     }
-    let Ok(answer) = tokio::time::timeout_at(deadline.into(), result).await else {
-        let operation = Operation::CreateTransfers;
-        return Err(LedgerError::Timeout { operation });
-    };
-    answer.unwrap_or_else(|_| {
+    // The batch answers by the deadline: its task keeps the timer.
+    result.await.unwrap_or_else(|_| {
         Err(LedgerError::Unexpected {
             operation: Operation::CreateTransfers,
             message: "a batch ended without an answer".to_owned(),
@@ -110,6 +113,7 @@ fn join_or_open(
     client: Arc<tb::Client>,
     transfer: tb::Transfer,
     member: Member,
+    in_flight: InFlight,
 ) -> Option<Arc<Mutex<Batch>>> {
     FILLING.with(|filling| {
         let mut filling = filling.borrow_mut();
@@ -119,6 +123,11 @@ fn join_or_open(
             if fits && Arc::ptr_eq(&batch.client, &client) {
                 batch.transfers.push(transfer);
                 batch.members.push(member);
+                let merged = batch
+                    .in_flight
+                    .as_mut()
+                    .expect("an open batch holds its places");
+                merged.merge(in_flight);
                 return None;
             }
         }
@@ -126,6 +135,7 @@ fn join_or_open(
             client,
             transfers: vec![transfer],
             members: vec![member],
+            in_flight: Some(in_flight),
             sent: false,
         }));
         *filling = Some(opened.clone());
@@ -133,17 +143,64 @@ fn join_or_open(
     })
 }
 
-/// Sends the batch (closed to newcomers first) and answers each of its transfers; voids the
-/// holds that landed after their callers left.
+/// Sends the batch (closed to newcomers first), answers each member `Timeout` at its deadline
+/// while the ledger has not answered, then each its own result; voids the holds that landed after
+/// their callers left.
 async fn send(opened: &Arc<Mutex<Batch>>) {
-    let (client, transfers, members) = {
-        let mut batch = lock(opened);
-        assert!(!batch.sent);
-        batch.sent = true;
-        let transfers = std::mem::take(&mut batch.transfers);
-        let members = std::mem::take(&mut batch.members);
-        (batch.client.clone(), transfers, members)
+    let (client, transfers, mut members, in_flight) = close(opened);
+    let count = transfers.len();
+    let ids: Vec<(u128, u32)> = transfers.iter().map(|t| (t.id(), t.ledger())).collect();
+    let answer = {
+        let call = client.create_transfers(transfers);
+        tokio::pin!(call);
+        loop {
+            let Some(next) = members
+                .iter()
+                .filter(|m| m.reply.is_some())
+                .map(|m| m.deadline)
+                .min()
+            else {
+                break call.await; // every caller left: wait for the ledger alone
+            };
+            tokio::select! {
+                answer = &mut call => break answer,
+                () = tokio::time::sleep_until(next.into()) => time_out(&mut members),
+            }
+        }
     };
+    drop(in_flight); // the ledger has answered
+    let mut voids = Vec::new();
+    let answered = members.into_iter().zip(results(answer, count)).zip(ids);
+    for ((member, result), (id, ledger_id)) in answered {
+        let created = matches!(result, Ok(None));
+        let left = member.reply.is_none_or(|reply| reply.send(result).is_err());
+        if let (true, true, Some(code)) = (left, created, member.void_if_abandoned) {
+            voids.push(model::void_transfer(id, ledger_id).with_code(code));
+        }
+    }
+    if !voids.is_empty() {
+        // Best effort: if it fails, the holds still expire after their timeouts.
+        if let Err(error) = client.create_transfers(voids).await {
+            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
+        }
+    }
+}
+
+/// Closes the batch to newcomers and takes what it holds.
+fn close(
+    opened: &Arc<Mutex<Batch>>,
+) -> (Arc<tb::Client>, Vec<tb::Transfer>, Vec<Member>, InFlight) {
+    let mut batch = lock(opened);
+    assert!(!batch.sent);
+    batch.sent = true;
+    let transfers = std::mem::take(&mut batch.transfers);
+    let members = std::mem::take(&mut batch.members);
+    assert_eq!(transfers.len(), members.len());
+    let in_flight = batch
+        .in_flight
+        .take()
+        .expect("an open batch holds its places");
+    assert_eq!(in_flight.calls(), members.len(), "a place per member");
     // Whichever thread this task runs on, its own open batch is another one: leave it.
     FILLING.with(|filling| {
         let mut filling = filling.borrow_mut();
@@ -154,23 +211,16 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
             *filling = None;
         }
     });
-    assert_eq!(transfers.len(), members.len());
-    let count = transfers.len();
-    let ids: Vec<(u128, u32)> = transfers.iter().map(|t| (t.id(), t.ledger())).collect();
-    let results = results(client.create_transfers(transfers).await, count);
-    let mut voids = Vec::new();
-    for ((member, result), (id, ledger_id)) in members.into_iter().zip(results).zip(ids) {
-        let created = matches!(result, Ok(None));
-        let left = member.reply.send(result).is_err();
-        if let (true, true, Some(code)) = (left, created, member.void_if_abandoned) {
-            voids.push(model::void_transfer(id, ledger_id).with_code(code));
-        }
-        // The member's in-flight permit goes here: the ledger has answered.
-    }
-    if !voids.is_empty() {
-        // Best effort: if it fails, the holds still expire after their timeouts.
-        if let Err(error) = client.create_transfers(voids).await {
-            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
+    (batch.client.clone(), transfers, members, in_flight)
+}
+
+/// Answers `Timeout` to every member whose deadline has come.
+fn time_out(members: &mut [Member]) {
+    let now = Instant::now();
+    for member in members.iter_mut().filter(|m| m.deadline <= now) {
+        if let Some(reply) = member.reply.take() {
+            let operation = Operation::CreateTransfers;
+            let _ = reply.send(Err(LedgerError::Timeout { operation }));
         }
     }
 }

@@ -622,7 +622,7 @@ impl Ledger {
         };
         self.metrics.in_flight_add(1.0);
         Ok(InFlight {
-            _permit: permit,
+            permit: Some(permit),
             metrics: self.metrics.clone(),
         })
     }
@@ -698,14 +698,43 @@ impl Ledger {
 }
 
 /// A call's place under the in-flight bound, shown in the in-flight gauge; both end when it is
-/// dropped, once the ledger has answered.
+/// dropped, once the ledger has answered. Places merged into one ([`InFlight::merge`]) end
+/// together.
 pub struct InFlight {
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    /// `None` once merged into another place.
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
     metrics: Arc<LedgerMetrics>,
+}
+
+impl InFlight {
+    /// Makes `other`'s place this one's: both end when this is dropped. Why: a batch gives its
+    /// members' places back at once. Each release of a semaphore's permits takes its waiters'
+    /// lock, and each gauge change is an atomic shared by every thread: once per batch, not
+    /// once per transfer.
+    pub fn merge(&mut self, mut other: InFlight) {
+        assert!(
+            Arc::ptr_eq(&self.metrics, &other.metrics),
+            "places under one bound"
+        );
+        let (Some(ours), Some(theirs)) = (self.permit.as_mut(), other.permit.take()) else {
+            unreachable!("a place is merged once, into a place not merged itself");
+        };
+        ours.merge(theirs);
+    }
+
+    /// Calls this place stands for.
+    pub fn calls(&self) -> usize {
+        self.permit
+            .as_ref()
+            .map_or(0, |permit| permit.num_permits())
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.metrics.in_flight_add(-1.0);
+        let calls = self.calls();
+        if calls > 0 {
+            self.metrics.in_flight_add(-(calls as f64));
+        }
     }
 }
