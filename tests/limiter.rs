@@ -644,6 +644,8 @@ async fn holds_in_one_batch_each_time_out_at_their_own_deadline() {
         late_at >= Duration::from_millis(700),
         "the late hold at {late_at:?}"
     );
+    // Their callers left, but the ledger has not answered: the batch still holds their places.
+    assert_eq!(ledger.calls_in_flight(), 2);
 }
 
 /// A batch holds one in-flight place per transfer until the ledger answers, then gives them all
@@ -665,6 +667,7 @@ async fn a_batch_takes_a_place_per_transfer_and_gives_them_back_when_answered() 
             .filter(|r| matches!(r, Err(ledger::LedgerError::Overloaded { in_flight_max: 3 })))
             .count();
         assert_eq!((answered, overloaded), (3, 1), "{results:?}");
+        assert_eq!(ledger.calls_in_flight(), 0, "every place given back");
     }
 }
 

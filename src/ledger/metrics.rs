@@ -158,8 +158,8 @@ impl LedgerMetrics {
         self.errors[kind as usize].increment(1);
     }
 
-    pub fn in_flight_add(&self, delta: f64) {
-        self.in_flight.increment(delta);
+    pub fn in_flight_set(&self, calls: usize) {
+        self.in_flight.set(calls as f64);
     }
 }
 

@@ -610,7 +610,19 @@ impl Ledger {
         .await
     }
 
-    /// A permit under the in-flight bound (counted in the gauge while held), or `Overloaded`.
+    /// Sets the in-flight gauge to the calls in flight now: call it before rendering the metrics.
+    /// Why at a scrape and not at each call: the gauge is one atomic shared by every thread, and
+    /// two changes of it per call cost more than the read of the bound's free places here.
+    pub fn publish_in_flight(&self) {
+        self.metrics.in_flight_set(self.calls_in_flight());
+    }
+
+    /// Calls holding a place under the in-flight bound now: sent, and not answered yet.
+    pub fn calls_in_flight(&self) -> usize {
+        self.in_flight_max - self.in_flight.available_permits()
+    }
+
+    /// A place under the in-flight bound, or `Overloaded`.
     fn in_flight(&self) -> Result<InFlight, LedgerError> {
         self.calls_started.fetch_add(1, Ordering::Relaxed);
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
@@ -620,11 +632,7 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         };
-        self.metrics.in_flight_add(1.0);
-        Ok(InFlight {
-            permit: Some(permit),
-            metrics: self.metrics.clone(),
-        })
+        Ok(InFlight { permit })
     }
 
     /// Counts a finished call (its duration as its caller waited, and its error's kind) and
@@ -697,44 +705,23 @@ impl Ledger {
     }
 }
 
-/// A call's place under the in-flight bound, shown in the in-flight gauge; both end when it is
-/// dropped, once the ledger has answered. Places merged into one ([`InFlight::merge`]) end
-/// together.
+/// A call's place under the in-flight bound; it ends when dropped, once the ledger has answered.
+/// Places merged into one ([`InFlight::merge`]) end together.
 pub struct InFlight {
-    /// `None` once merged into another place.
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    metrics: Arc<LedgerMetrics>,
+    permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl InFlight {
     /// Makes `other`'s place this one's: both end when this is dropped. Why: a batch gives its
-    /// members' places back at once. Each release of a semaphore's permits takes its waiters'
-    /// lock, and each gauge change is an atomic shared by every thread: once per batch, not
-    /// once per transfer.
-    pub fn merge(&mut self, mut other: InFlight) {
-        assert!(
-            Arc::ptr_eq(&self.metrics, &other.metrics),
-            "places under one bound"
-        );
-        let (Some(ours), Some(theirs)) = (self.permit.as_mut(), other.permit.take()) else {
-            unreachable!("a place is merged once, into a place not merged itself");
-        };
-        ours.merge(theirs);
+    /// members' places back at once, and each release of a semaphore's permits takes its
+    /// waiters' lock: once per batch, not once per transfer.
+    pub fn merge(&mut self, other: InFlight) {
+        // Panics for places under two bounds: one batch is for one client.
+        self.permit.merge(other.permit);
     }
 
     /// Calls this place stands for.
     pub fn calls(&self) -> usize {
-        self.permit
-            .as_ref()
-            .map_or(0, |permit| permit.num_permits())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let calls = self.calls();
-        if calls > 0 {
-            self.metrics.in_flight_add(-(calls as f64));
-        }
+        self.permit.num_permits()
     }
 }
