@@ -5,7 +5,10 @@
 //!
 //! - `bare`: the route alone (the request's construction is in every row);
 //! - `refused`: a caller over its limit, refused from the local view (the abusive workload);
-//! - `leased`: a hot caller on a lease plan, admitted from its lease (the hot workload).
+//! - `leased`: a hot caller on a lease plan, admitted from its lease (the hot workload);
+//! - `refused_many`: 10,000 callers over their limits in turn, each refused from the local view:
+//!   what the per-caller state costs when each caller's entries were last touched 10,000
+//!   requests before (the admitted workload's pattern, without the ledger).
 //!
 //! Run it:
 //!
@@ -54,8 +57,12 @@ capacity = 1000000000
 window_seconds = 5
 lease_units_max = 200000
 lease_seconds = 1
+[plans.one]
+capacity = 1
+window_seconds = 60
 [key_prefixes]
 "hot_" = "hot"
+"one_" = "one"
 [routes.costs]
 "/greeting" = 1
 "#;
@@ -81,6 +88,47 @@ where
     started.elapsed().as_nanos() as f64 / requests as f64
 }
 
+/// Callers of the `refused_many` row.
+const MANY_CALLERS: usize = 10_000;
+
+/// ns per request over `requests` calls, with `keys` in turn, all of which must answer `status`.
+async fn measure_keys<S, B>(app: &S, keys: &[String], status: u16, requests: usize) -> f64
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
+    let started = Instant::now();
+    for key in keys.iter().cycle().take(requests) {
+        let request = test::TestRequest::get()
+            .uri("/greeting")
+            .insert_header(("x-api-key", key.as_str()))
+            .to_request();
+        let response = app.call(request).await.expect("a response");
+        assert_eq!(response.status().as_u16(), status, "{key}");
+    }
+    started.elapsed().as_nanos() as f64 / requests as f64
+}
+
+/// Spends each caller's one unit on the ledger, then has the ledger refuse it once (which the
+/// local view then knows): 256 callers at a time.
+async fn exhaust<S, B>(app: &S, keys: &[String])
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
+    for status in [200, 429] {
+        for chunk in keys.chunks(256) {
+            let calls = chunk.iter().map(|key| async move {
+                let request = test::TestRequest::get()
+                    .uri("/greeting")
+                    .insert_header(("x-api-key", key.as_str()))
+                    .to_request();
+                let response = app.call(request).await.expect("a response");
+                assert_eq!(response.status().as_u16(), status, "{key}");
+            });
+            futures_util::future::join_all(calls).await;
+        }
+    }
+}
+
 /// A decision's future is moved (copied) at each level on every request: its size is part of
 /// what a request costs, and the ledger's paths are boxed to keep it small.
 fn print_future_sizes(limiter: &Limiter) {
@@ -99,12 +147,13 @@ fn settings(data_dir: &std::path::Path) -> Settings {
         .expect("a valid configuration")
 }
 
-#[actix_web::main]
-async fn main() -> anyhow::Result<()> {
-    let requests = env_or("BENCH_REQUESTS", 100_000);
-    let rounds = env_or("BENCH_ROUNDS", 5);
-    let dir = tempfile::tempdir()?;
-    let settings = settings(dir.path());
+/// The embedded ledger `settings` name, and a limiter on it.
+async fn start(
+    settings: &Settings,
+) -> anyhow::Result<(
+    ledger_limiter::ledger::embedded::EmbeddedLedger,
+    Arc<Limiter>,
+)> {
     let ledger_location = settings.ledger.clone();
     let ledger_limiter::config::LedgerLocation::Embedded {
         data_dir,
@@ -134,6 +183,34 @@ async fn main() -> anyhow::Result<()> {
         settings.plans.clone(),
         settings.limiter.clone(),
     ));
+    Ok((embedded, limiter))
+}
+
+/// Prints the least and the median over rounds of each column: bare's cost, then what each row adds.
+fn report(rows: &[[f64; 4]]) {
+    // The machine is shared: the least of the rounds is the best estimate of the code's own cost,
+    // the median says how noisy the rounds were.
+    let summary = |column: usize| {
+        let mut values: Vec<f64> = rows.iter().map(|row| row[column]).collect();
+        values.sort_by(f64::total_cmp);
+        (values[0], values[values.len() / 2])
+    };
+    let (bare_min, bare_median) = summary(0);
+    let (refused_min, refused_median) = summary(1);
+    let (leased_min, leased_median) = summary(2);
+    let (many_min, many_median) = summary(3);
+    println!(
+        "RESULT {{\"bare_ns\":[{bare_min:.0},{bare_median:.0}],\"refused_added_ns\":[{refused_min:.0},{refused_median:.0}],\"leased_added_ns\":[{leased_min:.0},{leased_median:.0}],\"refused_many_added_ns\":[{many_min:.0},{many_median:.0}]}} (least, median)"
+    );
+}
+
+#[actix_web::main]
+async fn main() -> anyhow::Result<()> {
+    let requests = env_or("BENCH_REQUESTS", 100_000);
+    let rounds = env_or("BENCH_ROUNDS", 5);
+    let dir = tempfile::tempdir()?;
+    let settings = settings(dir.path());
+    let (embedded, limiter) = start(&settings).await?;
     ledger_limiter::limiter::lease::spawn_settler(&limiter);
     print_future_sizes(&limiter);
     let metrics = Arc::new(HttpMetrics::new());
@@ -167,33 +244,31 @@ async fn main() -> anyhow::Result<()> {
     measure(&limited, "abuse_00001", 429, 1_000).await;
     measure(&limited, "hot_00001", 200, requests / 10).await;
     measure(&bare, "bare_00001", 200, requests / 10).await;
+    let many: Vec<String> = (0..MANY_CALLERS).map(|n| format!("one_{n:05}")).collect();
+    exhaust(&limited, &many).await;
+    measure_keys(&limited, &many, 429, MANY_CALLERS).await;
 
-    println!("round | bare ns | refused ns | leased ns | refused − bare | leased − bare");
+    println!("round | bare ns | refused ns | leased ns | refused_many ns | refused − bare | leased − bare | refused_many − bare");
     let mut rows = Vec::new();
     for round in 1..=rounds {
         let bare_ns = measure(&bare, "bare_00001", 200, requests).await;
         let refused_ns = measure(&limited, "abuse_00001", 429, requests).await;
         let leased_ns = measure(&limited, "hot_00001", 200, requests).await;
+        let many_ns = measure_keys(&limited, &many, 429, requests).await;
         println!(
-            "{round} | {bare_ns:.0} | {refused_ns:.0} | {leased_ns:.0} | {:.0} | {:.0}",
+            "{round} | {bare_ns:.0} | {refused_ns:.0} | {leased_ns:.0} | {many_ns:.0} | {:.0} | {:.0} | {:.0}",
             refused_ns - bare_ns,
-            leased_ns - bare_ns
+            leased_ns - bare_ns,
+            many_ns - bare_ns
         );
-        rows.push((bare_ns, refused_ns - bare_ns, leased_ns - bare_ns));
+        rows.push([
+            bare_ns,
+            refused_ns - bare_ns,
+            leased_ns - bare_ns,
+            many_ns - bare_ns,
+        ]);
     }
-    // The machine is shared: the least of the rounds is the best estimate of the code's own cost,
-    // the median says how noisy the rounds were.
-    let summary = |pick: fn(&(f64, f64, f64)) -> f64| {
-        let mut values: Vec<f64> = rows.iter().map(pick).collect();
-        values.sort_by(f64::total_cmp);
-        (values[0], values[values.len() / 2])
-    };
-    let (bare_min, bare_median) = summary(|r| r.0);
-    let (refused_min, refused_median) = summary(|r| r.1);
-    let (leased_min, leased_median) = summary(|r| r.2);
-    println!(
-        "RESULT {{\"bare_ns\":[{bare_min:.0},{bare_median:.0}],\"refused_added_ns\":[{refused_min:.0},{refused_median:.0}],\"leased_added_ns\":[{leased_min:.0},{leased_median:.0}]}} (least, median)"
-    );
+    report(&rows);
     drop(embedded);
     Ok(())
 }
