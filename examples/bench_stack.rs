@@ -10,6 +10,10 @@
 //!   what the per-caller state costs when each caller's entries were last touched 10,000
 //!   requests before (the admitted workload's pattern, without the ledger).
 //!
+//! Then the heap allocations a request makes on each path, and on the admitted path (1,000
+//! callers in turn on a plan of one transfer per request, each request a ledger round trip): a
+//! count, unlike a time, does not move with a shared machine's noise.
+//!
 //! Run it:
 //!
 //!     cargo run --release --example bench_stack             # a development-mode TigerBeetle
@@ -19,6 +23,8 @@
 //! leases of the hot one), so a development-mode ledger is fine here. The sockets' share of a
 //! request is in `scripts/bench`'s figures; this one isolates what our code adds to it.
 
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,6 +36,36 @@ use ledger_limiter::http::RateLimit;
 use ledger_limiter::ledger::{Ledger, LedgerSettings};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::{Limiter, Outcome};
+
+/// Heap allocations (and reallocations) so far, by every thread of this process.
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// The service's allocator (mimalloc, as `src/main.rs` sets it), counting allocations.
+struct Counting;
+
+// SAFETY: every call is passed on unchanged to mimalloc, a correct allocator; the count is a
+// relaxed atomic add with no effect on the memory returned.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract for `alloc` is mimalloc's.
+        unsafe { mimalloc::MiMalloc.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from mimalloc through this allocator, with `layout`.
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `ptr` came from mimalloc through this allocator, with `layout`.
+        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 fn one() -> std::num::NonZeroU64 {
     std::num::NonZeroU64::MIN
@@ -57,12 +93,16 @@ capacity = 1000000000
 window_seconds = 5
 lease_units_max = 200000
 lease_seconds = 1
+[plans.admit]
+capacity = 1000000000
+window_seconds = 5
 [plans.one]
 capacity = 1
 window_seconds = 60
 [key_prefixes]
 "hot_" = "hot"
 "one_" = "one"
+"admit_" = "admit"
 [routes.costs]
 "/greeting" = 1
 "#;
@@ -106,6 +146,17 @@ where
         call_as(app, key.as_ref(), status).await;
     }
     started.elapsed().as_nanos() as f64 / requests as f64
+}
+
+/// Heap allocations per request over `requests` calls, with `keys` in turn.
+async fn allocations_per_request<S, B, K>(app: &S, keys: &[K], status: u16, requests: usize) -> f64
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    K: AsRef<str>,
+{
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    measure_keys(app, keys, status, requests).await;
+    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / requests as f64
 }
 
 /// Spends each caller's one unit on the ledger, then has the ledger refuse it once (which the
@@ -197,6 +248,27 @@ fn report(rows: &[[f64; 4]]) {
     );
 }
 
+/// Prints the heap allocations a request makes on each row's path, and on the admitted path.
+async fn print_allocations<S, T, B, C>(bare: &S, limited: &T, many: &[String], requests: usize)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    T: Service<actix_http::Request, Response = ServiceResponse<C>, Error = actix_web::Error>,
+{
+    let admitted: Vec<String> = (0..1_000).map(|n| format!("admit_{n:04}")).collect();
+    measure_keys(limited, &admitted, 200, admitted.len()).await; // provisions each caller
+    let allocations = [
+        allocations_per_request(bare, &["bare_00001"], 200, requests).await,
+        allocations_per_request(limited, &["abuse_00001"], 429, requests).await,
+        allocations_per_request(limited, &["hot_00001"], 200, requests).await,
+        allocations_per_request(limited, many, 429, requests).await,
+        allocations_per_request(limited, &admitted, 200, 2 * admitted.len()).await,
+    ];
+    let [bare_a, refused_a, leased_a, many_a, admitted_a] = allocations;
+    println!(
+        "ALLOCATIONS per request: bare {bare_a:.2}, refused {refused_a:.2}, leased {leased_a:.2}, refused_many {many_a:.2}, admitted {admitted_a:.2}"
+    );
+}
+
 #[actix_web::main]
 async fn main() -> anyhow::Result<()> {
     let requests = env_or("BENCH_REQUESTS", 100_000);
@@ -262,6 +334,7 @@ async fn main() -> anyhow::Result<()> {
         ]);
     }
     report(&rows);
+    print_allocations(&bare, &limited, &many, requests).await;
     drop(embedded);
     Ok(())
 }
