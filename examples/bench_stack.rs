@@ -19,9 +19,11 @@
 //!     cargo run --release --example bench_stack             # a development-mode TigerBeetle
 //!     BENCH_REQUESTS=200000 BENCH_ROUNDS=5 cargo run --release --example bench_stack
 //!
-//! The ledger is touched only while warming up (the first 100 holds of the refused caller, the
-//! leases of the hot one), so a development-mode ledger is fine here. The sockets' share of a
-//! request is in `scripts/bench`'s figures; this one isolates what our code adds to it.
+//! The timed rows touch the ledger only while warming up (the first 100 holds of the refused
+//! caller, the units and the refusal of each of the many, the leases of the hot one), so a
+//! development-mode ledger is fine here; the admitted path's count is of allocations, not time.
+//! The sockets' share of a request is in `scripts/bench`'s figures; this one isolates what our
+//! code adds to it.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
