@@ -194,12 +194,9 @@ async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
 /// not death by signal 15 (a CI run saw that, with the Envoy front end already answering).
 #[test]
 fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
-    // Nothing listens here once the listener is dropped: the ledger never answers, and the
-    // binary waits for it (up to 30 s) before it serves.
-    let unreachable = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // Nothing listens there: the ledger never answers, and the binary waits for it (up to 30 s)
+    // before it serves.
+    let unreachable = common::dead_address();
     let mut command = binary_command();
     command
         .env(

@@ -605,22 +605,11 @@ async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
     app.stop().await;
 }
 
-/// A ledger client of this test's own, with `in_flight_max` places.
-fn bounded_ledger(address: std::net::SocketAddr, in_flight_max: usize) -> ledger::Ledger {
-    ledger::Ledger::connect(&ledger::LedgerSettings {
-        cluster_id: 0,
-        addresses: vec![address],
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: std::num::NonZeroUsize::new(in_flight_max).unwrap(),
-    })
-    .unwrap()
-}
-
 /// Holds sent from one thread at once share a batch (`ledger/batch.rs`); each still times out at
 /// its own deadline, not at the batch's earliest.
 #[tokio::test]
 async fn holds_in_one_batch_each_time_out_at_their_own_deadline() {
-    let ledger = bounded_ledger(dead_address(), 8);
+    let ledger = ledger_client_bounded(vec![dead_address()], 8);
     let started = Instant::now();
     let hold = |deadline_ms: u64| {
         let ledger = ledger.clone();
@@ -652,7 +641,7 @@ async fn holds_in_one_batch_each_time_out_at_their_own_deadline() {
 /// back: the bound refuses a call beyond it at once, and frees up after the answer.
 #[tokio::test]
 async fn a_batch_takes_a_place_per_transfer_and_gives_them_back_when_answered() {
-    let ledger = bounded_ledger(shared_ledger().address, 3);
+    let ledger = ledger_client_bounded(vec![shared_ledger().address], 3);
     let deadline = Instant::now() + Duration::from_secs(10);
     let round = || join_all((0..4).map(|_| ledger.hold(fresh_id(), 1, 30, deadline, true)));
     for _ in 0..2 {

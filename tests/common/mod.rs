@@ -391,12 +391,20 @@ impl Drop for TestCluster {
 
 /// A ledger handle of the library's own (one client) on `addresses`, for reading the ledger back.
 pub fn ledger_client(addresses: Vec<SocketAddr>) -> ledger_limiter::ledger::Ledger {
+    ledger_client_bounded(addresses, 8192)
+}
+
+/// A ledger client of its own, with `in_flight_max` places under its in-flight bound.
+pub fn ledger_client_bounded(
+    addresses: Vec<SocketAddr>,
+    in_flight_max: usize,
+) -> ledger_limiter::ledger::Ledger {
     use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
     Ledger::connect(&LedgerSettings {
         cluster_id: 0,
         addresses,
         ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: std::num::NonZeroUsize::new(8192).expect("non-zero"),
+        in_flight_max: std::num::NonZeroUsize::new(in_flight_max).expect("non-zero"),
     })
     .expect("a ledger client")
 }
