@@ -178,10 +178,10 @@ async fn main() -> anyhow::Result<()> {
     serve(settings, signals).await
 }
 
-/// SIGINT and SIGTERM, listened for from the start. actix installs its own handlers only once its
-/// server first runs, after the ledger answers; until then either signal killed the process (exit
-/// by signal 15 in a CI run) while the Envoy front end was already answering. Once the server
-/// runs, both it and this see a signal; this one is no longer asked.
+/// SIGINT and SIGTERM, listened for from the start to the end. actix installs its own handlers
+/// only once its server first runs, after the ledger answers; until then either signal killed
+/// the process (exit by signal 15 in a CI run) while the Envoy front end was already answering.
+/// Once the server runs, both it and this see a signal, and either stops it.
 struct StopSignals {
     interrupt: tokio::signal::unix::Signal,
     terminate: tokio::signal::unix::Signal,
@@ -226,8 +226,13 @@ async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<(
             return flush_telemetry(telemetry).await;
         }
     };
-    tokio::select! {
-        ready = application.wait_for_ledger(Duration::from_secs(30)) => {
+    let waited = tokio::select! {
+        ready = application.wait_for_ledger(Duration::from_secs(30)) => Some(ready),
+        () = signals.recv() => None,
+    };
+    let server = application.server_handle();
+    match waited {
+        Some(ready) => {
             if ready {
                 tracing::info!("ledger ready");
             }
@@ -238,14 +243,28 @@ async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<(
                 application.port()
             );
         }
-        () = signals.recv() => {
+        None => {
             tracing::info!("stop signal while waiting for the ledger: stopping");
             // Queued for the server, which takes it as it first runs, below.
-            drop(application.server_handle().stop(true));
+            drop(server.stop(true));
         }
     }
+    let stopper = tokio::spawn(stop_on_signals(signals, server));
     application.run_until_stopped().await?;
+    stopper.abort();
     flush_telemetry(telemetry).await
+}
+
+/// Stops `server` gracefully at each stop signal, for as long as it runs. Why not leave that to
+/// actix: it installs its handlers as its server first runs, and a signal just before that was
+/// lost, the process serving on (a CI run: "still running after SIGTERM", the log ending at
+/// actix's "starting service"). A second stop while one is under way changes nothing.
+async fn stop_on_signals(mut signals: StopSignals, server: actix_web::dev::ServerHandle) {
+    loop {
+        signals.recv().await;
+        tracing::info!("stop signal: stopping gracefully");
+        drop(server.stop(true));
+    }
 }
 
 /// The Prometheus recorder, installed, with its upkeep task.

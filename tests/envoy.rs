@@ -529,7 +529,11 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
         if let Some(exit) = child.try_wait().unwrap() {
             break exit;
         }
-        assert!(Instant::now() < deadline, "still running after SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "still running after SIGTERM:\n{}",
+            log.lock().unwrap()
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(exit.success(), "{exit:?}");
