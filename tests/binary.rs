@@ -24,20 +24,9 @@ fn start(dir: &Path, args: &[&str]) -> (Guard, u16) {
 }
 
 fn sigterm_and_wait(mut running: Guard) -> std::process::ExitStatus {
-    let mut child = running.take();
-    let pid = child.id().to_string();
-    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "did not shut down"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    running
+        .terminate(Duration::from_secs(20))
+        .expect("did not shut down within 20 s of SIGTERM")
 }
 
 /// Flags for the binary's embedded TigerBeetle, with its data in `data`. The ledger deadline is

@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -518,24 +517,9 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
         assert_eq!(remaining_after(port), expected);
     }
     // SIGTERM: the HTTP server drains, then the gRPC server stops, then the process exits 0.
-    let mut child = first.take();
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let exit = loop {
-        if let Some(exit) = child.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "still running after SIGTERM:\n{}",
-            log.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let exit = first
+        .terminate(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("still running after SIGTERM:\n{}", log.lock().unwrap()));
     assert!(exit.success(), "{exit:?}");
     assert!(
         wait_logged(

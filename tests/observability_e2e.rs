@@ -374,8 +374,7 @@ async fn spans_are_flushed_on_shutdown() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    let pid = service.pid().to_string();
-    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    service.send_term();
     let spans = collector.exported_spans(1, Duration::from_secs(15)).await;
     assert!(
         spans

@@ -4,9 +4,9 @@
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ledger_limiter::config::{FileConfig, LedgerFile, PlanFile, RoutesFile, Settings};
 use ledger_limiter::limiter::caller::CallerKey;
@@ -25,6 +25,31 @@ impl Guard {
     /// Hands the process over (the caller now stops it).
     pub fn take(&mut self) -> Child {
         self.0.take().expect("running")
+    }
+
+    /// Sends the process SIGTERM (a graceful stop), leaving it guarded.
+    pub fn send_term(&self) {
+        let pid = self.pid().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.expect("kill runs").success(), "kill -TERM {pid}");
+    }
+
+    /// SIGTERM, then its exit status once it exits within `timeout`; `None` while it still runs.
+    /// It stays guarded until it exits, so a test that fails on a hung process kills it.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        self.send_term();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.0.as_mut().expect("running");
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.0 = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
