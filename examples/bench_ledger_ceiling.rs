@@ -156,20 +156,15 @@ where
     (rate, percentile(&all, 50.0), percentile(&all, 99.0), tally)
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> anyhow::Result<()> {
-    let args = parse_args();
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: args.cluster_id,
-        addresses: args.addresses.clone(),
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: NonZeroUsize::new(65_536).unwrap(),
-    })?;
-    // A plan no benchmark can exhaust: every hold is admitted.
+/// The hold window of every transfer placed: long, so that holds expire at the creation rate
+/// only after the first minute.
+const WINDOW_SECONDS: u32 = 60;
+
+/// Every account the submitters spend from, provisioned on a plan no benchmark can exhaust.
+async fn provision_accounts(ledger: &Ledger, count: usize) -> anyhow::Result<Vec<u128>> {
     let capacity = NonZeroU64::new(1 << 60).unwrap();
-    let window_seconds = NonZeroU32::new(60).unwrap();
-    let window = window_seconds.get();
-    let accounts: Vec<u128> = (0..args.accounts)
+    let window_seconds = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    let accounts: Vec<u128> = (0..count)
         .map(|i| {
             let key = format!("ceiling-{i}");
             model::user_account_id(ledger.ledger_id(), "ceiling", capacity, key.as_bytes())
@@ -199,7 +194,83 @@ async fn main() -> anyhow::Result<()> {
         accounts.len(),
         provisioning.elapsed().as_secs_f64()
     );
-    let accounts = Arc::new(accounts);
+    Ok(accounts)
+}
+
+/// One run of `mode` at `concurrency` submitters: (decisions/s, p50 µs, p99 µs, tally).
+async fn run_mode(
+    mode: &str,
+    concurrency: usize,
+    args: &Args,
+    ledger: &Ledger,
+    client: &Arc<tb::Client>,
+    accounts: &Arc<Vec<u128>>,
+) -> anyhow::Result<(f64, f64, f64, Arc<Tally>)> {
+    let (warmup, duration) = (args.warmup, args.duration);
+    let accounts = accounts.clone();
+    Ok(match mode {
+        "library" => {
+            let ledger = ledger.clone();
+            let submit = move |account| {
+                let ledger = ledger.clone();
+                async move {
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    match ledger
+                        .hold(account, 1, WINDOW_SECONDS, deadline, false)
+                        .await
+                    {
+                        Ok(HoldReply::Held { .. }) => Ok(true),
+                        Ok(_) => Ok(false),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            run(concurrency, accounts, warmup, duration, submit).await
+        }
+        "raw" => {
+            let client = client.clone();
+            let submit = move |account| {
+                let client = client.clone();
+                async move {
+                    let ledger_id = model::LEDGER_REQUEST_RATE;
+                    let transfer = model::hold_transfer(account, ledger_id, 1, WINDOW_SECONDS);
+                    match client.create_transfers(vec![transfer]).await {
+                        Ok(()) => Ok(true),
+                        Err(tb::error::CreateTransfersError::Api(_)) => Ok(false),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            run(concurrency, accounts, warmup, duration, submit).await
+        }
+        "lookup" => {
+            // The limited path's first read: one lookup_accounts per call.
+            let client = client.clone();
+            let submit = move |account| {
+                let client = client.clone();
+                async move {
+                    match client.lookup_accounts(vec![account]).await {
+                        Ok(found) => Ok(!found.is_empty()),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            run(concurrency, accounts, warmup, duration, submit).await
+        }
+        other => anyhow::bail!("unknown mode {other:?} (library, raw or lookup)"),
+    })
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args();
+    let ledger = Ledger::connect(&LedgerSettings {
+        cluster_id: args.cluster_id,
+        addresses: args.addresses.clone(),
+        ledger_id: model::LEDGER_REQUEST_RATE,
+        in_flight_max: NonZeroUsize::new(65_536).unwrap(),
+    })?;
+    let accounts = Arc::new(provision_accounts(&ledger, args.accounts).await?);
     let client = Arc::new(tb::Client::new(
         args.cluster_id,
         args.addresses
@@ -208,79 +279,10 @@ async fn main() -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(","),
     )?);
-
     for mode in &args.modes {
         for &concurrency in &args.concurrency {
-            let (rate, p50, p99, tally) = match mode.as_str() {
-                "library" => {
-                    let ledger = ledger.clone();
-                    run(
-                        concurrency,
-                        accounts.clone(),
-                        args.warmup,
-                        args.duration,
-                        move |account| {
-                            let ledger = ledger.clone();
-                            async move {
-                                let deadline = Instant::now() + Duration::from_secs(5);
-                                match ledger.hold(account, 1, window, deadline, false).await {
-                                    Ok(HoldReply::Held { .. }) => Ok(true),
-                                    Ok(_) => Ok(false),
-                                    Err(e) => Err(e.to_string()),
-                                }
-                            }
-                        },
-                    )
-                    .await
-                }
-                "raw" => {
-                    let client = client.clone();
-                    run(
-                        concurrency,
-                        accounts.clone(),
-                        args.warmup,
-                        args.duration,
-                        move |account| {
-                            let client = client.clone();
-                            async move {
-                                let transfer = model::hold_transfer(
-                                    account,
-                                    model::LEDGER_REQUEST_RATE,
-                                    1,
-                                    window,
-                                );
-                                match client.create_transfers(vec![transfer]).await {
-                                    Ok(()) => Ok(true),
-                                    Err(tb::error::CreateTransfersError::Api(_)) => Ok(false),
-                                    Err(e) => Err(e.to_string()),
-                                }
-                            }
-                        },
-                    )
-                    .await
-                }
-                "lookup" => {
-                    // The limited path's first read: one lookup_accounts per call.
-                    let client = client.clone();
-                    run(
-                        concurrency,
-                        accounts.clone(),
-                        args.warmup,
-                        args.duration,
-                        move |account| {
-                            let client = client.clone();
-                            async move {
-                                match client.lookup_accounts(vec![account]).await {
-                                    Ok(found) => Ok(!found.is_empty()),
-                                    Err(e) => Err(e.to_string()),
-                                }
-                            }
-                        },
-                    )
-                    .await
-                }
-                other => anyhow::bail!("unknown mode {other:?} (library, raw or lookup)"),
-            };
+            let (rate, p50, p99, tally) =
+                run_mode(mode, concurrency, &args, &ledger, &client, &accounts).await?;
             let admitted = tally.admitted.load(Ordering::Relaxed);
             let other = tally.other.load(Ordering::Relaxed);
             let errors = tally.errors.load(Ordering::Relaxed);
