@@ -164,6 +164,23 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
     let dir = tempfile::tempdir().unwrap();
     let (_prometheus, prometheus_port) = start_prometheus(dir.path(), service_port);
     let http = reqwest::Client::new();
+    wait_until_ready(&http, prometheus_port).await;
+    run_reference_scenario(service_port).await;
+    let load_ended = std::time::SystemTime::now();
+    // Let Prometheus scrape the final counts, and rate() windows fill.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    // 1. Every PromQL expression of the dashboard returns data.
+    assert_every_panel_has_data(&http, prometheus_port).await;
+    // 2. Exemplars exist, and each leads to a trace the OTLP receiver got.
+    let trace_ids = greeting_exemplar_trace_ids(&http, prometheus_port, load_ended).await;
+    assert_exemplar_traces_exported(&spans, &trace_ids).await;
+    // 3. A 429's span carries the `limited` event; no span carries a raw key.
+    let all = spans.lock().unwrap().clone();
+    assert_decision_spans(&all);
+}
+
+async fn wait_until_ready(http: &reqwest::Client, prometheus_port: u16) {
     let started = Instant::now();
     while http
         .get(format!("http://127.0.0.1:{prometheus_port}/-/ready"))
@@ -178,8 +195,10 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
 
-    // The reference scenario, shortened: 20 callers for 10 s; its thresholds must hold.
+/// The reference scenario, shortened: 20 callers for 10 s; its thresholds must hold.
+async fn run_reference_scenario(service_port: u16) {
     let k6 = tokio::task::spawn_blocking(move || {
         Command::new(tool("k6"))
             .args(["run", "--quiet", "--no-color", "k6/reference.js"])
@@ -199,11 +218,9 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         String::from_utf8_lossy(&k6.stderr)
     );
     assert!(k6.status.success(), "k6 thresholds failed:\n{k6_out}");
-    let load_ended = std::time::SystemTime::now();
-    // Let Prometheus scrape the final counts, and rate() windows fill.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+}
 
-    // 1. Every PromQL expression of the dashboard returns data.
+async fn assert_every_panel_has_data(http: &reqwest::Client, prometheus_port: u16) {
     let expressions = dashboard_expressions();
     assert!(expressions.len() >= 8, "{expressions:?}");
     for (panel, expr) in &expressions {
@@ -212,7 +229,7 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
             .replace("$__rate_interval", "1m")
             .replace("$__range", "15m");
         let data = prometheus_query(
-            &http,
+            http,
             prometheus_port,
             "/api/v1/query",
             &[("query", expr.clone())],
@@ -224,8 +241,14 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
             "panel {panel:?}: `{expr}` returned no data"
         );
     }
+}
 
-    // 2. Exemplars exist, and each leads to a trace the OTLP receiver got.
+/// The trace ids of the latency histogram's exemplars over the load; every one is /greeting's.
+async fn greeting_exemplar_trace_ids(
+    http: &reqwest::Client,
+    prometheus_port: u16,
+    load_ended: std::time::SystemTime,
+) -> HashSet<String> {
     let now = load_ended + Duration::from_secs(5);
     let unix = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
@@ -233,7 +256,7 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
             .as_secs_f64()
     };
     let data = prometheus_query(
-        &http,
+        http,
         prometheus_port,
         "/api/v1/query_exemplars",
         &[
@@ -261,7 +284,14 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         !trace_ids.is_empty(),
         "no exemplars stored for /greeting: {data}"
     );
+    trace_ids
+}
 
+/// Each exemplar's trace reached the OTLP receiver, with the request's server span.
+async fn assert_exemplar_traces_exported(
+    spans: &Mutex<Vec<ExportedSpan>>,
+    trace_ids: &HashSet<String>,
+) {
     let deadline = Instant::now() + Duration::from_secs(15);
     let server_spans: BTreeMap<String, ExportedSpan> = loop {
         let found: BTreeMap<String, ExportedSpan> = spans
@@ -297,9 +327,11 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         assert_eq!(span.kind, "SPAN_KIND_SERVER");
         assert_eq!(span.name, "GET /greeting", "{span:?}");
     }
+}
 
-    // 3. A 429's span carries the `limited` event; no span carries a raw key.
-    let all = spans.lock().unwrap().clone();
+/// A 429's span carries the `limited` event, a local refusal's trace has no ledger call and an
+/// admission's has one; no span carries a raw key.
+fn assert_decision_spans(all: &[ExportedSpan]) {
     let limited: Vec<_> = all
         .iter()
         .filter(|s| attribute(s, "ratelimit.decision").as_deref() == Some("limited"))
@@ -334,7 +366,7 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
         assert_eq!(source(span).as_deref(), Some("ledger"), "{span:?}");
         assert!(children_of(span) >= 1, "an admission without its hold");
     }
-    for span in &all {
+    for span in all {
         let shown = format!("{:?} {:?}", span.attributes, span.events);
         assert!(
             !shown.contains("free_"),
