@@ -172,13 +172,41 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     let b = spawn_app(config(&cluster)).await;
     let run = format!("{:08x}", rand::random::<u32>());
     let load = Load::start(vec![a.address.clone(), b.address.clone()], &run, 8);
-    let pause = |seconds: u64| tokio::time::sleep(Duration::from_secs(seconds));
 
     pause(4).await;
     report("steady", &load.between(Duration::ZERO, load.now()));
 
-    // A backup dies: a quorum of two goes on. (The primary is found from the replicas' logs: on
-    // a fresh cluster it is not always replica 0.)
+    let backup_down = kill_a_backup(&mut cluster, &load).await;
+    kill_the_primary(&mut cluster, &load).await;
+
+    // One instance is replaced mid-load: a new one takes its place, the old one drains, then it
+    // stops. Without the drain, a request that picked b just before the switch could go out on
+    // a keep-alive connection that b's stop was closing, and fail in the client (one CI run).
+    let c = spawn_app(config(&cluster)).await;
+    load.urls.lock().unwrap()[1] = c.address.clone();
+    pause(1).await;
+    b.stop().await;
+    let from = load.now();
+    pause(3).await;
+    report("instance b replaced by c", &load.between(from, load.now()));
+
+    take_the_whole_cluster_down(&mut cluster, &load, [&a, &c]).await;
+
+    let samples = load.finish().await;
+    check_every_answer(&samples, &backup_down);
+    audit(&cluster, &a, &run, &samples).await;
+    a.stop().await;
+    c.stop().await;
+}
+
+async fn pause(seconds: u64) {
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+}
+
+/// A backup dies: a quorum of two goes on. Returns the samples while it was down.
+async fn kill_a_backup(cluster: &mut TestCluster, load: &Load) -> Vec<Sample> {
+    // The primary is found from the replicas' logs: on a fresh cluster it is not always
+    // replica 0.
     let primary = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
     let backup = (primary + 1) % 3;
     let from = load.now();
@@ -191,8 +219,11 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
         cluster.wait_listening(LISTEN_TIMEOUT);
         cluster.wait_normal(backup, Duration::from_secs(30))
     });
+    backup_down
+}
 
-    // The primary dies: the others elect a new one; decisions fail over to the policy meanwhile.
+/// The primary dies: the others elect a new one; decisions fail over to the policy meanwhile.
+async fn kill_the_primary(cluster: &mut TestCluster, load: &Load) {
     let primary = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
     let killed_at = load.now();
     cluster.kill(primary);
@@ -234,20 +265,16 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
         cluster.wait_listening(LISTEN_TIMEOUT);
         cluster.wait_normal(primary, Duration::from_secs(30))
     });
+}
 
-    // One instance is replaced mid-load: a new one takes its place, the old one drains, then it
-    // stops. Without the drain, a request that picked b just before the switch could go out on
-    // a keep-alive connection that b's stop was closing, and fail in the client (one CI run).
-    let c = spawn_app(config(&cluster)).await;
-    load.urls.lock().unwrap()[1] = c.address.clone();
-    pause(1).await;
-    b.stop().await;
-    let from = load.now();
-    pause(3).await;
-    report("instance b replaced by c", &load.between(from, load.now()));
-
-    // The whole cluster goes down: every request follows the policy within the deadline, and
-    // /readyz says so; then it comes back and the instances recover by themselves.
+/// The whole cluster goes down: every request follows the policy within the deadline, and
+/// /readyz says so; then it comes back and the instances recover by themselves.
+async fn take_the_whole_cluster_down(
+    cluster: &mut TestCluster,
+    load: &Load,
+    instances: [&TestApp; 2],
+) {
+    let [a, c] = instances;
     let outage_at = load.now();
     for replica in 0..3 {
         cluster.kill(replica);
@@ -287,12 +314,6 @@ async fn a_replicated_ledger_survives_failover_outage_and_instance_restarts() {
     let after = load.between(back + Duration::from_secs(1), load.now());
     report("after the outage", &after);
     assert!(count(&after, 200) > 0, "admitting again");
-
-    let samples = load.finish().await;
-    check_every_answer(&samples, &backup_down);
-    audit(&cluster, &a, &run, &samples).await;
-    a.stop().await;
-    c.stop().await;
 }
 
 /// Every request answered, with a decision, within the deadline plus a margin; a dead backup
