@@ -22,11 +22,6 @@ impl Guard {
         self.0.as_ref().expect("running").id()
     }
 
-    /// Hands the process over (the caller now stops it).
-    pub fn take(&mut self) -> Child {
-        self.0.take().expect("running")
-    }
-
     /// Sends the process SIGTERM (a graceful stop), leaving it guarded.
     pub fn send_term(&self) {
         let pid = self.pid().to_string();
