@@ -5,7 +5,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use actix_web::body::{BodySize, MessageBody};
+use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::web::Bytes;
 use pin_project_lite::pin_project;
 
@@ -48,5 +48,65 @@ impl<B: MessageBody> MessageBody for SlotBody<B> {
             this.slot.take();
         }
         polled
+    }
+
+    /// A body without a slot is its inner body: a whole one (a handler's `Bytes`) is handed
+    /// over as bytes, which actix writes without polling a stream.
+    fn try_into_bytes(self) -> Result<Bytes, Self> {
+        match self.slot {
+            None => self.body.try_into_bytes().map_err(SlotBody::plain),
+            // The slot is given back when the body is sent, so the body stays a stream.
+            Some(_) => Err(self),
+        }
+    }
+
+    /// Without a slot, the inner body boxed, which is no allocation for a body that is already a
+    /// `BoxBody` (every handler's `HttpResponse`): a route with middleware boxes each response's
+    /// body, and this one would otherwise be a second box around the first.
+    fn boxed(self) -> BoxBody
+    where
+        Self: 'static,
+    {
+        match self.slot {
+            None => self.body.boxed(),
+            Some(_) => BoxBody::new(self),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::body::{BodyStream, EitherBody};
+
+    use super::*;
+
+    fn hello() -> BoxBody {
+        BoxBody::new(Bytes::from_static(b"hello"))
+    }
+
+    /// What a route with middleware does to each response: its body boxed. A handler's bytes
+    /// without a slot stay bytes (one box, written at once), not a stream in a second box.
+    #[test]
+    fn a_body_without_a_slot_is_its_inner_body() {
+        let plain = SlotBody::plain(hello());
+        assert_eq!(
+            plain.try_into_bytes().ok(),
+            Some(Bytes::from_static(b"hello"))
+        );
+        let served = EitherBody::<SlotBody<BoxBody>, BoxBody>::left(SlotBody::plain(hello()));
+        let boxed = served.boxed();
+        assert_eq!(boxed.size(), BodySize::Sized(5));
+        assert_eq!(
+            boxed.try_into_bytes().ok(),
+            Some(Bytes::from_static(b"hello"))
+        );
+    }
+
+    #[test]
+    fn a_streamed_body_stays_a_stream() {
+        let chunks =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(b"x"))]);
+        let streamed = SlotBody::plain(BodyStream::new(chunks));
+        assert!(streamed.try_into_bytes().is_err());
     }
 }
