@@ -4,9 +4,8 @@
 use std::sync::OnceLock;
 
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
-use actix_web::web::Bytes;
 
-use crate::limiter::plan::{Plan, PlanBook, PlanId};
+use crate::limiter::plan::{Plan, PlanBook, PlanId, PLAN_NAME_LENGTH_MAX};
 use crate::limiter::Quota;
 
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -33,15 +32,25 @@ pub fn ratelimit_value(plan: &str, quota: &Quota) -> String {
 /// the same field many times a second.
 pub fn ratelimit_field(plan: &str, quota: &Quota) -> HeaderValue {
     let make = || {
-        let mut numbers = itoa::Buffer::new();
-        let mut value = Vec::with_capacity(plan.len() + 2 * 20 + 8);
-        value.push(b'"');
-        value.extend_from_slice(plan.as_bytes());
-        value.extend_from_slice(b"\";r=");
-        value.extend_from_slice(numbers.format(quota.remaining).as_bytes());
-        value.extend_from_slice(b";t=");
-        value.extend_from_slice(numbers.format(quota.reset_seconds).as_bytes());
-        HeaderValue::from_maybe_shared(Bytes::from(value)).expect("plan names are header-safe")
+        assert!(plan.len() <= PLAN_NAME_LENGTH_MAX, "plan names are bounded");
+        let (mut remaining, mut reset) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let parts: [&[u8]; 6] = [
+            b"\"",
+            plan.as_bytes(),
+            b"\";r=",
+            remaining.format(quota.remaining).as_bytes(),
+            b";t=",
+            reset.format(quota.reset_seconds).as_bytes(),
+        ];
+        let mut field = [0u8; RATELIMIT_FIELD_BYTES_MAX];
+        let mut length = 0;
+        for part in parts {
+            field[length..length + part.len()].copy_from_slice(part);
+            length += part.len();
+        }
+        // Copied once into a buffer of its own size: a `Vec` handed over as `Bytes` would take a
+        // second allocation, for the shared header of its spare capacity.
+        HeaderValue::from_bytes(&field[..length]).expect("plan names are header-safe")
     };
     if quota.remaining == 0 {
         super::repeats::exhausted_ratelimit_field(plan, quota, make)
@@ -49,6 +58,10 @@ pub fn ratelimit_field(plan: &str, quota: &Quota) -> HeaderValue {
         make()
     }
 }
+
+/// The longest `RateLimit` field: a plan name at its bound, two numbers of up to 20 digits and
+/// the 8 bytes around them.
+const RATELIMIT_FIELD_BYTES_MAX: usize = PLAN_NAME_LENGTH_MAX + 2 * 20 + 8;
 
 /// Counts of seconds up to this are made once for the process.
 const SECONDS_VALUES_MAX: u64 = 3600;
@@ -289,14 +302,23 @@ mod tests {
         for seconds in [0, 1, 9, 10, 99, 100, 3599, 3600, 3601, 86_400, u64::MAX] {
             assert_eq!(seconds_field(seconds), seconds.to_string().as_str());
         }
-        for (remaining, reset_seconds) in [(0, 0), (0, 27), (0, 27), (3, 27), (u64::MAX, 1)] {
+        let longest = "p".repeat(PLAN_NAME_LENGTH_MAX);
+        let pairs = [
+            (0, 0),
+            (0, 27),
+            (0, 27),
+            (3, 27),
+            (u64::MAX, 1),
+            (u64::MAX, u64::MAX),
+        ];
+        for (remaining, reset_seconds) in pairs {
             let quota = Quota {
                 limit: 5,
                 window_seconds: 30,
                 remaining,
                 reset_seconds,
             };
-            for plan in ["free", "pro_2-x"] {
+            for plan in ["free", "pro_2-x", &longest] {
                 let field = ratelimit_field(plan, &quota);
                 assert_eq!(field, ratelimit_value(plan, &quota).as_str());
             }
