@@ -536,6 +536,10 @@ mod tests {
         /// admitted request holds `cost` for `window`), the local view never refuses a request
         /// unless the ledger refuses it too, or did so less than the expiry margin ago (the margin
         /// covers TigerBeetle's expiry lag: the view errs towards refusing, never admitting).
+        /// As in the limiter, a refusal by the ledger is followed by a read of the account that
+        /// the view takes in whole ([`LocalView::replace`]): from then on it refuses on its own,
+        /// which every case that reaches a refusal checks (else the property would hold of a view
+        /// that never refuses).
         #[test]
         fn never_refuses_what_the_ledger_would_admit(
             capacity in 1u64..20,
@@ -544,7 +548,7 @@ mod tests {
         ) {
             let view = LocalView::new(16, MARGIN);
             let window = Duration::from_millis(window_ms);
-            let t0 = Instant::now();
+            let (t0, wall0) = (Instant::now(), SystemTime::now());
             let mut now = t0;
             let mut ledger: Vec<(Instant, u64)> = Vec::new(); // (expires_at, amount)
             for (gap_ms, cost) in events {
@@ -559,11 +563,33 @@ mod tests {
                     !(local_refuses && ledger_admitted_all_margin_long),
                     "refused what the ledger has admitted for longer than the margin"
                 );
-                if !local_refuses && ledger_admits {
+                if local_refuses {
+                    continue;
+                }
+                if ledger_admits {
                     // The ledger stamps the hold no later than its answer arrives.
                     ledger.push((now + window, cost));
                     view.record_hold(1, capacity, cost, now, window, now);
+                    continue;
                 }
+                let wall = |at: Instant| wall0 + (at - t0);
+                let holds: Vec<Hold> = ledger
+                    .iter()
+                    .filter(|(e, _)| *e > now)
+                    .map(|(e, a)| Hold { amount: *a, expires_at: wall(*e), leased_at: None })
+                    .collect();
+                let account = AccountView {
+                    credit: capacity,
+                    available: capacity - held(Duration::ZERO),
+                    holds,
+                    complete: true,
+                    blocked: None,
+                };
+                view.replace(1, &account, window, now, wall(now));
+                prop_assert!(
+                    view.check(1, cost, now).is_some(),
+                    "the ledger's word refuses locally"
+                );
             }
         }
 
