@@ -11,12 +11,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{caller, library_settings};
+use ledger_limiter::ledger::audit::AccountAudit;
 use ledger_limiter::limiter::lease::spawn_settler;
 use ledger_limiter::limiter::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
 use ledger_limiter::limiter::{Limiter, Outcome};
 
 const WINDOW_SECONDS: u32 = 2;
 const LEASE_SECONDS: u32 = 1;
+/// How long a lease may take to be settled once its L is over, at most: the settler's tick and a
+/// ledger round trip on a loaded machine, with room to spare (a wait ends as soon as it is done).
+const SETTLED_WITHIN: Duration = Duration::from_secs(10);
 
 fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
     let ledger = common::ledger_client(vec![common::shared_ledger().address]);
@@ -187,7 +191,27 @@ fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64, 
     }
 }
 
-async fn audit(limiter: &Limiter, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
+/// The caller's audit once `done` holds of it, read every 100 ms for at most `limit` (the last
+/// one read then: the test's assertions say what is missing). Why not a sleep: the settler and
+/// TigerBeetle's expiry run on their own clocks, and a fixed sleep either wastes time or, on a
+/// loaded machine, comes too early.
+async fn audit_once(
+    limiter: &Limiter,
+    key: &str,
+    limit: Duration,
+    done: impl Fn(&AccountAudit) -> bool,
+) -> AccountAudit {
+    let until = Instant::now() + limit;
+    loop {
+        let audit = audit(limiter, key).await;
+        if done(&audit) || Instant::now() >= until {
+            return audit;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn audit(limiter: &Limiter, key: &str) -> AccountAudit {
     let key = caller(key);
     let account_id = limiter.account_of(&key).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -266,9 +290,10 @@ async fn a_hot_caller_under_its_limit_is_admitted_from_memory_and_audited_whole(
         calls * 20 <= admitted,
         "{calls} ledger calls for {admitted} admitted: more than 0.05 each"
     );
-    // Once the sweeper settled the last lease, the audit trail accounts for every request.
-    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 500)).await;
-    let audit = audit(&a, &key).await;
+    // Once the sweeper settled the last lease (after its L), the audit trail accounts for every
+    // request.
+    let settled = |audit: &AccountAudit| audit.leases == audit.leases_settled;
+    let audit = audit_once(&a, &key, SETTLED_WITHIN, settled).await;
     eprintln!("{audit:?}");
     assert_eq!(audit.leases, audit.leases_settled, "every lease settled");
     assert_eq!(
@@ -324,10 +349,9 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     // and the dead lease expired by itself (never settled).
     settler_b.abort();
     b.settle_due_leases().await;
-    let expiry =
-        Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS)) + Duration::from_millis(500);
-    tokio::time::sleep(expiry).await;
-    let after = audit(&b, &key).await;
+    let expiry = Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS)) + SETTLED_WITHIN;
+    let whole = |audit: &AccountAudit| audit.available == u128::from(CAPACITY);
+    let after = audit_once(&b, &key, expiry, whole).await;
     assert_eq!(after.available, u128::from(CAPACITY), "{after:?}");
     assert!(after.leases > after.leases_settled, "{after:?}");
 }
@@ -367,8 +391,8 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     }
     // The settler (started by the service) settles the last lease once its L is over (the first
     // was replaced ahead of need, half spent): only the five units used stay held.
-    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 400)).await;
-    let audit = audit(&app.limiter, &key).await;
+    let settled = |audit: &AccountAudit| audit.leases >= 1 && audit.leases == audit.leases_settled;
+    let audit = audit_once(&app.limiter, &key, SETTLED_WITHIN, settled).await;
     assert!(audit.leases >= 1, "{audit:?}");
     assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
     assert_eq!(audit.debits_pending, 5, "{audit:?}");
@@ -410,7 +434,8 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
     }
     assert!(refunded >= 1, "the open lease took units back");
     // Once the lease is settled, a refund has nothing left to give back.
-    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 500)).await;
+    let settled = |audit: &AccountAudit| audit.leases == audit.leases_settled;
+    audit_once(&a, &key, SETTLED_WITHIN, settled).await;
     let late = decisions.iter_mut().rev().nth(5).unwrap();
     assert!(late.leased.is_some());
     assert!(
