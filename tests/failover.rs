@@ -360,6 +360,9 @@ async fn audit(cluster: &TestCluster, app: &TestApp, run: &str, samples: &[Sampl
                     break Some(audit)
                 }
                 None if admitted == 0 => break None,
+                None if Instant::now() > deadline => {
+                    panic!("caller {key}: {admitted} admitted, and no account in the ledger")
+                }
                 _ => tokio::time::sleep(Duration::from_millis(500)).await,
             }
         };
