@@ -565,9 +565,12 @@ fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
         .parse::<f64>()
         .unwrap()
         * 1000.0;
+    let defaults: toml::Value =
+        toml::from_str(ledger_limiter::config::DEFAULT_CONFIG_TOML).unwrap();
+    let deadline_ms = defaults["ledger"]["timeout_ms"].as_integer().unwrap() as f64;
     assert!(
-        timeout_ms > 250.0,
-        "above the default decision deadline (ledger.timeout_ms)"
+        timeout_ms > deadline_ms,
+        "{timeout_ms} ms: above the default decision deadline (ledger.timeout_ms, {deadline_ms} ms)"
     );
     let service = &filter["rate_limit_service"];
     assert_eq!(service["transport_api_version"].as_str(), Some("V3"));
