@@ -290,9 +290,47 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     handle.stop(true).await;
 }
 
-/// An instance as a library user wires one: `/slow` (600 ms) with at most 2 requests of a caller
-/// in flight, a plan far above the test's load, its own ledger client.
-async fn slow_instance() -> (
+/// Holds the handlers of [`slow_instance`] until the test opens it: while the first requests of a
+/// burst hold their slots, every later one is refused, however late it starts on a loaded machine.
+type Gate = tokio::sync::watch::Sender<bool>;
+
+/// How long a handler waits for its gate at most, so that a broken test fails rather than hangs.
+const GATE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Sends `requests` at once with the gate shut, opens it once `refusals` of them were refused (or
+/// after [`GATE_WAIT_MAX`]), and returns every answer.
+async fn gated<T>(
+    gate: &Gate,
+    requests: Vec<impl std::future::Future<Output = T>>,
+    refusals: usize,
+    refused: impl Fn(&T) -> bool,
+) -> Vec<T> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    gate.send_replace(false);
+    let mut pending: FuturesUnordered<_> = requests.into_iter().collect();
+    let mut answers = Vec::new();
+    let opening = tokio::time::sleep(GATE_WAIT_MAX);
+    tokio::pin!(opening);
+    while answers.iter().filter(|a| refused(a)).count() < refusals {
+        tokio::select! {
+            Some(answer) = pending.next() => answers.push(answer),
+            _ = &mut opening => break,
+            else => break,
+        }
+    }
+    gate.send_replace(true);
+    while let Some(answer) = pending.next().await {
+        answers.push(answer);
+    }
+    answers
+}
+
+/// An instance as a library user wires one: `/slow` (answers when `gate` opens) and `/stream`
+/// (its first chunk at once, its last when `gate` opens) with at most 2 requests of a caller in
+/// flight, a plan far above the test's load, its own ledger client.
+async fn slow_instance(
+    gate: &Gate,
+) -> (
     u16,
     actix_web::dev::ServerHandle,
     std::sync::Arc<ledger_limiter::limiter::Limiter>,
@@ -303,7 +341,6 @@ async fn slow_instance() -> (
     use ledger_limiter::limiter::Limiter;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
-    use std::time::Duration;
 
     let ledger = ledger_client(vec![shared_ledger().address]);
     let settings = library_settings();
@@ -316,29 +353,39 @@ async fn slow_instance() -> (
     let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans), settings));
     let rules = Arc::new(RequestRules::builder().build(limiter.plans()).unwrap());
     let rate_limit = RateLimit::new(limiter.clone(), rules).with_concurrency(limits);
-    let slow = || async {
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        HttpResponse::Ok().finish()
+    let open = gate.subscribe();
+    let slow = {
+        let open = open.clone();
+        move || {
+            let mut open = open.clone();
+            async move {
+                let _ = tokio::time::timeout(GATE_WAIT_MAX, open.wait_for(|open| *open)).await;
+                HttpResponse::Ok().finish()
+            }
+        }
     };
-    // Answers at once, then streams its body for 600 ms: in flight until the last byte.
-    let stream = || async {
-        let chunks = futures_util::stream::unfold(0, |sent| async move {
-            if sent == 2 {
-                return None;
-            }
-            if sent == 1 {
-                tokio::time::sleep(Duration::from_millis(600)).await;
-            }
-            let chunk = actix_web::web::Bytes::from_static(b"chunk\n");
-            Some((Ok::<_, std::convert::Infallible>(chunk), sent + 1))
-        });
-        HttpResponse::Ok().streaming(chunks)
+    // Answers at once, then streams its last chunk when the gate opens: in flight until then.
+    let stream = move || {
+        let open = open.clone();
+        async move {
+            let chunks = futures_util::stream::unfold((0, open), |(sent, mut open)| async move {
+                if sent == 2 {
+                    return None;
+                }
+                if sent == 1 {
+                    let _ = tokio::time::timeout(GATE_WAIT_MAX, open.wait_for(|open| *open)).await;
+                }
+                let chunk = actix_web::web::Bytes::from_static(b"chunk\n");
+                Some((Ok::<_, std::convert::Infallible>(chunk), (sent + 1, open)))
+            });
+            HttpResponse::Ok().streaming(chunks)
+        }
     };
     let server = HttpServer::new(move || {
         App::new()
             .wrap(rate_limit.clone())
-            .route("/slow", web::get().to(slow))
-            .route("/stream", web::get().to(stream))
+            .route("/slow", web::get().to(slow.clone()))
+            .route("/stream", web::get().to(stream.clone()))
     })
     .workers(2)
     .bind(("127.0.0.1", 0))
@@ -356,20 +403,22 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
     use std::num::NonZeroU64;
     use std::time::Duration;
 
-    let (a, stop_a, limiter) = slow_instance().await;
-    let (b, stop_b, _) = slow_instance().await;
+    let gate = Gate::new(false);
+    let (a, stop_a, limiter) = slow_instance(&gate).await;
+    let (b, stop_b, _) = slow_instance(&gate).await;
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
-    let burst = |n: usize| {
-        join_all((0..n).map(|i| {
+    let burst = |n: usize, refusals: usize| {
+        let requests = (0..n).map(|i| {
             let port = if i % 2 == 0 { a } else { b };
             let request = http
                 .get(format!("http://127.0.0.1:{port}/slow"))
                 .header("X-Api-Key", &key);
             async move { request.send().await.unwrap().status().as_u16() }
-        }))
+        });
+        gated(&gate, requests.collect(), refusals, |status| *status == 429)
     };
-    let mut first = burst(6).await;
+    let mut first = burst(6, 4).await;
     first.sort();
     assert_eq!(
         first,
@@ -377,7 +426,7 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
         "two slots across both instances"
     );
     // The slots came back when the requests ended.
-    assert_eq!(burst(2).await, [200, 200]);
+    assert_eq!(burst(2, 0).await, [200, 200]);
 
     // In the ledger: no slot is held now, and the refused requests were not charged.
     let ledger = ledger_client(vec![shared_ledger().address]);
@@ -519,7 +568,8 @@ fn bad_route_limits_are_refused_with_the_setting_named() {
 /// returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
-    let (port, stop, _) = slow_instance().await;
+    let gate = Gate::new(false);
+    let (port, stop, _) = slow_instance(&gate).await;
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
     let get = || {
@@ -533,7 +583,8 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
             (status, body.len())
         }
     };
-    let mut answers = join_all((0..5).map(|_| get())).await;
+    let requests = (0..5).map(|_| get()).collect();
+    let mut answers = gated(&gate, requests, 3, |(status, _)| *status == 429).await;
     answers.sort();
     assert_eq!(
         answers,
@@ -546,7 +597,7 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
         ]
     );
     // Every body ended, so both slots are back.
-    let again = join_all((0..2).map(|_| get())).await;
+    let again = gated(&gate, (0..2).map(|_| get()).collect(), 0, |_| false).await;
     assert_eq!(again, [(200, 12), (200, 12)]);
     stop.stop(true).await;
 }
