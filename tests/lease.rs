@@ -195,7 +195,7 @@ fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64, 
 /// one read then: the test's assertions say what is missing). Why not a sleep: the settler and
 /// TigerBeetle's expiry run on their own clocks, and a fixed sleep either wastes time or, on a
 /// loaded machine, comes too early.
-async fn audit_once(
+async fn audit_when(
     limiter: &Limiter,
     key: &str,
     limit: Duration,
@@ -293,7 +293,7 @@ async fn a_hot_caller_under_its_limit_is_admitted_from_memory_and_audited_whole(
     // Once the sweeper settled the last lease (after its L), the audit trail accounts for every
     // request.
     let settled = |audit: &AccountAudit| audit.leases == audit.leases_settled;
-    let audit = audit_once(&a, &key, SETTLED_WITHIN, settled).await;
+    let audit = audit_when(&a, &key, SETTLED_WITHIN, settled).await;
     eprintln!("{audit:?}");
     assert_eq!(audit.leases, audit.leases_settled, "every lease settled");
     assert_eq!(
@@ -351,7 +351,7 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     b.settle_due_leases().await;
     let expiry = Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS)) + SETTLED_WITHIN;
     let whole = |audit: &AccountAudit| audit.available == u128::from(CAPACITY);
-    let after = audit_once(&b, &key, expiry, whole).await;
+    let after = audit_when(&b, &key, expiry, whole).await;
     assert_eq!(after.available, u128::from(CAPACITY), "{after:?}");
     assert!(after.leases > after.leases_settled, "{after:?}");
 }
@@ -392,7 +392,7 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     // The settler (started by the service) settles the last lease once its L is over (the first
     // was replaced ahead of need, half spent): only the five units used stay held.
     let settled = |audit: &AccountAudit| audit.leases >= 1 && audit.leases == audit.leases_settled;
-    let audit = audit_once(&app.limiter, &key, SETTLED_WITHIN, settled).await;
+    let audit = audit_when(&app.limiter, &key, SETTLED_WITHIN, settled).await;
     assert!(audit.leases >= 1, "{audit:?}");
     assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
     assert_eq!(audit.debits_pending, 5, "{audit:?}");
@@ -435,7 +435,7 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
     assert!(refunded >= 1, "the open lease took units back");
     // Once the lease is settled, a refund has nothing left to give back.
     let settled = |audit: &AccountAudit| audit.leases == audit.leases_settled;
-    audit_once(&a, &key, SETTLED_WITHIN, settled).await;
+    audit_when(&a, &key, SETTLED_WITHIN, settled).await;
     let late = decisions.iter_mut().rev().nth(5).unwrap();
     assert!(late.leased.is_some());
     assert!(
