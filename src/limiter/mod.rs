@@ -242,7 +242,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         let leases = lease::LeaseBook::new(&plans);
-        let account_ids = AccountIds::new(plans.plans().len(), settings.local_callers_max);
+        let account_ids = AccountIds::new(plans.plans().len());
         Limiter {
             store,
             clock,
