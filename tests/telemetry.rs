@@ -1,42 +1,79 @@
-//! Span attributes and metric names, in process: a real subscriber with the OpenTelemetry layer
-//! exporting to an in-memory exporter, and the real Prometheus recorder, against a real ledger.
+//! Span attributes and metric names, in process, against a real ledger: the service's own OTLP
+//! tracer provider (`telemetry::otlp_tracer_provider`, batches over gRPC) exporting to a real OTLP
+//! receiver, and the real Prometheus recorder.
 
 mod common;
 
-use std::sync::OnceLock;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use common::*;
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::layer::SubscriberExt;
 
 struct Telemetry {
-    spans: InMemorySpanExporter,
+    /// What the OTLP receiver got, drained as it arrives (its channel is small, and a full one
+    /// stalls the exporter).
+    spans: Arc<Mutex<Vec<ExportedSpan>>>,
+    provider: SdkTracerProvider,
     prometheus: PrometheusHandle,
+    /// Runs the receiver and the exporter's gRPC channel: each test has a runtime of its own,
+    /// which ends with it, and these must serve every test.
+    _runtime: tokio::runtime::Runtime,
 }
 
 /// Process-wide: the subscriber and the recorder are globals, shared by actix's worker threads.
 fn telemetry() -> &'static Telemetry {
     static TELEMETRY: OnceLock<Telemetry> = OnceLock::new();
-    TELEMETRY.get_or_init(|| {
-        opentelemetry::global::set_text_map_propagator(
-            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
-        );
-        let spans = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(spans.clone())
-            .build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_subscriber::EnvFilter::new("info"))
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        tracing::subscriber::set_global_default(subscriber).unwrap();
-        let prometheus = PrometheusBuilder::new().install_recorder().unwrap();
-        Telemetry { spans, prometheus }
-    })
+    // Set up on a thread of its own: a test's runtime cannot start another inside it.
+    TELEMETRY.get_or_init(|| std::thread::spawn(set_up_telemetry).join().unwrap())
+}
+
+fn set_up_telemetry() -> Telemetry {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let spans: Arc<Mutex<Vec<ExportedSpan>>> = Arc::default();
+    let sink = spans.clone();
+    let endpoint = runtime.block_on(async move {
+        let mut receiver = FakeCollectorServer::start().await.unwrap();
+        let endpoint = receiver.endpoint();
+        tokio::spawn(async move {
+            loop {
+                let batch = receiver.exported_spans(1, Duration::from_millis(50)).await;
+                sink.lock().unwrap().extend(batch);
+            }
+        });
+        endpoint
+    });
+    // The service reads its exporter's settings from the environment, as in production. Set
+    // before any test runs (this runs once, first).
+    std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
+    let provider = {
+        let _entered = runtime.enter();
+        ledger_limiter::telemetry::otlp_tracer_provider("telemetry-test").unwrap()
+    };
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::new("info"))
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+    tracing::subscriber::set_global_default(subscriber).unwrap();
+    let prometheus = PrometheusBuilder::new().install_recorder().unwrap();
+    Telemetry {
+        spans,
+        provider,
+        prometheus,
+        _runtime: runtime,
+    }
 }
 
 async fn spawn_observed_app(
@@ -59,21 +96,46 @@ async fn spawn_observed_app(
     (run(application), http_metrics)
 }
 
-fn attribute(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|kv| kv.key.as_str() == key)
-        .map(|kv| kv.value.to_string())
+/// The receiver shows values as `Some(AnyValue { value: Some(StringValue("x")) })`: unwrap them.
+fn attribute(span: &ExportedSpan, key: &str) -> Option<String> {
+    let raw = span.attributes.get(key)?;
+    let inner = raw.split_once("Value(")?.1;
+    let inner = inner.split_once(')')?.0;
+    Some(inner.trim_matches('"').to_owned())
 }
 
-fn server_spans_of_trace(trace_id: &str) -> Vec<SpanData> {
-    telemetry()
-        .spans
-        .get_finished_spans()
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.span_context.trace_id().to_string() == trace_id)
-        .collect()
+/// The spans of `trace_id` the receiver got over OTLP, once the one with the decision is among
+/// them: the provider is flushed (it exports in batches), then the receiver polled, at most 10 s.
+async fn server_spans_of_trace(trace_id: &str) -> Vec<ExportedSpan> {
+    let t = telemetry();
+    let flushed = tokio::task::spawn_blocking(|| telemetry().provider.force_flush())
+        .await
+        .unwrap();
+    if let Err(error) = flushed {
+        panic!("the spans could not be exported over OTLP: {error}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let spans: Vec<ExportedSpan> = t
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.trace_id == trace_id)
+            .cloned()
+            .collect();
+        if spans
+            .iter()
+            .any(|s| attribute(s, "ratelimit.decision").is_some())
+        {
+            return spans;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no server span of trace {trace_id} received over OTLP: {spans:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn traced_get(app: &TestApp, key: &str, trace_id: &str) -> reqwest::Response {
@@ -98,9 +160,8 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(traced_get(&app, &key, &admitted_trace).await.status(), 200);
     let limited_trace = format!("{:032x}", rand::random::<u128>());
     assert_eq!(traced_get(&app, &key, &limited_trace).await.status(), 429);
-    tokio::time::sleep(Duration::from_millis(200)).await;
 
-    let spans = server_spans_of_trace(&admitted_trace);
+    let spans = server_spans_of_trace(&admitted_trace).await;
     let server = spans
         .iter()
         .find(|s| attribute(s, "ratelimit.decision").is_some())
@@ -108,11 +169,11 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "admitted");
     assert_eq!(attribute(server, "ratelimit.plan").unwrap(), "free");
     assert_eq!(attribute(server, "ratelimit.cost").unwrap(), "1");
+    assert_eq!(server.kind, "SPAN_KIND_SERVER");
     let user_id = attribute(server, "user.id").unwrap();
     assert_eq!(user_id.len(), 32, "the account id in hex: {user_id}");
     assert_eq!(
-        server.parent_span_id.to_string(),
-        "00f067aa0ba902b7",
+        server.parent_span_id, "00f067aa0ba902b7",
         "traceparent honoured"
     );
     // Each ledger call is a child span of the server span, with its outcome.
@@ -122,12 +183,13 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         .collect();
     assert!(!ledger_spans.is_empty(), "ledger spans: {spans:#?}");
     for span in &ledger_spans {
-        assert_eq!(span.parent_span_id, server.span_context.span_id());
+        assert_eq!(span.parent_span_id, server.span_id);
+        assert_eq!(span.kind, "SPAN_KIND_CLIENT");
         assert_eq!(attribute(span, "ledger.outcome").as_deref(), Some("ok"));
     }
     assert!(ledger_spans.iter().any(|s| s.name == "create_transfers"));
 
-    let spans = server_spans_of_trace(&limited_trace);
+    let spans = server_spans_of_trace(&limited_trace).await;
     let server = spans
         .iter()
         .find(|s| attribute(s, "ratelimit.decision").is_some())
@@ -144,8 +206,8 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         server.events
     );
 
-    // The raw key is a secret: it is in no attribute or event of any span.
-    for span in telemetry().spans.get_finished_spans().unwrap() {
+    // The raw key is a secret: it is in no attribute or event of any span received.
+    for span in telemetry().spans.lock().unwrap().iter() {
         let shown = format!("{:?} {:?}", span.attributes, span.events);
         assert!(!shown.contains(&key), "key leaked into {}", span.name);
     }
