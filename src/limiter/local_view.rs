@@ -19,9 +19,9 @@
 //! a filter of bits by account id ([`VERIFIED_FILTER_BITS`]) answers their `check` without the
 //! caller's shard. Why: with 10,000 callers in turn, the shard's lock, its table and the caller's
 //! entry and holds were four cache misses, 0.6 to 0.7 µs of each admitted request under
-//! `wrk -c64` (`perf`, BENCHMARKS.md "a filter of verified callers"); the filter is 512 bytes
-//! that every worker reads and only a refusal writes. The filter can only make the view refuse
-//! less: a clear bit sends the caller to the ledger, which is what an unknown caller gets.
+//! `wrk -c64` (`perf`, BENCHMARKS.md, run W); the filter is 512 bytes that every worker reads
+//! and only a refusal writes. The filter can only make the view refuse less: a clear bit sends
+//! the caller to the ledger, which is what an unknown caller gets.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
