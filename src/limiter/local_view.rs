@@ -169,7 +169,9 @@ pub struct LocalLimit {
 pub struct LocalView {
     shards: Box<[Mutex<HashMap<u128, CallerHolds>>]>,
     /// Which callers may be verified, a bit each ([`VERIFIED_FILTER_BITS`]): set before a
-    /// verified caller is stored, under its shard's lock; a clear bit means none is stored.
+    /// verified caller is stored, under its shard's lock. A clear bit means none is stored, but
+    /// for one stored while the view was being cleared ([`LocalView::clear`] says why that is
+    /// safe).
     verified_filter: Box<[AtomicU64]>,
     callers_per_shard_max: usize,
     /// Added to every expiry: TigerBeetle releases a hold up to ~100 ms after it is due.
