@@ -1,10 +1,10 @@
 //! Callers' account ids, remembered where that pays: an account id is a SHA-256 of the key and
 //! its plan (`model::user_account_id`), 102 ns in a timing loop on a CPU with SHA instructions
 //! (`sha_ni`, which `sha2` uses when present; its portable code took 312 ns on the same CPU, still
-//! less than the shared level's lookup took under load, below). Each
-//! thread keeps the ids of the keys it used last, so a hot caller (hundreds of requests a second,
-//! the lease and refusal-from-memory paths) hashes its key once per thread and then pays one
-//! lookup in memory its own thread keeps warm.
+//! less than the shared level's lookup took under load, below). Each thread keeps the ids of the
+//! keys it used last, so a hot caller (hundreds of requests a second, the lease and
+//! refusal-from-memory paths) hashes its key once per thread and then pays one lookup in memory
+//! its own thread keeps warm.
 //!
 //! Why each thread's own map and nothing shared behind it: an earlier shared level (sharded maps
 //! under locks, every id this instance had seen) cost more than the hash it saved for the callers
