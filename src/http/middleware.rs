@@ -54,7 +54,7 @@ struct Inner {
 }
 
 /// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`. Each worker makes its own
-/// state from it ([`Inner::for_worker`]).
+/// state from it (`Inner::for_worker`).
 #[derive(Clone)]
 pub struct RateLimit {
     limiter: Arc<Limiter>,

@@ -1,5 +1,5 @@
 //! The limiter's two seams: the ledger it decides with ([`Store`], implemented by
-//! [`Ledger`](crate::ledger::Ledger)) and the clock it reads ([`Clock`]). Production uses the real
+//! [`crate::ledger::Ledger`]) and the clock it reads ([`Clock`]). Production uses the real
 //! ones; unit tests script a store and drive a clock to reach every branch of a decision, while the
 //! real-TigerBeetle tests remain the proof of behaviour.
 
