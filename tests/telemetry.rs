@@ -53,8 +53,9 @@ fn set_up_telemetry() -> Telemetry {
         });
         endpoint
     });
-    // The service reads its exporter's settings from the environment, as in production. Set
-    // before any test runs (this runs once, first).
+    // The service reads its exporter's settings from the environment, as in production. Each
+    // test calls `telemetry()` before it starts anything, so no thread of a test reads the
+    // environment while this writes it (std's own readers also take its lock).
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     let provider = {
         let _entered = runtime.enter();
@@ -150,6 +151,7 @@ async fn traced_get(app: &TestApp, key: &str, trace_id: &str) -> reqwest::Respon
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
+    telemetry(); // first: it sets the environment, before this test starts anything
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
     config.plans = Some([("free".to_owned(), plan(1, 30))].into());
@@ -216,6 +218,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
+    telemetry(); // first: it sets the environment, before this test starts anything
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
     config.plans = Some([("free".to_owned(), plan(1, 30))].into());
