@@ -5,12 +5,12 @@
 
 mod common;
 
-use common::{start_binary, Guard};
+use common::{span_attribute as attribute, start_binary, Guard};
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
@@ -103,14 +103,6 @@ async fn prometheus_query(
     body["data"].clone()
 }
 
-/// The receiver shows values as `Some(AnyValue { value: Some(StringValue("x")) })`: unwrap them.
-fn attribute(span: &ExportedSpan, key: &str) -> Option<String> {
-    let raw = span.attributes.get(key)?;
-    let inner = raw.split_once("Value(")?.1;
-    let inner = inner.split_once(')')?.0;
-    Some(inner.trim_matches('"').to_owned())
-}
-
 /// Every dashboard expression over the app's own metrics (those that need Tempo's metrics
 /// generator are left out: no Tempo runs here).
 fn dashboard_expressions() -> Vec<(String, String)> {
@@ -140,19 +132,7 @@ fn dashboard_expressions() -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
     let ledger = common::shared_ledger();
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let endpoint = collector.endpoint();
-    // Drain the receiver continuously (its channel is small, and a full one stalls the exporter).
-    let spans: Arc<Mutex<Vec<ExportedSpan>>> = Arc::default();
-    let sink = spans.clone();
-    tokio::spawn(async move {
-        loop {
-            let batch = collector
-                .exported_spans(1, Duration::from_millis(200))
-                .await;
-            sink.lock().unwrap().extend(batch);
-        }
-    });
+    let (endpoint, spans) = common::otlp_receiver().await;
 
     // Every k6 caller is new (its first request provisions it: three ledger calls), and this
     // debug build, Prometheus, k6, the trace receiver and the other test share two cores. Under

@@ -7,8 +7,9 @@ mod common;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use common::span_attribute as attribute;
 use common::*;
-use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+use fake_opentelemetry_collector::ExportedSpan;
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -40,19 +41,7 @@ fn set_up_telemetry() -> Telemetry {
         .enable_all()
         .build()
         .unwrap();
-    let spans: Arc<Mutex<Vec<ExportedSpan>>> = Arc::default();
-    let sink = spans.clone();
-    let endpoint = runtime.block_on(async move {
-        let mut receiver = FakeCollectorServer::start().await.unwrap();
-        let endpoint = receiver.endpoint();
-        tokio::spawn(async move {
-            loop {
-                let batch = receiver.exported_spans(1, Duration::from_millis(50)).await;
-                sink.lock().unwrap().extend(batch);
-            }
-        });
-        endpoint
-    });
+    let (endpoint, spans) = runtime.block_on(otlp_receiver());
     // The service reads its exporter's settings from the environment, as in production. Each
     // test calls `telemetry()` before it starts anything, so no thread of a test reads the
     // environment while this writes it (std's own readers also take its lock).
@@ -95,14 +84,6 @@ async fn spawn_observed_app(
     .unwrap();
     assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
     (run(application), http_metrics)
-}
-
-/// The receiver shows values as `Some(AnyValue { value: Some(StringValue("x")) })`: unwrap them.
-fn attribute(span: &ExportedSpan, key: &str) -> Option<String> {
-    let raw = span.attributes.get(key)?;
-    let inner = raw.split_once("Value(")?.1;
-    let inner = inner.split_once(')')?.0;
-    Some(inner.trim_matches('"').to_owned())
 }
 
 /// The spans of `trace_id` the receiver got over OTLP, once the one with the decision is among

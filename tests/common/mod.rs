@@ -8,6 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ledger_limiter::config::{FileConfig, LedgerFile, PlanFile, RoutesFile, Settings};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
@@ -604,4 +605,29 @@ pub fn remaining(response: &reqwest::Response) -> u64 {
         .expect("r= parameter")
         .parse()
         .unwrap()
+}
+
+/// A real OTLP/gRPC receiver on the current runtime: its endpoint, and the spans it got, drained
+/// as they arrive (its channel is small, and a full one stalls the exporter).
+pub async fn otlp_receiver() -> (String, Arc<Mutex<Vec<ExportedSpan>>>) {
+    let mut receiver = FakeCollectorServer::start().await.unwrap();
+    let endpoint = receiver.endpoint();
+    let spans: Arc<Mutex<Vec<ExportedSpan>>> = Arc::default();
+    let sink = spans.clone();
+    tokio::spawn(async move {
+        loop {
+            let batch = receiver.exported_spans(1, Duration::from_millis(200)).await;
+            sink.lock().unwrap().extend(batch);
+        }
+    });
+    (endpoint, spans)
+}
+
+/// A span attribute as the receiver shows it, `Some(AnyValue { value: Some(StringValue("x")) })`,
+/// unwrapped to `x`.
+pub fn span_attribute(span: &ExportedSpan, key: &str) -> Option<String> {
+    let raw = span.attributes.get(key)?;
+    let inner = raw.split_once("Value(")?.1;
+    let inner = inner.split_once(')')?.0;
+    Some(inner.trim_matches('"').to_owned())
 }
