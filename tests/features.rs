@@ -297,6 +297,11 @@ type Gate = tokio::sync::watch::Sender<bool>;
 /// How long a handler waits for its gate at most, so that a broken test fails rather than hangs.
 const GATE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Waits until the gate opens, at most [`GATE_WAIT_MAX`].
+async fn opened(mut open: tokio::sync::watch::Receiver<bool>) {
+    let _ = tokio::time::timeout(GATE_WAIT_MAX, open.wait_for(|open| *open)).await;
+}
+
 /// Sends `requests` at once with the gate shut, opens it once `refusals` of them were refused (or
 /// after [`GATE_WAIT_MAX`]), and returns every answer.
 async fn gated<T>(
@@ -357,9 +362,9 @@ async fn slow_instance(
     let slow = {
         let open = open.clone();
         move || {
-            let mut open = open.clone();
+            let open = open.clone();
             async move {
-                let _ = tokio::time::timeout(GATE_WAIT_MAX, open.wait_for(|open| *open)).await;
+                opened(open).await;
                 HttpResponse::Ok().finish()
             }
         }
@@ -368,12 +373,12 @@ async fn slow_instance(
     let stream = move || {
         let open = open.clone();
         async move {
-            let chunks = futures_util::stream::unfold((0, open), |(sent, mut open)| async move {
+            let chunks = futures_util::stream::unfold((0, open), |(sent, open)| async move {
                 if sent == 2 {
                     return None;
                 }
                 if sent == 1 {
-                    let _ = tokio::time::timeout(GATE_WAIT_MAX, open.wait_for(|open| *open)).await;
+                    opened(open.clone()).await;
                 }
                 let chunk = actix_web::web::Bytes::from_static(b"chunk\n");
                 Some((Ok::<_, std::convert::Infallible>(chunk), (sent + 1, open)))
