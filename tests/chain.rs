@@ -3,14 +3,13 @@
 mod common;
 
 use std::num::{NonZeroU32, NonZeroU64};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use futures_util::future::join_all;
 use ledger_limiter::ledger::model::UserAccount;
 use ledger_limiter::ledger::{ChainLink, ChainReply, Ledger, LinkRefusal};
-use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+use ledger_limiter::limiter::plan::Plan;
 use ledger_limiter::limiter::{DecisionSource, Limit, Limiter, Outcome};
 
 fn limiter(ledger: Ledger) -> Limiter {
@@ -19,15 +18,7 @@ fn limiter(ledger: Ledger) -> Limiter {
         NonZeroU64::new(5).unwrap(),
         NonZeroU32::new(30).unwrap(),
     );
-    let plans = PlanBook::new(
-        vec![plan.unwrap()],
-        "free",
-        [],
-        [],
-        UnknownKeys::DefaultPlan,
-    );
-    let settings = library_settings();
-    Limiter::new(ledger, Arc::new(plans.unwrap()), settings)
+    one_plan_limiter(ledger, plan.unwrap())
 }
 
 /// A limit on an account no other test uses.

@@ -214,8 +214,7 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies() {
 async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-    use ledger_limiter::limiter::Limiter;
+    use ledger_limiter::limiter::plan::Plan;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
@@ -227,15 +226,7 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
         NonZeroU64::new(2).unwrap(),
         NonZeroU32::new(60).unwrap(),
     );
-    let plans = PlanBook::new(
-        vec![free.unwrap()],
-        "free",
-        [],
-        [],
-        UnknownKeys::DefaultPlan,
-    );
-    let settings = library_settings();
-    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
+    let limiter = Arc::new(one_plan_limiter(ledger, free.unwrap()));
     let rules = RequestRules::builder()
         .refund_server_errors("/boom")
         .build(limiter.plans());
@@ -614,8 +605,7 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
 async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     use actix_web::{web, App, HttpResponse, HttpServer};
     use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
-    use ledger_limiter::limiter::Limiter;
+    use ledger_limiter::limiter::plan::Plan;
     use std::num::{NonZeroU32, NonZeroU64};
     use std::sync::Arc;
     use std::time::Duration;
@@ -626,15 +616,7 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
         NonZeroU64::new(10).unwrap(),
         NonZeroU32::new(60).unwrap(),
     );
-    let plans = PlanBook::new(
-        vec![plan.unwrap()],
-        "metered",
-        [],
-        [],
-        UnknownKeys::DefaultPlan,
-    );
-    let settings = library_settings();
-    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans.unwrap()), settings));
+    let limiter = Arc::new(one_plan_limiter(ledger, plan.unwrap()));
     let rules = RequestRules::builder()
         .cost_header("x-cost")
         .build(limiter.plans());

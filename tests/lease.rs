@@ -10,10 +10,10 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{caller, library_settings};
+use common::caller;
 use ledger_limiter::ledger::audit::AccountAudit;
 use ledger_limiter::limiter::lease::spawn_settler;
-use ledger_limiter::limiter::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
+use ledger_limiter::limiter::plan::{LeaseTerms, Plan};
 use ledger_limiter::limiter::{Limiter, Outcome};
 
 const WINDOW_SECONDS: u32 = 2;
@@ -34,9 +34,7 @@ fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
         .unwrap()
         .with_lease(terms)
         .unwrap();
-    let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
-    let settings = library_settings();
-    Arc::new(Limiter::new(ledger, Arc::new(plans), settings))
+    Arc::new(common::one_plan_limiter(ledger, plan))
 }
 
 /// The instants just before and just after an admitted decision.

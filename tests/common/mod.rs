@@ -591,6 +591,18 @@ pub fn library_settings() -> ledger_limiter::limiter::LimiterSettings {
     }
 }
 
+/// A limiter as a user of the library wires one: `plan` the default for every key, the tests'
+/// settings ([`library_settings`]).
+pub fn one_plan_limiter(
+    ledger: ledger_limiter::ledger::Ledger,
+    plan: ledger_limiter::limiter::plan::Plan,
+) -> Limiter {
+    use ledger_limiter::limiter::plan::{PlanBook, UnknownKeys};
+    let default_plan = plan.name().to_owned();
+    let plans = PlanBook::new(vec![plan], &default_plan, [], [], UnknownKeys::DefaultPlan);
+    Limiter::new(ledger, Arc::new(plans.unwrap()), library_settings())
+}
+
 /// Reads a response's `RateLimit` remaining (`r=`) parameter.
 pub fn remaining(response: &reqwest::Response) -> u64 {
     let value = response
