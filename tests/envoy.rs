@@ -438,12 +438,20 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
     );
 }
 
+/// The decision deadline of the dead-ledger test's instances.
+const DEAD_LEDGER_TIMEOUT: Duration = Duration::from_millis(300);
+/// What the machine may add to that deadline before the answer reaches the test's client; a call
+/// that hung would take the client's whole timeout instead.
+const ANSWER_SLACK: Duration = Duration::from_millis(700);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
     let rules = rules_dir();
     let ledger = TestLedger::start();
-    let (_closed, mut closed) = spawn_rls(rls_config(ledger.address, &rules, "closed", 300)).await;
-    let (_open, mut open) = spawn_rls(rls_config(ledger.address, &rules, "open", 300)).await;
+    let timeout_ms = DEAD_LEDGER_TIMEOUT.as_millis() as u64;
+    let (_closed, mut closed) =
+        spawn_rls(rls_config(ledger.address, &rules, "closed", timeout_ms)).await;
+    let (_open, mut open) = spawn_rls(rls_config(ledger.address, &rules, "open", timeout_ms)).await;
     let value = fresh_key("v");
     let one = || request("another", vec![descriptor(&[("key2", &value)])]);
     // A new ledger and a new client: their first round trips (connecting, then provisioning the
@@ -469,19 +477,13 @@ async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
         .await
         .expect_err("unavailable");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
-    assert!(
-        started.elapsed() < Duration::from_millis(1_000),
-        "{:?}",
-        started.elapsed()
-    );
+    let elapsed = started.elapsed();
+    assert!(elapsed < DEAD_LEDGER_TIMEOUT + ANSWER_SLACK, "{elapsed:?}");
     let started = Instant::now();
     let response = call(&mut open, one()).await;
     assert_eq!(overall(&response), Code::Ok, "the open policy admits");
-    assert!(
-        started.elapsed() < Duration::from_millis(1_000),
-        "{:?}",
-        started.elapsed()
-    );
+    let elapsed = started.elapsed();
+    assert!(elapsed < DEAD_LEDGER_TIMEOUT + ANSWER_SLACK, "{elapsed:?}");
 }
 
 #[test]
