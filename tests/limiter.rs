@@ -371,13 +371,14 @@ async fn ledger_down_fail_open_admits_within_the_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
     let ledger = TestLedger::start();
+    let deadline = Duration::from_millis(300);
     let mut config = test_config(ledger.address);
-    config.ledger.timeout_ms = Some(300);
+    config.ledger.timeout_ms = Some(deadline.as_millis() as u64);
     let app = spawn_app(config).await;
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     ledger.kill();
-    burst_answered(&app, 20, 503, Duration::from_millis(300)).await;
+    burst_answered(&app, 20, 503, deadline).await;
     app.stop().await;
 }
 
