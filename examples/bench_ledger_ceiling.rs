@@ -269,6 +269,7 @@ async fn main() -> anyhow::Result<()> {
         addresses: args.addresses.clone(),
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: NonZeroUsize::new(65_536).unwrap(),
+        batch_linger: std::time::Duration::ZERO,
     })?;
     let accounts = Arc::new(provision_accounts(&ledger, args.accounts).await?);
     let client = Arc::new(tb::Client::new(

@@ -223,6 +223,7 @@ async fn start(
         addresses: vec![embedded.address()],
         ledger_id: ledger_limiter::ledger::model::LEDGER_REQUEST_RATE,
         in_flight_max: settings.in_flight_max,
+        batch_linger: settings.batch_linger,
     })?;
     let limiter = Arc::new(Limiter::new(
         ledger,

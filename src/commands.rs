@@ -171,6 +171,7 @@ async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
         addresses: resolve_addresses(addresses).await?,
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: settings.in_flight_max,
+        batch_linger: settings.batch_linger,
     })?)
 }
 

@@ -339,6 +339,7 @@ async fn connect_ledger(
         addresses,
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: settings.in_flight_max,
+        batch_linger: settings.batch_linger,
     })?;
     let follower = match &settings.ledger {
         LedgerLocation::Cluster { addresses }

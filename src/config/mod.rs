@@ -15,6 +15,7 @@ use thiserror::Error;
 use crate::envoy::config::RlsConfig;
 use crate::http::admin::AdminSecrets;
 use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
+use crate::ledger::BATCH_LINGER_MAX;
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
@@ -125,6 +126,7 @@ pub struct LedgerFile {
     pub in_flight_max: Option<usize>,
     pub local_callers_max: Option<usize>,
     pub expiry_margin_ms: Option<u64>,
+    pub batch_linger_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -231,6 +233,7 @@ impl FileConfig {
         take!(ledger.in_flight_max);
         take!(ledger.local_callers_max);
         take!(ledger.expiry_margin_ms);
+        take!(ledger.batch_linger_ms);
         take!(embedded.data_dir);
         take!(embedded.tigerbeetle_bin);
         take!(embedded.development);
@@ -293,6 +296,8 @@ pub struct Settings {
     pub ledger: LedgerLocation,
     pub cluster_id: u128,
     pub in_flight_max: NonZeroUsize,
+    /// How long a batch of single transfers waits for more (`ledger.batch_linger_ms`).
+    pub batch_linger: Duration,
     pub limiter: LimiterSettings,
     pub plans: Arc<PlanBook>,
     pub rules: Arc<RequestRules>,
@@ -335,6 +340,7 @@ impl Settings {
         let in_flight_max = NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
             .ok_or_else(|| invalid("ledger.in_flight_max", "must be at least 1"))?;
         let limiter = limiter_settings(&file.ledger)?;
+        let batch_linger = batch_linger(&file.ledger, limiter.ledger_timeout)?;
         let caller = file.caller;
         let key_length_max = caller.key_length_max.unwrap_or(KEY_LENGTH_MAX_DEFAULT);
         if !(1..=KEY_LENGTH_MAX_LIMIT).contains(&key_length_max) {
@@ -374,6 +380,7 @@ impl Settings {
             ledger,
             cluster_id,
             in_flight_max,
+            batch_linger,
             limiter,
             plans: Arc::new(plans),
             rules: Arc::new(rules),
@@ -594,6 +601,21 @@ fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError>
     })
 }
 
+/// `ledger.batch_linger_ms`: at most [`BATCH_LINGER_MAX`], and shorter than a decision's
+/// deadline (a linger as long would time out every batch's first request).
+fn batch_linger(ledger: &LedgerFile, ledger_timeout: Duration) -> Result<Duration, ConfigError> {
+    let linger_ms = require(ledger.batch_linger_ms, "ledger.batch_linger_ms")?;
+    let linger = Duration::from_millis(linger_ms);
+    if linger > BATCH_LINGER_MAX || (!linger.is_zero() && linger >= ledger_timeout) {
+        let max_ms = BATCH_LINGER_MAX.as_millis();
+        return Err(invalid(
+            "ledger.batch_linger_ms",
+            format!("must be between 0 and {max_ms}, and less than ledger.timeout_ms"),
+        ));
+    }
+    Ok(linger)
+}
+
 fn plan_book(
     plans: Option<BTreeMap<String, PlanFile>>,
     default_plan: Option<String>,
@@ -683,6 +705,7 @@ mod tests {
         assert_eq!(s.plans.plans().len(), 3);
         assert!(matches!(s.ledger, LedgerLocation::Embedded { .. }));
         assert_eq!(s.limiter.failure_policy, FailurePolicy::Closed);
+        assert_eq!(s.batch_linger, Duration::ZERO, "a linger is opt-in");
     }
 
     #[test]
@@ -698,6 +721,12 @@ mod tests {
         assert_eq!(err.setting, "ledger.failure_policy");
         let err = with("[ledger]\ntimeout_ms = 0").unwrap_err();
         assert_eq!(err.setting, "ledger.timeout_ms");
+        let err = with("[ledger]\nbatch_linger_ms = 6").unwrap_err();
+        assert_eq!(err.setting, "ledger.batch_linger_ms");
+        let err = with("[ledger]\nbatch_linger_ms = 5\ntimeout_ms = 5").unwrap_err();
+        assert_eq!(err.setting, "ledger.batch_linger_ms");
+        let ok = with("[ledger]\nbatch_linger_ms = 5\ntimeout_ms = 6").unwrap();
+        assert_eq!(ok.batch_linger, Duration::from_millis(5));
         let err = with("[ledger]\naddresses = [\"nope\"]").unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");
         let err = with("default_plan = \"gold\"").unwrap_err();

@@ -9,7 +9,10 @@
 //!
 //! How: the first transfer a thread sends opens a batch and spawns one task for it. That task
 //! yields once (every request this thread has ready joins meanwhile), sends the batch and hands
-//! each transfer its own result. Results are per event, as TigerBeetle gives them: a batch is n
+//! each transfer its own result. With a linger (`ledger.batch_linger_ms`, opt-in) the task waits
+//! that long instead, never past its first member's deadline, so that requests arriving apart
+//! share a call too: at low rates, where each request would otherwise wake the client's thread
+//! on its own, that trades the linger's latency for fewer wake-ups (BENCHMARKS.md, "Linger"). Results are per event, as TigerBeetle gives them: a batch is n
 //! independent transfers, never a linked chain (those keep their own calls). Bounded:
 //! [`BATCH_TRANSFERS_MAX`] transfers per call.
 //!
@@ -22,19 +25,62 @@
 //! and another to clear it).
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 use tokio::sync::oneshot;
 
-use super::metrics::Operation;
+use super::metrics::{Operation, LEDGER_BATCHES_TOTAL};
 use super::{client_error, model, InFlight, LedgerError};
 use crate::sync::lock;
 
 /// Transfers per call: well under a development-mode cluster's 32 KiB request (about 255).
 pub const BATCH_TRANSFERS_MAX: usize = 128;
+
+/// The longest `ledger.batch_linger_ms`: every decision that opens a batch waits it out, and
+/// past a few milliseconds the latency costs more than the wake-ups it saves.
+pub const BATCH_LINGER_MAX: Duration = Duration::from_millis(5);
+
+/// How one ledger's batches go: how long they wait for more, and how many calls they made.
+pub struct Batching {
+    linger: Duration,
+    sent: AtomicU64,
+    sent_total: metrics::Counter,
+}
+
+impl Batching {
+    pub fn new(linger: Duration) -> Self {
+        assert!(
+            linger <= BATCH_LINGER_MAX,
+            "the linger is validated with the settings"
+        );
+        metrics::describe_counter!(
+            LEDGER_BATCHES_TOTAL,
+            "create_transfers calls made by batches of single transfers (admitted requests \
+             divided by this: transfers per call)"
+        );
+        let sent_total = metrics::counter!(LEDGER_BATCHES_TOTAL);
+        sent_total.increment(0);
+        Batching {
+            linger,
+            sent: AtomicU64::new(0),
+            sent_total,
+        }
+    }
+
+    /// Calls made so far.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    fn count_sent(&self) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        self.sent_total.increment(1);
+    }
+}
 
 /// One transfer's result: `None` when created.
 pub type TransferResult = Result<Option<CreateTransferErrorKind>, LedgerError>;
@@ -77,6 +123,7 @@ thread_local! {
 /// batch until the ledger answers.
 pub async fn create_transfer(
     client: Arc<tb::Client>,
+    batching: &Arc<Batching>,
     transfer: tb::Transfer,
     leave: Leave,
     deadline: Instant,
@@ -92,9 +139,17 @@ pub async fn create_transfer(
         void_if_abandoned: leave.void_if_abandoned,
     };
     if let Some(opened) = join_or_open(client, transfer, member, leave.in_flight) {
+        let batching = batching.clone();
+        let linger_until =
+            (!batching.linger.is_zero()).then(|| deadline.min(Instant::now() + batching.linger));
         tokio::spawn(async move {
-            // Every request this thread has ready gets to join before the batch goes.
-            tokio::task::yield_now().await;
+            match linger_until {
+                // Every request this thread has ready gets to join before the batch goes.
+                None => tokio::task::yield_now().await,
+                // And every one that comes within the linger.
+                Some(until) => tokio::time::sleep_until(until.into()).await,
+            }
+            batching.count_sent();
             send(&opened).await;
         });
     }

@@ -9,6 +9,9 @@ use metrics::{Counter, Gauge, Histogram};
 
 pub const LEDGER_CALL_DURATION_SECONDS: &str = "ledger_limiter_ledger_call_duration_seconds";
 pub const LEDGER_ERRORS_TOTAL: &str = "ledger_limiter_ledger_errors_total";
+/// Calls made by batches of single transfers (`batch.rs`): admitted requests per batch is how
+/// well the batching (and `ledger.batch_linger_ms`) packs.
+pub const LEDGER_BATCHES_TOTAL: &str = "ledger_limiter_ledger_batches_total";
 pub const LEDGER_IN_FLIGHT: &str = "ledger_limiter_ledger_in_flight";
 /// The bound on calls in flight (`ledger.in_flight_max`): `in_flight / in_flight_max` near 1 means
 /// the ledger is falling behind, before calls are refused as `overloaded`.

@@ -209,7 +209,12 @@ pub struct LedgerSettings {
     pub addresses: Vec<SocketAddr>,
     pub ledger_id: u32,
     pub in_flight_max: NonZeroUsize,
+    /// How long a batch of single transfers waits for more before it goes (`batch.rs`); zero:
+    /// it goes once its thread has run what it had ready. At most [`BATCH_LINGER_MAX`].
+    pub batch_linger: Duration,
 }
+
+pub use batch::BATCH_LINGER_MAX;
 
 /// A handle on the ledger, cheap to clone; every clone shares one TigerBeetle client (which batches
 /// concurrent requests by itself). The client is replaced only when the replicas' addresses change
@@ -225,6 +230,8 @@ pub struct Ledger {
     /// Every call started, refused ones included: lets an operator (and a test) see that a request
     /// cost no ledger call at all.
     calls_started: Arc<AtomicU64>,
+    /// How batches of single transfers go, and how many went.
+    batching: Arc<batch::Batching>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -281,6 +288,7 @@ impl Ledger {
             ledger_id: settings.ledger_id,
             metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
             calls_started: Arc::new(AtomicU64::new(0)),
+            batching: Arc::new(batch::Batching::new(settings.batch_linger)),
         })
     }
 
@@ -312,6 +320,12 @@ impl Ledger {
     /// How many calls this handle (and its clones) started, refused ones included.
     pub fn calls_started(&self) -> u64 {
         self.calls_started.load(Ordering::Relaxed)
+    }
+
+    /// How many `create_transfers` calls this handle's batches of single transfers made (each
+    /// carries one or more requests' transfers).
+    pub fn batches_sent(&self) -> u64 {
+        self.batching.sent()
     }
 
     pub fn ledger_id(&self) -> u32 {
@@ -382,7 +396,7 @@ impl Ledger {
         let client = self.client.load().client.clone();
         let span = call_span(operation);
         let started = Instant::now();
-        let created = batch::create_transfer(client, transfer, leave, deadline)
+        let created = batch::create_transfer(client, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
         let result = created.and_then(answer);

@@ -420,12 +420,22 @@ pub fn ledger_client_bounded(
     addresses: Vec<SocketAddr>,
     in_flight_max: usize,
 ) -> ledger_limiter::ledger::Ledger {
+    ledger_client_with(addresses, in_flight_max, Duration::ZERO)
+}
+
+/// A ledger client of its own whose batches wait `batch_linger` for more transfers.
+pub fn ledger_client_with(
+    addresses: Vec<SocketAddr>,
+    in_flight_max: usize,
+    batch_linger: Duration,
+) -> ledger_limiter::ledger::Ledger {
     use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
     Ledger::connect(&LedgerSettings {
         cluster_id: 0,
         addresses,
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: std::num::NonZeroUsize::new(in_flight_max).expect("non-zero"),
+        batch_linger,
     })
     .expect("a ledger client")
 }
