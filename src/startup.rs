@@ -370,7 +370,7 @@ fn operational_routes(config: &mut web::ServiceConfig, exporters: &Exporters) {
             web::get().to(move |limiter: web::Data<Limiter>| {
                 // The limiter counts per thread: what was decided before this scrape is in it.
                 limiter.drain_counts();
-                limiter.ledger().publish_in_flight();
+                limiter.ledger().publish_at_scrape();
                 let body = handle.render();
                 async move {
                     HttpResponse::Ok()

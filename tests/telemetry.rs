@@ -233,6 +233,12 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
     ] {
         assert!(text.contains(expected), "missing {expected}:\n{text}");
     }
+    // The admitted request's hold went in a batch, counted at the scrape.
+    let batches = text
+        .lines()
+        .find_map(|l| l.strip_prefix("ledger_limiter_ledger_batches_total "))
+        .and_then(|n| n.trim().parse::<f64>().ok());
+    assert!(batches.is_some_and(|n| n >= 1.0), "batches: {batches:?}");
     assert!(!text.contains(&key), "keys never become labels");
     // Every label value is from a closed set (or a configured plan name).
     for line in text.lines().filter(|l| l.starts_with("ledger_limiter_")) {

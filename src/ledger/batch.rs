@@ -33,7 +33,7 @@ use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 use tokio::sync::oneshot;
 
-use super::metrics::{Operation, LEDGER_BATCHES_TOTAL};
+use super::metrics::Operation;
 use super::{client_error, model, InFlight, LedgerError};
 use crate::sync::lock;
 
@@ -47,27 +47,20 @@ pub const BATCH_LINGER_MAX: Duration = Duration::from_millis(5);
 /// How one ledger's batches go: how long they wait for more, and how many calls they made.
 pub struct Batching {
     linger: Duration,
+    /// One atomic per batch, shared by every thread; published as a metric at each scrape
+    /// ([`super::Ledger::publish_at_scrape`]), not counted twice here.
     sent: AtomicU64,
-    sent_total: metrics::Counter,
 }
 
 impl Batching {
     pub fn new(linger: Duration) -> Self {
         assert!(
             linger <= BATCH_LINGER_MAX,
-            "the linger is validated with the settings"
+            "Ledger::connect refuses a longer one"
         );
-        metrics::describe_counter!(
-            LEDGER_BATCHES_TOTAL,
-            "create_transfers calls made by batches of single transfers (admitted requests \
-             divided by this: transfers per call)"
-        );
-        let sent_total = metrics::counter!(LEDGER_BATCHES_TOTAL);
-        sent_total.increment(0);
         Batching {
             linger,
             sent: AtomicU64::new(0),
-            sent_total,
         }
     }
 
@@ -78,7 +71,6 @@ impl Batching {
 
     fn count_sent(&self) {
         self.sent.fetch_add(1, Ordering::Relaxed);
-        self.sent_total.increment(1);
     }
 }
 

@@ -105,6 +105,7 @@ pub struct LedgerMetrics {
     calls: Vec<Histogram>,
     errors: Vec<Counter>,
     in_flight: Gauge,
+    batches: Counter,
 }
 
 impl LedgerMetrics {
@@ -119,6 +120,11 @@ impl LedgerMetrics {
             "Ledger calls that failed (each one applies the failure policy), by kind"
         );
         describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
+        describe_counter!(
+            LEDGER_BATCHES_TOTAL,
+            "create_transfers calls made by batches of single transfers (admitted requests \
+             divided by this: transfers per call)"
+        );
         describe_gauge!(
             LEDGER_IN_FLIGHT_MAX,
             "The bound on TigerBeetle calls in flight"
@@ -146,10 +152,13 @@ impl LedgerMetrics {
             .collect();
         let in_flight = gauge!(LEDGER_IN_FLIGHT);
         in_flight.set(0.0);
+        let batches = counter!(LEDGER_BATCHES_TOTAL);
+        batches.absolute(0);
         LedgerMetrics {
             calls,
             errors,
             in_flight,
+            batches,
         }
     }
 
@@ -163,6 +172,10 @@ impl LedgerMetrics {
 
     pub fn in_flight_set(&self, calls: usize) {
         self.in_flight.set(calls as f64);
+    }
+
+    pub fn batches_set(&self, sent: u64) {
+        self.batches.absolute(sent);
     }
 }
 

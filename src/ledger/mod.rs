@@ -274,11 +274,17 @@ pub enum ConnectError {
     NoAddresses,
     #[error("cannot create the TigerBeetle client: {0}")]
     Client(String),
+    #[error("a batch linger of {linger:?} is longer than the most, {BATCH_LINGER_MAX:?}")]
+    BatchLinger { linger: Duration },
 }
 
 impl Ledger {
     /// Creates the client. It connects lazily: a ledger that is down shows up as call timeouts.
     pub fn connect(settings: &LedgerSettings) -> Result<Self, ConnectError> {
+        let linger = settings.batch_linger;
+        if linger > BATCH_LINGER_MAX {
+            return Err(ConnectError::BatchLinger { linger });
+        }
         let connection = Connection::new(settings.cluster_id, &settings.addresses)?;
         Ok(Ledger {
             client: Arc::new(ArcSwap::from_pointee(connection)),
@@ -624,11 +630,13 @@ impl Ledger {
         .await
     }
 
-    /// Sets the in-flight gauge to the calls in flight now: call it before rendering the metrics.
-    /// Why at a scrape and not at each call: the gauge is one atomic shared by every thread, and
-    /// two changes of it per call cost more than the read of the bound's free places here.
-    pub fn publish_in_flight(&self) {
+    /// Sets the in-flight gauge to the calls in flight now, and the batches' counter to the calls
+    /// they made: call it before rendering the metrics. Why at a scrape and not at each call: a
+    /// metric is one more atomic shared by every thread, and changing it per call costs more than
+    /// reading the bound's free places (and the batches' own count) here.
+    pub fn publish_at_scrape(&self) {
         self.metrics.in_flight_set(self.calls_in_flight());
+        self.metrics.batches_set(self.batching.sent());
     }
 
     /// Calls holding a place under the in-flight bound now: sent, and not answered yet.
