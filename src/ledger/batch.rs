@@ -12,9 +12,11 @@
 //! each transfer its own result. With a linger (`ledger.batch_linger_ms`, opt-in) the task waits
 //! that long instead, never past its first member's deadline, so that requests arriving apart
 //! share a call too: at low rates, where each request would otherwise wake the client's thread
-//! on its own, that trades the linger's latency for fewer wake-ups (BENCHMARKS.md, "Linger"). Results are per event, as TigerBeetle gives them: a batch is n
-//! independent transfers, never a linked chain (those keep their own calls). Bounded:
-//! [`BATCH_TRANSFERS_MAX`] transfers per call.
+//! on its own, that trades the linger's latency for fewer wake-ups (BENCHMARKS.md, run AA). A
+//! batch that fills meanwhile still waits its linger out (the next request opens another): at
+//! most 5 ms, against 128 transfers that take far longer to gather at the rates a linger is for.
+//! Results are per event, as TigerBeetle gives them: a batch is n independent transfers, never a
+//! linked chain (those keep their own calls). Bounded: [`BATCH_TRANSFERS_MAX`] transfers per call.
 //!
 //! The batch's task, not the request, owns what must outlive a request that stops waiting: its
 //! members' in-flight permits (merged, given back at once when the ledger answers) and, for a
