@@ -122,8 +122,8 @@ impl LedgerMetrics {
         describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
         describe_counter!(
             LEDGER_BATCHES_TOTAL,
-            "create_transfers calls made by batches of single transfers (admitted requests \
-             divided by this: transfers per call)"
+            "create_transfers calls made by batches of single transfers (holds, voids, grants, \
+             leases): admitted requests divided by this is about the transfers per call"
         );
         describe_gauge!(
             LEDGER_IN_FLIGHT_MAX,
