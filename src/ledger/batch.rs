@@ -66,7 +66,7 @@ impl Batching {
         }
     }
 
-    /// Calls made so far.
+    /// Calls made so far (counted as their batches open: each one opened is sent).
     pub fn sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
     }
@@ -117,7 +117,7 @@ thread_local! {
 /// batch until the ledger answers.
 pub async fn create_transfer(
     client: Arc<tb::Client>,
-    batching: &Arc<Batching>,
+    batching: &Batching,
     transfer: tb::Transfer,
     leave: Leave,
     deadline: Instant,
@@ -133,7 +133,9 @@ pub async fn create_transfer(
         void_if_abandoned: leave.void_if_abandoned,
     };
     if let Some(opened) = join_or_open(client, transfer, member, leave.in_flight) {
-        let batching = batching.clone();
+        // Counted here, not in the task: every batch opened is sent, and the task then needs no
+        // handle on the count (an Arc's two shared writes per batch).
+        batching.count_sent();
         let linger_until =
             (!batching.linger.is_zero()).then(|| deadline.min(Instant::now() + batching.linger));
         tokio::spawn(async move {
@@ -143,7 +145,6 @@ pub async fn create_transfer(
                 // And every one that comes within the linger.
                 Some(until) => tokio::time::sleep_until(until.into()).await,
             }
-            batching.count_sent();
             send(&opened).await;
         });
     }
