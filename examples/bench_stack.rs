@@ -35,7 +35,7 @@ use actix_web::{test, web, App, HttpResponse};
 use ledger_limiter::config::{FileConfig, Settings};
 use ledger_limiter::http::request_metrics::{HttpMetrics, RecordHttpMetrics};
 use ledger_limiter::http::RateLimit;
-use ledger_limiter::ledger::{Ledger, LedgerSettings};
+use ledger_limiter::ledger::Ledger;
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::{Limiter, Outcome};
 
@@ -218,13 +218,7 @@ async fn start(
         },
     )
     .await?;
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: settings.cluster_id,
-        addresses: vec![embedded.address()],
-        ledger_id: ledger_limiter::ledger::model::LEDGER_REQUEST_RATE,
-        in_flight_max: settings.in_flight_max,
-        batch_linger: settings.batch_linger,
-    })?;
+    let ledger = Ledger::connect(&settings.ledger_settings(vec![embedded.address()]))?;
     let limiter = Arc::new(Limiter::new(
         ledger,
         settings.plans.clone(),

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
 use ledger_limiter::ledger::model::{self, Actor};
-use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerSettings, Unblocking};
+use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
 
@@ -166,13 +166,8 @@ async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
     let LedgerLocation::Cluster { addresses } = &settings.ledger else {
         anyhow::bail!("this command works on a running ledger: give --ledger-addresses");
     };
-    Ok(Ledger::connect(&LedgerSettings {
-        cluster_id: settings.cluster_id,
-        addresses: resolve_addresses(addresses).await?,
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: settings.in_flight_max,
-        batch_linger: settings.batch_linger,
-    })?)
+    let addresses = resolve_addresses(addresses).await?;
+    Ok(Ledger::connect(&settings.ledger_settings(addresses))?)
 }
 
 async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {

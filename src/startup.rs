@@ -22,7 +22,7 @@ use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_C
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
 use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
-use crate::ledger::{model, ConnectError, Ledger, LedgerSettings};
+use crate::ledger::{ConnectError, Ledger};
 use crate::limiter::moves::OPERATOR_EPOCH_INTERVAL;
 use crate::limiter::Limiter;
 use crate::telemetry::span::LimiterRootSpan;
@@ -334,13 +334,7 @@ async fn connect_ledger(
             (vec![embedded.address()], Some(embedded))
         }
     };
-    let ledger = Ledger::connect(&LedgerSettings {
-        cluster_id: settings.cluster_id,
-        addresses,
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: settings.in_flight_max,
-        batch_linger: settings.batch_linger,
-    })?;
+    let ledger = Ledger::connect(&settings.ledger_settings(addresses))?;
     let follower = match &settings.ledger {
         LedgerLocation::Cluster { addresses }
             if addresses.iter().any(|a| a.parse::<SocketAddr>().is_err()) =>

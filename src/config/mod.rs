@@ -15,7 +15,7 @@ use thiserror::Error;
 use crate::envoy::config::RlsConfig;
 use crate::http::admin::AdminSecrets;
 use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
-use crate::ledger::BATCH_LINGER_MAX;
+use crate::ledger::{model, LedgerSettings, BATCH_LINGER_MAX};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
@@ -395,6 +395,18 @@ impl Settings {
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
         Self::from_file_config(defaults.merge(overrides))
+    }
+
+    /// What [`Ledger::connect`](crate::ledger::Ledger::connect) needs from this configuration,
+    /// for the ledger at `addresses` (resolved: the embedded one's, or the cluster's).
+    pub fn ledger_settings(&self, addresses: Vec<SocketAddr>) -> LedgerSettings {
+        LedgerSettings {
+            cluster_id: self.cluster_id,
+            addresses,
+            ledger_id: model::LEDGER_REQUEST_RATE,
+            in_flight_max: self.in_flight_max,
+            batch_linger: self.batch_linger,
+        }
     }
 }
 
