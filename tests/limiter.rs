@@ -688,15 +688,9 @@ async fn a_linger_lets_transfers_that_come_apart_share_one_call() {
 /// A linger past the most is refused when the ledger handle is made, not when a batch waits.
 #[test]
 fn a_linger_past_the_most_is_refused_at_connect() {
-    use ledger::{Ledger, LedgerSettings};
-    let settings = LedgerSettings {
-        cluster_id: 0,
-        addresses: vec![dead_address()],
-        ledger_id: model::LEDGER_REQUEST_RATE,
-        in_flight_max: std::num::NonZeroUsize::new(8).expect("non-zero"),
-        batch_linger: ledger::BATCH_LINGER_MAX + Duration::from_millis(1),
-    };
-    let refused = Ledger::connect(&settings).map(|_| ()).unwrap_err();
+    let too_long = ledger::BATCH_LINGER_MAX + Duration::from_millis(1);
+    let settings = ledger_settings(vec![dead_address()], 8, too_long);
+    let refused = ledger::Ledger::connect(&settings).map(|_| ()).unwrap_err();
     assert!(
         matches!(refused, ledger::ConnectError::BatchLinger { .. }),
         "{refused}"

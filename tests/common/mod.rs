@@ -429,15 +429,24 @@ pub fn ledger_client_with(
     in_flight_max: usize,
     batch_linger: Duration,
 ) -> ledger_limiter::ledger::Ledger {
-    use ledger_limiter::ledger::{model, Ledger, LedgerSettings};
-    Ledger::connect(&LedgerSettings {
+    let settings = ledger_settings(addresses, in_flight_max, batch_linger);
+    ledger_limiter::ledger::Ledger::connect(&settings).expect("a ledger client")
+}
+
+/// What a test's ledger handle is made from: cluster 0, the request-rate ledger.
+pub fn ledger_settings(
+    addresses: Vec<SocketAddr>,
+    in_flight_max: usize,
+    batch_linger: Duration,
+) -> ledger_limiter::ledger::LedgerSettings {
+    use ledger_limiter::ledger::{model, LedgerSettings};
+    LedgerSettings {
         cluster_id: 0,
         addresses,
         ledger_id: model::LEDGER_REQUEST_RATE,
         in_flight_max: std::num::NonZeroUsize::new(in_flight_max).expect("non-zero"),
         batch_linger,
-    })
-    .expect("a ledger client")
+    }
 }
 
 /// One TigerBeetle shared by the tests of a binary; tests keep apart by using fresh keys.
