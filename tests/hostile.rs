@@ -177,6 +177,39 @@ async fn no_key_reaches_another_callers_account_or_the_operators() {
     app.stop().await;
 }
 
+/// One request over a raw socket, the path exactly as written (no client library normalises
+/// it); the answer's head, lowercased.
+fn raw_get(app: &TestApp, path: &str, key: &str) -> String {
+    let mut stream = connect(app);
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nX-Api-Key: {key}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).expect("the server closes");
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encoded_path_pays_its_routes_cost() {
+    let mut config = test_config(shared_ledger().address);
+    config.routes.costs = Some([("/greeting".to_owned(), 3)].into());
+    let app = spawn_app(config).await;
+    // The router decodes `%67` to `g` and serves /greeting; the rules must see that path too.
+    for path in ["/greeting", "/%67reeting", "/gr%65eting?x=1"] {
+        let key = fresh_key("k_");
+        let head = tokio::task::block_in_place(|| raw_get(&app, path, &key));
+        assert!(head.starts_with("http/1.1 200"), "{path}: {head}");
+        // "free" holds 5: a cost of 3 leaves 2.
+        assert!(head.contains("ratelimit: \"free\";r=2;"), "{path}: {head}");
+    }
+    app.stop().await;
+}
+
 /// The smoke of `scripts/soak-callers` (a million new callers, RSS sampled): a stream of callers
 /// never seen before keeps this instance's per-caller memory within its capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

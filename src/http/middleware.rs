@@ -145,7 +145,7 @@ where
                 // Shadow mode and further limits take the long way: they are rare, and both
                 // change what a refusal means.
                 if !shadow && limits.is_none() {
-                    let may_lease = !refund && self.inner.serves_plainly(req.path());
+                    let may_lease = !refund && self.inner.serves_plainly(req.match_info().as_str());
                     match self.inner.limiter.from_memory(&key, cost, may_lease) {
                         Some(FromMemory::Refused(decision)) => {
                             let response = req.into_response(self.inner.refusal(&decision));
@@ -220,7 +220,11 @@ where
         }
         inner.limiter.pass_in_shadow(&decision);
     }
-    let slot = match inner.concurrency.take(req.path(), &key, shadow).await {
+    let slot = match inner
+        .concurrency
+        .take(req.match_info().as_str(), &key, shadow)
+        .await
+    {
         Ok(slot) => slot,
         Err(response) => {
             // Not served, so not charged.

@@ -321,7 +321,8 @@ impl SeriesByPath {
         seconds: f64,
         trace_id: Option<String>,
     ) {
-        let path = request.path();
+        // Decoded as the router decodes it, so an encoded spelling counts under its route.
+        let path = request.match_info().as_str();
         let known = self
             .by_path
             .get(path)

@@ -83,7 +83,9 @@ impl RequestRules {
 
     /// Exempt, rejected or a charge: no ledger call is needed to tell.
     pub fn classify(&self, req: &ServiceRequest) -> Classified {
-        let path = req.path();
+        // The path the router matches: percent-decoded, so `/%72eports` is `/reports` here too
+        // and cannot dodge the route's cost, limits or shadow and refund rules.
+        let path = req.match_info().as_str();
         if self.exempt_paths.iter().any(|p| path_matches(p, path)) {
             return Classified::Exempt;
         }
