@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use futures_util::future::join_all;
+use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::startup::CLIENT_REQUEST_TIMEOUT;
 
 async fn app() -> TestApp {
@@ -208,6 +209,43 @@ async fn an_encoded_path_pays_its_routes_cost() {
         assert!(head.contains("ratelimit: \"free\";r=2;"), "{path}: {head}");
     }
     app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_spelling_an_address_spends_its_own_allowance() {
+    // Keyless callers on the default plan (no anonymous plan), unknown keys welcome: a key that
+    // spells the address's key must still be a caller of its own.
+    let mut config = test_config(shared_ledger().address);
+    // A plan of this test's own, so no other test's keyless requests share its accounts.
+    let name = format!("free{:08x}", rand::random::<u32>());
+    config.plans = Some([(name.clone(), plan(2, 60))].into());
+    config.default_plan = Some(name);
+    config.caller.source = Some("header-or-peer-ip".into());
+    let app = spawn_app(config).await;
+    let address = CallerKey::from_ip("127.0.0.1".parse().unwrap());
+    let address_account = app.limiter.account_of(&address).unwrap();
+    let before = held_by(&app, address_account).await;
+    for spelling in ["ip:127.0.0.1", "ip_127.0.0.1", "127.0.0.1"] {
+        assert_ne!(account_id(&app, spelling), address_account, "{spelling}");
+        assert_eq!(app.get("/greeting", Some(spelling)).await.status(), 200);
+    }
+    assert_eq!(
+        held_by(&app, address_account).await,
+        before,
+        "a key spent the address's"
+    );
+    app.stop().await;
+}
+
+async fn held_by(app: &TestApp, account_id: u128) -> u128 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let audit = app
+        .limiter
+        .ledger()
+        .audit(account_id, deadline)
+        .await
+        .unwrap();
+    audit.map_or(0, |audit| audit.debits_pending)
 }
 
 /// The smoke of `scripts/soak-callers` (a million new callers, RSS sampled): a stream of callers

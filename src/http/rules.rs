@@ -586,7 +586,7 @@ mod tests {
         let req = TestRequest::default()
             .peer_addr("10.1.2.3:4000".parse().unwrap())
             .to_srv_request();
-        assert_eq!(r.caller_key(&req).unwrap().expose_secret(), "ip:10.1.2.3");
+        assert_eq!(r.caller_key(&req).unwrap().expose_secret(), "ip 10.1.2.3");
         let req = TestRequest::default().to_srv_request();
         assert_eq!(r.caller_key(&req), Err(KeyError::NoPeerAddress));
     }

@@ -45,7 +45,7 @@ pub enum KeyError {
 pub enum KeyKind {
     /// An API key: the keys file, then the prefixes, then the unknown-keys rule pick its plan.
     ApiKey,
-    /// A network address: always the default plan.
+    /// A network address: `caller.anonymous_plan` (the default plan unless set).
     Address,
 }
 
@@ -87,10 +87,13 @@ impl CallerKey {
         })
     }
 
-    /// A caller identified by address: the key is the canonical text of the IP.
+    /// A caller identified by address: the key is `ip ` and the canonical text of the IP. The
+    /// space is what no API key may hold ([`is_valid_key`]), so no key spells an address's key
+    /// and spends its allowance (the account id, the id cache and every per-key map derive from
+    /// these bytes).
     pub fn from_ip(ip: IpAddr) -> Self {
         CallerKey {
-            secret: format!("ip:{ip}"),
+            secret: format!("ip {ip}"),
             kind: KeyKind::Address,
         }
     }
@@ -179,6 +182,22 @@ mod tests {
                 && value.len() <= length_max
                 && value.iter().all(|b| (0x21..=0x7e).contains(b));
             prop_assert_eq!(accepted, expected);
+        }
+
+        #[test]
+        fn no_api_key_spells_an_address(
+            ip in any::<std::net::IpAddr>(),
+            spelling in prop_oneof![Just("ip:"), Just("ip "), Just("ip"), Just("")],
+        ) {
+            let address = CallerKey::from_ip(ip);
+            let typed = format!("{spelling}{ip}");
+            if let Ok(key) = CallerKey::from_header_value(H, typed.as_bytes(), 128) {
+                prop_assert_ne!(key.expose_secret(), address.expose_secret());
+                prop_assert_ne!(key.key_id(), address.key_id());
+            }
+            // The address's own bytes are never a key.
+            let own = address.expose_secret().as_bytes();
+            prop_assert!(CallerKey::from_header_value(H, own, 128).is_err());
         }
     }
 }
