@@ -208,6 +208,43 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies() {
         assert_eq!(get_from(&app, &address).await.0, 429, "{address}");
     }
     app.stop().await;
+
+    // A proxy that writes `Forwarded` and passes the client's own `X-Forwarded-For` on: only
+    // the header the proxy writes names the caller, so the client's claim spends nothing.
+    let (mut config, _) = anonymous(Some(vec!["127.0.0.1".into()]));
+    config.caller.forwarded_header = Some("forwarded".into());
+    let app = spawn_app(config).await;
+    let victim = format!("198.51.{run}.9");
+    for (client, expected) in [(1, 200), (2, 200), (3, 200)] {
+        let response = app
+            .http
+            .get(format!("{}/greeting", app.address))
+            .header("Forwarded", format!("for=203.0.{run}.{client}"))
+            .header("X-Forwarded-For", victim.as_str())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), expected, "{client}");
+    }
+    assert_eq!(
+        get_forwarded(&app, &victim).await,
+        200,
+        "the victim's allowance was spent"
+    );
+    assert_eq!(get_forwarded(&app, &victim).await, 200);
+    assert_eq!(get_forwarded(&app, &victim).await, 429);
+    app.stop().await;
+}
+
+async fn get_forwarded(app: &TestApp, address: &str) -> u16 {
+    let response = app
+        .http
+        .get(format!("{}/greeting", app.address))
+        .header("Forwarded", format!("for={address}"))
+        .send()
+        .await
+        .unwrap();
+    response.status().as_u16()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,7 @@ use thiserror::Error;
 
 use crate::envoy::config::RlsConfig;
 use crate::http::admin::AdminSecrets;
-use crate::http::{RequestRules, RequestRulesBuilder, RulesError};
+use crate::http::{ForwardedHeader, RequestRules, RequestRulesBuilder, RulesError};
 use crate::ledger::{model, LedgerSettings, BATCH_LINGER_MAX};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
@@ -146,6 +146,8 @@ pub struct CallerFile {
     pub anonymous_plan: Option<String>,
     /// Proxies (addresses or blocks) whose X-Forwarded-For / Forwarded name the caller.
     pub trusted_proxies: Option<Vec<String>>,
+    /// The header the trusted proxies write: `x-forwarded-for` (the default) or `forwarded`.
+    pub forwarded_header: Option<String>,
     pub header: Option<String>,
     pub key_length_max: Option<usize>,
     pub unknown_keys: Option<String>,
@@ -240,6 +242,7 @@ impl FileConfig {
         take!(caller.source);
         take!(caller.anonymous_plan);
         take!(caller.trusted_proxies);
+        take!(caller.forwarded_header);
         take!(caller.header);
         take!(caller.key_length_max);
         take!(caller.unknown_keys);
@@ -369,6 +372,7 @@ impl Settings {
         let admin = admin_settings(file.admin)?;
         let rls = rls_settings(file.rls)?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
+        let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
         let rules = route_limits(rules, file.limits, file.routes.limits.clone())?;
         let rules = request_rules(rules, file.routes, file.response)
@@ -482,6 +486,17 @@ fn key_rules(
     Ok(proxies
         .into_iter()
         .fold(rules, RequestRulesBuilder::trusted_proxy))
+}
+
+/// The header trusted proxies name callers in; `X-Forwarded-For` unless set.
+fn forwarded_header(name: Option<String>) -> Result<ForwardedHeader, ConfigError> {
+    let Some(name) = name else {
+        return Ok(ForwardedHeader::default());
+    };
+    ForwardedHeader::parse(&name).ok_or_else(|| {
+        let detail = format!("{name:?} is neither \"x-forwarded-for\" nor \"forwarded\"");
+        invalid("caller.forwarded_header", detail)
+    })
 }
 
 /// The `[routes]` and `[response]` rules, for the builder to check against the plans.
@@ -745,6 +760,9 @@ mod tests {
         assert_eq!(err.setting, "plans");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();
         assert_eq!(err.setting, "caller.header");
+        let err = with("[caller]\nforwarded_header = \"x-real-ip\"").unwrap_err();
+        assert_eq!(err.setting, "caller.forwarded_header");
+        assert!(with("[caller]\nforwarded_header = \"Forwarded\"").is_ok());
         let err = FileConfig::parse("[ledger]\ntimeout = 5", "f.toml").unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);
         assert!(

@@ -1,6 +1,9 @@
 //! The caller's address: the peer's, or, only when the peer is a configured trusted proxy, the
-//! address that proxy says it forwarded for (`X-Forwarded-For`, else RFC 7239 `Forwarded`).
-//! Anyone else's forwarding headers are ignored: a client cannot choose whose allowance it spends.
+//! address that proxy says it forwarded for, in the one header the proxies write
+//! (`X-Forwarded-For` or RFC 7239 `Forwarded`, [`ForwardedHeader`]). Anyone else's forwarding
+//! headers are ignored, and so is the other header (a client may send it through a proxy that
+//! passes it on): a client cannot choose whose allowance it spends. IPv4 addresses mapped into
+//! IPv6 (`::ffff:10.1.2.3`, what a dual-stack listener sees) are taken as the IPv4 address.
 
 use std::net::IpAddr;
 
@@ -10,6 +13,27 @@ use actix_web::http::header::{HeaderName, FORWARDED};
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// At most this many forwarded addresses are read from a request (a bound on attacker input).
 const FORWARDED_HOPS_MAX: usize = 32;
+
+/// The header trusted proxies name the caller in; the other one is never read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For` (nginx, HAProxy, Envoy, cloud load balancers).
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=`.
+    Forwarded,
+}
+
+impl ForwardedHeader {
+    /// `x-forwarded-for` or `forwarded`, as the configuration names them.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "x-forwarded-for" => Some(ForwardedHeader::XForwardedFor),
+            "forwarded" => Some(ForwardedHeader::Forwarded),
+            _ => None,
+        }
+    }
+}
 
 /// An address block: `10.0.0.0/8`, `::1/128`, or a single address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,7 +58,7 @@ impl Cidr {
     }
 
     pub fn contains(&self, address: IpAddr) -> bool {
-        let (network, address, width) = match (self.network, address) {
+        let (network, address, width) = match (self.network, address.to_canonical()) {
             (IpAddr::V4(n), IpAddr::V4(a)) => (u32::from(n).into(), u32::from(a).into(), 32),
             (IpAddr::V6(n), IpAddr::V6(a)) => (u128::from(n), u128::from(a), 128),
             _ => return false,
@@ -45,14 +69,18 @@ impl Cidr {
     }
 }
 
-/// The caller's address as `trusted` proxies report it, or the peer's own.
-pub fn client_ip(req: &ServiceRequest, trusted: &[Cidr]) -> Option<IpAddr> {
-    let peer = req.peer_addr()?.ip();
+/// The caller's address as `trusted` proxies report it in `header`, or the peer's own.
+pub fn client_ip(
+    req: &ServiceRequest,
+    trusted: &[Cidr],
+    header: ForwardedHeader,
+) -> Option<IpAddr> {
+    let peer = req.peer_addr()?.ip().to_canonical();
     let is_trusted = |ip: IpAddr| trusted.iter().any(|cidr| cidr.contains(ip));
     if !is_trusted(peer) {
         return Some(peer);
     }
-    let hops = forwarded_for(req);
+    let hops = forwarded_for(req, header);
     // From the nearest hop outwards: the first address not of a trusted proxy is the client.
     Some(
         hops.iter()
@@ -64,18 +92,17 @@ pub fn client_ip(req: &ServiceRequest, trusted: &[Cidr]) -> Option<IpAddr> {
     )
 }
 
-/// The forwarded-for chain, oldest first: `X-Forwarded-For` if present, else `Forwarded: for=`.
-fn forwarded_for(req: &ServiceRequest) -> Vec<IpAddr> {
+/// The forwarded-for chain in `header`, oldest first, at most [`FORWARDED_HOPS_MAX`] hops.
+fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<IpAddr> {
     let headers = req.headers();
-    let xff: Vec<&str> = headers
-        .get_all(X_FORWARDED_FOR)
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .collect();
-    let items: Vec<String> = if !xff.is_empty() {
-        xff.iter().map(|s| s.trim().to_owned()).collect()
-    } else {
-        headers
+    let items: Vec<String> = match header {
+        ForwardedHeader::XForwardedFor => headers
+            .get_all(X_FORWARDED_FOR)
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(|item| item.trim().to_owned())
+            .collect(),
+        ForwardedHeader::Forwarded => headers
             .get_all(FORWARDED)
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
@@ -86,7 +113,7 @@ fn forwarded_for(req: &ServiceRequest) -> Vec<IpAddr> {
                         .then(|| value.trim().to_owned())
                 })
             })
-            .collect()
+            .collect(),
     };
     items
         .iter()
@@ -94,6 +121,7 @@ fn forwarded_for(req: &ServiceRequest) -> Vec<IpAddr> {
         .take(FORWARDED_HOPS_MAX)
         .rev()
         .filter_map(|item| parse_node(item))
+        .map(|ip| ip.to_canonical())
         .collect()
 }
 
@@ -135,27 +163,57 @@ mod tests {
     #[test]
     fn forwarding_headers_count_only_from_trusted_proxies() {
         let proxy = [Cidr::parse("127.0.0.1").unwrap()];
-        let from = |peer: &str, header: (&str, &str)| {
+        let from = |peer: &str, header: (&str, &str), written: ForwardedHeader| {
             let req = TestRequest::default()
                 .peer_addr(format!("{peer}:5000").parse().unwrap())
                 .insert_header(header)
                 .to_srv_request();
-            client_ip(&req, &proxy).unwrap()
+            client_ip(&req, &proxy, written).unwrap()
         };
+        let xff = ForwardedHeader::XForwardedFor;
         // A stranger's claim is ignored.
         assert_eq!(
-            from("9.9.9.9", ("x-forwarded-for", "1.2.3.4")),
+            from("9.9.9.9", ("x-forwarded-for", "1.2.3.4"), xff),
             ip("9.9.9.9")
         );
         // The proxy's is believed: the nearest address that is not a trusted proxy.
-        let xff = ("x-forwarded-for", "6.6.6.6, 1.2.3.4, 127.0.0.1");
-        assert_eq!(from("127.0.0.1", xff), ip("1.2.3.4"));
+        let chain = ("x-forwarded-for", "6.6.6.6, 1.2.3.4, 127.0.0.1");
+        assert_eq!(from("127.0.0.1", chain, xff), ip("1.2.3.4"));
         let fwd = ("forwarded", "for=\"[2001:db8::1]:443\";proto=https");
-        assert_eq!(from("127.0.0.1", fwd), ip("2001:db8::1"));
+        let written = ForwardedHeader::Forwarded;
+        assert_eq!(from("127.0.0.1", fwd, written), ip("2001:db8::1"));
+        let unknown = ("forwarded", "for=unknown");
+        assert_eq!(from("127.0.0.1", unknown, written), ip("127.0.0.1"));
+        // The header the proxies do not write is the client's own: never read.
+        assert_eq!(from("127.0.0.1", fwd, xff), ip("127.0.0.1"));
+        assert_eq!(from("127.0.0.1", chain, written), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn mapped_ipv4_is_the_ipv4_address() {
+        let proxy = [Cidr::parse("10.0.0.0/8").unwrap()];
+        let req = TestRequest::default()
+            .peer_addr("[::ffff:10.1.2.3]:5000".parse().unwrap())
+            .insert_header(("x-forwarded-for", "::ffff:203.0.113.7"))
+            .to_srv_request();
+        let found = client_ip(&req, &proxy, ForwardedHeader::XForwardedFor);
+        assert_eq!(found, Some(ip("203.0.113.7")));
+        let req = TestRequest::default()
+            .peer_addr("[::ffff:192.0.2.1]:5000".parse().unwrap())
+            .to_srv_request();
+        let found = client_ip(&req, &proxy, ForwardedHeader::XForwardedFor);
+        assert_eq!(found, Some(ip("192.0.2.1")));
+    }
+
+    #[test]
+    fn forwarded_header_names() {
+        let parse = ForwardedHeader::parse;
         assert_eq!(
-            from("127.0.0.1", ("forwarded", "for=unknown")),
-            ip("127.0.0.1")
+            parse("X-Forwarded-For"),
+            Some(ForwardedHeader::XForwardedFor)
         );
+        assert_eq!(parse("forwarded"), Some(ForwardedHeader::Forwarded));
+        assert_eq!(parse("x-real-ip"), None);
     }
 
     proptest! {
@@ -167,7 +225,9 @@ mod tests {
                 .insert_header(("forwarded", value))
                 .to_srv_request();
             let trusted = [Cidr::parse("127.0.0.0/8").unwrap()];
-            prop_assert!(client_ip(&req, &trusted).is_some());
+            for header in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
+                prop_assert!(client_ip(&req, &trusted, header).is_some());
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod routes;
 pub mod rules;
 pub mod slot_body;
 
+pub use client_ip::ForwardedHeader;
 pub use concurrency::ConcurrencyLimits;
 pub use middleware::RateLimit;
 pub use rules::{KeySource, RequestRules, RequestRulesBuilder, RulesError};

@@ -11,7 +11,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::http::StatusCode;
 use thiserror::Error;
 
-use super::client_ip::{client_ip, Cidr};
+use super::client_ip::{client_ip, Cidr, ForwardedHeader};
 use super::headers::HeaderStyles;
 
 use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
@@ -69,6 +69,8 @@ pub struct RequestRules {
     missing_key_status: StatusCode,
     /// Proxies whose `X-Forwarded-For` / `Forwarded` are believed; nobody else's are.
     trusted_proxies: Vec<Cidr>,
+    /// The one header the trusted proxies name the caller in.
+    forwarded_header: ForwardedHeader,
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
     route_limits: Vec<(String, Arc<[Plan]>)>,
     /// A response header in which handlers report what a request actually cost.
@@ -149,7 +151,7 @@ impl RequestRules {
     }
 
     fn address(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
-        client_ip(req, &self.trusted_proxies)
+        client_ip(req, &self.trusted_proxies, self.forwarded_header)
             .map(CallerKey::from_ip)
             .ok_or(KeyError::NoPeerAddress)
     }
@@ -267,6 +269,7 @@ pub struct RequestRulesBuilder {
     /// With a key header: callers without the header are known by their address.
     anonymous: bool,
     trusted_proxies: Vec<String>,
+    forwarded_header: ForwardedHeader,
     key_length_max: usize,
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
@@ -284,6 +287,7 @@ impl Default for RequestRulesBuilder {
             key_header: Some(KEY_HEADER_DEFAULT.to_owned()),
             anonymous: false,
             trusted_proxies: Vec::new(),
+            forwarded_header: ForwardedHeader::default(),
             key_length_max: KEY_LENGTH_MAX_DEFAULT,
             exempt_paths: Vec::new(),
             costs: Vec::new(),
@@ -322,6 +326,12 @@ impl RequestRulesBuilder {
     /// caller's address. No proxy is trusted by default.
     pub fn trusted_proxy(mut self, cidr: impl Into<String>) -> Self {
         self.trusted_proxies.push(cidr.into());
+        self
+    }
+
+    /// The header the trusted proxies write (`X-Forwarded-For` unless set); the other is ignored.
+    pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
+        self.forwarded_header = header;
         self
     }
 
@@ -448,6 +458,7 @@ impl RequestRulesBuilder {
             header_styles,
             missing_key_status,
             trusted_proxies,
+            forwarded_header: self.forwarded_header,
             route_limits,
             cost_header,
         })
