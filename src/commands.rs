@@ -197,7 +197,12 @@ fn read_key() -> anyhow::Result<CallerKey> {
 
 fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
     if let Some(hex) = &caller.account_id {
-        return model::parse_account_id(hex).context("--account-id is 32 hex digits");
+        let id = model::parse_account_id(hex).context("--account-id is 32 hex digits")?;
+        anyhow::ensure!(
+            model::is_caller_account_id(id),
+            "--account-id is the operator's own account, not a caller's"
+        );
+        return Ok(id);
     }
     let key = read_key()?;
     let plan = settings

@@ -286,6 +286,15 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
     assert_eq!(status, 403);
     let (status, _) = admin.send("GET", &path, Some(SECRET), None).await;
     assert_eq!(status, 404, "no such account");
+    // The operator's own accounts (the grants' source, the operator epoch) are nobody's to block.
+    for internal in [1u128, 1 << 64 | 1] {
+        let block = json!({"seconds": 60, "reason": "x"});
+        let internal = format!("/admin/callers/{internal:032x}/block");
+        let (status, problem) = admin
+            .send("POST", &internal, Some(SECRET), Some(block))
+            .await;
+        assert_eq!(status, 404, "{internal}: {problem}");
+    }
     let (status, problem) = admin
         .send("GET", "/admin/callers/nope", Some(SECRET), None)
         .await;
@@ -316,6 +325,33 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
         401,
         "the service's listener only knows callers"
     );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_is_judged_only_after_the_secret_and_with_the_right_status() {
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let url = admin.url("/admin/callers/lookup");
+    let post = |secret: Option<&str>, content_type: &str, body: String| {
+        let mut request = app.http.post(&url).header("content-type", content_type);
+        if let Some(secret) = secret {
+            request = request.bearer_auth(secret);
+        }
+        async move { request.body(body).send().await.unwrap().status().as_u16() }
+    };
+    let json = "application/json";
+    let unknown_field = r#"{"nope": 1}"#.to_owned();
+    // Strangers learn nothing of the body's shape: the secret is judged first.
+    assert_eq!(post(None, json, unknown_field.clone()).await, 401);
+    let wrong = Some("admin-secret-for-tests-0003");
+    assert_eq!(post(wrong, json, unknown_field.clone()).await, 403);
+    // An operator's mistakes, each with its own status.
+    assert_eq!(post(Some(SECRET), json, unknown_field).await, 400);
+    let key = r#"{"key": "k"}"#.to_owned();
+    assert_eq!(post(Some(SECRET), "text/plain", key).await, 415);
+    let huge = format!(r#"{{"key": "{}"}}"#, "k".repeat(8 * 1024));
+    assert_eq!(post(Some(SECRET), json, huge).await, 413);
     app.stop().await;
 }
 
@@ -505,6 +541,10 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     let (code, _, err) = run(&["admin", "unblock", "--account-id", "xyz"], None);
     assert_eq!(code, Some(1));
     assert!(err.contains("32 hex digits"), "{err}");
+    let operator = format!("{:032x}", 1);
+    let (code, _, err) = run(&["admin", "unblock", "--account-id", &operator], None);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("operator's own account"), "{err}");
     app.stop().await;
 }
 

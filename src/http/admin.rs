@@ -9,11 +9,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use actix_web::dev::Payload;
+use actix_web::error::{InternalError, JsonPayloadError};
 use actix_web::http::header::{HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
 use actix_web::http::StatusCode;
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::future::{ready, Ready};
 
 use super::problem::{self, ProblemKind};
 use crate::ledger::audit::AccountAudit;
@@ -30,6 +33,8 @@ pub const SECRET_LENGTH_MIN: usize = 16;
 /// The longest block: a week (a longer one is a plan change, or a key revoked).
 pub const BLOCK_SECONDS_MAX: u32 = 7 * 24 * 3600;
 const DEADLINE: Duration = Duration::from_secs(5);
+/// The largest admin request body (every one is a few short fields).
+const JSON_BYTES_MAX: usize = 4096;
 
 /// The configured secrets, as digests. `Debug` shows how many, never which.
 #[derive(Clone)]
@@ -88,12 +93,20 @@ pub struct AdminState {
 
 /// The admin routes, under `/admin`.
 pub fn configure(config: &mut web::ServiceConfig) {
-    // Bad JSON is a problem+json 400 like every other refusal, and bodies are small.
+    // A body that is not what a handler takes is a problem+json like every other refusal: 413
+    // when too large (bodies are small), 415 when not JSON, else 400. Only authorized requests
+    // get this far ([`Authorized`] comes first), so the fields' names are not for strangers.
     let json = web::JsonConfig::default()
-        .limit(4096)
+        .limit(JSON_BYTES_MAX)
         .error_handler(|error, _| {
-            let response = admin_problem(StatusCode::BAD_REQUEST, &error.to_string());
-            actix_web::error::InternalError::from_response(error, response).into()
+            let status = match &error {
+                JsonPayloadError::Overflow { .. }
+                | JsonPayloadError::OverflowKnownLength { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                JsonPayloadError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            let response = admin_problem(status, &error.to_string());
+            InternalError::from_response(error, response).into()
         });
     config
         .app_data(json)
@@ -144,29 +157,43 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
     })
 }
 
-/// Who acts (the secret's number) on which account (the path's id), or the 400/401/403 answer.
-fn authorized_account(
-    req: &HttpRequest,
-    state: &AdminState,
-    path: &str,
-) -> Result<(u64, u128), Box<HttpResponse>> {
-    let who = authorize(req, state)?;
-    Ok((who, account_id(path)?))
+/// Who acts: the number of the secret presented. Every handler takes it first: actix extracts
+/// a handler's arguments in order and stops at the first refusal, so a request without a valid
+/// secret is answered 401/403 before its body is read or judged.
+struct Authorized(u64);
+
+impl FromRequest for Authorized {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let state = req.app_data::<web::Data<AdminState>>();
+        let state = state.expect("the admin routes are served with their state");
+        let authorized = authorize(req, state).map(Authorized).map_err(|response| {
+            InternalError::from_response("admin authorization", *response).into()
+        });
+        ready(authorized)
+    }
 }
 
 fn account_id(path: &str) -> Result<u128, Box<HttpResponse>> {
     let message = "an account id is 32 hex digits";
-    crate::ledger::model::parse_account_id(path)
-        .ok_or_else(|| Box::new(admin_problem(StatusCode::BAD_REQUEST, message)))
+    let id = crate::ledger::model::parse_account_id(path)
+        .ok_or_else(|| Box::new(admin_problem(StatusCode::BAD_REQUEST, message)))?;
+    if !crate::ledger::model::is_caller_account_id(id) {
+        let message = "no such caller: the operator's own accounts are not callers";
+        return Err(Box::new(admin_problem(StatusCode::NOT_FOUND, message)));
+    }
+    Ok(id)
 }
 
 async fn inspect(
-    req: HttpRequest,
+    _: Authorized,
     path: web::Path<String>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    let id = match authorized_account(&req, &state, &path) {
-        Ok((_, id)) => id,
+    let id = match account_id(&path) {
+        Ok(id) => id,
         Err(response) => return *response,
     };
     match state
@@ -195,13 +222,10 @@ struct Found {
 
 /// A caller's account from its key (over this authenticated API only; the key is never logged).
 async fn lookup(
-    req: HttpRequest,
+    _: Authorized,
     body: web::Json<Lookup>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    if let Err(response) = authorize(&req, &state) {
-        return *response;
-    }
     let Ok(key) = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
     else {
         return admin_problem(StatusCode::BAD_REQUEST, "not a valid key");
@@ -279,13 +303,13 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
 /// Takes credit from a caller for good (`reduce: true`, abuse, a refund owed to us) or gives it
 /// more for good (a top-up: a higher limit per window). Only credit not held can be taken (409).
 async fn adjust(
-    req: &HttpRequest,
+    Authorized(who): Authorized,
     path: &str,
     body: &Adjustment,
     state: &AdminState,
     reduce: bool,
 ) -> Result<HttpResponse, Box<HttpResponse>> {
-    let (who, id) = authorized_account(req, state, path)?;
+    let id = account_id(path)?;
     let amount = amount(body.amount)?;
     let actor = actor(who, &body.reason)?;
     let deadline = Instant::now() + DEADLINE;
@@ -311,23 +335,23 @@ async fn adjust(
 }
 
 async fn reduce(
-    req: HttpRequest,
+    who: Authorized,
     path: web::Path<String>,
     body: web::Json<Adjustment>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    adjust(&req, &path, &body, &state, true)
+    adjust(who, &path, &body, &state, true)
         .await
         .unwrap_or_else(|response| *response)
 }
 
 async fn top_up(
-    req: HttpRequest,
+    who: Authorized,
     path: web::Path<String>,
     body: web::Json<Adjustment>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    adjust(&req, &path, &body, &state, false)
+    adjust(who, &path, &body, &state, false)
         .await
         .unwrap_or_else(|response| *response)
 }
@@ -335,13 +359,13 @@ async fn top_up(
 /// Refuses every request of the caller, on every instance, for `seconds` (403 with Retry-After),
 /// or until unblocked. The caller's holds still expire as usual.
 async fn block(
-    req: HttpRequest,
+    Authorized(who): Authorized,
     path: web::Path<String>,
     body: web::Json<Block>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
     let blocked = async {
-        let (who, id) = authorized_account(&req, &state, &path)?;
+        let id = account_id(&path)?;
         if body.seconds == 0 || body.seconds > BLOCK_SECONDS_MAX {
             let detail = format!("seconds must be between 1 and {BLOCK_SECONDS_MAX}");
             return Err(Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail)));
@@ -370,12 +394,12 @@ async fn block(
 
 /// Ends a block now.
 async fn unblock(
-    req: HttpRequest,
+    Authorized(who): Authorized,
     path: web::Path<String>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    let (who, id) = match authorized_account(&req, &state, &path) {
-        Ok(found) => found,
+    let id = match account_id(&path) {
+        Ok(id) => id,
         Err(response) => return *response,
     };
     let deadline = Instant::now() + DEADLINE;
@@ -403,13 +427,12 @@ struct Move {
 /// Moves a caller (by key: the new plan's account derives from it) to another plan, carrying
 /// what it holds, so the move gives it no fresh credit. Every instance follows the move.
 async fn move_caller(
-    req: HttpRequest,
+    Authorized(who): Authorized,
     body: web::Json<Move>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
     use crate::limiter::moves::MoveError;
     let moved = async {
-        let who = authorize(&req, &state)?;
         let actor = actor(who, &body.reason)?;
         let key = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
             .map_err(|_| Box::new(admin_problem(StatusCode::BAD_REQUEST, "not a valid key")))?;
@@ -463,8 +486,10 @@ mod tests {
 
     #[test]
     fn account_ids_are_32_hex_digits() {
-        assert!(account_id("00000000000000000000000000000001").is_ok());
-        assert!(account_id("0x00000000000000000000000000000001").is_ok());
+        assert!(account_id("80000000000000000000000000000001").is_ok());
+        assert!(account_id("0x80000000000000000000000000000001").is_ok());
+        // The operator's own accounts (top bit clear) are no caller's.
+        assert!(account_id("00000000000000000000000000000001").is_err());
         assert!(account_id("1").is_err());
         assert!(account_id("zz000000000000000000000000000001").is_err());
     }

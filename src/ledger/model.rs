@@ -154,6 +154,13 @@ impl Actor {
     }
 }
 
+/// Whether `id` can be a caller's account: every derived id has the top bit set, and the
+/// operator's accounts (the grants' source, the operator epoch) have it clear, so that no admin
+/// request or command can block, debit or credit them as if they were a caller.
+pub fn is_caller_account_id(id: u128) -> bool {
+    id & USER_ID_BIT != 0
+}
+
 /// An account id as operators write it: 32 hex digits, `0x` allowed.
 pub fn parse_account_id(text: &str) -> Option<u128> {
     let hex = text.trim_start_matches("0x");
@@ -350,6 +357,7 @@ mod tests {
             prop_assert!(id != 0 && id != u128::MAX && id != OPERATOR_ACCOUNT_ID);
             prop_assert!(id != operator_epoch_account_id(ledger));
             prop_assert!(id & USER_ID_BIT != 0);
+            prop_assert!(is_caller_account_id(id));
             let grant = grant_transfer_id(id);
             prop_assert!(grant != 0 && grant != u128::MAX);
         }
