@@ -97,7 +97,27 @@ pub struct RlsSettings {
 pub struct AdminFile {
     pub listen: Option<String>,
     /// Bearer tokens (several, for rotation). Prefer `LEDGER_LIMITER_ADMIN_SECRETS`.
+    #[serde(default, deserialize_with = "secrets_unquoted")]
     pub secrets: Option<Vec<String>>,
+}
+
+/// `admin.secrets`, whose errors never quote what was found: serde's own would print a secret
+/// given as one string (`invalid type: string "…"`) to the log.
+fn secrets_unquoted<'de, D>(deserializer: D) -> Result<Option<Vec<String>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::Error;
+    let items = match Option::<toml::Value>::deserialize(deserializer)? {
+        None => return Ok(None),
+        Some(toml::Value::Array(items)) => items,
+        Some(_) => return Err(D::Error::custom("must be a list of strings (not shown)")),
+    };
+    let strings = items.into_iter().map(|item| match item {
+        toml::Value::String(secret) => Ok(secret),
+        _ => Err(D::Error::custom("each secret must be a string (not shown)")),
+    });
+    strings.collect::<Result<Vec<_>, _>>().map(Some)
 }
 
 impl std::fmt::Debug for AdminFile {
@@ -771,6 +791,27 @@ mod tests {
             err.message
         );
         assert_eq!(err.setting, "f.toml");
+    }
+
+    #[test]
+    fn admin_secrets_of_the_wrong_type_are_refused_unquoted() {
+        let secret = "a-secret-given-as-one-string";
+        for text in [
+            format!("[admin]\nsecrets = \"{secret}\""),
+            format!("[admin]\nsecrets = [\"{secret}\", 1234567890123456789]"),
+            "[admin]\nsecrets = 1234567890123456789".to_owned(),
+        ] {
+            let err = FileConfig::parse(&text, "f.toml").unwrap_err();
+            assert!(!err.to_string().contains(secret), "{err}");
+            assert!(!err.to_string().contains("1234567890"), "{err}");
+            assert!(err.to_string().contains("string"), "{err}");
+        }
+        let file = FileConfig::parse(&format!("[admin]\nsecrets = [\"{secret}\"]"), "f").unwrap();
+        assert_eq!(file.admin.secrets, Some(vec![secret.to_owned()]));
+        assert_eq!(
+            FileConfig::parse("[admin]", "f").unwrap().admin.secrets,
+            None
+        );
     }
 
     #[test]
