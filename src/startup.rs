@@ -354,16 +354,21 @@ async fn connect_ledger(
 
 /// Health, readiness and metrics: outside the limiter, the request span and the request latency
 /// histogram, so probes and scrapes never show up as traffic (nor as exemplars on the dashboard).
-fn operational_routes(config: &mut web::ServiceConfig, exporters: &Exporters) {
+fn operational_routes(
+    config: &mut web::ServiceConfig,
+    rate_limit: &RateLimit,
+    exporters: &Exporters,
+) {
     config
         .route("/healthz", web::get().to(routes::healthz))
         .route("/readyz", web::get().to(routes::readyz));
     if let Some(handle) = exporters.prometheus.clone() {
+        let rate_limit = rate_limit.clone();
         config.route(
             "/metrics",
             web::get().to(move |limiter: web::Data<Limiter>| {
-                // The limiter counts per thread: what was decided before this scrape is in it.
-                limiter.drain_counts();
+                // The limiters count per thread: what was decided before this scrape is in it.
+                rate_limit.drain_counts();
                 limiter.ledger().publish_at_scrape();
                 let body = handle.render();
                 async move {
@@ -414,6 +419,6 @@ fn all_routes(config: &mut web::ServiceConfig, rate_limit: &RateLimit, exporters
         limited!(web::resource("/greeting"), rate_limit.clone(), exporters)
             .route(web::get().to(routes::greeting)),
     );
-    operational_routes(config, exporters);
+    operational_routes(config, rate_limit, exporters);
     config.service(limited!(web::scope(""), rate_limit.clone(), exporters));
 }

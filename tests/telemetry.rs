@@ -293,3 +293,82 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
     assert!(http_metrics.render().contains(&sampled));
     app.stop().await;
 }
+
+/// The sum of `name`'s series in a scrape whose labels include every one of `labels`.
+fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A concurrency slot is a second decision on the request: it must not overwrite the caller's
+/// span fields, its counts are in the next scrape, a request refused a slot is no refund, and
+/// in shadow mode a refused slot is counted as passed in shadow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_are() {
+    telemetry(); // first: it sets the environment, before this test starts anything
+    let plan_name = format!("slots{:08x}", rand::random::<u32>());
+    let config = |shadow: bool| {
+        let mut config = test_config(shared_ledger().address);
+        config.plans = Some([(plan_name.clone(), plan(1000, 30))].into());
+        config.default_plan = Some(plan_name.clone());
+        config.routes.concurrency = Some([("/greeting".to_owned(), 1)].into());
+        config.routes.shadow = shadow.then(|| vec!["/*".to_owned()]);
+        config
+    };
+    let (app, _) = spawn_observed_app(config(false)).await;
+    let key = fresh_key("secret_");
+    let trace = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &trace).await.status(), 200);
+    let spans = server_spans_of_trace(&trace).await;
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some());
+    let server = server.expect("a server span with the decision");
+    assert_eq!(attribute(server, "ratelimit.plan").unwrap(), plan_name);
+    let account = app.limiter.account_of(&caller(&key)).unwrap();
+    let user_id = attribute(server, "user.id").unwrap();
+    assert_eq!(
+        user_id,
+        format!("{account:032x}"),
+        "the caller's own account"
+    );
+
+    // One slot, many requests at once: some are refused a slot (429), none of them a refund.
+    let refused = burst(&app, &key)
+        .await
+        .iter()
+        .filter(|s| s.as_u16() == 429)
+        .count();
+    assert!(refused > 0, "40 requests at once on one slot: none refused");
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    let plan = format!("plan=\"{plan_name}\"");
+    assert_eq!(
+        metric_sum(&text, "ledger_limiter_refunds_total", &[&plan]),
+        0.0
+    );
+    let slots = ["plan=\"concurrency-0\"", "decision=\"limited\""];
+    let counted = metric_sum(&text, "ledger_limiter_decisions_total", &slots);
+    assert_eq!(counted, refused as f64, "each refused slot in this scrape");
+    app.stop().await;
+
+    let (app, _) = spawn_observed_app(config(true)).await;
+    let statuses = burst(&app, &key).await;
+    assert!(statuses.iter().all(|s| s.as_u16() == 200), "{statuses:?}");
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    let slots = ["plan=\"concurrency-0\""];
+    let shadowed = metric_sum(&text, "ledger_limiter_shadow_passed_total", &slots);
+    assert!(
+        shadowed > 0.0,
+        "refused slots let through in shadow are counted"
+    );
+    app.stop().await;
+}
+
+/// 40 requests of `key` at once.
+async fn burst(app: &TestApp, key: &str) -> Vec<reqwest::StatusCode> {
+    let requests = (0..40).map(|_| async { app.get("/greeting", Some(key)).await.status() });
+    futures_util::future::join_all(requests).await
+}

@@ -57,7 +57,9 @@ impl ConcurrencyLimits {
             let name = format!("concurrency-{index}");
             let plan = Plan::new(&name, *in_flight_max, timeout_seconds)?;
             let plans = PlanBook::new(vec![plan], &name, [], [], UnknownKeys::DefaultPlan)?;
-            let limiter = Limiter::new(slots.clone(), Arc::new(plans), settings.clone());
+            // Counted (plan `concurrency-<n>`), but the request's span keeps the caller's fields.
+            let limiter = Limiter::new(slots.clone(), Arc::new(plans), settings.clone())
+                .without_span_fields();
             debug_assert_eq!(limiter.local_callers(), 0);
             limits.push((pattern.clone(), Arc::new(limiter)));
         }
@@ -77,9 +79,8 @@ impl ConcurrencyLimits {
             return Ok(None);
         };
         // Boxed: only routes with a concurrency limit carry the decision's state.
-        let refused = match Box::pin(Slot::take(slots, key)).await {
+        let refused = match Box::pin(Slot::take(slots, key, shadow)).await {
             Ok(slot) => return Ok(slot),
-            Err(_) if shadow => return Ok(None),
             Err(refused) => refused,
         };
         let in_flight_max = slots.plans().capacity_min();
@@ -105,6 +106,13 @@ impl ConcurrencyLimits {
         Err(response)
     }
 
+    /// Moves every route's per-thread decision counts to their counters (at each scrape).
+    pub fn drain_counts(&self) {
+        for (_, limiter) in &self.routes {
+            limiter.drain_counts();
+        }
+    }
+
     /// The limiter of the first route pattern that matches `path`.
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
         self.routes
@@ -126,9 +134,13 @@ pub struct Slot {
 
 impl Slot {
     /// Takes a slot for `key`: `Ok(Some)` held, `Ok(None)` nothing to hold (the failure policy
-    /// admitted without the ledger), `Err` the refusing decision's outcome (in flight at the max,
-    /// or the ledger failed closed).
-    pub async fn take(limiter: &Arc<Limiter>, key: &CallerKey) -> Result<Option<Slot>, Outcome> {
+    /// admitted without the ledger, or a refusal let through and counted in `shadow` mode),
+    /// `Err` the refusing decision's outcome (in flight at the max, or the ledger failed closed).
+    pub async fn take(
+        limiter: &Arc<Limiter>,
+        key: &CallerKey,
+        shadow: bool,
+    ) -> Result<Option<Slot>, Outcome> {
         let decision: Decision<'_> = match limiter.check(key, NonZeroU64::MIN).await {
             Ok(decision) => decision,
             // A concurrency plan takes every key (its book has no rules): never reached.
@@ -141,6 +153,10 @@ impl Slot {
                 hold: decision.hold,
             })),
             Outcome::FailedOpen(_) => Ok(None),
+            _ if shadow => {
+                limiter.pass_in_shadow(&decision);
+                Ok(None)
+            }
             refused => Err(refused),
         }
     }

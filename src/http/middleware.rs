@@ -79,6 +79,13 @@ impl RateLimit {
             ..self
         }
     }
+
+    /// Moves the per-thread decision counts of the limiter and of every concurrency limit to
+    /// their counters: call it before rendering a scrape, so it sees every decision made.
+    pub fn drain_counts(&self) {
+        self.limiter.drain_counts();
+        self.concurrency.drain_counts();
+    }
 }
 
 impl<S, B> Transform<S, ServiceRequest> for RateLimit
@@ -227,8 +234,8 @@ where
     {
         Ok(slot) => slot,
         Err(response) => {
-            // Not served, so not charged.
-            let _ = Box::pin(inner.limiter.refund(&mut decision)).await;
+            // Not served, so not charged (and no refund of a server error: not counted as one).
+            let _ = Box::pin(inner.limiter.give_back(&mut decision)).await;
             return Ok(req.into_response(response).map_into_right_body());
         }
     };

@@ -212,6 +212,8 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     decisions: DecisionMetrics,
     leases: lease::LeaseBook,
     account_ids: AccountIds,
+    /// Whether decisions are written on the request's span (see [`Limiter::without_span_fields`]).
+    span_fields: bool,
 }
 
 impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
@@ -253,7 +255,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             decisions,
             leases,
             account_ids,
+            span_fields: true,
         }
+    }
+
+    /// A limiter whose decisions are counted but not written on the request's span: a second
+    /// limiter deciding on the same request (a concurrency slot) must not overwrite the caller's
+    /// account, plan and decision there with its own.
+    pub fn without_span_fields(mut self) -> Self {
+        self.span_fields = false;
+        self
     }
 
     pub fn plans(&self) -> &PlanBook {
@@ -308,12 +319,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// or the lease that admitted it was settled already (its settlement holds the units).
     /// Taking the lease receipt out makes a second refund of the same decision give nothing.
     pub async fn refund(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
+        let given = self.give_back(decision).await?;
+        if given {
+            self.decisions.record_refund(decision.plan_id);
+        }
+        Ok(given)
+    }
+
+    /// [`Limiter::refund`] without counting it as one: for a request that was admitted but not
+    /// served after all (a concurrency slot refused it), which is no refund of a server error.
+    pub async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
         if let Some(leased) = decision.leased.take() {
-            let given = self.leases.give_back(decision.account_id, leased);
-            if given {
-                self.decisions.record_refund(decision.plan_id);
-            }
-            return Ok(given);
+            return Ok(self.leases.give_back(decision.account_id, leased));
         }
         let Some(hold) = decision.hold else {
             return Ok(false);
@@ -321,11 +338,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         for (account_id, hold) in decision.holds().skip(1) {
             self.release(account_id, hold).await?;
         }
-        let voided = self.release(decision.account_id, hold).await?;
-        if voided {
-            self.decisions.record_refund(decision.plan_id);
-        }
-        Ok(voided)
+        self.release(decision.account_id, hold).await
     }
 
     /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
@@ -764,7 +777,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let source = SourceLabel::of(&decision.outcome);
         self.decisions.record(label, Some(decision.plan_id), source);
         let span = tracing::Span::current();
-        if span.is_disabled() {
+        if !self.span_fields || span.is_disabled() {
             return;
         }
         let account_id = format_args!("{:032x}", decision.account_id);
