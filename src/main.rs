@@ -56,7 +56,8 @@ struct Cli {
     /// The tigerbeetle binary for the embedded ledger.
     #[arg(long, env = "LEDGER_LIMITER_TIGERBEETLE_BIN")]
     tigerbeetle_bin: Option<PathBuf>,
-    /// Where callers' identity comes from: "header" (an API key) or "peer-ip".
+    /// Where callers' identity comes from: "header" (an API key), "peer-ip", or
+    /// "header-or-peer-ip" (the key if sent, else the address).
     #[arg(long, env = "LEDGER_LIMITER_KEY_SOURCE")]
     key_source: Option<String>,
     /// The API key header (default X-Api-Key).
