@@ -109,9 +109,11 @@ impl Application {
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
+        let readiness = web::Data::new(routes::Readiness::default());
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(web::Data::from(app_limiter.clone()))
+                .app_data(readiness.clone())
                 .configure(|config| all_routes(config, &rate_limit, &exporters))
         })
         .workers(settings.workers.get())

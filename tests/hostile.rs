@@ -178,6 +178,24 @@ async fn no_key_reaches_another_callers_account_or_the_operators() {
     app.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_readiness_probes_is_a_few_ledger_reads() {
+    let app = app().await;
+    let calls = app.limiter.ledger().calls_started();
+    let started = Instant::now();
+    let probes = join_all((0..200).map(|_| async { app.get("/readyz", None).await.status() }));
+    let statuses = probes.await;
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    // One probe per 500 ms at most, whatever the flood: two per second it lasted, plus one.
+    let reads = app.limiter.ledger().calls_started() - calls;
+    let bound = 2 * started.elapsed().as_secs() + 2;
+    assert!(
+        reads <= bound,
+        "{reads} ledger reads for 200 probes (bound {bound})"
+    );
+    app.stop().await;
+}
+
 /// One request over a raw socket, the path exactly as written (no client library normalises
 /// it); the answer's head, lowercased.
 fn raw_get(app: &TestApp, path: &str, key: &str) -> String {
