@@ -435,6 +435,26 @@ proptest! {
     }
 }
 
+/// The case `proptest-regressions/limiter/lease/tests.txt`'s seed shrank to when it caught a
+/// deliberate bug (admitting past L). Pinned as itself: a saved seed replays another case once
+/// `event()` changes, as it has since.
+#[test]
+fn a_request_after_the_lease_time_is_not_admitted_from_the_old_lease() {
+    let events = [
+        Event::Request {
+            instance: 0,
+            cost: 1,
+        },
+        Event::Advance { ms: 1001 },
+        Event::Request {
+            instance: 0,
+            cost: 1,
+        },
+        Event::Advance { ms: 2999 },
+    ];
+    run(&events).unwrap();
+}
+
 fn requests(instance: usize, count: usize) -> Vec<Event> {
     vec![Event::Request { instance, cost: 1 }; count]
 }
