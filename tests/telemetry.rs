@@ -218,9 +218,19 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
         .await
         .unwrap();
     assert_eq!(response.status(), 429);
+    // Every series is registered at zero at startup, so only a difference shows the count.
+    let rejected = ["decision=\"rejected_key\""];
+    let before = app.get("/metrics", None).await.text().await.unwrap();
+    let before = metric_sum(&before, "ledger_limiter_decisions_total", &rejected);
     assert_eq!(app.get("/greeting", None).await.status(), 401);
 
     let text = app.get("/metrics", None).await.text().await.unwrap();
+    let after = metric_sum(&text, "ledger_limiter_decisions_total", &rejected);
+    assert_eq!(
+        after - before,
+        1.0,
+        "the request without a key is counted once"
+    );
     for expected in [
         "# TYPE ledger_limiter_decisions_total counter",
         "# TYPE ledger_limiter_ledger_errors_total counter",
@@ -259,7 +269,8 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                     "rejected_key",
                     "blocked",
                 ],
-                "plan" => &["free", "basic", "pro", "none"],
+                // The plans of this binary's tests (the recorder is the process'), and none.
+                "plan" => &["free", "basic", "pro", "slots", "concurrency-0", "none"],
                 "source" => &["ledger", "local_view", "none"],
                 "kind" => &["timeout", "overloaded", "client", "unexpected"],
                 "operation" => &[
@@ -309,7 +320,8 @@ fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_are() {
     telemetry(); // first: it sets the environment, before this test starts anything
-    let plan_name = format!("slots{:08x}", rand::random::<u32>());
+                 // A plan of this test's alone in this binary (its refunds are counted by plan).
+    let plan_name = "slots".to_owned();
     let config = |shadow: bool| {
         let mut config = test_config(shared_ledger().address);
         config.plans = Some([(plan_name.clone(), plan(1000, 30))].into());

@@ -83,12 +83,17 @@ pub fn start_binary_until(mut command: Command, marker: &str) -> (Guard, String,
             log.push_str(&line);
             log.push('\n');
         }
+        sink.lock().unwrap().push_str(LOG_ENDED);
     });
     let rest = rest
         .recv_timeout(Duration::from_secs(60))
         .unwrap_or_else(|_| panic!("no line with {marker:?}"));
     (guard, rest, log)
 }
+
+/// Appended to a [`start_binary_until`] log when the process' standard error closes: after it,
+/// the log is whole (wait for it with [`wait_logged`] before checking what is *not* in it).
+pub const LOG_ENDED: &str = "---- the process' log ended\n";
 
 /// Like [`start_binary`], keeping everything the binary logs; the port follows `marker`.
 pub fn start_binary_logged(command: Command, marker: &str) -> (Guard, u16, Log) {
