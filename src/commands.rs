@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
-use ledger_limiter::ledger::model::{self, Actor};
+use ledger_limiter::ledger::model::{self, Actor, IdempotencyKey};
 use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
@@ -71,6 +71,10 @@ pub struct Change {
     /// Why (its hash goes to the ledger, the text nowhere).
     #[arg(long)]
     reason: String,
+    /// Your name for this adjustment (1-255 visible ASCII characters): run again with the same
+    /// one after an error or a timeout, and it is applied once.
+    #[arg(long)]
+    idempotency_key: Option<String>,
 }
 
 /// `ledger-limiter audit`: one account, as the ledger records it.
@@ -142,18 +146,29 @@ async fn adjust(
     );
     let id = account_id(settings, &change.caller)?;
     let actor = actor(&change.reason)?;
+    let once = match &change.idempotency_key {
+        Some(key) => Some(IdempotencyKey::new(key.as_bytes()).with_context(|| {
+            let max = model::IDEMPOTENCY_KEY_LENGTH_MAX;
+            format!("--idempotency-key must be 1-{max} visible ASCII characters")
+        })?),
+        None => None,
+    };
+    let who = (actor, once.as_ref());
     let adjusted = if reduce {
         ledger
-            .reduce_credit(id, change.amount, actor, deadline)
+            .reduce_credit(id, change.amount, who, deadline)
             .await?
     } else {
-        ledger.top_up(id, change.amount, actor, deadline).await?
+        ledger.top_up(id, change.amount, who, deadline).await?
     };
     match adjusted {
         Adjusted::Done => Ok(id),
         Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),
         Adjusted::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
         Adjusted::Blocked => anyhow::bail!("the caller is blocked; unblock it first"),
+        Adjusted::KeyReused => {
+            anyhow::bail!("--idempotency-key names a different adjustment of this caller")
+        }
     }
 }
 

@@ -207,6 +207,54 @@ async fn a_top_up_raises_the_limit_on_every_instance() {
     other.stop().await;
 }
 
+/// An adjustment retried with its `Idempotency-Key` (its first answer lost, say) is applied once;
+/// the key reused for a different adjustment changes nothing (422); a malformed one is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let id = admin.account_of(&key).await;
+    let send = |action: &str, once: &str, amount: u64| {
+        let request = app
+            .http
+            .post(admin.url(&format!("/admin/callers/{id}/{action}")))
+            .bearer_auth(SECRET)
+            .header("Idempotency-Key", once)
+            .json(&json!({"amount": amount, "reason": "ticket 7"}));
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            (
+                status,
+                response.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        }
+    };
+    let once = fresh_key("adj_");
+    let (status, first) = send("credit", &once, 3).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, again) = send("credit", &once, 3).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["top_ups"].as_u64(), Some(1), "applied once: {again}");
+    assert_eq!(again["credits_posted"], first["credits_posted"]);
+    for (action, amount) in [("credit", 4), ("debit", 3)] {
+        let (status, problem) = send(action, &once, amount).await;
+        assert_eq!(status, 422, "{action} {amount}: {problem}");
+    }
+    let (status, _) = send("credit", "has space", 3).await;
+    assert_eq!(status, 400);
+    // Another key is another adjustment.
+    let (status, other) = send("credit", &fresh_key("adj_"), 3).await;
+    assert_eq!(
+        (status, other["top_ups"].as_u64()),
+        (200, Some(2)),
+        "{other}"
+    );
+    app.stop().await;
+}
+
 /// A block refuses every request with 403 and Retry-After on every instance, even on a caller
 /// with credit; an unblock (or the block's end) lets it in again. Both are in the audit trail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -498,6 +546,24 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
         (audit["top_ups"].as_u64(), audit["available"].as_u64()),
         (Some(1), Some(3))
     );
+    // Run twice with one idempotency key (a retry after a timeout): applied once.
+    let once = [
+        "admin",
+        "credit",
+        "--account-id",
+        &id,
+        "--amount",
+        "1",
+        "--reason",
+        "r",
+    ];
+    let once = [&once[..], &["--idempotency-key", "ticket-9"]].concat();
+    for _ in 0..2 {
+        let (code, out, err) = run(&once, None);
+        assert_eq!(code, Some(0), "{err}");
+        let audit: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(audit["top_ups"].as_u64(), Some(2), "{audit}");
+    }
     let block = [
         "admin",
         "block",

@@ -20,7 +20,7 @@ use std::future::{ready, Ready};
 
 use super::problem::{self, ProblemKind};
 use crate::ledger::audit::AccountAudit;
-use crate::ledger::model::Actor;
+use crate::ledger::model::{Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX};
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::Limiter;
@@ -33,6 +33,7 @@ pub const SECRET_LENGTH_MIN: usize = 16;
 /// The longest block: a week (a longer one is a plan change, or a key revoked).
 pub const BLOCK_SECONDS_MAX: u32 = 7 * 24 * 3600;
 const DEADLINE: Duration = Duration::from_secs(5);
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The largest admin request body (every one is a few short fields).
 const JSON_BYTES_MAX: usize = 4096;
 
@@ -297,13 +298,42 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
             StatusCode::CONFLICT,
             "the caller is blocked; unblock it first",
         ),
+        Adjusted::KeyReused => admin_problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the Idempotency-Key names a different adjustment of this caller; nothing changed",
+        ),
+    }
+}
+
+/// The request's `Idempotency-Key`, if it has one: a retry with the same key (after a 503, say,
+/// whose transfer may have gone through) is the same adjustment, applied once. 400 if malformed.
+struct Once(Option<IdempotencyKey>);
+
+impl FromRequest for Once {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let Some(value) = req.headers().get(IDEMPOTENCY_KEY) else {
+            return ready(Ok(Once(None)));
+        };
+        ready(match IdempotencyKey::new(value.as_bytes()) {
+            Some(key) => Ok(Once(Some(key))),
+            None => {
+                let detail = format!(
+                    "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"
+                );
+                let response = admin_problem(StatusCode::BAD_REQUEST, &detail);
+                Err(InternalError::from_response("idempotency key", response).into())
+            }
+        })
     }
 }
 
 /// Takes credit from a caller for good (`reduce: true`, abuse, a refund owed to us) or gives it
 /// more for good (a top-up: a higher limit per window). Only credit not held can be taken (409).
 async fn adjust(
-    Authorized(who): Authorized,
+    (Authorized(who), Once(once)): (Authorized, Once),
     path: &str,
     body: &Adjustment,
     state: &AdminState,
@@ -315,9 +345,13 @@ async fn adjust(
     let deadline = Instant::now() + DEADLINE;
     let ledger = state.limiter.ledger();
     let result = if reduce {
-        ledger.reduce_credit(id, amount, actor, deadline).await
+        ledger
+            .reduce_credit(id, amount, (actor, once.as_ref()), deadline)
+            .await
     } else {
-        ledger.top_up(id, amount, actor, deadline).await
+        ledger
+            .top_up(id, amount, (actor, once.as_ref()), deadline)
+            .await
     };
     match result {
         Ok(Adjusted::Done) => {
@@ -336,22 +370,24 @@ async fn adjust(
 
 async fn reduce(
     who: Authorized,
+    once: Once,
     path: web::Path<String>,
     body: web::Json<Adjustment>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    adjust(who, &path, &body, &state, true)
+    adjust((who, once), &path, &body, &state, true)
         .await
         .unwrap_or_else(|response| *response)
 }
 
 async fn top_up(
     who: Authorized,
+    once: Once,
     path: web::Path<String>,
     body: web::Json<Adjustment>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    adjust(who, &path, &body, &state, false)
+    adjust((who, once), &path, &body, &state, false)
         .await
         .unwrap_or_else(|response| *response)
 }

@@ -154,6 +154,34 @@ impl Actor {
     }
 }
 
+/// The most bytes an [`IdempotencyKey`] may have.
+pub const IDEMPOTENCY_KEY_LENGTH_MAX: usize = 255;
+
+/// An operator's own name for one credit adjustment (the admin API's `Idempotency-Key` header,
+/// `--idempotency-key` on the command line): 1 to [`IDEMPOTENCY_KEY_LENGTH_MAX`] bytes of
+/// visible ASCII. The adjustment's transfer id derives from it and the account, so a retry of an
+/// adjustment whose answer was lost (a 503 after the deadline, while the transfer went through)
+/// is the same transfer, which the ledger answers `exists`, never a second one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(Vec<u8>);
+
+impl IdempotencyKey {
+    pub fn new(bytes: &[u8]) -> Option<Self> {
+        let valid = (1..=IDEMPOTENCY_KEY_LENGTH_MAX).contains(&bytes.len())
+            && bytes.iter().all(u8::is_ascii_graphic);
+        valid.then(|| IdempotencyKey(bytes.to_vec()))
+    }
+}
+
+/// The transfer id of the adjustment of `account_id` named `key`: one per account and key,
+/// whatever the adjustment (a key reused for a different one is refused by the ledger).
+pub fn adjustment_id(account_id: u128, key: &IdempotencyKey) -> u128 {
+    derive_id(
+        "ledger-limiter/v1/adjustment",
+        &[&account_id.to_le_bytes(), &key.0],
+    )
+}
+
 /// Whether `id` can be a caller's account: every derived id has the top bit set, and the
 /// operator's accounts (the grants' source, the operator epoch) have it clear, so that no admin
 /// request or command can block, debit or credit them as if they were a caller.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
-use super::model::{self, Actor};
+use super::model::{self, Actor, IdempotencyKey};
 use super::{unexpected_transfer, Ledger, LedgerError};
 use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 
@@ -20,6 +20,9 @@ pub enum Adjusted {
     NoSuchAccount,
     /// The account is closed by a block: unblock it first.
     Blocked,
+    /// The idempotency key named an adjustment that differs from this one (amount, direction,
+    /// who or why): nothing was changed.
+    KeyReused,
 }
 
 /// What a block came to.
@@ -45,11 +48,33 @@ pub enum Unblocking {
 fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjusted, LedgerError> {
     use CreateTransferErrorKind as K;
     match kind {
-        None => Ok(Adjusted::Done),
+        // `Exists`: this very adjustment (same idempotency key, same fields) went through before.
+        None | Some(K::Exists) => Ok(Adjusted::Done),
+        Some(
+            K::ExistsWithDifferentAmount
+            | K::ExistsWithDifferentCode
+            | K::ExistsWithDifferentCreditAccountId
+            | K::ExistsWithDifferentDebitAccountId
+            | K::ExistsWithDifferentFlags
+            | K::ExistsWithDifferentUserData128
+            | K::ExistsWithDifferentUserData64,
+        ) => Ok(Adjusted::KeyReused),
         Some(K::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
         Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Adjusted::NoSuchAccount),
         Some(K::DebitAccountAlreadyClosed | K::CreditAccountAlreadyClosed) => Ok(Adjusted::Blocked),
         Some(kind) => Err(unexpected_transfer(what, kind)),
+    }
+}
+
+/// `transfer` with the id its idempotency key gives it, if any.
+fn once_only(
+    transfer: tb::Transfer,
+    account_id: u128,
+    once: Option<&IdempotencyKey>,
+) -> tb::Transfer {
+    match once {
+        Some(key) => transfer.with_id(model::adjustment_id(account_id, key)),
+        None => transfer,
     }
 }
 
@@ -101,29 +126,32 @@ impl Ledger {
     }
 
     /// Takes `amount` of credit from a caller for good (a posted transfer to the operator). Only
-    /// credit not held can be taken.
+    /// credit not held can be taken. With `once`, a retry of the same reduction is a no-op.
     pub async fn reduce_credit(
         &self,
         account_id: u128,
         amount: u64,
-        actor: Actor,
+        (actor, once): (Actor, Option<&IdempotencyKey>),
         deadline: Instant,
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, actor);
+        let transfer = once_only(transfer, account_id, once);
         let kind = self.operator_transfer(transfer, deadline).await?;
         self.bumped_if(adjusted(kind, "reduction: "), deadline)
             .await
     }
 
     /// Gives a caller `amount` more credit for good: its limit per window grows by that much.
+    /// With `once`, a retry of the same top-up is a no-op.
     pub async fn top_up(
         &self,
         account_id: u128,
         amount: u64,
-        actor: Actor,
+        (actor, once): (Actor, Option<&IdempotencyKey>),
         deadline: Instant,
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
+        let transfer = once_only(transfer, account_id, once);
         let kind = self.operator_transfer(transfer, deadline).await?;
         self.bumped_if(adjusted(kind, "top-up: "), deadline).await
     }
