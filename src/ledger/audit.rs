@@ -138,7 +138,7 @@ impl Ledger {
         let mut timestamp_min = SystemTime::UNIX_EPOCH;
         for _ in 0..AUDIT_PAGES_MAX {
             let page = self
-                .transfers_page(account_id, both, timestamp_min, deadline)
+                .transfers_page(account_id, both, (timestamp_min, None), deadline)
                 .await?;
             page.iter().for_each(|transfer| audit.count(transfer));
             match page.last() {

@@ -515,8 +515,12 @@ impl Ledger {
         }))
     }
 
-    /// The account's live holds, earliest expiry first, read in at most [`TRANSFERS_PAGES_MAX`]
-    /// pages; `false` when there were more than that.
+    /// The account's live holds, earliest expiry first, read newest first in at most
+    /// [`TRANSFERS_PAGES_MAX`] pages; `false` when there were more than that. Newest first, so
+    /// that what a long look-back or a busy account leaves unread is its oldest transfers: the
+    /// holds that expire first (often already expired), and never the void of a hold that was
+    /// read (a void comes after its hold). What is left unread is then counted as not held,
+    /// which can only make the local view refuse less.
     async fn live_holds(
         &self,
         account_id: u128,
@@ -525,21 +529,24 @@ impl Ledger {
     ) -> Result<(Vec<Hold>, bool), LedgerError> {
         // Every live hold was created within the longest window (plus clock slack) of now.
         let now = SystemTime::now();
-        let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
+        let timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
+        let mut timestamp_max = None;
         let mut holds = Vec::new();
         // Voided holds (refunds, concurrency slots) still look pending in their own record.
         let mut resolved = std::collections::HashSet::new();
         let mut complete = false;
         for _ in 0..TRANSFERS_PAGES_MAX {
-            let debits = tb::account::FilterFlags::DEBITS;
+            let newest_first =
+                tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
+            let range = (timestamp_min, timestamp_max);
             let page = self
-                .transfers_page(account_id, debits, timestamp_min, deadline)
+                .transfers_page(account_id, newest_first, range, deadline)
                 .await?;
             holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
             resolved.extend(page.iter().filter_map(resolved_pending));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
-                    timestamp_min = last.timestamp() + Duration::from_nanos(1);
+                    timestamp_max = Some(last.timestamp() - Duration::from_nanos(1));
                 }
                 _ => {
                     complete = true;
@@ -579,16 +586,22 @@ impl Ledger {
 
     /// Up to [`TRANSFERS_PAGE_LIMIT`] of the account's transfers (`flags`: debits and/or credits)
     /// from `timestamp_min` on, oldest first.
+    /// One page of the account's transfers created within `(timestamp_min, timestamp_max)`
+    /// (no upper bound when `None`), in the order `flags` asks.
     async fn transfers_page(
         &self,
         account_id: u128,
         flags: tb::account::FilterFlags,
-        timestamp_min: SystemTime,
+        (timestamp_min, timestamp_max): (SystemTime, Option<SystemTime>),
         deadline: Instant,
     ) -> Result<Vec<tb::Transfer>, LedgerError> {
         let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
             .with_timestamp_min(timestamp_min);
+        let filter = match timestamp_max {
+            Some(timestamp_max) => filter.with_timestamp_max(timestamp_max),
+            None => filter,
+        };
         self.account_transfers(filter, deadline).await
     }
 

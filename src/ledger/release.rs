@@ -82,7 +82,7 @@ impl Ledger {
         for _ in 0..TRANSFERS_PAGES_MAX {
             let debits = tb::account::FilterFlags::DEBITS;
             let page = self
-                .transfers_page(account_id, debits, timestamp_min, deadline)
+                .transfers_page(account_id, debits, (timestamp_min, None), deadline)
                 .await?;
             for transfer in &page {
                 let flags = transfer.flags();

@@ -489,23 +489,25 @@ async fn without_a_view_retry_after_is_the_longest_window() {
 }
 
 #[tokio::test]
-async fn an_incomplete_listing_assumes_the_unlisted_holds_last_a_whole_window() {
+async fn an_incomplete_listing_counts_only_the_listed_holds() {
     let f = Fixture::closed();
-    // Five held, two listed (expiring in 1 s); three not listed.
+    // Five held, two listed (expiring in 1 s); three not listed: the oldest (the listing is
+    // newest first), which may expire any moment, so the view does not count them.
     let partial = f.view(CAPACITY, &[1, 1], false);
     f.script(|s| {
         s.holds.push_back(Ok(HoldReply::ExceedsCredits));
         s.views.push_back(Ok(Some(partial)));
     });
     let three = NonZeroU64::new(3).unwrap();
+    // The ledger refused; the view cannot tell when credit returns: the shortest Retry-After.
     assert_eq!(
         limited_by(&f.check(three).await),
-        Some((WINDOW.as_secs(), DecisionSource::Ledger))
+        Some((1, DecisionSource::Ledger))
     );
-    // Two units come back with the listed holds.
-    let two = NonZeroU64::new(2).unwrap();
+    // Locally, only what the two listed holds rule out is refused: four units, for 1 s.
+    let four = NonZeroU64::new(4).unwrap();
     assert_eq!(
-        limited_by(&f.check(two).await),
+        limited_by(&f.check(four).await),
         Some((1, DecisionSource::LocalView))
     );
 }
