@@ -11,13 +11,14 @@
 
 import http from 'k6/http';
 import exec from 'k6/execution';
+import { durationSeconds } from './lib/common.js';
 
 const BASE_URL = (__ENV.BASE_URL || 'http://127.0.0.1:8080').replace(/\/+$/, '');
 const RATE = parseInt(__ENV.RATE || '1000', 10);
 const CALLERS = parseInt(__ENV.CALLERS || '10000', 10);
 const PREFIX = __ENV.KEY_PREFIX || 'sustain_';
 const DURATION = __ENV.DURATION || '10m';
-const SECONDS = DURATION.endsWith('m') ? parseFloat(DURATION) * 60 : parseFloat(DURATION);
+const SECONDS = durationSeconds(DURATION); // "10m", "90s", "1m30s", "1h"...
 // k6 itself drops a few iterations while it starts VUs: up to 0.1% of the offered requests is
 // k6, more is the service not keeping up.
 const DROPPED_MAX = Math.ceil(RATE * SECONDS * 0.001);

@@ -78,6 +78,8 @@ def main():
         now = (buckets(*requests), buckets(*ledger))
         at = time.monotonic()
         if now[0] is None or now[1] is None:
+            # Unreadable (the service busy or gone): try again in a while, not in a tight loop.
+            time.sleep(0.5)
             continue
         if stopped:
             # The step ended when the stop file was made (right after k6 exits): the last
