@@ -168,3 +168,48 @@ async fn a_hold_given_back_is_no_longer_listed_as_live() {
     let view = view.unwrap().expect("the account");
     assert_eq!((view.available, view.holds.len()), (2, 1));
 }
+
+/// Releases by amount at once (Envoy's negative hits from two instances, as requests end
+/// together): each gives back what it asked, the two together every hold, and an operator's
+/// block on the account is never taken for a hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_releases_give_back_every_unit_they_ask_for() {
+    use ledger_limiter::ledger::model::Actor;
+    let address = shared_ledger().address;
+    let instances = [
+        limiter(ledger_client(vec![address])),
+        limiter(ledger_client(vec![address])),
+    ];
+    let limit = fresh_limit(40, 60, 1);
+    for i in 0..40 {
+        let decision = instances[i % 2].check_all(&[limit]).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    let ledger = instances[0].ledger();
+    assert_eq!(available(ledger, &limit).await, Some(0));
+    // A block is a pending transfer on the account too, and must stay.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    ledger
+        .block(limit.account.id, 600, actor, deadline)
+        .await
+        .unwrap();
+    let instances = &instances;
+    let releases = (0..4).map(|i| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let ledger = instances[i % 2].ledger();
+        ledger
+            .release_units(limit.account.id, 10, 60, deadline)
+            .await
+            .unwrap()
+    });
+    let released: Vec<u64> = join_all(releases).await.iter().map(|r| r.units).collect();
+    assert_eq!(released, [10, 10, 10, 10], "each got back what it asked");
+    assert_eq!(available(ledger, &limit).await, Some(40));
+    let unblocked = ledger.unblock(limit.account.id, deadline).await.unwrap();
+    assert_eq!(
+        unblocked,
+        ledger_limiter::ledger::Unblocking::Done,
+        "the block stayed"
+    );
+}

@@ -1,9 +1,12 @@
 //! Giving back live holds of an account by amount, not by receipt: Envoy's `is_negative_hits`
 //! (a request that ends gives its concurrency slot back, whichever instance placed it).
 //!
-//! Never below zero: only holds still pending are voided, each whole, oldest first, and only while
-//! their amount fits in what is asked; a hold already voided or expired answers so and gives
-//! nothing back. A release can therefore give back less than asked, never more.
+//! Never below zero: only requests' holds still pending are voided (never an operator's block),
+//! each whole, oldest first, and only while their amount fits in what is asked; a hold already
+//! voided or expired answers so and gives nothing back. Two releases at once often choose the
+//! same oldest holds, and one finds them voided: it reads again and voids others (at most
+//! [`RELEASE_ROUNDS_MAX`] rounds), so concurrent releases do not leave slots taken until their
+//! timeout. A release can give back less than asked (none left to give), never more.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -20,6 +23,9 @@ use super::{
 
 /// At most this many holds are voided by one release (one request's negative hits).
 pub const RELEASE_HOLDS_MAX: usize = 254;
+/// At most this many reads and voids per release: more than one only when another release
+/// voided the holds this one chose.
+pub const RELEASE_ROUNDS_MAX: usize = 4;
 
 /// What a release gave back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +34,27 @@ pub struct Released {
     pub units: u64,
     /// The account's available credit afterwards; `None` if the account does not exist.
     pub available: Option<u64>,
+}
+
+/// Holds from `pending` (oldest first) whose amounts add up to at most `left`, at most
+/// `count_max` of them, none of those already `tried`.
+fn choose(
+    pending: Vec<(u128, u64)>,
+    mut left: u64,
+    count_max: usize,
+    tried: &HashSet<u128>,
+) -> Vec<(u128, u64)> {
+    let mut chosen = Vec::new();
+    for (id, amount) in pending {
+        if chosen.len() == count_max || left == 0 {
+            break;
+        }
+        if amount <= left && !tried.contains(&id) {
+            left -= amount;
+            chosen.push((id, amount));
+        }
+    }
+    chosen
 }
 
 impl Ledger {
@@ -39,25 +66,24 @@ impl Ledger {
         window_seconds: u32,
         deadline: Instant,
     ) -> Result<Released, LedgerError> {
-        let pending = self
-            .pending_holds(account_id, window_seconds, deadline)
-            .await?;
-        let mut chosen = Vec::new();
-        let mut left = units;
-        for (id, amount) in pending {
-            if chosen.len() == RELEASE_HOLDS_MAX || left == 0 {
+        let mut released = 0;
+        let mut tried = HashSet::new();
+        for _ in 0..RELEASE_ROUNDS_MAX {
+            let left = units - released;
+            if left == 0 || tried.len() >= RELEASE_HOLDS_MAX {
                 break;
             }
-            if amount <= left {
-                left -= amount;
-                chosen.push((id, amount));
+            let pending = self
+                .pending_holds(account_id, window_seconds, deadline)
+                .await?;
+            let chosen = choose(pending, left, RELEASE_HOLDS_MAX - tried.len(), &tried);
+            if chosen.is_empty() {
+                break;
             }
+            tried.extend(chosen.iter().map(|(id, _)| *id));
+            released += self.void_all(chosen, deadline).await?;
+            assert!(released <= units, "released {released} of {units}");
         }
-        let released = if chosen.is_empty() {
-            0
-        } else {
-            self.void_all(chosen, deadline).await?
-        };
         let available = self.lookup_account(account_id, deadline).await?.map(|a| {
             let credit = a.credits_posted().saturating_sub(a.debits_posted());
             u64::try_from(credit.saturating_sub(a.debits_pending())).unwrap_or(u64::MAX)
@@ -68,7 +94,7 @@ impl Ledger {
         })
     }
 
-    /// The account's holds not voided nor expired, oldest first, as (transfer id, amount).
+    /// The account's requests' holds not voided nor expired, oldest first, as (id, amount).
     async fn pending_holds(
         &self,
         account_id: u128,
@@ -91,7 +117,9 @@ impl Ledger {
                 }
                 let expires_at =
                     transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
-                if flags.contains(tb::transfer::Flags::PENDING) && expires_at > now {
+                // A request's hold: an operator's block is pending too, and not the caller's.
+                let hold = transfer.code() == model::TRANSFER_CODE_REQUEST;
+                if hold && flags.contains(tb::transfer::Flags::PENDING) && expires_at > now {
                     let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
                     holds.push((transfer.id(), amount));
                 }
