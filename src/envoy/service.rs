@@ -58,6 +58,10 @@ enum Matched {
 }
 
 /// The RLS front end: shares the HTTP front end's limiter (one ledger client, one local view).
+/// The wall-clock second a failed release was last logged in ([`crate::telemetry::log_throttle`]).
+static RELEASE_FAILURE_LOGGED_SECOND: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
 pub struct RateLimitServer {
     limiter: Arc<Limiter>,
     config: Arc<RlsConfig>,
@@ -342,7 +346,11 @@ impl RateLimitServer {
                 released.available
             }
             Err(error) => {
-                tracing::warn!(%error, "could not release a negative hit; its holds will expire");
+                // On the span always; in the log at most once a second: an outage fails every one.
+                tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, %error, "could not release a negative hit");
+                if crate::telemetry::log_throttle(&RELEASE_FAILURE_LOGGED_SECOND) {
+                    tracing::warn!(%error, "could not release a negative hit; its holds will expire (logged at most once a second)");
+                }
                 None
             }
         }
@@ -356,7 +364,12 @@ impl RateLimitService for RateLimitServer {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let request = request.into_inner();
-        // The domain is configuration, never a secret; descriptor values can be (API keys).
+        // The domain is configuration, never a secret; descriptor values can be (API keys). A
+        // domain over the bound is refused below, and not copied into the span first.
+        let domain = match request.domain.len() <= KEY_VALUE_LENGTH_MAX {
+            true => request.domain.as_str(),
+            false => "(too long)",
+        };
         let span = tracing::info_span!(
             "ShouldRateLimit",
             otel.kind = "server",
@@ -364,7 +377,7 @@ impl RateLimitService for RateLimitServer {
             rpc.service = "envoy.service.ratelimit.v3.RateLimitService",
             rpc.method = "ShouldRateLimit",
             ratelimit.frontend = super::metrics::FRONTEND,
-            ratelimit.domain = %request.domain,
+            ratelimit.domain = %domain,
             ratelimit.descriptors = request.descriptors.len(),
             ratelimit.overall_code = tracing::field::Empty,
         );
@@ -395,8 +408,13 @@ impl RateLimitServer {
             )));
         }
         let mut statuses: Vec<DescriptorStatus> = matched.iter().map(plain_status).collect();
+        // A block refuses like a limit, and says when it ends the same way.
         let retry_after = match decision.outcome {
             Outcome::Limited {
+                retry_after_seconds,
+                ..
+            }
+            | Outcome::Blocked {
                 retry_after_seconds,
                 ..
             } => Some(retry_after_seconds),
@@ -452,8 +470,9 @@ impl RateLimitServer {
             let Some(rule) = rule_of(&matched[*index]) else {
                 continue;
             };
+            // A refusal is the refusing rule's; the others in the chain were not its cause.
             let counts = match decision.outcome {
-                Outcome::Limited { .. } => decision.refused_by == Some(k),
+                Outcome::Limited { .. } | Outcome::Blocked { .. } => decision.refused_by == Some(k),
                 _ => true,
             };
             if counts {
