@@ -425,6 +425,17 @@ impl LocalView {
         self.shard(account_id).contains_key(&account_id)
     }
 
+    /// Whether this view could take in what the ledger says of `account_id` now: it is on, and
+    /// knows the caller or has room for it (without forgetting anyone to make room). Reading an
+    /// account the view cannot keep would be paid again on every request.
+    pub fn has_room_for(&self, account_id: u128) -> bool {
+        if self.callers_per_shard_max == 0 {
+            return false;
+        }
+        let shard = self.shard(account_id);
+        shard.len() < self.callers_per_shard_max || shard.contains_key(&account_id)
+    }
+
     pub fn callers(&self) -> usize {
         self.shards.iter().map(|s| lock(s).len()).sum()
     }
@@ -565,6 +576,20 @@ mod tests {
         view.replace(9, &incomplete, WINDOW, now, wall);
         // Nothing listed: the unlisted holds may expire any moment, so nothing is refused.
         assert!(view.check(9, 1, now).is_none());
+    }
+
+    #[test]
+    fn room_is_for_a_view_that_is_on() {
+        let now = Instant::now();
+        assert!(!LocalView::new(0, MARGIN).has_room_for(1), "off: no room");
+        // One caller per shard: a known caller has room, and so has one whose shard is empty.
+        let view = LocalView::new(SHARD_COUNT, MARGIN);
+        view.record_hold(1, 5, 1, now, WINDOW, now);
+        assert!(view.has_room_for(1));
+        // Shards are picked by the id's low bits.
+        let (full, empty) = (1 + SHARD_COUNT as u128, 2);
+        assert!(!view.has_room_for(full), "its shard is full");
+        assert!(view.has_room_for(empty));
     }
 
     #[test]

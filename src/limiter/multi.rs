@@ -114,11 +114,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Which of `limits` this instance remembers nothing of (it restarted, or the holds were
-    /// placed elsewhere): their quotas after a decision are guesses until [`Limiter::learn`].
+    /// placed elsewhere) and could remember: their quotas after a decision are guesses until
+    /// [`Limiter::learn`]. A limit the local view has no room for (or with the view off) is not
+    /// unknown: learning it would cost its reads on every request, for a quota it forgets.
     pub fn unknown_limits(&self, limits: &[Limit]) -> Vec<bool> {
         limits
             .iter()
-            .map(|l| l.local_view && l.cost > 0 && !self.local.knows(l.account.id))
+            .map(|l| {
+                let id = l.account.id;
+                l.local_view && l.cost > 0 && !self.local.knows(id) && self.local.has_room_for(id)
+            })
             .collect()
     }
 
