@@ -656,6 +656,7 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     let limiter = Arc::new(one_plan_limiter(ledger, plan.unwrap()));
     let rules = RequestRules::builder()
         .cost_header("x-cost")
+        .refund_server_errors("/failing")
         .build(limiter.plans());
     let rules = Arc::new(rules.unwrap());
     let server_limiter = limiter.clone();
@@ -664,10 +665,17 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
             .insert_header(("x-cost", n.into_inner()))
             .finish()
     };
+    // A handler that fails after reporting a cost: refunded, and its report still ours.
+    let failing = || async {
+        HttpResponse::InternalServerError()
+            .insert_header(("x-cost", "3"))
+            .finish()
+    };
     let server = HttpServer::new(move || {
         App::new()
             .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
             .route("/tokens/{n}", web::get().to(tokens))
+            .route("/failing", web::get().to(failing))
     })
     .workers(1)
     .bind(("127.0.0.1", 0))
@@ -691,6 +699,17 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
         "the report is ours, not the caller's"
     );
     assert_eq!(remaining(&first), 6);
+    let failed = http
+        .get(format!("http://127.0.0.1:{port}/failing"))
+        .header("X-Api-Key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 500);
+    assert!(
+        failed.headers().get("x-cost").is_none(),
+        "refunded, and still ours"
+    );
     // Not a number: the estimate (1) stands.
     assert_eq!(remaining(&get("lots").await), 5);
     // More than is free: the ledger takes what is free (5), and the caller is out.
@@ -706,8 +725,8 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     assert_eq!(audit.debits_pending, 10, "{audit:?}");
     assert_eq!(
         (audit.holds, audit.voids),
-        (5, 2),
-        "3 requests, 2 recharged: {audit:?}"
+        (6, 3),
+        "4 requests, 2 recharged, 1 refunded: {audit:?}"
     );
     handle.stop(true).await;
 }

@@ -356,6 +356,12 @@ impl Inner {
         response: &mut ServiceResponse<B>,
         refund: bool,
     ) {
+        // The cost header is between the handler and us: it never reaches the client, whatever
+        // happens next (a refund included).
+        let reported = self
+            .rules
+            .cost_header()
+            .and_then(|header| response.headers_mut().remove(header).next());
         if refund && response.status().is_server_error() {
             // The ledger's futures are boxed here and below: inline, they would make every
             // request's middleware future kilobytes larger, and it is moved on each request.
@@ -364,10 +370,7 @@ impl Inner {
             }
             return;
         }
-        let Some(header) = self.rules.cost_header() else {
-            return;
-        };
-        let Some(value) = response.headers_mut().remove(header).next() else {
+        let Some(value) = reported else {
             return;
         };
         let Some(actual) = respond::reported_cost(&value) else {
