@@ -108,6 +108,10 @@ struct CallerLease {
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
     idle_sweeps: u8,
+    /// The ledger refused the last lease asked for (credit held elsewhere): no renewal ahead of
+    /// need until a lease is taken again, or each admission from the current lease's second
+    /// half would ask again, a ledger call per request.
+    refused: bool,
 }
 
 /// A caller's lease state, and the signal that a renewal ended.
@@ -151,7 +155,7 @@ impl CallerLease {
             return false;
         };
         let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
-        !self.renewing && (now >= half_time || lease.units_used * 2 >= lease.units)
+        !self.renewing && !self.refused && (now >= half_time || lease.units_used * 2 >= lease.units)
     }
 
     /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
@@ -274,6 +278,7 @@ impl LeaseBook {
                 renewing: false,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
+                refused: false,
             }),
             renewed: Notify::new(),
         });
@@ -648,12 +653,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 transfer_id,
             } => (answered_at, transfer_id),
             HoldReply::ExceedsCredits => {
-                slot.lock().next_units = (units / 2).max(1);
+                let mut caller = slot.lock();
+                caller.next_units = (units / 2).max(1);
+                caller.refused = true;
                 return Ok(None);
             }
-            // Not found after provisioning, or closed by an operator (a block, a move): no
-            // lease; the request is decided per request, which knows what to do.
-            HoldReply::AccountNotFound | HoldReply::Blocked => return Ok(None),
+            // Closed by an operator (a block, a move) while a lease admits from memory: that
+            // lease admits no more (it would for up to L), and is settled; the request is decided
+            // per request, which knows what to do.
+            HoldReply::Blocked => {
+                let current = slot.lock().lease.take();
+                if let Some(lease) = current {
+                    self.settle(holder, lease, deadline).await;
+                }
+                return Ok(None);
+            }
+            // Not found after provisioning: decided per request.
+            HoldReply::AccountNotFound => return Ok(None),
         };
         let timeout = Duration::from_secs(timeout_seconds.into());
         self.local.record_hold(
@@ -664,7 +680,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             timeout,
             self.clock.now(),
         );
-        slot.lock().idle_sweeps = 0;
+        {
+            let mut caller = slot.lock();
+            caller.idle_sweeps = 0;
+            caller.refused = false;
+        }
         Ok(Some(Lease {
             transfer_id,
             units,
@@ -699,6 +719,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // it at its recorded expiry.
             Ok(Settled::LeaseGone) => {}
             Err(error) => {
+                // Landed or not, unknown: the view forgets the caller rather than count the
+                // whole lease on (a settled one holds only the units used: a local 429 could
+                // then refuse what the ledger admits). Its next request asks the ledger.
+                self.local.forget(holder.account_id);
                 tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
             }
         }

@@ -67,6 +67,10 @@ struct Model {
     settlements: u64,
     /// The next lease call never answers.
     hang_next_lease: bool,
+    /// Lease calls made (answered or not).
+    lease_calls: u64,
+    /// The account is closed by an operator: every new hold and lease is refused so.
+    blocked: bool,
     /// The clock when the run ended ([`run`]).
     ended_at: Option<Instant>,
 }
@@ -123,8 +127,11 @@ impl ModelStore {
         timeout_seconds: u32,
         lease: bool,
     ) -> Result<HoldReply, LedgerError> {
-        self.faulty(
-            |model, now| match model.pending(amount, timeout_seconds, now) {
+        self.faulty(|model, now| {
+            if model.blocked {
+                return HoldReply::Blocked;
+            }
+            match model.pending(amount, timeout_seconds, now) {
                 Some(transfer_id) => {
                     model.leases += u64::from(lease);
                     HoldReply::Held {
@@ -133,8 +140,8 @@ impl ModelStore {
                     }
                 }
                 None => HoldReply::ExceedsCredits,
-            },
-        )
+            }
+        })
     }
 }
 
@@ -217,7 +224,11 @@ impl Store for ModelStore {
         timeout_seconds: u32,
         _: Instant,
     ) -> Result<HoldReply, LedgerError> {
-        let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_lease);
+        let hang = {
+            let mut model = self.model.lock().unwrap();
+            model.lease_calls += 1;
+            std::mem::take(&mut model.hang_next_lease)
+        };
         if hang {
             std::future::pending::<()>().await;
         }
@@ -453,6 +464,53 @@ fn a_request_after_the_lease_time_is_not_admitted_from_the_old_lease() {
         Event::Advance { ms: 2999 },
     ];
     run(&events).unwrap();
+}
+
+/// A renewal ahead of need that the ledger refused (credit held elsewhere) is not asked again
+/// by every later admission from the same lease: one ledger call, not one per request.
+#[test]
+fn a_refused_renewal_ahead_is_not_asked_again_from_the_same_lease() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    let first = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(first.leased.is_some(), "the first lease: 8 units");
+    // Everything else is held elsewhere.
+    let now = store.clock.now();
+    let rest = CAPACITY - store.model.lock().unwrap().held(now);
+    store
+        .model
+        .lock()
+        .unwrap()
+        .pending(rest, WINDOW_SECONDS, now);
+    for _ in 2..=8 {
+        let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert!(decision.leased.is_some(), "admitted from the lease");
+    }
+    // The first lease, and the one renewal ahead (at 4 of 8 used), which the ledger refused.
+    assert_eq!(store.model.lock().unwrap().lease_calls, 2);
+}
+
+/// An operator's block (or a move) while a caller admits from a lease: the renewal that finds
+/// the account closed retires the lease, so memory stops admitting the caller at once, not L
+/// later.
+#[test]
+fn a_block_retires_the_lease_at_its_next_renewal() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    runtime.block_on(limiter.check(&key, one)).unwrap();
+    store.model.lock().unwrap().blocked = true;
+    // 2 and 3 from the lease; 4 starts the renewal ahead, which finds the account closed.
+    for _ in 2..=4 {
+        let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    let after = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(after.leased.is_none(), "admitted from a retired lease");
+    assert_ne!(after.outcome, Outcome::Admitted);
 }
 
 fn requests(instance: usize, count: usize) -> Vec<Event> {
