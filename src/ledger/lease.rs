@@ -58,7 +58,8 @@ pub fn lease_transfer(
 /// The settlement chain: [void the lease, hold the units used] linked, so both happen or neither
 /// does (no instant without the admitted units held). Only the void when nothing was used.
 pub fn settlement_transfers(settlement: &Settlement, ledger: u32) -> Vec<tb::Transfer> {
-    let units_used = u32::try_from(settlement.units_used).unwrap_or(u32::MAX);
+    // A lease has at most 2^32 - 1 units (`Plan::with_lease`): the audit's count is exact.
+    let units_used = u32::try_from(settlement.units_used).expect("lease units fit in 32 bits");
     let void = model::void_transfer(settlement.lease_id, ledger)
         .with_code(TRANSFER_CODE_LEASE)
         .with_user_data_64(settlement.requests)

@@ -58,8 +58,10 @@ impl Plan {
     /// Turns lease mode on. A lease takes at most half of the capacity, so that a second
     /// instance can always lease too (fairness), and lasts at most [`LEASE_SECONDS_MAX`].
     pub fn with_lease(mut self, terms: LeaseTerms) -> Result<Self, PlanError> {
-        if terms.units_max.get() > self.capacity.get() / 2 {
-            return Err(PlanError::LeaseUnits(self.capacity.get() / 2));
+        // The settlement records the units it used in `user_data_32` (the audit trail).
+        let units_max = (self.capacity.get() / 2).min(u64::from(u32::MAX));
+        if terms.units_max.get() > units_max {
+            return Err(PlanError::LeaseUnits(units_max));
         }
         if terms.seconds.get() > LEASE_SECONDS_MAX {
             return Err(PlanError::LeaseSeconds);
@@ -102,7 +104,7 @@ pub enum PlanError {
     Unknown(String),
     #[error("key prefix must not be empty")]
     EmptyPrefix,
-    #[error("a lease may take at most half of the capacity ({0} units)")]
+    #[error("a lease may take at most half of the capacity, and 2^32 - 1 units ({0} here)")]
     LeaseUnits(u64),
     #[error("a lease lasts 1-{LEASE_SECONDS_MAX} seconds")]
     LeaseSeconds,
@@ -337,6 +339,28 @@ mod tests {
         assert_eq!(name("pro_1"), "pro");
         assert_eq!(name("pro_basic_1"), "basic");
         assert_eq!(name("anything"), "free");
+    }
+
+    #[test]
+    fn a_lease_is_at_most_half_the_capacity_and_32_bits_of_units() {
+        let plan = |capacity: u64| {
+            let window = NonZeroU32::new(60).unwrap();
+            Plan::new("p", NonZeroU64::new(capacity).unwrap(), window).unwrap()
+        };
+        let terms = |units: u64| LeaseTerms {
+            units_max: NonZeroU64::new(units).unwrap(),
+            seconds: NonZeroU32::new(5).unwrap(),
+        };
+        assert!(plan(100).with_lease(terms(50)).is_ok());
+        assert_eq!(
+            plan(100).with_lease(terms(51)).unwrap_err(),
+            PlanError::LeaseUnits(50)
+        );
+        let tokens = plan(1 << 40);
+        let most = u64::from(u32::MAX);
+        assert!(tokens.clone().with_lease(terms(most)).is_ok());
+        let err = tokens.with_lease(terms(most + 1)).unwrap_err();
+        assert_eq!(err, PlanError::LeaseUnits(most));
     }
 
     #[test]
