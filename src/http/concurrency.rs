@@ -1,10 +1,9 @@
 //! Concurrency limits: at most N requests of one caller in flight on a route, across every
 //! instance. A request takes a slot (a hold on the concurrency ledger, one account per caller and
-//! route) before its handler runs, and gives it back (a void) when the handler has answered, or
-//! when the request is dropped (client gone, handler panicked). A slot that an instance could not
-//! give back (it died) is released by the hold's timeout, `timeout_seconds`.
-//!
-//! The slot is given back when the handler returns its response, not when a streamed body ends.
+//! route) before its handler runs, and gives it back (a void) when the response's body has been
+//! sent, a streamed one included (`slot_body.rs`), or when the request is dropped (client gone,
+//! handler panicked). A slot that an instance could not give back (it died) is released by the
+//! hold's timeout, `timeout_seconds`.
 
 use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
