@@ -466,7 +466,7 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
     let caller = caller(&key);
     let slot_account = model::user_account_id(
         LEDGER_CONCURRENCY,
-        "concurrency-0",
+        &ledger_limiter::http::concurrency::plan_name("/slow"),
         NonZeroU64::new(2).unwrap(),
         key.as_bytes(),
     );

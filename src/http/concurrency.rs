@@ -13,10 +13,20 @@ use thiserror::Error;
 use actix_web::HttpResponse;
 
 use super::problem::{self, ProblemKind};
+use super::rules::{is_route_pattern, most_specific_first};
 use crate::ledger::{model, Ledger};
 use crate::limiter::caller::CallerKey;
 use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
 use crate::limiter::{Decision, HoldReceipt, Limiter, LimiterSettings, Outcome};
+
+/// The plan (and so the account and the `plan` metric label) of a route's concurrency limit:
+/// named from the pattern itself, so that adding or removing another route, on one instance of
+/// a rolling deploy, never moves this route's slots to another account.
+pub fn plan_name(pattern: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(pattern.as_bytes());
+    format!("concurrency-{}", hex::encode(&digest[..4]))
+}
 
 /// The concurrency limits of a service, one per route pattern (exact path or `prefix*`).
 #[derive(Default)]
@@ -26,15 +36,15 @@ pub struct ConcurrencyLimits {
 
 #[derive(Debug, Error)]
 pub enum ConcurrencyError {
-    #[error("{0:?} must start with /")]
+    #[error("{0:?} must start with /, with a `*` only at its end")]
     Route(String),
     #[error(transparent)]
     Plan(#[from] PlanError),
 }
 
 impl ConcurrencyLimits {
-    /// `routes`: (pattern, requests in flight per caller), each on its own plan
-    /// (`concurrency-<n>`) of the concurrency ledger, sharing `ledger`'s client.
+    /// `routes`: (pattern, requests in flight per caller), each on its own plan ([`plan_name`])
+    /// of the concurrency ledger, sharing `ledger`'s client.
     pub fn new(
         ledger: &Ledger,
         routes: &[(String, NonZeroU64)],
@@ -49,19 +59,20 @@ impl ConcurrencyLimits {
             ..settings.clone()
         };
         let mut limits = Vec::with_capacity(routes.len());
-        for (index, (pattern, in_flight_max)) in routes.iter().enumerate() {
-            if !pattern.starts_with('/') {
+        for (pattern, in_flight_max) in routes {
+            if !is_route_pattern(pattern) {
                 return Err(ConcurrencyError::Route(pattern.clone()));
             }
-            let name = format!("concurrency-{index}");
+            let name = plan_name(pattern);
             let plan = Plan::new(&name, *in_flight_max, timeout_seconds)?;
             let plans = PlanBook::new(vec![plan], &name, [], [], UnknownKeys::DefaultPlan)?;
-            // Counted (plan `concurrency-<n>`), but the request's span keeps the caller's fields.
+            // Counted (plan `concurrency-<hash>`), but the request's span keeps the caller's fields.
             let limiter = Limiter::new(slots.clone(), Arc::new(plans), settings.clone())
                 .without_span_fields();
             debug_assert_eq!(limiter.local_callers(), 0);
             limits.push((pattern.clone(), Arc::new(limiter)));
         }
+        most_specific_first(&mut limits);
         Ok(ConcurrencyLimits { routes: limits })
     }
 
@@ -112,7 +123,8 @@ impl ConcurrencyLimits {
         }
     }
 
-    /// The limiter of the first route pattern that matches `path`.
+    /// The limiter of the most specific route pattern that matches `path` (an exact path, else
+    /// the longest prefix).
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
         self.routes
             .iter()

@@ -168,6 +168,23 @@ fn path_matches(pattern: &str, path: &str) -> bool {
     }
 }
 
+/// A route pattern as the configuration writes it: starts with `/`, and `*` (a prefix) only at
+/// its end. Elsewhere a `*` would be compared literally and never match, silently.
+pub fn is_route_pattern(pattern: &str) -> bool {
+    let body = pattern.strip_suffix('*').unwrap_or(pattern);
+    pattern.starts_with('/') && !body.contains('*')
+}
+
+/// Orders patterns so that the first that matches a path is the most specific: exact paths
+/// first, then prefixes, longest first (as route costs are chosen). In the configuration's
+/// order, `/upload*` came before `/upload/big` and took its requests.
+pub fn most_specific_first<T>(patterns: &mut [(String, T)]) {
+    patterns.sort_by_key(|(pattern, _)| match pattern.strip_suffix('*') {
+        None => (0, 0),
+        Some(prefix) => (1, usize::MAX - prefix.len()),
+    });
+}
+
 /// The cost of a request by path: exact paths first, then the longest matching `prefix*`, then 1.
 #[derive(Debug, Clone, Default)]
 struct RouteCosts {
@@ -194,6 +211,22 @@ impl RouteCosts {
         RouteCosts { exact, prefixes }
     }
 
+    /// The highest cost of any path `pattern` matches: the cost that applies to the pattern as a
+    /// whole, and for a prefix, every exact path and narrower prefix with a cost of its own.
+    fn cost_max_under(&self, pattern: &str) -> NonZeroU64 {
+        let own = self.cost(pattern);
+        let Some(prefix) = pattern.strip_suffix('*') else {
+            return own;
+        };
+        let exact = (self.exact.iter())
+            .filter(|(path, _)| path.starts_with(prefix))
+            .map(|(_, cost)| *cost);
+        let narrower = (self.prefixes.iter())
+            .filter(|(other, _)| other.starts_with(prefix))
+            .map(|(_, cost)| *cost);
+        exact.chain(narrower).fold(own, NonZeroU64::max)
+    }
+
     fn cost(&self, path: &str) -> NonZeroU64 {
         if let Some(cost) = self.exact.get(path) {
             return *cost;
@@ -213,11 +246,11 @@ pub enum RulesError {
     KeyHeader(String),
     #[error("must be between 1 and {KEY_LENGTH_MAX_LIMIT}")]
     KeyLengthMax,
-    #[error("{0:?} must start with /")]
+    #[error("{0:?} must start with /, with a `*` only at its end")]
     ExemptPath(String),
-    #[error("{0:?} must start with /")]
+    #[error("{0:?} must start with /, with a `*` only at its end")]
     ShadowPath(String),
-    #[error("{0:?} must start with /")]
+    #[error("{0:?} must start with /, with a `*` only at its end")]
     RefundPath(String),
     #[error("{0:?} is not one of \"ietf\", \"github\", \"bucket4j\" (and at least one is needed)")]
     HeaderStyle(String),
@@ -225,7 +258,7 @@ pub enum RulesError {
     MissingKeyStatus(u16),
     #[error("{0:?} is not an address or an address block such as 10.0.0.0/8")]
     TrustedProxy(String),
-    #[error("routes must start with /")]
+    #[error("routes must start with /, with a `*` only at their end")]
     CostRoute(String),
     #[error("route {0:?} {1}")]
     RouteLimits(String, String),
@@ -414,13 +447,13 @@ impl RequestRulesBuilder {
         if self.key_length_max == 0 || self.key_length_max > KEY_LENGTH_MAX_LIMIT {
             return Err(RulesError::KeyLengthMax);
         }
-        if let Some(bad) = self.exempt_paths.iter().find(|p| !p.starts_with('/')) {
+        if let Some(bad) = self.exempt_paths.iter().find(|p| !is_route_pattern(p)) {
             return Err(RulesError::ExemptPath(bad.clone()));
         }
-        if let Some(bad) = self.shadow_paths.iter().find(|p| !p.starts_with('/')) {
+        if let Some(bad) = self.shadow_paths.iter().find(|p| !is_route_pattern(p)) {
             return Err(RulesError::ShadowPath(bad.clone()));
         }
-        if let Some(bad) = self.refund_paths.iter().find(|p| !p.starts_with('/')) {
+        if let Some(bad) = self.refund_paths.iter().find(|p| !is_route_pattern(p)) {
             return Err(RulesError::RefundPath(bad.clone()));
         }
         let header_styles = match &self.header_styles {
@@ -443,11 +476,12 @@ impl RequestRulesBuilder {
                 HeaderName::try_from(name.as_str()).map_err(|_| RulesError::CostHeader(name))
             })
             .transpose()?;
-        let route_limits = self
+        let mut route_limits = self
             .route_limits
             .into_iter()
             .map(|(route, limits)| checked_limits(route, limits, &route_costs))
             .collect::<Result<Vec<_>, _>>()?;
+        most_specific_first(&mut route_limits);
         Ok(RequestRules {
             key_source,
             key_length_max: self.key_length_max,
@@ -473,8 +507,8 @@ fn checked_limits(
     costs: &RouteCosts,
 ) -> Result<(String, Arc<[Plan]>), RulesError> {
     let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
-    if !route.starts_with('/') {
-        return invalid("must start with /".into());
+    if !is_route_pattern(&route) {
+        return invalid("must start with /, with a `*` only at its end".into());
     }
     if limits.is_empty() || limits.len() > ROUTE_LIMITS_MAX {
         return invalid(format!("needs 1 to {ROUTE_LIMITS_MAX} limits"));
@@ -483,10 +517,12 @@ fn checked_limits(
         if limits[..index].iter().any(|l| l.name() == limit.name()) {
             return invalid(format!("names limit {:?} twice", limit.name()));
         }
-        let cost = costs.cost(&route).get();
+        // Every path under the route, with its own cost: one that costs more than the limit's
+        // whole capacity would be refused forever.
+        let cost = costs.cost_max_under(&route).get();
         if cost > limit.capacity().get() {
             return invalid(format!(
-                "costs {cost}, more than limit {:?} allows in a whole window",
+                "has a path that costs {cost}, more than limit {:?} allows in a whole window",
                 limit.name()
             ));
         }
@@ -501,7 +537,7 @@ fn checked_cost(
     cost: u64,
     plans: &PlanBook,
 ) -> Result<(String, NonZeroU64), RulesError> {
-    if !route.starts_with('/') {
+    if !is_route_pattern(&route) {
         return Err(RulesError::CostRoute(route));
     }
     let Some(cost) = NonZeroU64::new(cost) else {
@@ -628,5 +664,72 @@ mod tests {
         assert_eq!(e.setting(), "response.header_styles");
         let e = build(RequestRules::builder().missing_key_status(403));
         assert_eq!(e.setting(), "response.missing_key_status");
+        // A `*` anywhere but the end would never match: refused, not ignored.
+        let e = build(RequestRules::builder().exempt("/users/*/avatar"));
+        assert_eq!(e.setting(), "routes.exempt");
+        let e = build(RequestRules::builder().cost("/api/**", 1));
+        assert_eq!(e, RulesError::CostRoute("/api/**".into()));
+    }
+
+    #[test]
+    fn route_patterns_have_their_star_at_the_end() {
+        assert!(is_route_pattern("/a") && is_route_pattern("/a*") && is_route_pattern("/*"));
+        assert!(!is_route_pattern("a") && !is_route_pattern("/a/*/b") && !is_route_pattern("/**"));
+    }
+
+    #[test]
+    fn the_most_specific_route_limit_applies() {
+        let free = test_plan("per_min", 5);
+        let big = test_plan("per_hour", 5);
+        let rules = RequestRules::builder()
+            .limits("/upload*", vec![big])
+            .limits("/upload/big", vec![free])
+            .build(&plans())
+            .unwrap();
+        let name = |path: &str| rules.route_limits(path).map(|l| l[0].name().to_owned());
+        assert_eq!(
+            name("/upload/big").as_deref(),
+            Some("per_min"),
+            "exact first"
+        );
+        assert_eq!(name("/upload/small").as_deref(), Some("per_hour"));
+        let mut patterns = vec![
+            ("/a*".to_owned(), ()),
+            ("/a/b*".to_owned(), ()),
+            ("/a/b".to_owned(), ()),
+        ];
+        most_specific_first(&mut patterns);
+        let order: Vec<&str> = patterns.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(order, ["/a/b", "/a/b*", "/a*"]);
+    }
+
+    #[test]
+    fn a_route_limit_is_refused_when_a_path_under_it_costs_more_than_it_holds() {
+        let limit = || vec![test_plan("per_min", 4)];
+        let build = |b: RequestRulesBuilder| b.build(&plans());
+        // The prefix itself costs 1, but one path under it costs 5: refused forever.
+        let e = build(
+            RequestRules::builder()
+                .cost("/api/export", 5)
+                .limits("/api/*", limit()),
+        );
+        assert!(matches!(e, Err(RulesError::RouteLimits(..))), "{e:?}");
+        let e = build(
+            RequestRules::builder()
+                .cost("/api/big/*", 5)
+                .limits("/api/*", limit()),
+        );
+        assert!(matches!(e, Err(RulesError::RouteLimits(..))), "{e:?}");
+        // A broader cost overridden by a narrower one that covers the whole limit: allowed.
+        let ok = RequestRules::builder()
+            .cost("/*", 5)
+            .cost("/api/*", 1)
+            .limits("/api/*", limit());
+        assert!(build(ok).is_ok());
+        // Paths outside the limit do not count.
+        let ok = RequestRules::builder()
+            .cost("/other", 5)
+            .limits("/api/*", limit());
+        assert!(build(ok).is_ok());
     }
 }
