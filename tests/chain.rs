@@ -213,3 +213,24 @@ async fn concurrent_releases_give_back_every_unit_they_ask_for() {
         "the block stayed"
     );
 }
+
+/// A block is an operator action like the others: it moves the operator epoch, which every
+/// instance reads once a second (to drop its leases and local view of the caller).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_moves_the_operator_epoch() {
+    use ledger_limiter::ledger::model::Actor;
+    let instance = limiter(ledger_client(vec![shared_ledger().address]));
+    let limit = fresh_limit(5, 60, 1);
+    let decision = instance.check_all(&[limit]).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    let ledger = instance.ledger();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let before = ledger.operator_epoch(deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    ledger
+        .block(limit.account.id, 600, actor, deadline)
+        .await
+        .unwrap();
+    let after = ledger.operator_epoch(deadline).await.unwrap();
+    assert!(after > before, "the epoch stayed at {before}");
+}

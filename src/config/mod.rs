@@ -701,7 +701,10 @@ pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, 
                     format!("cannot resolve {address:?}: {e}"),
                 )
             })?
-            .find(|a| a.is_ipv4())
+            // The lowest of several records, not the first: the order DNS gives them in changes,
+            // and each change of address would reconnect the ledger client.
+            .filter(|a| a.is_ipv4())
+            .min()
             .ok_or_else(|| {
                 invalid(
                     "ledger.addresses",

@@ -68,7 +68,8 @@ impl ConcurrencyLimits {
             let plans = PlanBook::new(vec![plan], &name, [], [], UnknownKeys::DefaultPlan)?;
             // Counted (plan `concurrency-<hash>`), but the request's span keeps the caller's fields.
             let limiter = Limiter::new(slots.clone(), Arc::new(plans), settings.clone())
-                .without_span_fields();
+                .without_span_fields()
+                .voiding_late_holds();
             debug_assert_eq!(limiter.local_callers(), 0);
             limits.push((pattern.clone(), Arc::new(limiter)));
         }

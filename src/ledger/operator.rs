@@ -169,7 +169,11 @@ impl Ledger {
         let transfer = model::block_transfer(account_id, self.ledger_id, seconds, actor);
         let transfer_id = transfer.id();
         match self.operator_transfer(transfer, deadline).await? {
-            None => Ok(Blocking::Done { transfer_id }),
+            None => {
+                // Every instance must hear of it within a second (their leases and local views).
+                self.bump_operator_epoch(deadline).await;
+                Ok(Blocking::Done { transfer_id })
+            }
             Some(K::DebitAccountAlreadyClosed) => Ok(Blocking::AlreadyBlocked),
             Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Blocking::NoSuchAccount),
             Some(kind) => Err(unexpected_transfer("block: ", kind)),

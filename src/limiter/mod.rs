@@ -214,6 +214,9 @@ pub struct Limiter<S: Store = Ledger, C: Clock = SystemClock> {
     account_ids: AccountIds,
     /// Whether decisions are written on the request's span (see [`Limiter::without_span_fields`]).
     span_fields: bool,
+    /// Whether a hold that lands after its decision gave up is voided: under the closed policy
+    /// (the request was refused), and always for slots ([`Limiter::voiding_late_holds`]).
+    void_late_holds: bool,
 }
 
 impl<S: Store, C: Clock> std::fmt::Debug for Limiter<S, C> {
@@ -245,6 +248,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         let leases = lease::LeaseBook::new(&plans);
         let account_ids = AccountIds::new(plans.plans().len());
+        let settings_closed = settings.failure_policy == FailurePolicy::Closed;
         Limiter {
             store,
             clock,
@@ -256,7 +260,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             leases,
             account_ids,
             span_fields: true,
+            void_late_holds: settings_closed,
         }
+    }
+
+    /// A limiter whose holds that land after their decision gave up are always voided, whatever
+    /// the failure policy: a concurrency slot is no rate unit a request may have used; kept, it
+    /// would be taken for its whole timeout by a request long finished.
+    pub fn voiding_late_holds(mut self) -> Self {
+        self.void_late_holds = true;
+        self
     }
 
     /// A limiter whose decisions are counted but not written on the request's span: a second
@@ -616,7 +629,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     charge.cost,
                     charge.account.window_seconds.get(),
                     deadline,
-                    self.settings.failure_policy == FailurePolicy::Closed,
+                    self.void_late_holds,
                 )
                 .await?;
             match reply {

@@ -194,7 +194,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut provisioned: Vec<u128> = Vec::with_capacity(links.len());
         // Each account gets one second look (a new caller races on every limit's account).
         let mut looked: Vec<u128> = Vec::with_capacity(links.len());
-        let void_if_abandoned = self.settings.failure_policy == FailurePolicy::Closed;
+        let void_if_abandoned = self.void_late_holds;
         for _ in 0..2 * links.len() + 1 {
             let reply = self
                 .store
