@@ -31,6 +31,13 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../config/default.toml");
 /// Bounds on settings, so a typo cannot ask for something absurd.
 pub const LEDGER_TIMEOUT_MS_MAX: u64 = 60_000;
 pub const EXPIRY_MARGIN_MS_MAX: u64 = 10_000;
+/// Bound on `workers`: a thread each.
+pub const WORKERS_MAX: usize = 1024;
+/// Bound on `ledger.in_flight_max` (tokio's semaphore takes at most `usize::MAX >> 3` permits,
+/// and a million calls in flight is far past what one client can send).
+pub const IN_FLIGHT_MAX_LIMIT: usize = 1 << 20;
+/// Bound on `ledger.local_callers_max`: about 100 bytes each, so 10 GB at most.
+pub const LOCAL_CALLERS_MAX_LIMIT: usize = 100_000_000;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("invalid setting `{setting}`: {message}")]
@@ -268,6 +275,11 @@ impl FileConfig {
         take!(caller.unknown_keys);
         take!(caller.keys_file);
         take!(default_plan);
+        // Plans of one's own replace the built-in ones whole, prefixes included: the defaults'
+        // prefixes name the built-in plans (`basic_`, `pro_`) and would refuse the file.
+        if other.plans.is_some() && other.key_prefixes.is_none() {
+            self.key_prefixes = Some(BTreeMap::new());
+        }
         take!(plans);
         take!(key_prefixes);
         take!(limits);
@@ -356,12 +368,17 @@ impl Settings {
     pub fn from_file_config(file: FileConfig) -> Result<Self, ConfigError> {
         let listen = require(file.listen, "listen")?;
         let workers = NonZeroUsize::new(require(file.workers, "workers")?)
-            .ok_or_else(|| invalid("workers", "must be at least 1"))?;
+            .filter(|n| n.get() <= WORKERS_MAX)
+            .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
         let ledger = ledger_location(file.ledger.addresses.clone(), file.embedded)?;
         let cluster_id = file.ledger.cluster_id.unwrap_or(0).into();
         let in_flight_max = file.ledger.in_flight_max;
         let in_flight_max = NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
-            .ok_or_else(|| invalid("ledger.in_flight_max", "must be at least 1"))?;
+            .filter(|n| n.get() <= IN_FLIGHT_MAX_LIMIT)
+            .ok_or_else(|| {
+                let message = format!("must be 1 to {IN_FLIGHT_MAX_LIMIT}");
+                invalid("ledger.in_flight_max", message)
+            })?;
         let limiter = limiter_settings(&file.ledger)?;
         let batch_linger = batch_linger(&file.ledger, limiter.ledger_timeout)?;
         let caller = file.caller;
@@ -633,6 +650,10 @@ fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError>
         ],
     )?;
     let local_callers_max = require(ledger.local_callers_max, "ledger.local_callers_max")?;
+    if local_callers_max > LOCAL_CALLERS_MAX_LIMIT {
+        let message = format!("must be at most {LOCAL_CALLERS_MAX_LIMIT} (0 turns the view off)");
+        return Err(invalid("ledger.local_callers_max", message));
+    }
     let expiry_margin_ms = require(ledger.expiry_margin_ms, "ledger.expiry_margin_ms")?;
     if expiry_margin_ms > EXPIRY_MARGIN_MS_MAX {
         return Err(invalid(
@@ -783,6 +804,15 @@ mod tests {
         assert_eq!(err.setting, "plans");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();
         assert_eq!(err.setting, "caller.header");
+        let err = with("workers = 100000").unwrap_err();
+        assert_eq!(err.setting, "workers");
+        let err = with("[ledger]\nin_flight_max = 4611686018427387904").unwrap_err();
+        assert_eq!(err.setting, "ledger.in_flight_max");
+        let err = with("[ledger]\nlocal_callers_max = 1000000000000").unwrap_err();
+        assert_eq!(err.setting, "ledger.local_callers_max");
+        // Plans of one's own, without prefixes: the built-in prefixes go with the built-in plans.
+        let own = with("default_plan = \"gold\"\n[plans.gold]\ncapacity = 5\nwindow_seconds = 30");
+        assert_eq!(own.unwrap().plans.plans().len(), 1);
         let err = with("[caller]\nforwarded_header = \"x-real-ip\"").unwrap_err();
         assert_eq!(err.setting, "caller.forwarded_header");
         assert!(with("[caller]\nforwarded_header = \"Forwarded\"").is_ok());
