@@ -22,7 +22,11 @@ const START_TIMEOUT: Duration = Duration::from_secs(180);
 /// watchdog) is killed after this. Either way is safe: TigerBeetle is built for sudden stops.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 const RESTART_BACKOFF: Duration = Duration::from_secs(1);
+/// Restarts in a row (each less than [`RESTART_STABLE`] after the last) before giving up.
 const RESTARTS_MAX: u32 = 10;
+/// A server that ran this long was well: its next exit starts the count of restarts anew (a
+/// crash a day must not add up, over a month, to giving up for good).
+const RESTART_STABLE: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Error)]
 pub enum EmbeddedError {
@@ -226,11 +230,15 @@ async fn supervise(
     mut stopped: watch::Receiver<bool>,
 ) {
     let mut restarts = 0;
+    let mut started_at = tokio::time::Instant::now();
     loop {
         tokio::select! {
             status = child.wait() => {
                 if *stopped.borrow() {
                     return;
+                }
+                if started_at.elapsed() >= RESTART_STABLE {
+                    restarts = 0;
                 }
                 restarts += 1;
                 tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
@@ -239,6 +247,7 @@ async fn supervise(
                     return;
                 }
                 tokio::time::sleep(RESTART_BACKOFF).await;
+                started_at = tokio::time::Instant::now();
                 match spawn(&options, &file, Some(port)).await {
                     Ok((next, next_stdin, _)) => {
                         child = next;
