@@ -41,9 +41,9 @@ struct Cli {
     /// TigerBeetle replica addresses (host:port, comma separated). None: run an embedded one.
     #[arg(long, env = "LEDGER_LIMITER_LEDGER_ADDRESSES", value_delimiter = ',')]
     ledger_addresses: Option<Vec<String>>,
-    /// TigerBeetle cluster id.
+    /// TigerBeetle cluster id (up to 2^128 - 1).
     #[arg(long, env = "LEDGER_LIMITER_CLUSTER_ID")]
-    cluster_id: Option<u64>,
+    cluster_id: Option<u128>,
     /// Deadline of one decision, in milliseconds.
     #[arg(long, env = "LEDGER_LIMITER_LEDGER_TIMEOUT_MS")]
     ledger_timeout_ms: Option<u64>,

@@ -108,6 +108,22 @@ pub struct AdminFile {
     pub secrets: Option<Vec<String>>,
 }
 
+/// `ledger.cluster_id` as an integer or a decimal string.
+fn cluster_id<'de, D>(deserializer: D) -> Result<Option<u128>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::Error;
+    let id = match Option::<toml::Value>::deserialize(deserializer)? {
+        None => return Ok(None),
+        Some(toml::Value::Integer(id)) => u128::try_from(id).ok(),
+        Some(toml::Value::String(id)) => id.parse::<u128>().ok(),
+        Some(_) => None,
+    };
+    let message = "must be an integer from 0 to 2^128 - 1 (a string for one above 2^63 - 1)";
+    id.map(Some).ok_or_else(|| D::Error::custom(message))
+}
+
 /// `admin.secrets`, whose errors never quote what was found: serde's own would print a secret
 /// given as one string (`invalid type: string "…"`) to the log.
 fn secrets_unquoted<'de, D>(deserializer: D) -> Result<Option<Vec<String>>, D::Error>
@@ -147,7 +163,10 @@ pub struct AdminSettings {
 #[serde(deny_unknown_fields)]
 pub struct LedgerFile {
     pub addresses: Option<Vec<String>>,
-    pub cluster_id: Option<u64>,
+    /// TigerBeetle's 128-bit cluster id: an integer, or a decimal string for one past what TOML's
+    /// integers hold (2^63 - 1), as a randomly chosen id usually is.
+    #[serde(default, deserialize_with = "cluster_id")]
+    pub cluster_id: Option<u128>,
     pub timeout_ms: Option<u64>,
     pub failure_policy: Option<String>,
     pub in_flight_max: Option<usize>,
@@ -371,7 +390,7 @@ impl Settings {
             .filter(|n| n.get() <= WORKERS_MAX)
             .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
         let ledger = ledger_location(file.ledger.addresses.clone(), file.embedded)?;
-        let cluster_id = file.ledger.cluster_id.unwrap_or(0).into();
+        let cluster_id = file.ledger.cluster_id.unwrap_or(0);
         let in_flight_max = file.ledger.in_flight_max;
         let in_flight_max = NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
             .filter(|n| n.get() <= IN_FLIGHT_MAX_LIMIT)
@@ -804,6 +823,16 @@ mod tests {
         assert_eq!(err.setting, "plans");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();
         assert_eq!(err.setting, "caller.header");
+        let big = "340282366920938463463374607431768211455"; // 2^128 - 1
+        let id = with(&format!("[ledger]\ncluster_id = \"{big}\""))
+            .unwrap()
+            .cluster_id;
+        assert_eq!(id, u128::MAX);
+        assert_eq!(with("[ledger]\ncluster_id = 7").unwrap().cluster_id, 7);
+        for bad in ["-1", "\"0x10\"", "1.5"] {
+            let err = FileConfig::parse(&format!("[ledger]\ncluster_id = {bad}"), "f").unwrap_err();
+            assert!(err.message.contains("2^128 - 1"), "{bad}: {}", err.message);
+        }
         let err = with("workers = 100000").unwrap_err();
         assert_eq!(err.setting, "workers");
         let err = with("[ledger]\nin_flight_max = 4611686018427387904").unwrap_err();
