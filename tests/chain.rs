@@ -234,3 +234,23 @@ async fn a_block_moves_the_operator_epoch() {
     let after = ledger.operator_epoch(deadline).await.unwrap();
     assert!(after > before, "the epoch stayed at {before}");
 }
+
+/// A call whose deadline has passed is not sent: nobody waits for it (and a hold that landed
+/// would have to be voided).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_deadline_is_not_sent() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let sent = ledger.calls_started();
+    let late = ledger.ping(Instant::now()).await;
+    assert!(
+        matches!(
+            late,
+            Err(ledger_limiter::ledger::LedgerError::Timeout { .. })
+        ),
+        "{late:?}"
+    );
+    assert_eq!(ledger.calls_started(), sent, "sent anyway");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.ping(deadline).await.expect("in time, it is sent");
+    assert_eq!(ledger.calls_started(), sent + 1);
+}

@@ -708,6 +708,13 @@ impl Ledger {
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
         A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
     {
+        // A call with no time left is not sent: nobody would wait for its answer, and under the
+        // closed policy a hold that landed would cost a second write to void it.
+        if Instant::now() >= deadline {
+            let error = LedgerError::Timeout { operation };
+            self.metrics.record_error(error.kind());
+            return Err(error);
+        }
         let in_flight = self.in_flight()?;
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
