@@ -489,10 +489,15 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
 fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError> {
     let secrets = AdminSecrets::new(&admin.secrets.unwrap_or_default())
         .map_err(|message| invalid("admin.secrets", message))?;
-    Ok(match admin.listen {
-        Some(listen) if !secrets.is_empty() => Some(AdminSettings { listen, secrets }),
-        _ => None,
-    })
+    match admin.listen {
+        Some(listen) if !secrets.is_empty() => Ok(Some(AdminSettings { listen, secrets })),
+        // Asked for, and silently off, was a surprise found only when the API did not answer.
+        Some(_) => Err(invalid(
+            "admin.listen",
+            "the admin API needs a secret too: set LEDGER_LIMITER_ADMIN_SECRETS (or admin.secrets)",
+        )),
+        None => Ok(None),
+    }
 }
 
 /// `[routes.concurrency]` and its slot timeout.
@@ -509,8 +514,11 @@ fn concurrency_limits(
     let mut limits = Vec::new();
     for (route, in_flight_max) in routes.concurrency.clone().unwrap_or_default() {
         let setting = format!("routes.concurrency.\"{route}\"");
-        if !route.starts_with('/') {
-            return Err(invalid(setting, "routes must start with /"));
+        if !crate::http::rules::is_route_pattern(&route) {
+            return Err(invalid(
+                setting,
+                "routes must start with /, with a `*` only at their end",
+            ));
         }
         let in_flight_max = NonZeroU64::new(in_flight_max)
             .ok_or_else(|| invalid(&setting, "must be at least 1"))?;
@@ -833,6 +841,10 @@ mod tests {
             let err = FileConfig::parse(&format!("[ledger]\ncluster_id = {bad}"), "f").unwrap_err();
             assert!(err.message.contains("2^128 - 1"), "{bad}: {}", err.message);
         }
+        let err = with("[admin]\nlisten = \"127.0.0.1:9091\"").unwrap_err();
+        assert_eq!(err.setting, "admin.listen");
+        let err = with("[routes.concurrency]\n\"/a/*/b\" = 1").unwrap_err();
+        assert_eq!(err.setting, "routes.concurrency.\"/a/*/b\"");
         let err = with("workers = 100000").unwrap_err();
         assert_eq!(err.setting, "workers");
         let err = with("[ledger]\nin_flight_max = 4611686018427387904").unwrap_err();
