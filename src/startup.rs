@@ -110,10 +110,18 @@ impl Application {
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
         let readiness = web::Data::new(routes::Readiness::default());
+        // A ledger given up on fails liveness; with none embedded, there is none to give up.
+        let gave_up = web::Data::new(
+            embedded
+                .as_ref()
+                .map(EmbeddedLedger::gave_up)
+                .unwrap_or_default(),
+        );
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(web::Data::from(app_limiter.clone()))
                 .app_data(readiness.clone())
+                .app_data(gave_up.clone())
                 .configure(|config| all_routes(config, &rate_limit, &exporters))
         })
         .workers(settings.workers.get())

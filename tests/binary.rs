@@ -335,3 +335,32 @@ fn check_config_never_prints_listed_keys() {
     assert!(shown.contains("listed_keys: 1"), "{shown}");
     assert!(!shown.contains("sk_live_very_secret"), "{shown}");
 }
+
+/// A server that keeps exiting is restarted ten times in a row, then given up on, and that is
+/// told (the flag `/healthz` answers 503 on): the process is better restarted whole than left
+/// running without its ledger. The server here is a script that exits as soon as it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
+    use ledger_limiter::ledger::embedded::{EmbeddedLedger, EmbeddedOptions};
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::ledger_dir();
+    let bin = dir.path().join("tigerbeetle");
+    let script = "#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) echo 3999; exit 1 ;;\nesac\nexit 2\n";
+    std::fs::write(&bin, script).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let embedded = EmbeddedLedger::start(EmbeddedOptions {
+        bin,
+        data_dir: dir.path().join("data"),
+        cluster_id: 0,
+        development: true,
+    })
+    .await
+    .expect("it starts (and exits at once)");
+    let gave_up = embedded.gave_up();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !gave_up.is_set() {
+        assert!(Instant::now() < deadline, "still restarting after 60 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    embedded.stop().await;
+}

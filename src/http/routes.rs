@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use actix_web::{web, HttpResponse, Responder};
 
+use crate::ledger::embedded::GaveUp;
 use crate::limiter::Limiter;
 
 /// The rate-limited demo endpoint.
@@ -11,8 +12,15 @@ pub async fn greeting() -> impl Responder {
     HttpResponse::Ok().content_type("text/plain").body("hello")
 }
 
-/// Liveness: the process serves HTTP.
-pub async fn healthz() -> impl Responder {
+/// Liveness: the process serves HTTP, and its embedded ledger (if it has one) has not been given
+/// up on: a process without its ledger for good is better restarted whole.
+pub async fn healthz(embedded: Option<web::Data<GaveUp>>) -> impl Responder {
+    if embedded.is_some_and(|gave_up| gave_up.is_set()) {
+        let body = "the embedded ledger kept exiting and is not restarted any more";
+        return HttpResponse::ServiceUnavailable()
+            .content_type("text/plain")
+            .body(body);
+    }
     HttpResponse::Ok().content_type("text/plain").body("ok")
 }
 
@@ -58,5 +66,27 @@ pub async fn readyz(
         Err(error) => HttpResponse::ServiceUnavailable()
             .content_type("text/plain")
             .body(format!("ledger not ready: {error}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::{test, App};
+
+    #[actix_web::test]
+    async fn healthz_fails_once_the_embedded_ledger_is_given_up_on() {
+        let get = || test::TestRequest::get().uri("/healthz").to_request();
+        let gave_up = GaveUp::default();
+        let app = App::new()
+            .app_data(web::Data::new(gave_up.clone()))
+            .route("/healthz", web::get().to(healthz));
+        let app = test::init_service(app).await;
+        assert_eq!(test::call_service(&app, get()).await.status(), 200);
+        gave_up.set_for_tests();
+        assert_eq!(test::call_service(&app, get()).await.status(), 503);
+        // Without the flag registered (a library user's app): alive.
+        let bare = test::init_service(App::new().route("/healthz", web::get().to(healthz))).await;
+        assert_eq!(test::call_service(&bare, get()).await.status(), 200);
     }
 }

@@ -62,6 +62,27 @@ pub struct EmbeddedLedger {
     address: SocketAddr,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    gave_up: GaveUp,
+}
+
+/// Set when the supervisor gave up restarting the server: the process lives on without a
+/// ledger, and says so where an orchestrator looks (`/healthz`), so that it is restarted whole.
+#[derive(Clone, Debug, Default)]
+pub struct GaveUp(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl GaveUp {
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_for_tests(&self) {
+        self.set();
+    }
 }
 
 impl EmbeddedLedger {
@@ -83,12 +104,26 @@ impl EmbeddedLedger {
         let address = SocketAddr::from(([127, 0, 0, 1], port));
         tracing::info!(%address, file = %file.display(), "embedded TigerBeetle started");
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(supervise(options, file, port, (child, stdin), stopped));
+        let gave_up = GaveUp::default();
+        let server = (child, stdin);
+        let task = tokio::spawn(supervise(
+            options,
+            file,
+            port,
+            server,
+            (stopped, gave_up.clone()),
+        ));
         Ok(EmbeddedLedger {
             address,
             stop,
             task,
+            gave_up,
         })
+    }
+
+    /// Whether the supervisor gave up restarting the server (it kept exiting).
+    pub fn gave_up(&self) -> GaveUp {
+        self.gave_up.clone()
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -227,7 +262,7 @@ async fn supervise(
     file: PathBuf,
     port: u16,
     (mut child, mut stdin): (Child, std::io::PipeWriter),
-    mut stopped: watch::Receiver<bool>,
+    (mut stopped, gave_up): (watch::Receiver<bool>, GaveUp),
 ) {
     let mut restarts = 0;
     let mut started_at = tokio::time::Instant::now();
@@ -243,7 +278,8 @@ async fn supervise(
                 restarts += 1;
                 tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
                 if restarts > RESTARTS_MAX {
-                    tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy)");
+                    tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy, /healthz answers 503)");
+                    gave_up.set();
                     return;
                 }
                 tokio::time::sleep(RESTART_BACKOFF).await;
