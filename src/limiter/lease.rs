@@ -632,21 +632,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         assert!(units >= cost && units <= holder.terms.units_max.get());
         let lease_seconds = holder.terms.seconds.get();
         let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
-        let mut reply = self
-            .store
-            .take_lease(id, units, timeout_seconds, deadline)
+        let reply = self
+            .place_lease(holder, units, timeout_seconds, deadline)
             .await?;
-        self.leases.count_transfers(holder.plan_id, 1);
-        if reply == HoldReply::AccountNotFound {
-            // A new caller: provision it here (idempotent), once, so the requests waiting for
-            // this renewal get a lease rather than each provisioning per request.
-            self.store.provision(&holder.account(), deadline).await?;
-            reply = self
-                .store
-                .take_lease(id, units, timeout_seconds, deadline)
-                .await?;
-            self.leases.count_transfers(holder.plan_id, 1);
-        }
         let (answered_at, transfer_id) = match reply {
             HoldReply::Held {
                 answered_at,
@@ -694,6 +682,33 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
         }))
+    }
+
+    /// Places a lease of `units` for `holder`, provisioning a new caller first if need be.
+    async fn place_lease(
+        &self,
+        holder: &Holder,
+        units: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> Result<HoldReply, LedgerError> {
+        let id = holder.account_id;
+        let mut reply = self
+            .store
+            .take_lease(id, units, timeout_seconds, deadline)
+            .await?;
+        self.leases.count_transfers(holder.plan_id, 1);
+        if reply == HoldReply::AccountNotFound {
+            // A new caller: provision it here (idempotent), once, so the requests waiting for
+            // this renewal get a lease rather than each provisioning per request.
+            self.store.provision(&holder.account(), deadline).await?;
+            reply = self
+                .store
+                .take_lease(id, units, timeout_seconds, deadline)
+                .await?;
+            self.leases.count_transfers(holder.plan_id, 1);
+        }
+        Ok(reply)
     }
 
     /// Settles `lease`, which no longer admits. On an error the outcome is unknown and both are
