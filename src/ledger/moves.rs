@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
@@ -16,9 +16,6 @@ use tigerbeetle_unofficial as tb;
 use super::metrics::Operation;
 use super::model::{self, Actor, UserAccount};
 use super::{client_error, unexpected_transfer, Ledger, LedgerError};
-
-/// The operator epoch's own deadline after a move: the move's may be spent by then.
-const EPOCH_BUMP_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// At most this many carried holds per move (holds are grouped by the second they expire in,
 /// and the latest groups merged, which only holds longer): a chain fits one request.
@@ -104,9 +101,8 @@ impl Ledger {
         let created = self.create_chain(chain, deadline).await;
         if created.is_err() {
             // The move may have landed after all (a lost answer): every instance must look again
-            // (their leases on the old account), on a deadline of its own, the move's being spent.
-            self.bump_operator_epoch(Instant::now() + EPOCH_BUMP_TIMEOUT)
-                .await;
+            // (their leases on the old account). The bump has time of its own if the move's is spent.
+            self.bump_operator_epoch(deadline).await;
         }
         match created? {
             None => {}
@@ -117,8 +113,7 @@ impl Ledger {
             .carry_late_holds(from, to.id, &view, window_seconds_max, deadline)
             .await;
         // Moved, whatever became of the late holds: every instance must hear of it.
-        self.bump_operator_epoch(Instant::now() + EPOCH_BUMP_TIMEOUT)
-            .await;
+        self.bump_operator_epoch(deadline).await;
         let late = late?;
         Ok(Moving::Done {
             carried: carried_total + late,
