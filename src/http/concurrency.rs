@@ -13,7 +13,7 @@ use thiserror::Error;
 use actix_web::HttpResponse;
 
 use super::problem::{self, ProblemKind};
-use super::rules::{is_route_pattern, most_specific_first};
+use super::rules::{is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
 use crate::limiter::caller::CallerKey;
 use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
@@ -129,10 +129,7 @@ impl ConcurrencyLimits {
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
         self.routes
             .iter()
-            .find(|(pattern, _)| match pattern.strip_suffix('*') {
-                Some(prefix) => path.starts_with(prefix),
-                None => pattern == path,
-            })
+            .find(|(pattern, _)| path_matches(pattern, path))
             .map(|(_, limiter)| limiter)
     }
 }

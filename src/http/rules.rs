@@ -161,7 +161,8 @@ impl RequestRules {
     }
 }
 
-fn path_matches(pattern: &str, path: &str) -> bool {
+/// Whether `path` is on the route `pattern` (an exact path, or a `prefix*`).
+pub fn path_matches(pattern: &str, path: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => path.starts_with(prefix),
         None => pattern == path,

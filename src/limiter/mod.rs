@@ -248,7 +248,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         let leases = lease::LeaseBook::new(&plans);
         let account_ids = AccountIds::new(plans.plans().len());
-        let settings_closed = settings.failure_policy == FailurePolicy::Closed;
+        // Under the closed policy a late hold belongs to a refused request (read before `settings`
+        // moves in).
+        let void_late_holds = settings.failure_policy == FailurePolicy::Closed;
         Limiter {
             store,
             clock,
@@ -260,7 +262,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             leases,
             account_ids,
             span_fields: true,
-            void_late_holds: settings_closed,
+            void_late_holds,
         }
     }
 
