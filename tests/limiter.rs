@@ -701,3 +701,65 @@ fn a_linger_past_the_most_is_refused_at_connect() {
 fn fresh_id() -> u128 {
     rand::random()
 }
+
+/// A replaced client whose replicas never answer gives its calls' places back
+/// (`ledger/connection.rs`). Before, each call in flight on it kept its place under the in-flight
+/// bound for good: a few reconnects with calls in flight left an instance refusing everything as
+/// overloaded, and kept every old client (its I/O thread) alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_stranded_on_a_replaced_client_give_their_places_back() {
+    use ledger_limiter::ledger::{ChainLink, RETIRED_CALLS_GRACE};
+
+    let ledger = ledger_client_bounded(vec![dead_address()], 4);
+    let soon = Instant::now() + Duration::from_millis(300);
+    let link = || ChainLink {
+        account_id: fresh_id(),
+        amount: 1,
+        timeout_seconds: 30,
+    };
+    // Both ways a call goes: single holds share a batch, a chain is a call of its own.
+    let holds = join_all((0..2).map(|_| ledger.hold(fresh_id(), 1, 30, soon, true)));
+    let chains = join_all((0..2).map(|_| ledger.hold_chain(vec![link(), link()], soon, true)));
+    let (holds, chains) = tokio::join!(holds, chains);
+    assert!(holds.iter().all(|r| r.is_err()), "{holds:?}");
+    assert!(chains.iter().all(|r| r.is_err()), "{chains:?}");
+    assert_eq!(
+        ledger.calls_in_flight(),
+        4,
+        "every place held for the dead address"
+    );
+
+    let live = shared_ledger().address;
+    assert!(ledger.reconnect(&[live]).unwrap());
+    assert_eq!(ledger.replaced_clients_open(), 1);
+    let far = || Instant::now() + Duration::from_secs(5);
+    let refused = ledger.hold(fresh_id(), 1, 30, far(), true).await;
+    assert!(
+        matches!(refused, Err(ledger::LedgerError::Overloaded { .. })),
+        "within the grace the old calls keep their places: {refused:?}"
+    );
+
+    let given_up_by = Instant::now() + RETIRED_CALLS_GRACE + Duration::from_secs(5);
+    while ledger.calls_in_flight() > 0 {
+        assert!(
+            Instant::now() < given_up_by,
+            "the stranded calls kept their places"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answered = ledger.hold(fresh_id(), 1, 30, far(), true).await;
+    assert!(
+        matches!(answered, Ok(ledger::HoldReply::AccountNotFound)),
+        "the new client answers: {answered:?}"
+    );
+    // The next look at the addresses closes the old client.
+    let closed_by = Instant::now() + Duration::from_secs(5);
+    while ledger.replaced_clients_open() > 0 {
+        assert!(!ledger.reconnect(&[live]).unwrap(), "the same addresses");
+        assert!(
+            Instant::now() < closed_by,
+            "the replaced client was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

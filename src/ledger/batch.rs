@@ -36,7 +36,7 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::oneshot;
 
 use super::metrics::Operation;
-use super::{client_error, model, InFlight, LedgerError};
+use super::{client_error, model, Connection, InFlight, LedgerError};
 use crate::sync::lock;
 
 /// Transfers per call: well under a development-mode cluster's 32 KiB request (about 255).
@@ -80,7 +80,7 @@ impl Batching {
 pub type TransferResult = Result<Option<CreateTransferErrorKind>, LedgerError>;
 
 struct Batch {
-    client: Arc<tb::Client>,
+    connection: Arc<Connection>,
     transfers: Vec<tb::Transfer>,
     members: Vec<Member>,
     /// Every member's place under the in-flight bound, merged: held until the ledger answers
@@ -115,8 +115,8 @@ thread_local! {
 /// Creates `transfer` (not linked) in the batch this thread is filling; the result is its own,
 /// answered by `deadline` at the latest (`Timeout` then). What `leave` holds stays with the
 /// batch until the ledger answers.
-pub async fn create_transfer(
-    client: Arc<tb::Client>,
+pub(super) async fn create_transfer(
+    connection: Arc<Connection>,
     batching: &Batching,
     transfer: tb::Transfer,
     leave: Leave,
@@ -132,7 +132,7 @@ pub async fn create_transfer(
         deadline,
         void_if_abandoned: leave.void_if_abandoned,
     };
-    if let Some(opened) = join_or_open(client, transfer, member, leave.in_flight) {
+    if let Some(opened) = join_or_open(connection, transfer, member, leave.in_flight) {
         // Counted here, not in the task: every batch opened is sent, and the task then needs no
         // handle on the count (an Arc's two shared writes per batch).
         batching.count_sent();
@@ -160,7 +160,7 @@ pub async fn create_transfer(
 /// Joins this thread's open batch when it is for the same client and has room; else opens one
 /// (returned: the caller has it sent).
 fn join_or_open(
-    client: Arc<tb::Client>,
+    connection: Arc<Connection>,
     transfer: tb::Transfer,
     member: Member,
     in_flight: InFlight,
@@ -170,7 +170,7 @@ fn join_or_open(
         if let Some(open) = filling.as_ref() {
             let mut batch = lock(open);
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
-            if fits && Arc::ptr_eq(&batch.client, &client) {
+            if fits && Arc::ptr_eq(&batch.connection, &connection) {
                 batch.transfers.push(transfer);
                 batch.members.push(member);
                 let merged = batch
@@ -182,7 +182,7 @@ fn join_or_open(
             }
         }
         let opened = Arc::new(Mutex::new(Batch {
-            client,
+            connection,
             transfers: vec![transfer],
             members: vec![member],
             in_flight: Some(in_flight),
@@ -195,13 +195,14 @@ fn join_or_open(
 
 /// Sends the batch (closed to newcomers first), answers each member `Timeout` at its deadline
 /// while the ledger has not answered, then each its own result; voids the holds that landed after
-/// their callers left.
+/// their callers left. A batch whose callers all left is given up if its client was replaced and
+/// still does not answer (`connection.rs`).
 async fn send(opened: &Arc<Mutex<Batch>>) {
-    let (client, transfers, mut members, in_flight) = close(opened);
+    let (connection, transfers, mut members, in_flight) = close(opened);
     let count = transfers.len();
     let ids: Vec<(u128, u32)> = transfers.iter().map(|t| (t.id(), t.ledger())).collect();
     let answer = {
-        let call = client.create_transfers(transfers);
+        let call = connection.client.create_transfers(transfers);
         tokio::pin!(call);
         loop {
             let Some(next) = members
@@ -210,15 +211,19 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
                 .map(|m| m.deadline)
                 .min()
             else {
-                break call.await; // every caller left: wait for the ledger alone
+                // Every caller left: wait for the ledger alone.
+                break connection.unless_given_up(&mut call).await;
             };
             tokio::select! {
-                answer = &mut call => break answer,
+                answer = &mut call => break Some(answer),
                 () = tokio::time::sleep_until(next.into()) => time_out(&mut members),
             }
         }
     };
-    drop(in_flight); // the ledger has answered
+    drop(in_flight); // the ledger has answered, or the batch was given up
+    let Some(answer) = answer else {
+        return; // its outcome is unknown: its holds, if placed, expire on their own
+    };
     let mut voids = Vec::new();
     let answered = members.into_iter().zip(results(answer, count)).zip(ids);
     for ((member, result), (id, ledger_id)) in answered {
@@ -229,17 +234,14 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
         }
     }
     if !voids.is_empty() {
-        // Best effort: if it fails, the holds still expire after their timeouts.
-        if let Err(error) = client.create_transfers(voids).await {
-            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
-        }
+        connection.void_abandoned(voids).await;
     }
 }
 
 /// Closes the batch to newcomers and takes what it holds.
 fn close(
     opened: &Arc<Mutex<Batch>>,
-) -> (Arc<tb::Client>, Vec<tb::Transfer>, Vec<Member>, InFlight) {
+) -> (Arc<Connection>, Vec<tb::Transfer>, Vec<Member>, InFlight) {
     let mut batch = lock(opened);
     assert!(!batch.sent);
     batch.sent = true;
@@ -261,7 +263,7 @@ fn close(
             *filling = None;
         }
     });
-    (batch.client.clone(), transfers, members, in_flight)
+    (batch.connection.clone(), transfers, members, in_flight)
 }
 
 /// Answers `Timeout` to every member whose deadline has come.

@@ -13,7 +13,9 @@ use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
-use super::{client_error, model, no_event_error, unexpected_transfer, Ledger, LedgerError};
+use super::{
+    client_error, model, no_event_error, unexpected_transfer, Connection, Ledger, LedgerError,
+};
 
 /// At most this many holds in one chain. A decision with more limits than this is a configuration
 /// or input error the front end reports; TigerBeetle itself would take ~8,000 (254 in
@@ -71,18 +73,13 @@ impl Ledger {
         let ledger_id = self.ledger_id;
         let abandoned_ids = transfer_ids.clone();
         let on_abandoned =
-            move |client: Arc<tb::Client>, outcome: &Result<ChainReply, LedgerError>| {
+            move |connection: Arc<Connection>, outcome: &Result<ChainReply, LedgerError>| {
                 if void_if_abandoned && matches!(outcome, Ok(ChainReply::Held { .. })) {
                     let voids: Vec<tb::Transfer> = abandoned_ids
                         .iter()
                         .map(|id| model::void_transfer(*id, ledger_id))
                         .collect();
-                    tokio::spawn(async move {
-                        // Best effort: if it fails, the holds still expire after their timeout.
-                        if let Err(error) = client.create_transfers(voids).await {
-                            tracing::warn!(%error, "could not void an abandoned chain; it will expire");
-                        }
-                    });
+                    tokio::spawn(async move { connection.void_abandoned(voids).await });
                 }
             };
         self.call(

@@ -9,14 +9,13 @@
 //! the same request count, `user_data_128` = the lease's id). A lease whose instance died is never
 //! voided: it expires on its own, window + L after it was placed.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
-use super::{client_error, model, HoldReply, Ledger, LedgerError};
+use super::{client_error, model, nothing_if_abandoned, HoldReply, Ledger, LedgerError};
 
 /// A lease: a pending debit of the leased units, timeout = window + L.
 pub const TRANSFER_CODE_LEASE: u16 = 9;
@@ -115,7 +114,7 @@ impl Ledger {
                     Err(e) => Err(client_error(Operation::CreateTransfers, e)),
                 }
             },
-            None::<fn(Arc<tb::Client>, &Result<Settled, LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }

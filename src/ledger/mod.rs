@@ -11,6 +11,7 @@ pub mod addresses;
 pub mod audit;
 pub mod batch;
 pub mod chain;
+mod connection;
 pub mod embedded;
 pub mod lease;
 pub mod metrics;
@@ -27,7 +28,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
@@ -37,7 +38,11 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::{oneshot, Semaphore};
 use tracing::Instrument;
 
+use crate::sync::lock;
+
 pub use chain::{ChainLink, ChainReply, LinkRefusal, CHAIN_LINKS_MAX};
+use connection::Connection;
+pub use connection::{RETIRED_CALLS_GRACE, RETIRED_CLIENTS_MAX};
 use metrics::{CallStatus, LedgerErrorKind, LedgerMetrics, Operation};
 use model::UserAccount;
 
@@ -222,6 +227,8 @@ pub use batch::BATCH_LINGER_MAX;
 #[derive(Clone)]
 pub struct Ledger {
     client: Arc<ArcSwap<Connection>>,
+    /// Connections [`Ledger::reconnect`] replaced, until they close (`connection.rs`).
+    retired: Arc<Mutex<Vec<Arc<Connection>>>>,
     cluster_id: u128,
     in_flight: Arc<Semaphore>,
     in_flight_max: usize,
@@ -243,31 +250,6 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
-/// One TigerBeetle client and the addresses it was made for.
-struct Connection {
-    client: Arc<tb::Client>,
-    addresses: Vec<SocketAddr>,
-}
-
-impl Connection {
-    fn new(cluster_id: u128, addresses: &[SocketAddr]) -> Result<Self, ConnectError> {
-        if addresses.is_empty() {
-            return Err(ConnectError::NoAddresses);
-        }
-        let list = addresses
-            .iter()
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
-        let client =
-            tb::Client::new(cluster_id, list).map_err(|e| ConnectError::Client(e.to_string()))?;
-        Ok(Connection {
-            client: Arc::new(client),
-            addresses: addresses.to_vec(),
-        })
-    }
-}
-
 #[derive(Debug, Error)]
 pub enum ConnectError {
     #[error("no TigerBeetle replica address given")]
@@ -276,6 +258,8 @@ pub enum ConnectError {
     Client(String),
     #[error("a batch linger of {linger:?} is longer than the most, {BATCH_LINGER_MAX:?}")]
     BatchLinger { linger: Duration },
+    #[error("{RETIRED_CLIENTS_MAX} replaced TigerBeetle clients are still closing")]
+    StillClosing,
 }
 
 impl Ledger {
@@ -288,6 +272,7 @@ impl Ledger {
         let connection = Connection::new(settings.cluster_id, &settings.addresses)?;
         Ok(Ledger {
             client: Arc::new(ArcSwap::from_pointee(connection)),
+            retired: Arc::new(Mutex::new(Vec::new())),
             cluster_id: settings.cluster_id,
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
@@ -312,15 +297,29 @@ impl Ledger {
     }
 
     /// Talks to `addresses` from now on (a replica that came back at another address): calls
-    /// already in flight finish on the old client, which goes when the last of them does.
-    /// Nothing happens if the addresses are the ones in use.
+    /// already in flight finish on the old client, or are given up [`RETIRED_CALLS_GRACE`] after
+    /// their callers left; the old client closes once none is left. Nothing changes if the
+    /// addresses are the ones in use. Each call also closes the replaced clients that are done,
+    /// so calling it periodically ([`addresses::follow_addresses`]) is what closes them.
     pub fn reconnect(&self, addresses: &[SocketAddr]) -> Result<bool, ConnectError> {
+        let mut retired = lock(&self.retired);
+        connection::close_unused(&mut retired);
         if self.client.load().addresses == addresses {
             return Ok(false);
         }
+        if retired.len() >= RETIRED_CLIENTS_MAX {
+            return Err(ConnectError::StillClosing);
+        }
         let connection = Connection::new(self.cluster_id, addresses)?;
-        self.client.store(Arc::new(connection));
+        let replaced = self.client.swap(Arc::new(connection));
+        replaced.retire();
+        retired.push(replaced);
         Ok(true)
+    }
+
+    /// Clients [`Ledger::reconnect`] replaced that are not closed yet.
+    pub fn replaced_clients_open(&self) -> usize {
+        lock(&self.retired).len()
     }
 
     /// How many calls this handle (and its clones) started, refused ones included.
@@ -399,10 +398,10 @@ impl Ledger {
             in_flight: self.in_flight()?,
             void_if_abandoned: void_code,
         };
-        let client = self.client.load().client.clone();
+        let connection = self.client.load_full();
         let span = call_span(operation);
         let started = Instant::now();
-        let created = batch::create_transfer(client, &self.batching, transfer, leave, deadline)
+        let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
         let result = created.and_then(answer);
@@ -454,7 +453,7 @@ impl Ledger {
                     Err(e) => Err(client_error(Operation::CreateAccounts, e)),
                 }
             },
-            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }
@@ -578,7 +577,7 @@ impl Ledger {
                         .await
                         .map_err(|e| client_error(Operation::LookupAccounts, e))
                 },
-                None::<fn(Arc<tb::Client>, &Result<Vec<tb::Account>, LedgerError>)>,
+                nothing_if_abandoned(),
             )
             .await?;
         Ok(accounts.first().copied())
@@ -620,7 +619,7 @@ impl Ledger {
                     .await
                     .map_err(|e| client_error(Operation::GetAccountTransfers, e))
             },
-            None::<fn(Arc<tb::Client>, &Result<Vec<tb::Transfer>, LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }
@@ -638,7 +637,7 @@ impl Ledger {
                     .map(|_| ())
                     .map_err(|e| client_error(Operation::LookupAccounts, e))
             },
-            None::<fn(Arc<tb::Client>, &Result<(), LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }
@@ -693,8 +692,9 @@ impl Ledger {
     }
 
     /// Runs one ledger call in its own task under the in-flight bound, and waits for it until
-    /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting.
-    /// Every failure is counted by kind.
+    /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting
+    /// (unless the call was given up on a replaced client: `connection.rs`). Every failure is
+    /// counted by kind.
     async fn call<T, F, Fut, A>(
         &self,
         operation: Operation,
@@ -706,7 +706,7 @@ impl Ledger {
         T: Send + 'static,
         F: FnOnce(Arc<tb::Client>) -> Fut,
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
-        A: FnOnce(Arc<tb::Client>, &Result<T, LedgerError>) + Send + 'static,
+        A: FnOnce(Arc<Connection>, &Result<T, LedgerError>) + Send + 'static,
     {
         // A call with no time left is not sent: nobody would wait for its answer, and under the
         // closed policy a hold that landed would cost a second write to void it.
@@ -718,18 +718,16 @@ impl Ledger {
         let in_flight = self.in_flight()?;
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
-        let client = self.client.load().client.clone();
-        let future = make(client.clone());
+        let connection = self.client.load_full();
+        let future = make(connection.client.clone());
         let started = Instant::now();
         tokio::spawn(
             async move {
-                let result = future.await;
-                // The ledger answered: the permit goes back even if nobody waits any more.
+                let answered = answer_or_leave(future, sender, &connection).await;
+                // The ledger answered or the call was given up: the permit goes back either way.
                 drop(in_flight);
-                if let Err(result) = sender.send(result) {
-                    if let Some(on_abandoned) = on_abandoned {
-                        on_abandoned(client, &result);
-                    }
+                if let (Some(Err(result)), Some(on_abandoned)) = (answered, on_abandoned) {
+                    on_abandoned(connection, &result);
                 }
             }
             .instrument(span.clone()),
@@ -745,6 +743,30 @@ impl Ledger {
         self.finish(operation, started, &span, &result);
         result
     }
+}
+
+/// What [`Ledger::call`] does with an answer that came after its caller left.
+type OnAbandoned<T> = fn(Arc<Connection>, &Result<T, LedgerError>);
+
+/// For [`Ledger::call`]: nothing to do with an answer that came after its caller left.
+fn nothing_if_abandoned<T>() -> Option<OnAbandoned<T>> {
+    None
+}
+
+/// Waits for `call`'s answer and sends it to the caller. Returns the answer back if the caller
+/// had left by then, and `None` if the call was given up on its replaced connection.
+async fn answer_or_leave<T, F: Future<Output = T>>(
+    call: F,
+    mut sender: oneshot::Sender<T>,
+    connection: &Connection,
+) -> Option<Result<(), T>> {
+    tokio::pin!(call);
+    let answer = tokio::select! {
+        biased;
+        answer = &mut call => answer,
+        () = sender.closed() => connection.unless_given_up(&mut call).await?,
+    };
+    Some(sender.send(answer))
 }
 
 /// A call's place under the in-flight bound; it ends when dropped, once the ledger has answered.

@@ -7,7 +7,6 @@
 //! caller costs nothing more once an instance has learnt the move.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
@@ -15,7 +14,7 @@ use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::model::{self, Actor, UserAccount};
-use super::{client_error, unexpected_transfer, Ledger, LedgerError};
+use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError};
 
 /// At most this many carried holds per move (holds are grouped by the second they expire in,
 /// and the latest groups merged, which only holds longer): a chain fits one request.
@@ -175,7 +174,7 @@ impl Ledger {
                     Err(e) => Err(client_error(Operation::CreateTransfers, e)),
                 }
             },
-            None::<fn(Arc<tb::Client>, &Result<Option<CreateTransferErrorKind>, LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }

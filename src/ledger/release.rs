@@ -9,7 +9,6 @@
 //! timeout. A release can give back less than asked (none left to give), never more.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
@@ -17,8 +16,8 @@ use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::{
-    client_error, model, unexpected_transfer, Ledger, LedgerError, TRANSFERS_PAGES_MAX,
-    TRANSFERS_PAGE_LIMIT,
+    client_error, model, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError,
+    TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT,
 };
 
 /// At most this many holds are voided by one release (one request's negative hits).
@@ -170,7 +169,7 @@ impl Ledger {
                 }
                 Ok(released)
             },
-            None::<fn(Arc<tb::Client>, &Result<u64, LedgerError>)>,
+            nothing_if_abandoned(),
         )
         .await
     }

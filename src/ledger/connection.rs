@@ -1,0 +1,118 @@
+//! One TigerBeetle client and the addresses it was made for, and how a replaced one closes.
+//!
+//! Why replaced clients need closing: [`super::Ledger::reconnect`] swaps in a client for new
+//! addresses when a replica comes back elsewhere. Calls already sent on the old client wait for its
+//! answer, and a client whose replicas are gone never answers (it retries forever). Each such call
+//! kept a place under the in-flight bound, and the old client (its I/O thread, its buffers) with
+//! it: a few reconnects with calls in flight could leave every place taken, and the instance
+//! refusing all it decides. So a replaced connection is *retired*: its calls still unanswered
+//! [`RETIRED_CALLS_GRACE`] later (and past their own deadlines) are given up, which gives their
+//! places back; once nothing uses it, the client is closed on a thread of its own
+//! ([`close_unused`]), as closing joins its I/O thread.
+//!
+//! A given-up call's outcome is unknown, as a timeout's is: a hold it placed expires on its own
+//! timeout, so nothing is admitted that was not paid for.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tigerbeetle_unofficial as tb;
+use tokio::sync::watch;
+
+use super::ConnectError;
+
+/// How long a replaced client's unanswered calls still get, once their callers have left: a
+/// client that can reach its cluster answers in milliseconds, one that cannot never does.
+pub const RETIRED_CALLS_GRACE: Duration = Duration::from_secs(5);
+
+/// Replaced clients still closing, at most. Each is given up on within [`RETIRED_CALLS_GRACE`] of
+/// its callers' deadlines, so more than this means addresses that change faster than clients
+/// close: a reconnect is refused until they have.
+pub const RETIRED_CLIENTS_MAX: usize = 8;
+
+pub(crate) struct Connection {
+    pub(crate) client: Arc<tb::Client>,
+    pub(crate) addresses: Vec<SocketAddr>,
+    /// When another connection replaced this one; `None` while it is the one in use.
+    retired: watch::Sender<Option<Instant>>,
+}
+
+impl Connection {
+    pub(crate) fn new(cluster_id: u128, addresses: &[SocketAddr]) -> Result<Self, ConnectError> {
+        if addresses.is_empty() {
+            return Err(ConnectError::NoAddresses);
+        }
+        let list = addresses
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let client =
+            tb::Client::new(cluster_id, list).map_err(|e| ConnectError::Client(e.to_string()))?;
+        Ok(Connection {
+            client: Arc::new(client),
+            addresses: addresses.to_vec(),
+            retired: watch::Sender::new(None),
+        })
+    }
+
+    /// Marks this connection replaced: its calls that nobody waits for any more are given up
+    /// [`RETIRED_CALLS_GRACE`] from now.
+    pub(crate) fn retire(&self) {
+        self.retired.send_replace(Some(Instant::now()));
+    }
+
+    /// The rest of a call on this connection's client whose callers have all left: its answer, or
+    /// `None` once the connection has been retired for [`RETIRED_CALLS_GRACE`] without one. On
+    /// the connection in use, it waits for the answer as long as the client does.
+    ///
+    /// Only for calls nobody waits for: so the calls answered in time (nearly all) never pay
+    /// for the watch.
+    pub(crate) async fn unless_given_up<F: Future>(&self, call: F) -> Option<F::Output> {
+        let mut retired = self.retired.subscribe();
+        let given_up = async move {
+            let at = *retired
+                .wait_for(Option::is_some)
+                .await
+                .expect("the connection, and so its sender, outlives this call");
+            let at = at.expect("waited for");
+            tokio::time::sleep_until((at + RETIRED_CALLS_GRACE).into()).await;
+        };
+        tokio::select! {
+            biased;
+            answer = call => Some(answer),
+            () = given_up => None,
+        }
+    }
+
+    /// Voids holds that landed after their callers left. Best effort: a hold not voided expires
+    /// after its timeout. Nobody waits for it, so it is given up like any such call.
+    pub(crate) async fn void_abandoned(&self, voids: Vec<tb::Transfer>) {
+        let void = self.client.create_transfers(voids);
+        if let Some(Err(error)) = self.unless_given_up(void).await {
+            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
+        }
+    }
+}
+
+/// Closes the retired connections nothing uses any more (the caller's list holds the last
+/// reference): on a thread of its own, as closing a client joins its I/O thread, which must not
+/// stall a runtime's worker.
+pub(crate) fn close_unused(retired: &mut Vec<Arc<Connection>>) {
+    let (unused, busy): (Vec<_>, Vec<_>) = retired
+        .drain(..)
+        .partition(|c| Arc::strong_count(c) == 1 && Arc::strong_count(&c.client) == 1);
+    *retired = busy;
+    if unused.is_empty() {
+        return;
+    }
+    let closing = std::thread::Builder::new()
+        .name("ledger-close".to_owned())
+        .spawn(move || drop(unused));
+    if let Err(error) = closing {
+        // The closure, and with it the clients, was dropped here: closed on this thread instead.
+        tracing::warn!(%error, "closed replaced ledger clients on a runtime thread");
+    }
+}
