@@ -322,8 +322,13 @@ fn rls_server(
     Ok(RlsServer { port, stop, thread })
 }
 
+/// How often the client looks for the embedded server's address: a restart takes a second or
+/// more, and a look is a comparison of two addresses.
+const EMBEDDED_FOLLOW_INTERVAL: Duration = Duration::from_millis(250);
+
 /// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.
-/// Host names (not IP literals) are followed: resolved again every few seconds.
+/// Host names (not IP literals) are followed: resolved again every few seconds. So is the
+/// embedded server, which each restart moves to a new port.
 async fn connect_ledger(
     settings: &Settings,
 ) -> Result<(Ledger, Option<EmbeddedLedger>, Option<JoinHandle<()>>), StartupError> {
@@ -355,6 +360,15 @@ async fn connect_ledger(
                 async move { resolve_addresses(&hosts).await }
             };
             let follow = follow_addresses(ledger.clone(), RESOLVE_INTERVAL, resolve);
+            Some(tokio::spawn(follow))
+        }
+        LedgerLocation::Embedded { .. } => {
+            let address = embedded.as_ref().expect("started above").addresses();
+            let resolve = move || {
+                let addresses = vec![*address.borrow()];
+                async move { Ok::<_, std::convert::Infallible>(addresses) }
+            };
+            let follow = follow_addresses(ledger.clone(), EMBEDDED_FOLLOW_INTERVAL, resolve);
             Some(tokio::spawn(follow))
         }
         _ => None,

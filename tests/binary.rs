@@ -126,8 +126,11 @@ fn pgrep(pattern: &str) -> Vec<String> {
         .collect()
 }
 
+/// A killed embedded server is restarted with its data (on a new port, which the client follows),
+/// and the restarted one, like the first, dies with the binary: it used to run on, orphaned and
+/// holding the data file, after the binary was killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
+async fn a_killed_embedded_ledger_is_restarted_with_its_data_and_dies_with_the_binary() {
     let dir = common::ledger_dir();
     let data = dir.path().join("data");
     let args = embedded_args(&data);
@@ -153,7 +156,7 @@ async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
         .unwrap();
 
     // While it is down, requests follow the failure policy (closed: 503); then the supervisor
-    // restarts it on the same port and the same data file, and the client finds it again.
+    // restarts it on the same data file, and the client follows it to its new port.
     let started = Instant::now();
     let fresh = common::fresh_key("k_");
     loop {
@@ -175,7 +178,22 @@ async fn a_killed_embedded_ledger_is_restarted_on_its_port_with_its_data() {
         429,
         "the data survived: the caller is still exhausted"
     );
-    assert!(sigterm_and_wait(child).success());
+
+    // A crash of the binary takes the restarted server with it.
+    Command::new("kill")
+        .args(["-KILL", &child.pid().to_string()])
+        .status()
+        .unwrap();
+    let killed = Instant::now();
+    while !tigerbeetle_pids(&data).is_empty() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "the restarted TigerBeetle outlived the binary: {:?}",
+            tigerbeetle_pids(&data)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(child);
 }
 
 /// actix handles SIGINT and SIGTERM only once its server runs, after the ledger answers; the

@@ -1,7 +1,11 @@
 //! The embedded ledger: a local single-replica TigerBeetle that this process supervises. It formats
-//! the data file on first run, reuses it after, restarts the server on the same port if it dies,
-//! and stops it on shutdown (TigerBeetle exits when its stdin closes, so even a crash of this
-//! process stops it).
+//! the data file on first run, reuses it after, restarts the server if it dies, and stops it on
+//! shutdown. Every server it starts is started with `--addresses=0`, the one mode in which
+//! TigerBeetle exits when its stdin closes, so even a crash of this process stops it. That mode
+//! picks a free port each time: a restarted server is at a new address, which
+//! [`EmbeddedLedger::addresses`] publishes for the ledger client to follow. (A restart on the old,
+//! fixed port had no such watchdog: after this process was killed it ran on, orphaned, holding
+//! the data file, so the next start of the service could not open it.)
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,8 +22,8 @@ use tokio::task::JoinHandle;
 /// 3 GiB before it listens: 25 s on a VM whose host had taken that memory back (touching such
 /// memory cost 8–14 s per GiB here), more with the cores busy; 60 s left too little margin.
 const START_TIMEOUT: Duration = Duration::from_secs(180);
-/// TigerBeetle exits at once when its stdin closes; a restarted one (fixed port, no stdin
-/// watchdog) is killed after this. Either way is safe: TigerBeetle is built for sudden stops.
+/// TigerBeetle exits at once when its stdin closes; one that does not is killed after this.
+/// Either way is safe: TigerBeetle is built for sudden stops.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 const RESTART_BACKOFF: Duration = Duration::from_secs(1);
 /// Restarts in a row (each less than [`RESTART_STABLE`] after the last) before giving up.
@@ -59,7 +63,8 @@ pub struct EmbeddedOptions {
 
 /// A supervised TigerBeetle process. Stop it with [`EmbeddedLedger::stop`].
 pub struct EmbeddedLedger {
-    address: SocketAddr,
+    /// The running server's address: a new one after each restart.
+    address: watch::Receiver<SocketAddr>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
     gave_up: GaveUp,
@@ -100,17 +105,17 @@ impl EmbeddedLedger {
         if !file.exists() {
             format(&options, &file).await?;
         }
-        let (child, stdin, port) = spawn(&options, &file, None).await?;
-        let address = SocketAddr::from(([127, 0, 0, 1], port));
-        tracing::info!(%address, file = %file.display(), "embedded TigerBeetle started");
+        let (child, stdin, port) = spawn(&options, &file).await?;
+        let (moved, address) = watch::channel(loopback(port));
+        tracing::info!(address = %loopback(port), file = %file.display(), "embedded TigerBeetle started");
         let (stop, stopped) = watch::channel(false);
         let gave_up = GaveUp::default();
         let server = (child, stdin);
         let task = tokio::spawn(supervise(
             options,
             file,
-            port,
             server,
+            moved,
             (stopped, gave_up.clone()),
         ));
         Ok(EmbeddedLedger {
@@ -126,8 +131,14 @@ impl EmbeddedLedger {
         self.gave_up.clone()
     }
 
+    /// The running server's address.
     pub fn address(&self) -> SocketAddr {
-        self.address
+        *self.address.borrow()
+    }
+
+    /// The running server's address, as it changes: each restart is on a new port.
+    pub fn addresses(&self) -> watch::Receiver<SocketAddr> {
+        self.address.clone()
     }
 
     /// Closes the server's stdin (it exits cleanly) and waits for it.
@@ -177,12 +188,15 @@ async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), EmbeddedEr
     })
 }
 
-/// Starts the server; with no port it picks a free one and prints it (only `--addresses=0` does),
-/// with a port (a restart) it binds that one so the client's address stays right.
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// Starts the server on a free port, which it prints (`--addresses=0`; in that mode alone it
+/// also exits when its stdin closes).
 async fn spawn(
     options: &EmbeddedOptions,
     file: &Path,
-    port: Option<u16>,
 ) -> Result<(Child, std::io::PipeWriter, u16), EmbeddedError> {
     // TigerBeetle's watchdog treats any failed read of stdin as "closed", and a pipe made by
     // tokio is non-blocking (reads fail with EAGAIN at once): hand it a blocking pipe of our own.
@@ -191,10 +205,7 @@ async fn spawn(
         source,
     })?;
     let mut command = Command::new(&options.bin);
-    command.arg("start").arg(match port {
-        None => "--addresses=0".to_owned(),
-        Some(port) => format!("--addresses=127.0.0.1:{port}"),
-    });
+    command.arg("start").arg("--addresses=0");
     if options.development {
         command.arg("--development");
     }
@@ -222,10 +233,7 @@ async fn spawn(
     }
     let stdout = child.stdout.take().expect("piped");
     let mut lines = BufReader::new(stdout).lines();
-    let port = match port {
-        Some(port) => port,
-        None => read_port(&mut child, &mut lines).await?,
-    };
+    let port = read_port(&mut child, &mut lines).await?;
     // Keep draining stdout so the server never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok((child, stdin_writer, port))
@@ -257,11 +265,13 @@ async fn read_port(
     }
 }
 
+/// Restarts the server when it exits (publishing its new address on `moved`), until stopped or
+/// it kept exiting.
 async fn supervise(
     options: EmbeddedOptions,
     file: PathBuf,
-    port: u16,
     (mut child, mut stdin): (Child, std::io::PipeWriter),
+    moved: watch::Sender<SocketAddr>,
     (mut stopped, gave_up): (watch::Receiver<bool>, GaveUp),
 ) {
     let mut restarts = 0;
@@ -284,10 +294,12 @@ async fn supervise(
                 }
                 tokio::time::sleep(RESTART_BACKOFF).await;
                 started_at = tokio::time::Instant::now();
-                match spawn(&options, &file, Some(port)).await {
-                    Ok((next, next_stdin, _)) => {
+                match spawn(&options, &file).await {
+                    Ok((next, next_stdin, port)) => {
                         child = next;
                         stdin = next_stdin;
+                        tracing::info!(address = %loopback(port), "embedded TigerBeetle restarted");
+                        moved.send_replace(loopback(port));
                     }
                     Err(error) => tracing::error!(%error, "cannot restart embedded TigerBeetle"),
                 }
