@@ -76,8 +76,12 @@ impl Batching {
     }
 }
 
-/// One transfer's result: `None` when created.
-pub type TransferResult = Result<Option<CreateTransferErrorKind>, LedgerError>;
+/// One transfer's result: `None` when created; and when the batch's answer arrived, taken once
+/// in the batch's task (not as each member's task gets round to it). Why: the ledger answers one
+/// client's calls in the order they went, so a transfer answered before a read of its account
+/// was answered is in what that read lists; the local view relies on it to count such a hold
+/// once (`LocalView::record_hold`).
+pub type TransferResult = Result<(Option<CreateTransferErrorKind>, Instant), LedgerError>;
 
 struct Batch {
     connection: Arc<Connection>,
@@ -225,9 +229,13 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
         return; // its outcome is unknown: its holds, if placed, expire on their own
     };
     let mut voids = Vec::new();
-    let answered = members.into_iter().zip(results(answer, count)).zip(ids);
+    let answered_at = Instant::now();
+    let answered = members
+        .into_iter()
+        .zip(results(answer, count, answered_at))
+        .zip(ids);
     for ((member, result), (id, ledger_id)) in answered {
-        let created = matches!(result, Ok(None));
+        let created = matches!(result, Ok((None, _)));
         let left = member.reply.is_none_or(|reply| reply.send(result).is_err());
         if let (true, true, Some(code)) = (left, created, member.void_if_abandoned) {
             voids.push(model::void_transfer(id, ledger_id).with_code(code));
@@ -281,16 +289,17 @@ fn time_out(members: &mut [Member]) {
 fn results(
     answer: Result<(), tb::error::CreateTransfersError>,
     count: usize,
+    answered_at: Instant,
 ) -> Vec<TransferResult> {
     match answer {
-        Ok(()) => vec![Ok(None); count],
+        Ok(()) => vec![Ok((None, answered_at)); count],
         Err(tb::error::CreateTransfersError::Api(errors)) => {
-            let mut kinds: Vec<TransferResult> = vec![Ok(None); count];
+            let mut kinds: Vec<TransferResult> = vec![Ok((None, answered_at)); count];
             for error in errors.as_slice() {
                 // An index outside the batch would be the client's bug: that transfer's caller
                 // gets no kind, the others theirs.
                 if let Some(kind) = kinds.get_mut(error.index() as usize) {
-                    *kind = Ok(Some(error.kind()));
+                    *kind = Ok((Some(error.kind()), answered_at));
                 }
             }
             kinds

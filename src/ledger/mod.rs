@@ -369,29 +369,36 @@ impl Ledger {
     ) -> Result<HoldReply, LedgerError> {
         let (transfer_id, code) = (transfer.id(), transfer.code());
         let void_code = void_if_abandoned.then_some(code);
-        self.single_transfer(transfer, deadline, void_code, |kind| match kind {
-            None => Ok(HoldReply::Held {
-                answered_at: Instant::now(),
-                transfer_id,
-            }),
-            Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
-            Some(CreateTransferErrorKind::DebitAccountNotFound) => Ok(HoldReply::AccountNotFound),
-            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => Ok(HoldReply::Blocked),
-            Some(kind) => Err(unexpected_transfer("pending: ", kind)),
-        })
+        self.single_transfer(
+            transfer,
+            deadline,
+            void_code,
+            |kind, answered_at| match kind {
+                None => Ok(HoldReply::Held {
+                    answered_at,
+                    transfer_id,
+                }),
+                Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
+                Some(CreateTransferErrorKind::DebitAccountNotFound) => {
+                    Ok(HoldReply::AccountNotFound)
+                }
+                Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => Ok(HoldReply::Blocked),
+                Some(kind) => Err(unexpected_transfer("pending: ", kind)),
+            },
+        )
         .await
     }
 
     /// One single (not linked) transfer, in the batch this thread is filling (`batch.rs`), under
     /// the in-flight bound and waited for until `deadline`. `answer` reads the ledger's result
-    /// (`None`: created). The batch's task, not one of the call's own, keeps the in-flight permit
+    /// (`None`: created) and when it arrived. The batch's task, not one of the call's own, keeps the in-flight permit
     /// and, given `void_code`, voids a transfer that lands after its caller stopped waiting.
     async fn single_transfer<T>(
         &self,
         transfer: tb::Transfer,
         deadline: Instant,
         void_code: Option<u16>,
-        answer: impl FnOnce(Option<CreateTransferErrorKind>) -> Result<T, LedgerError>,
+        answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
         let operation = Operation::CreateTransfers;
         let leave = batch::Leave {
@@ -404,7 +411,7 @@ impl Ledger {
         let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
-        let result = created.and_then(answer);
+        let result = created.and_then(|(kind, answered_at)| answer(kind, answered_at));
         self.finish(operation, started, &span, &result);
         result
     }
@@ -413,7 +420,7 @@ impl Ledger {
     /// or voided already): nothing to give back.
     pub async fn void(&self, pending_id: u128, deadline: Instant) -> Result<bool, LedgerError> {
         let void = model::void_transfer(pending_id, self.ledger_id);
-        self.single_transfer(void, deadline, None, |kind| match kind {
+        self.single_transfer(void, deadline, None, |kind, _| match kind {
             None => Ok(true),
             Some(CreateTransferErrorKind::PendingTransferExpired)
             | Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => Ok(false),
@@ -474,7 +481,7 @@ impl Ledger {
         self.create_accounts_idempotent(accounts, deadline).await?;
 
         let grant = model::grant_transfer(account, self.ledger_id);
-        self.single_transfer(grant, deadline, None, |kind| match kind {
+        self.single_transfer(grant, deadline, None, |kind, _| match kind {
             None => Ok(()),
             Some(CreateTransferErrorKind::Exists) => Ok(()),
             Some(kind) => Err(unexpected_transfer("grant: ", kind)),

@@ -114,7 +114,8 @@ impl Ledger {
         transfer: tb::Transfer,
         deadline: Instant,
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
-        self.single_transfer(transfer, deadline, None, Ok).await
+        let answer = |kind, _| Ok(kind);
+        self.single_transfer(transfer, deadline, None, answer).await
     }
 
     async fn bumped_if(

@@ -64,6 +64,9 @@ struct CallerHolds {
     verified: bool,
     /// Until when an operator blocked the caller, as the ledger said.
     blocked_until: Option<Instant>,
+    /// When the ledger's listing of the account that these holds come from was stored
+    /// ([`LocalView::replace`]): a hold answered by then is in it already.
+    listed_at: Option<Instant>,
 }
 
 impl CallerHolds {
@@ -75,6 +78,7 @@ impl CallerHolds {
             latest_expiry: None,
             verified: false,
             blocked_until: None,
+            listed_at: None,
         }
     }
 
@@ -273,6 +277,16 @@ impl LocalView {
     }
 
     /// Records a hold the ledger accepted; returns the caller's quota after it.
+    ///
+    /// A hold answered before the caller's holds were last replaced by a listing
+    /// ([`LocalView::replace`]) is not recorded again: the ledger answers one client's calls in
+    /// the order they went, so a hold answered before the listing was is in it (`answered_at`
+    /// is when the answer arrived, `ledger/batch.rs`). Recording it twice counted it twice for
+    /// a window, and the view refused the caller once the ledger had credit for it again: a
+    /// caller at its limit, whose refusals read the account while its admissions were being
+    /// recorded, was admitted less than its limit. (A hold that reached the ledger after the
+    /// listing but was answered before it was stored is then not counted: the view counts too
+    /// little, which only sends a request to the ledger.)
     pub fn record_hold(
         &self,
         account_id: u128,
@@ -303,13 +317,18 @@ impl LocalView {
             }
         };
         holds.prune(now);
-        holds.push(hold);
+        let listed = holds.listed_at.is_some_and(|at| answered_at <= at);
+        if !listed {
+            holds.push(hold);
+        }
         holds.quota(now)
     }
 
-    /// Forgets one hold this instance recorded (it was voided). If the hold is no longer known
-    /// as such (merged with others, or pruned), nothing changes: the view then errs towards
-    /// holding, which only ever refuses more, never admits.
+    /// Forgets one hold this instance recorded (it was voided). A hold that came from the
+    /// ledger's listing has the ledger's expiry, not the one recorded here, and cannot be told
+    /// apart: then the caller is forgotten, so that the voided units are not counted as held
+    /// for the rest of their window (its next refusal reads the account again). If the hold is
+    /// no longer known otherwise (merged with others, or pruned), nothing changes.
     pub fn release(&self, account_id: u128, amount: u64, expires_at: Instant) {
         let mut shard = self.shard(account_id);
         let Some(holds) = shard.get_mut(&account_id) else {
@@ -319,10 +338,16 @@ impl LocalView {
             .holds
             .iter()
             .rposition(|h| h.amount == amount && h.expires_at == expires_at);
-        if let Some(index) = found {
-            holds.holds.remove(index);
-            holds.held -= amount;
-            holds.latest_expiry = holds.holds.iter().map(|h| h.expires_at).max();
+        match found {
+            Some(index) => {
+                holds.holds.remove(index);
+                holds.held -= amount;
+                holds.latest_expiry = holds.holds.iter().map(|h| h.expires_at).max();
+            }
+            None if holds.listed_at.is_some() => {
+                shard.remove(&account_id);
+            }
+            None => {}
         }
     }
 
@@ -359,6 +384,7 @@ impl LocalView {
         }
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
+        holds.listed_at = Some(now);
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
         let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
@@ -469,6 +495,57 @@ mod tests {
     }
 
     #[test]
+    fn a_hold_answered_before_the_listing_is_counted_once() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        // Two of five held, both in the listing stored at t0 + 2 ms; the second was answered at
+        // t0 + 1 ms, and its request gets round to recording it only now.
+        view.record_hold(7, 5, 1, t0, WINDOW, t0);
+        let listed_at = t0 + Duration::from_millis(2);
+        view.replace(
+            7,
+            &ledger_view(5, &[WINDOW; 2], wall),
+            WINDOW,
+            listed_at,
+            wall,
+        );
+        let late = t0 + Duration::from_millis(1);
+        let quota = view.record_hold(7, 5, 1, late, WINDOW, listed_at);
+        assert_eq!(quota.remaining, 3, "counted once, from the listing");
+        // One answered after the listing is not in it.
+        let after = t0 + Duration::from_millis(3);
+        let quota = view.record_hold(7, 5, 1, after, WINDOW, after);
+        assert_eq!(quota.remaining, 2);
+        assert!(view.check(7, 2, after).is_none(), "2 of 5 are still free");
+    }
+
+    #[test]
+    fn a_hold_voided_after_the_listing_is_not_held_any_more() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        // A hold recorded here, then listed by the ledger (with the ledger's expiry) as one of
+        // the five that exhaust the caller.
+        view.record_hold(7, 5, 1, t0, WINDOW, t0);
+        let listed_at = t0 + Duration::from_millis(2);
+        view.replace(
+            7,
+            &ledger_view(5, &[WINDOW; 5], wall),
+            WINDOW,
+            listed_at,
+            wall,
+        );
+        assert!(view.check(7, 1, listed_at).is_some(), "exhausted");
+        // Its request is refunded: the hold is voided, and must not be counted on.
+        view.release(7, 1, t0 + WINDOW + MARGIN);
+        assert!(
+            view.check(7, 1, listed_at).is_none(),
+            "a unit is free in the ledger: ask it"
+        );
+    }
+
+    #[test]
     fn rejects_only_on_the_ledgers_word() {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
@@ -494,9 +571,11 @@ mod tests {
             "an operator acted: ask again"
         );
         view.replace(7, &ledger_view(5, &[WINDOW; 4], wall), WINDOW, t0, wall);
-        view.record_hold(7, 5, 1, t0, WINDOW, t0);
+        // A hold answered after the listing.
+        let t1 = t0 + Duration::from_millis(1);
+        view.record_hold(7, 5, 1, t1, WINDOW, t1);
         assert!(
-            view.check(7, 1, t0).is_some(),
+            view.check(7, 1, t1).is_some(),
             "the ledger's word stands across holds"
         );
         // A top-up the ledger reports is believed.
