@@ -224,12 +224,11 @@ async fn wire_parity_with_envoyproxy_ratelimit_integration_cases() {
     assert_eq!(overall(&unknown_domain), Code::Ok);
     assert_eq!(unknown_domain.statuses[0].current_limit, None);
 
-    // Bad input: INVALID_ARGUMENT, as envoyproxy/ratelimit answers.
+    // A request Envoy's own configuration got wrong: INVALID_ARGUMENT, as envoyproxy/ratelimit
+    // answers (these come from the proxy's configuration, not from a client).
     for bad in [
         request("", vec![descriptor(&[("key2", "x")])]),
         request("another", vec![]),
-        request("another", vec![descriptor(&[])]),
-        request("another", vec![descriptor(&[("key2", &"x".repeat(300))])]),
         request(
             "another",
             (0..65).map(|_| descriptor(&[("key2", "x")])).collect(),
@@ -238,6 +237,28 @@ async fn wire_parity_with_envoyproxy_ratelimit_integration_cases() {
         let status = client.should_rate_limit(bad).await.expect_err("refused");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     }
+    // What a client can put in a descriptor is decided, never an error: Envoy lets a request
+    // through when the call fails (its default), so an error skipped every limit. A value of any
+    // length is counted like any other (it is hashed into its account's id).
+    let long = fresh_key(&"x".repeat(300));
+    let by_long_value = || request("another", vec![descriptor(&[("key2", &long)])]);
+    let first = call(&mut client, by_long_value()).await;
+    let second = call(&mut client, by_long_value()).await;
+    assert_eq!(overall(&first), Code::Ok);
+    assert!(first.statuses[0].current_limit.is_some(), "key2's rule");
+    assert_eq!(
+        second.statuses[0].limit_remaining + 1,
+        first.statuses[0].limit_remaining,
+        "counted"
+    );
+    // An empty descriptor is no limit; hits beyond any limit are over it.
+    let mut huge = descriptor(&[("key2", &fresh_key("v"))]);
+    huge.hits_addend = Some(UInt64Value { value: u64::MAX });
+    let mixed = call(&mut client, request("another", vec![descriptor(&[]), huge])).await;
+    assert_eq!(overall(&mixed), Code::OverLimit);
+    assert_eq!(mixed.statuses[0].current_limit, None);
+    assert_eq!(mixed.statuses[0].code, Code::Ok as i32);
+    assert_eq!(mixed.statuses[1].code, Code::OverLimit as i32);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,8 +35,9 @@ use crate::limiter::{Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MA
 
 /// At most this many descriptors per request (each is one link of the ledger chain).
 pub const DESCRIPTORS_MAX: usize = LIMITS_PER_CHECK_MAX;
-/// A request's `hits_addend` above this is refused (no limit is that large; it would only fill the
-/// ledger's 64-bit amounts).
+/// A request's `hits_addend` above this counts as this many: more than any limit (a rule's is a
+/// 32-bit `requests_per_unit`), so it is over the limit, as a larger one is, without filling the
+/// ledger's 64-bit amounts.
 pub const HITS_MAX: u64 = 1 << 32;
 
 /// What one descriptor of a request came to before any ledger call.
@@ -120,13 +121,13 @@ impl RateLimitServer {
         descriptor: &RateLimitDescriptor,
         request_hits: u64,
     ) -> Result<Matched, Status> {
-        check_entries(descriptor)?;
-        let hits = descriptor.hits_addend.map_or(request_hits, |h| h.value);
-        if hits > HITS_MAX {
-            return Err(Status::invalid_argument(format!(
-                "hits_addend above {HITS_MAX}"
-            )));
+        if !matchable(descriptor) {
+            return Ok(Matched::Nothing);
         }
+        let hits = descriptor
+            .hits_addend
+            .map_or(request_hits, |h| h.value)
+            .min(HITS_MAX);
         let entries = descriptor
             .entries
             .iter()
@@ -178,22 +179,21 @@ impl RateLimitServer {
     }
 }
 
-fn check_entries(descriptor: &RateLimitDescriptor) -> Result<(), Status> {
-    if descriptor.entries.is_empty() || descriptor.entries.len() > DEPTH_MAX {
-        return Err(Status::invalid_argument(format!(
-            "a descriptor has 1 to {DEPTH_MAX} entries"
-        )));
-    }
-    let too_long = descriptor
-        .entries
-        .iter()
-        .any(|e| e.key.len() > KEY_VALUE_LENGTH_MAX || e.value.len() > KEY_VALUE_LENGTH_MAX);
-    if too_long {
-        return Err(Status::invalid_argument(format!(
-            "descriptor keys and values are at most {KEY_VALUE_LENGTH_MAX} bytes"
-        )));
-    }
-    Ok(())
+/// Whether any rule could match `descriptor`: one with no entries, more than any rule's depth,
+/// or a key longer than any rule's is no limit (`OK`), as envoyproxy/ratelimit answers it.
+///
+/// Never an error for the whole request. Why: Envoy lets a request through when its rate-limit
+/// call fails (`failure_mode_deny: false`, its default), so an error that a client could provoke
+/// (a 300-byte API key in a descriptor's value once was one) skipped every limit of the request.
+/// A value's length is never judged: values only select among a rule's and are hashed into an
+/// account's id, and the request's size is bounded by the gRPC message limit.
+fn matchable(descriptor: &RateLimitDescriptor) -> bool {
+    let depth = descriptor.entries.len();
+    (1..=DEPTH_MAX).contains(&depth)
+        && descriptor
+            .entries
+            .iter()
+            .all(|e| e.key.len() <= KEY_VALUE_LENGTH_MAX)
 }
 
 /// A request's own limit (`RateLimitDescriptor.limit`), as envoyproxy/ratelimit applies it: never
