@@ -382,3 +382,37 @@ async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
     }
     embedded.stop().await;
 }
+
+/// A stop while a dead server is being restarted returns at once: the restart (a second's
+/// backoff, then up to 3 minutes for a new server to start) used to hold up shutdown, past any
+/// orchestrator's grace period. The stand-in server starts once and exits; started again, it
+/// never says its port (a start that hangs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_embedded_ledger_restarts_is_not_held_up() {
+    use ledger_limiter::ledger::embedded::{EmbeddedLedger, EmbeddedOptions};
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::ledger_dir();
+    let bin = dir.path().join("tigerbeetle");
+    let started = dir.path().join("started");
+    let script = format!(
+        "#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) if [ -e {0} ]; then exec sleep 600; fi; touch {0}; echo 3999; exit 1 ;;\nesac\nexit 2\n",
+        started.display()
+    );
+    std::fs::write(&bin, script).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let embedded = EmbeddedLedger::start(EmbeddedOptions {
+        bin,
+        data_dir: dir.path().join("data"),
+        cluster_id: 0,
+        development: true,
+    })
+    .await
+    .expect("it starts (and exits at once)");
+    // Within the backoff, then while the second start hangs.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let stopping = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), embedded.stop())
+        .await
+        .expect("the stop waited for the restart");
+    assert!(stopping.elapsed() < Duration::from_secs(5));
+}

@@ -29,6 +29,8 @@ where
     tick.tick().await;
     loop {
         tick.tick().await;
+        // First, and whether or not the names resolve: a replaced client's calls end on their own.
+        ledger.close_replaced_clients();
         let error = match resolve().await {
             Ok(addresses) => match ledger.reconnect(&addresses) {
                 Ok(true) => {

@@ -84,7 +84,10 @@ impl Batching {
 pub type TransferResult = Result<(Option<CreateTransferErrorKind>, Instant), LedgerError>;
 
 struct Batch {
-    connection: Arc<Connection>,
+    /// Taken when sent: a thread's `FILLING` may keep a sent batch until that thread opens
+    /// another (its task may have run on another thread), and must not keep a replaced client
+    /// open meanwhile (`connection.rs`).
+    connection: Option<Arc<Connection>>,
     transfers: Vec<tb::Transfer>,
     members: Vec<Member>,
     /// Every member's place under the in-flight bound, merged: held until the ledger answers
@@ -174,7 +177,8 @@ fn join_or_open(
         if let Some(open) = filling.as_ref() {
             let mut batch = lock(open);
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
-            if fits && Arc::ptr_eq(&batch.connection, &connection) {
+            let same = |open: &Arc<Connection>| Arc::ptr_eq(open, &connection);
+            if fits && batch.connection.as_ref().is_some_and(same) {
                 batch.transfers.push(transfer);
                 batch.members.push(member);
                 let merged = batch
@@ -186,7 +190,7 @@ fn join_or_open(
             }
         }
         let opened = Arc::new(Mutex::new(Batch {
-            connection,
+            connection: Some(connection),
             transfers: vec![transfer],
             members: vec![member],
             in_flight: Some(in_flight),
@@ -271,7 +275,11 @@ fn close(
             *filling = None;
         }
     });
-    (batch.connection.clone(), transfers, members, in_flight)
+    let connection = batch
+        .connection
+        .take()
+        .expect("an open batch has its connection");
+    (connection, transfers, members, in_flight)
 }
 
 /// Answers `Timeout` to every member whose deadline has come.

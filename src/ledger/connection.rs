@@ -27,9 +27,10 @@ use super::ConnectError;
 /// client that can reach its cluster answers in milliseconds, one that cannot never does.
 pub const RETIRED_CALLS_GRACE: Duration = Duration::from_secs(5);
 
-/// Replaced clients still closing, at most. Each is given up on within [`RETIRED_CALLS_GRACE`] of
-/// its callers' deadlines, so more than this means addresses that change faster than clients
-/// close: a reconnect is refused until they have.
+/// Replaced clients still closing above which each reconnect says so in the log. Each closes
+/// within [`RETIRED_CALLS_GRACE`] of its callers' deadlines, so more means addresses that change
+/// faster than clients close, or something keeping them. The reconnect still happens: staying
+/// on addresses known to be wrong would refuse (or admit) every request.
 pub const RETIRED_CLIENTS_MAX: usize = 8;
 
 pub(crate) struct Connection {

@@ -266,7 +266,8 @@ async fn read_port(
 }
 
 /// Restarts the server when it exits (publishing its new address on `moved`), until stopped or
-/// it kept exiting.
+/// it kept exiting. A stop is heeded during a restart too: its backoff and start (up to
+/// [`START_TIMEOUT`]) would otherwise hold up shutdown, only to start a server and stop it.
 async fn supervise(
     options: EmbeddedOptions,
     file: PathBuf,
@@ -277,33 +278,8 @@ async fn supervise(
     let mut restarts = 0;
     let mut started_at = tokio::time::Instant::now();
     loop {
-        tokio::select! {
-            status = child.wait() => {
-                if *stopped.borrow() {
-                    return;
-                }
-                if started_at.elapsed() >= RESTART_STABLE {
-                    restarts = 0;
-                }
-                restarts += 1;
-                tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
-                if restarts > RESTARTS_MAX {
-                    tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy, /healthz answers 503)");
-                    gave_up.set();
-                    return;
-                }
-                tokio::time::sleep(RESTART_BACKOFF).await;
-                started_at = tokio::time::Instant::now();
-                match spawn(&options, &file).await {
-                    Ok((next, next_stdin, port)) => {
-                        child = next;
-                        stdin = next_stdin;
-                        tracing::info!(address = %loopback(port), "embedded TigerBeetle restarted");
-                        moved.send_replace(loopback(port));
-                    }
-                    Err(error) => tracing::error!(%error, "cannot restart embedded TigerBeetle"),
-                }
-            }
+        let status = tokio::select! {
+            status = child.wait() => status,
             _ = stopped.changed() => {
                 // Closing stdin asks TigerBeetle to exit.
                 drop(stdin);
@@ -313,6 +289,38 @@ async fn supervise(
                 }
                 return;
             }
+        };
+        if *stopped.borrow() {
+            return;
+        }
+        if started_at.elapsed() >= RESTART_STABLE {
+            restarts = 0;
+        }
+        restarts += 1;
+        tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
+        if restarts > RESTARTS_MAX {
+            tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy, /healthz answers 503)");
+            gave_up.set();
+            return;
+        }
+        let restart = async {
+            tokio::time::sleep(RESTART_BACKOFF).await;
+            spawn(&options, &file).await
+        };
+        let restarted = tokio::select! {
+            restarted = restart => restarted,
+            // A server being started is killed as its `spawn` is dropped (`kill_on_drop`).
+            _ = stopped.changed() => return,
+        };
+        started_at = tokio::time::Instant::now();
+        match restarted {
+            Ok((next, next_stdin, port)) => {
+                child = next;
+                stdin = next_stdin;
+                tracing::info!(address = %loopback(port), "embedded TigerBeetle restarted");
+                moved.send_replace(loopback(port));
+            }
+            Err(error) => tracing::error!(%error, "cannot restart embedded TigerBeetle"),
         }
     }
 }

@@ -258,8 +258,6 @@ pub enum ConnectError {
     Client(String),
     #[error("a batch linger of {linger:?} is longer than the most, {BATCH_LINGER_MAX:?}")]
     BatchLinger { linger: Duration },
-    #[error("{RETIRED_CLIENTS_MAX} replaced TigerBeetle clients are still closing")]
-    StillClosing,
 }
 
 impl Ledger {
@@ -307,14 +305,23 @@ impl Ledger {
         if self.client.load().addresses == addresses {
             return Ok(false);
         }
-        if retired.len() >= RETIRED_CLIENTS_MAX {
-            return Err(ConnectError::StillClosing);
-        }
         let connection = Connection::new(self.cluster_id, addresses)?;
         let replaced = self.client.swap(Arc::new(connection));
         replaced.retire();
         retired.push(replaced);
+        if retired.len() > RETIRED_CLIENTS_MAX {
+            let open = retired.len();
+            tracing::warn!(open, "replaced ledger clients are still open: addresses change faster than their calls end");
+        }
         Ok(true)
+    }
+
+    /// Closes the clients [`Ledger::reconnect`] replaced that nothing uses any more; returns how
+    /// many are still open. Called at each look at the addresses, whether or not it succeeds.
+    pub fn close_replaced_clients(&self) -> usize {
+        let mut retired = lock(&self.retired);
+        connection::close_unused(&mut retired);
+        retired.len()
     }
 
     /// Clients [`Ledger::reconnect`] replaced that are not closed yet.
@@ -739,13 +746,22 @@ impl Ledger {
             }
             .instrument(span.clone()),
         );
-        let result = match tokio::time::timeout_at(deadline.into(), receiver).await {
+        let mut receiver = receiver;
+        let result = match tokio::time::timeout_at(deadline.into(), &mut receiver).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(LedgerError::Unexpected {
                 operation,
                 message: "the ledger task ended without an answer".to_owned(),
             }),
-            Err(_) => Err(LedgerError::Timeout { operation }),
+            // Closed first, then read: an answer sent as the deadline passed is used, and one
+            // sent after goes to `on_abandoned` (its send fails). Dropping the receiver instead
+            // lost an answer sent in between: its hold was neither used nor voided.
+            Err(_) => {
+                receiver.close();
+                receiver
+                    .try_recv()
+                    .unwrap_or(Err(LedgerError::Timeout { operation }))
+            }
         };
         self.finish(operation, started, &span, &result);
         result
