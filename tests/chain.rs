@@ -214,6 +214,48 @@ async fn concurrent_releases_give_back_every_unit_they_ask_for() {
     );
 }
 
+/// A busy account's release finds its live holds: they are its newest transfers, past the first
+/// 16 pages of its window read oldest first, where holds voided long ago looked live (their voids
+/// were past the pages read) and a release gave back nothing. Here 2,100 holds, the oldest 2,090
+/// voided: 4,190 transfers in the window, 10 live holds at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_on_a_busy_account_finds_its_live_holds() {
+    use ledger_limiter::ledger::model;
+    let instance = limiter(ledger_client(vec![shared_ledger().address]));
+    let limit = fresh_limit(10_000, 60, 1);
+    // Provisions the account (and takes one unit, given back below).
+    let first = instance.check_all(&[limit]).await.unwrap();
+    assert_eq!(first.outcome, Outcome::Admitted);
+    let ledger = instance.ledger();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let released = ledger
+        .release_units(limit.account.id, 1, 60, deadline)
+        .await
+        .unwrap();
+    assert_eq!(released.units, 1);
+    let client =
+        tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let ledger_id = ledger.ledger_id();
+    let holds: Vec<_> = (0..2_100)
+        .map(|_| model::hold_transfer(limit.account.id, ledger_id, 1, 60))
+        .collect();
+    let voids: Vec<_> = holds[..2_090]
+        .iter()
+        .map(|hold| model::void_transfer(hold.id(), ledger_id))
+        .collect();
+    for batch in holds.chunks(200).chain(voids.chunks(200)) {
+        client.create_transfers(batch.to_vec()).await.unwrap();
+    }
+    assert_eq!(available(ledger, &limit).await, Some(10_000 - 10));
+
+    let released = ledger
+        .release_units(limit.account.id, 10, 60, deadline)
+        .await
+        .unwrap();
+    assert_eq!(released.units, 10, "every live hold found");
+    assert_eq!(available(ledger, &limit).await, Some(10_000));
+}
+
 /// A block is an operator action like the others: it moves the operator epoch, which every
 /// instance reads once a second (to drop its leases and local view of the caller).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,9 +16,19 @@ use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::{
-    client_error, model, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError,
-    TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT,
+    client_error, model, nothing_if_abandoned, resolved_pending, unexpected_transfer, Ledger,
+    LedgerError, TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT,
 };
+
+/// A request's hold, pending and not expired by `now` in its own record, as (id, amount): an
+/// operator's block is pending too, and not the caller's.
+fn live_request_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, u64)> {
+    let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
+    let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
+    let hold = transfer.code() == model::TRANSFER_CODE_REQUEST;
+    let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
+    (hold && pending && expires_at > now).then_some((transfer.id(), amount))
+}
 
 /// At most this many holds are voided by one release (one request's negative hits).
 pub const RELEASE_HOLDS_MAX: usize = 254;
@@ -36,13 +46,24 @@ pub struct Released {
 }
 
 /// Holds from `pending` (oldest first) whose amounts add up to at most `left`, at most
-/// `count_max` of them, none of those already `tried`.
+/// `count_max` of them, none of those already `tried`: the oldest hold of exactly `left` if
+/// there is one (a request gives back what it took, so its own hold is likely one such), else
+/// the oldest that fit. Why the exact one first: with holds of 1 and then 5, a release of 5
+/// took the 1 and skipped the 5 (too big for what was left), giving back 1; the later release
+/// of 1 then found only the 5, and gave back nothing.
 fn choose(
     pending: Vec<(u128, u64)>,
     mut left: u64,
     count_max: usize,
     tried: &HashSet<u128>,
 ) -> Vec<(u128, u64)> {
+    let untried = |(id, _): &&(u128, u64)| !tried.contains(id);
+    if count_max == 0 {
+        return Vec::new();
+    }
+    if let Some(exact) = pending.iter().filter(untried).find(|(_, a)| *a == left) {
+        return vec![*exact];
+    }
     let mut chosen = Vec::new();
     for (id, amount) in pending {
         if chosen.len() == count_max || left == 0 {
@@ -94,6 +115,13 @@ impl Ledger {
     }
 
     /// The account's requests' holds not voided nor expired, oldest first, as (id, amount).
+    ///
+    /// Read newest first (at most [`TRANSFERS_PAGES_MAX`] pages), as the account's listing is: a
+    /// void is newer than its hold, so every hold read comes with its void, if any, and the
+    /// live holds (the newest) are read before the cap. Read oldest first, a busy account's
+    /// cap was reached among holds voided long ago, whose voids were past it: they looked live,
+    /// each void of them gave nothing back, and a concurrency limit's slots stayed taken until
+    /// their window ended.
     async fn pending_holds(
         &self,
         account_id: u128,
@@ -101,36 +129,31 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<Vec<(u128, u64)>, LedgerError> {
         let now = SystemTime::now();
-        let mut timestamp_min = now - Duration::from_secs(u64::from(window_seconds) + 5);
+        let timestamp_min = now - Duration::from_secs(u64::from(window_seconds) + 5);
+        let mut timestamp_max = None;
         let mut holds = Vec::new();
-        let mut voided = HashSet::new();
+        let mut resolved = HashSet::new();
         for _ in 0..TRANSFERS_PAGES_MAX {
-            let debits = tb::account::FilterFlags::DEBITS;
+            let newest_first =
+                tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
+            let range = (timestamp_min, timestamp_max);
             let page = self
-                .transfers_page(account_id, debits, (timestamp_min, None), deadline)
+                .transfers_page(account_id, newest_first, range, deadline)
                 .await?;
-            for transfer in &page {
-                let flags = transfer.flags();
-                if flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER) {
-                    voided.insert(transfer.pending_id());
-                }
-                let expires_at =
-                    transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
-                // A request's hold: an operator's block is pending too, and not the caller's.
-                let hold = transfer.code() == model::TRANSFER_CODE_REQUEST;
-                if hold && flags.contains(tb::transfer::Flags::PENDING) && expires_at > now {
-                    let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
-                    holds.push((transfer.id(), amount));
-                }
-            }
+            holds.extend(
+                page.iter()
+                    .filter_map(|transfer| live_request_hold(transfer, now)),
+            );
+            resolved.extend(page.iter().filter_map(resolved_pending));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
-                    timestamp_min = last.timestamp() + Duration::from_nanos(1);
+                    timestamp_max = Some(last.timestamp() - Duration::from_nanos(1));
                 }
                 _ => break,
             }
         }
-        holds.retain(|(id, _)| !voided.contains(id));
+        holds.retain(|(id, _)| !resolved.contains(id));
+        holds.reverse();
         Ok(holds)
     }
 
@@ -172,5 +195,28 @@ impl Ledger {
             nothing_if_abandoned(),
         )
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hold_of_exactly_the_amount_is_chosen_first() {
+        let none = HashSet::new();
+        let pending = vec![(1, 1), (2, 5), (3, 5)];
+        assert_eq!(choose(pending.clone(), 5, 10, &none), [(2, 5)]);
+        // Else the oldest that fit, whole.
+        assert_eq!(choose(pending.clone(), 4, 10, &none), [(1, 1)]);
+        assert_eq!(
+            choose(pending.clone(), 11, 10, &none),
+            [(1, 1), (2, 5), (3, 5)]
+        );
+        // Never one tried already, never more than `count_max`.
+        let tried = HashSet::from([2]);
+        assert_eq!(choose(pending.clone(), 5, 10, &tried), [(3, 5)]);
+        assert_eq!(choose(pending.clone(), 11, 1, &none), [(1, 1)]);
+        assert!(choose(pending, 5, 0, &none).is_empty());
     }
 }
