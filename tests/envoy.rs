@@ -63,6 +63,11 @@ descriptors:
       unit: minute
       replaces:
         - name: general
+  - key: vip
+    rate_limit:
+      unlimited: true
+      replaces:
+        - name: general
 "#;
 
 /// A directory with the three rule files.
@@ -433,6 +438,21 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
         assert_eq!(overall(&response), Code::Ok);
         assert_eq!(response.statuses[0].current_limit, None, "replaced");
     }
+    // An unlimited rule's `replaces` apply too (as envoyproxy/ratelimit's): a VIP is not held
+    // to "general", which 3 requests of another value exhaust first.
+    let other = fresh_key("v");
+    let general = || descriptor(&[("general", &other)]);
+    for _ in 0..3 {
+        let response = call(&mut client, request("extra", vec![general()])).await;
+        assert_eq!(overall(&response), Code::Ok);
+    }
+    let alone = call(&mut client, request("extra", vec![general()])).await;
+    assert_eq!(overall(&alone), Code::OverLimit);
+    let as_vip = request("extra", vec![general(), descriptor(&[("vip", "yes")])]);
+    let response = call(&mut client, as_vip).await;
+    assert_eq!(overall(&response), Code::Ok, "general is replaced");
+    assert_eq!(response.statuses[0].current_limit, None);
+    assert_eq!(response.statuses[1].limit_remaining, u32::MAX);
     // A request's own limit (RateLimitOverride) applies in a configured domain, to any descriptor.
     let overridden = |domain: &str| {
         let mut d = descriptor(&[("anything", &value)]);

@@ -45,8 +45,8 @@ pub const HITS_MAX: u64 = 1 << 32;
 enum Matched {
     /// No rule (or a rule another one `replaces`): OK, no limit.
     Nothing,
-    /// An `unlimited` rule.
-    Unlimited,
+    /// An `unlimited` rule (its `replaces` still apply, as envoyproxy/ratelimit's do).
+    Unlimited { rule: Arc<Rule> },
     Counted {
         rule: Arc<Rule>,
         /// Its cost is the hits, or 0 for a negative hit (which holds nothing).
@@ -144,7 +144,7 @@ impl RateLimitServer {
             },
         };
         let (requests_per_unit, window_seconds, unit) = match rule.limit {
-            RuleLimit::Unlimited => return Ok(Matched::Unlimited),
+            RuleLimit::Unlimited => return Ok(Matched::Unlimited { rule }),
             RuleLimit::Counted {
                 requests_per_unit,
                 window_seconds,
@@ -248,8 +248,10 @@ fn apply_replaces(matched: &mut [Matched]) {
     let replaced: Vec<String> = matched
         .iter()
         .filter_map(|m| match m {
-            Matched::Counted { rule, .. } => Some(rule.replaces.clone()),
-            _ => None,
+            Matched::Counted { rule, .. } | Matched::Unlimited { rule } => {
+                Some(rule.replaces.clone())
+            }
+            Matched::Nothing => None,
         })
         .flatten()
         .collect();
@@ -500,7 +502,7 @@ fn limit_of(matched: &Matched) -> Option<&Limit> {
 /// envoyproxy/ratelimit answers), or unlimited (OK, the most remaining there is).
 fn plain_status(matched: &Matched) -> DescriptorStatus {
     let limit_remaining = match matched {
-        Matched::Unlimited => u32::MAX,
+        Matched::Unlimited { .. } => u32::MAX,
         _ => 0,
     };
     DescriptorStatus {
