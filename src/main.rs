@@ -131,8 +131,9 @@ impl Cli {
             admin: AdminFile {
                 listen: self.admin_listen.clone(),
                 secrets: std::env::var("LEDGER_LIMITER_ADMIN_SECRETS").ok().map(|v| {
+                    // "a, b" is two secrets, not one with a space in front.
                     v.split(',')
-                        .map(str::to_owned)
+                        .map(|s| s.trim().to_owned())
                         .filter(|s| !s.is_empty())
                         .collect()
                 }),

@@ -52,17 +52,28 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
 }
 
 impl AdminSecrets {
-    /// `Err` names the first secret's position that is too short (never the secret).
+    /// `Err` names the first bad secret's position (never the secret): too short, with spaces
+    /// around it (a list written `"a, b"`: no bearer token carries them, so it could never be
+    /// presented), or the same as an earlier one (who acted would be two secrets at once).
     pub fn new(secrets: &[String]) -> Result<Self, String> {
-        if let Some(at) = secrets.iter().position(|s| s.len() < SECRET_LENGTH_MIN) {
-            return Err(format!(
-                "secret #{} is shorter than {SECRET_LENGTH_MIN} bytes",
-                at + 1
-            ));
+        let mut digests: Vec<[u8; 32]> = Vec::with_capacity(secrets.len());
+        for (index, secret) in secrets.iter().enumerate() {
+            let at = index + 1;
+            if secret.len() < SECRET_LENGTH_MIN {
+                return Err(format!(
+                    "secret #{at} is shorter than {SECRET_LENGTH_MIN} bytes"
+                ));
+            }
+            if secret.trim() != secret {
+                return Err(format!("secret #{at} begins or ends with white space"));
+            }
+            let digest = digest(secret.as_bytes());
+            if let Some(earlier) = digests.iter().position(|d| *d == digest) {
+                return Err(format!("secret #{at} is secret #{} again", earlier + 1));
+            }
+            digests.push(digest);
         }
-        Ok(AdminSecrets(
-            secrets.iter().map(|s| digest(s.as_bytes())).collect(),
-        ))
+        Ok(AdminSecrets(digests))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -138,12 +149,20 @@ fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
     problem::with_status(ProblemKind::Admin, status, detail)
 }
 
+/// The token of an `Authorization: Bearer <token>` value; the scheme's name in any case
+/// (RFC 9110 §11.1).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(b"bearer ".len())?;
+    let token = token.trim_ascii_start();
+    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.is_empty()).then_some(token)
+}
+
 /// The secret's number (who acted), or the 401/403 answer.
 fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpResponse>> {
     let bearer = req
         .headers()
         .get(AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        .and_then(|v| bearer_token(v.as_bytes()));
     let Some(presented) = bearer else {
         let mut response = admin_problem(StatusCode::UNAUTHORIZED, "a bearer token is required");
         let challenge = HeaderValue::from_static("Bearer realm=\"ledger-limiter admin\"");
@@ -518,6 +537,23 @@ mod tests {
         assert!(AdminSecrets::new(&["short".into()])
             .unwrap_err()
             .contains("#1"));
+        let first = "first-secret-0123456".to_owned();
+        let refused = |secrets: &[String]| AdminSecrets::new(secrets).unwrap_err();
+        let twice = refused(&[first.clone(), "other-secret-0123456".into(), first.clone()]);
+        assert_eq!(twice, "secret #3 is secret #1 again");
+        let spaced = refused(&[first.clone(), format!(" {first}")]);
+        assert_eq!(spaced, "secret #2 begins or ends with white space");
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_named_in_any_case() {
+        assert_eq!(bearer_token(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"BEARER  abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_token(b"Bearer "), None);
+        assert_eq!(bearer_token(b"Basic abc"), None);
+        assert_eq!(bearer_token(b"Bearerabc"), None);
+        assert_eq!(bearer_token(b""), None);
     }
 
     #[test]
