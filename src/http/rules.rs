@@ -480,7 +480,7 @@ impl RequestRulesBuilder {
         let mut route_limits = self
             .route_limits
             .into_iter()
-            .map(|(route, limits)| checked_limits(route, limits, &route_costs))
+            .map(|(route, limits)| checked_limits(route, limits, &route_costs, plans))
             .collect::<Result<Vec<_>, _>>()?;
         most_specific_first(&mut route_limits);
         Ok(RequestRules {
@@ -501,11 +501,13 @@ impl RequestRulesBuilder {
 }
 
 /// A route's limits: a path, 1 to [`ROUTE_LIMITS_MAX`] distinct limits, each able to afford
-/// the route's cost.
+/// the route's cost, none named as a plan (the `RateLimit-Policy` items of a response name the
+/// caller's plan and the route's limits: two items of one name could not be told apart).
 fn checked_limits(
     route: String,
     limits: Vec<Plan>,
     costs: &RouteCosts,
+    plans: &PlanBook,
 ) -> Result<(String, Arc<[Plan]>), RulesError> {
     let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
     if !is_route_pattern(&route) {
@@ -517,6 +519,10 @@ fn checked_limits(
     for (index, limit) in limits.iter().enumerate() {
         if limits[..index].iter().any(|l| l.name() == limit.name()) {
             return invalid(format!("names limit {:?} twice", limit.name()));
+        }
+        if plans.by_name(limit.name()).is_some() {
+            let why = "is also a plan's name: responses could not tell the two policies apart";
+            return invalid(format!("names limit {:?}, which {why}", limit.name()));
         }
         // Every path under the route, with its own cost: one that costs more than the limit's
         // whole capacity would be refused forever.
@@ -732,5 +738,13 @@ mod tests {
             .cost("/other", 5)
             .limits("/api/*", limit());
         assert!(build(ok).is_ok());
+    }
+
+    #[test]
+    fn a_route_limit_named_as_a_plan_is_refused() {
+        let named_free = RequestRules::builder().limits("/api/*", vec![test_plan("free", 10)]);
+        let e = named_free.build(&plans()).unwrap_err();
+        assert!(e.to_string().contains("plan's name"), "{e}");
+        assert_eq!(e.setting(), "routes.limits");
     }
 }
