@@ -294,10 +294,24 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
             .header("X-Api-Key", &key);
         async move { request.send().await.unwrap().status().as_u16() }
     };
-    // Five failures on a refund route cost nothing: the capacity of 2 is still whole.
+    // Five failures on a refund route cost nothing: the capacity of 2 is still whole, and
+    // their fields say so.
     for _ in 0..5 {
         assert_eq!(get("/boom").await, 500);
     }
+    let refunded = http
+        .get(format!("http://127.0.0.1:{port}/boom"))
+        .header("X-Api-Key", &key)
+        .send()
+        .await
+        .unwrap();
+    let ratelimit = refunded
+        .headers()
+        .get("ratelimit")
+        .unwrap()
+        .to_str()
+        .unwrap();
+    assert!(ratelimit.starts_with("\"free\";r=2;"), "{ratelimit}");
     assert_eq!(get("/ok").await, 200);
     // A failure elsewhere is charged as usual.
     assert_eq!(get("/charged-boom").await, 500);
@@ -313,7 +327,7 @@ async fn server_errors_give_the_credit_back_on_refund_routes_only() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!((audit.holds, audit.voids), (7, 5), "{audit:?}");
+    assert_eq!((audit.holds, audit.voids), (8, 6), "{audit:?}");
     assert_eq!(audit.debits_pending, 2);
     handle.stop(true).await;
 }
@@ -447,19 +461,43 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
             let request = http
                 .get(format!("http://127.0.0.1:{port}/slow"))
                 .header("X-Api-Key", &key);
-            async move { request.send().await.unwrap().status().as_u16() }
+            async move {
+                let response = request.send().await.unwrap();
+                let field = |name: &str| {
+                    let value = response.headers().get(name)?;
+                    Some(value.to_str().unwrap().to_owned())
+                };
+                let fields = (field("ratelimit-policy"), field("ratelimit"));
+                (response.status().as_u16(), fields)
+            }
         });
-        gated(&gate, requests.collect(), refusals, |status| *status == 429)
+        gated(&gate, requests.collect(), refusals, |(status, _)| {
+            *status == 429
+        })
     };
-    let mut first = burst(6, 4).await;
-    first.sort();
+    let first = burst(6, 4).await;
+    let mut statuses: Vec<u16> = first.iter().map(|(status, _)| *status).collect();
+    statuses.sort();
     assert_eq!(
-        first,
+        statuses,
         [200, 200, 429, 429, 429, 429],
         "two slots across both instances"
     );
+    // A slot's 429 has the rate's fields, as every 429 does, with the rate given back: of the
+    // plan's 1,000 the two requests served (at most) are spent.
+    for (_, (policy, ratelimit)) in first.iter().filter(|(status, _)| *status == 429) {
+        assert_eq!(policy.as_deref(), Some("\"big\";q=1000;w=30"));
+        let ratelimit = ratelimit.as_deref().expect("a RateLimit field");
+        let remaining: u64 = ratelimit
+            .strip_prefix("\"big\";r=")
+            .and_then(|rest| rest.split(';').next())
+            .and_then(|r| r.parse().ok())
+            .expect(ratelimit);
+        assert!((998..=1000).contains(&remaining), "{ratelimit}");
+    }
     // The slots came back when the requests ended.
-    assert_eq!(burst(2, 0).await, [200, 200]);
+    let statuses: Vec<u16> = burst(2, 0).await.iter().map(|(s, _)| *s).collect();
+    assert_eq!(statuses, [200, 200]);
 
     // In the ledger: no slot is held now, and the refused requests were not charged.
     let ledger = ledger_client(vec![shared_ledger().address]);

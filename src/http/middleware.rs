@@ -233,9 +233,12 @@ where
         .await
     {
         Ok(slot) => slot,
-        Err(response) => {
+        Err(mut response) => {
             // Not served, so not charged (and no refund of a server error: not counted as one).
             let _ = Box::pin(inner.limiter.give_back(&mut decision)).await;
+            // The rate-limit fields as on any refusal: what the caller has left of its rate
+            // (given back), beside the concurrency's Retry-After.
+            respond::add_fields(response.headers_mut(), &inner.fields, &decision, Some(1));
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
@@ -379,9 +382,7 @@ impl Inner {
         };
         match Box::pin(self.limiter.recharge(decision, actual)).await {
             Ok(true) => {
-                let held = decision.hold.map_or(0, |hold| hold.amount);
-                let remaining = (decision.quota.remaining + held).saturating_sub(actual);
-                decision.quota.remaining = remaining;
+                decision.recharged(actual);
                 tracing::Span::current().record(crate::telemetry::span::fields::COST, actual);
             }
             Ok(false) => {}

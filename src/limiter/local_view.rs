@@ -236,11 +236,12 @@ impl LocalView {
             return None;
         }
         if let Some(until) = holds.blocked_until.filter(|until| *until > now) {
+            let retry_after = until - now;
+            // Nothing to spend until the block ends, which is also when the quota is back.
             let quota = LocalQuota {
                 remaining: 0,
-                ..holds.quota(now)
+                reset_after: holds.quota(now).reset_after.max(retry_after),
             };
-            let retry_after = until - now;
             return Some(LocalLimit {
                 retry_after,
                 quota,

@@ -159,6 +159,29 @@ impl Decision<'_> {
         plan.into_iter()
             .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
     }
+
+    /// Its quotas once each of its holds was recharged to `actual` units ([`Limiter::recharge`]):
+    /// the plan's and every route limit's, so the single-valued fields still show the one that
+    /// binds.
+    pub fn recharged(&mut self, actual: u64) {
+        let recharge = |quota: &mut Quota, held: u64| {
+            let remaining = quota.remaining.saturating_add(held).saturating_sub(actual);
+            quota.remaining = remaining.min(quota.limit);
+        };
+        if let Some(hold) = self.hold {
+            recharge(&mut self.quota, hold.amount);
+        }
+        for limit in &mut self.route_limits {
+            if let Some(hold) = limit.hold {
+                recharge(&mut limit.quota, hold.amount);
+            }
+        }
+    }
+}
+
+/// `amount` units given back to a quota, which never shows more than its limit.
+fn credit_back(quota: &mut Quota, amount: u64) {
+    quota.remaining = quota.remaining.saturating_add(amount).min(quota.limit);
 }
 
 /// A decision before it is a [`Decision`]: the outcome, the quota, the hold if one admitted it.
@@ -343,17 +366,33 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// [`Limiter::refund`] without counting it as one: for a request that was admitted but not
     /// served after all (a concurrency slot refused it), which is no refund of a server error.
+    ///
+    /// What is given back is in the decision's quotas too, so the response's rate-limit fields
+    /// say what the caller has left after it (they used to count the request as charged).
     pub async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
         if let Some(leased) = decision.leased.take() {
-            return Ok(self.leases.give_back(decision.account_id, leased));
+            let given = self.leases.give_back(decision.account_id, leased);
+            if given {
+                credit_back(&mut decision.quota, leased.units);
+            }
+            return Ok(given);
         }
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
-        for (account_id, hold) in decision.holds().skip(1) {
-            self.release(account_id, hold).await?;
+        for limit in decision.route_limits.iter_mut() {
+            let Some(hold) = limit.hold else {
+                continue;
+            };
+            if self.release(limit.account_id, hold).await? {
+                credit_back(&mut limit.quota, hold.amount);
+            }
         }
-        self.release(decision.account_id, hold).await
+        let given = self.release(decision.account_id, hold).await?;
+        if given {
+            credit_back(&mut decision.quota, hold.amount);
+        }
+        Ok(given)
     }
 
     /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
@@ -711,8 +750,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .local
             .quota(charge.account.id, capacity, self.clock.now());
         let quota = LocalQuota {
-            remaining: 0,
-            ..local
+            // What is left when the view read it (less than this request's cost, but not
+            // always 0: a local refusal says the same); 0 when it could not, or while blocked.
+            remaining: match !blocked && self.local.knows(charge.account.id) {
+                true => local.remaining,
+                false => 0,
+            },
+            // A block's end is when the caller's quota is back, not its holds' expiry.
+            reset_after: match blocked {
+                true => local.reset_after.max(retry_after),
+                false => local.reset_after,
+            },
         };
         (refused(retry_after, DecisionSource::Ledger, blocked), quota)
     }
@@ -821,7 +869,9 @@ fn decision<'a>(
         quota: Quota {
             limit: charge.account.capacity.get(),
             window_seconds: charge.account.window_seconds.get(),
-            remaining: local.remaining,
+            // A top-up can leave more than the plan's capacity: the fields show the policy's
+            // quota at most, so that `r` never exceeds `q` (nor Remaining the Limit).
+            remaining: local.remaining.min(charge.account.capacity.get()),
             reset_seconds: whole_seconds_up(local.reset_after),
         },
         account_id: charge.account.id,

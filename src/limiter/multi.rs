@@ -434,7 +434,8 @@ fn quota(account: &UserAccount, local: LocalQuota) -> Quota {
     Quota {
         limit: account.capacity.get(),
         window_seconds: account.window_seconds.get(),
-        remaining: local.remaining,
+        // At most the limit, whatever a top-up left (as a plan's quota).
+        remaining: local.remaining.min(account.capacity.get()),
         reset_seconds: whole_seconds_up(local.reset_after),
     }
 }

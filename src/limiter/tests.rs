@@ -334,14 +334,19 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
             source: DecisionSource::Ledger
         }
     );
+    // Nothing to spend, and the quota back when the block ends, as Retry-After says.
+    assert_eq!(refused.quota.remaining, 0);
+    assert_eq!(refused.quota.reset_seconds, block.as_secs());
     assert_eq!(f.calls(), ["hold", "view"]);
+    let again = f.check(ONE).await;
     assert!(matches!(
-        f.check(ONE).await.outcome,
+        again.outcome,
         Outcome::Blocked {
             source: DecisionSource::LocalView,
             ..
         }
     ));
+    assert_eq!(again.quota.reset_seconds, block.as_secs());
     assert!(f.calls().is_empty());
 }
 
@@ -469,6 +474,40 @@ async fn retry_after_waits_for_enough_credit_for_the_cost() {
         limited_by(&f.check(three).await),
         Some((5, DecisionSource::Ledger))
     );
+    // Two of five left: too few for three, and said as they are (a local refusal says the same).
+    let f = Fixture::closed();
+    let partly = f.view(CAPACITY, &[3, 4, 5], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(partly)));
+    });
+    let refused = f.check(three).await;
+    assert_eq!(limited_by(&refused), Some((3, DecisionSource::Ledger)));
+    assert_eq!(refused.quota.remaining, 2);
+    let again = f.check(three).await;
+    assert_eq!(limited_by(&again), Some((3, DecisionSource::LocalView)));
+    assert_eq!(again.quota.remaining, 2);
+}
+
+#[tokio::test]
+async fn a_topped_up_caller_never_shows_more_remaining_than_its_limit() {
+    let f = Fixture::closed();
+    // Credit 3 × capacity (an operator's top-up), 14 held: the ledger refuses a cost of 2.
+    let topped_up = f.view(3 * CAPACITY, &[10; 14], true);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(topped_up)));
+    });
+    let two = NonZeroU64::new(2).unwrap();
+    assert!(limited_by(&f.check(two).await).is_some());
+    // Ten seconds on, the 14 are gone: 15 free, but the fields show the plan's 5 at most.
+    f.clock.advance(Duration::from_secs(10));
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    let admitted = f.check(ONE).await;
+    assert_eq!(admitted.outcome, Outcome::Admitted);
+    assert_eq!(admitted.quota.limit, CAPACITY);
+    assert_eq!(admitted.quota.remaining, CAPACITY);
 }
 
 #[tokio::test]
