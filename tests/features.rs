@@ -234,6 +234,19 @@ async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     assert_eq!(get_forwarded(&app, &victim).await, 200);
     assert_eq!(get_forwarded(&app, &victim).await, 429);
     app.stop().await;
+
+    // An IPv6 caller is its /64 (a subscriber's allocation, any address of which is theirs):
+    // another address in it is the same caller, another /64 another one.
+    let (config, _) = anonymous(Some(vec!["127.0.0.1".into()]));
+    let app = spawn_app(config).await;
+    let network = format!("2001:db8:{run:x}:1");
+    assert_eq!(get_from(&app, &format!("{network}::1")).await.0, 200);
+    assert_eq!(get_from(&app, &format!("{network}::2")).await.0, 200);
+    let same = format!("{network}:ffff::3");
+    assert_eq!(get_from(&app, &same).await.0, 429, "the same /64");
+    let other = format!("2001:db8:{run:x}:2::1");
+    assert_eq!(get_from(&app, &other).await.0, 200, "another /64");
+    app.stop().await;
 }
 
 async fn get_forwarded(app: &TestApp, address: &str) -> u16 {

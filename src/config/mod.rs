@@ -194,6 +194,9 @@ pub struct CallerFile {
     pub trusted_proxies: Option<Vec<String>>,
     /// The header the trusted proxies write: `x-forwarded-for` (the default) or `forwarded`.
     pub forwarded_header: Option<String>,
+    /// How many leading bits of an IPv6 address name a caller known by address (64; 128: each
+    /// address alone).
+    pub ipv6_prefix_length: Option<u8>,
     pub header: Option<String>,
     pub key_length_max: Option<usize>,
     pub unknown_keys: Option<String>,
@@ -289,6 +292,7 @@ impl FileConfig {
         take!(caller.anonymous_plan);
         take!(caller.trusted_proxies);
         take!(caller.forwarded_header);
+        take!(caller.ipv6_prefix_length);
         take!(caller.header);
         take!(caller.key_length_max);
         take!(caller.unknown_keys);
@@ -430,6 +434,10 @@ impl Settings {
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
+        let rules = match caller.ipv6_prefix_length {
+            Some(bits) => rules.ipv6_prefix_bits(bits),
+            None => rules,
+        };
         let rules = route_limits(rules, file.limits, file.routes.limits.clone())?;
         let rules = request_rules(rules, file.routes, file.response)
             .build(&plans)

@@ -20,6 +20,9 @@ use crate::limiter::plan::{Plan, PlanBook};
 
 /// The header that carries the API key unless configured otherwise.
 pub const KEY_HEADER_DEFAULT: &str = "x-api-key";
+/// How many leading bits of an IPv6 address name a caller by default: a /64 is what one
+/// subscriber is given (RFC 6177), and any address in it is theirs to use.
+pub const IPV6_PREFIX_BITS_DEFAULT: u8 = 64;
 
 /// Where the caller's identity comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +74,8 @@ pub struct RequestRules {
     trusted_proxies: Vec<Cidr>,
     /// The one header the trusted proxies name the caller in.
     forwarded_header: ForwardedHeader,
+    /// How many leading bits of an IPv6 address name its caller (an IPv4 address is one).
+    ipv6_prefix_bits: u8,
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
     route_limits: Vec<(String, Arc<[Plan]>)>,
     /// A response header in which handlers report what a request actually cost.
@@ -152,7 +157,7 @@ impl RequestRules {
 
     fn address(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
         client_ip(req, &self.trusted_proxies, self.forwarded_header)
-            .map(CallerKey::from_ip)
+            .map(|ip| CallerKey::from_network(ip, self.ipv6_prefix_bits))
             .ok_or(KeyError::NoPeerAddress)
     }
 
@@ -247,6 +252,8 @@ pub enum RulesError {
     KeyHeader(String),
     #[error("must be between 1 and {KEY_LENGTH_MAX_LIMIT}")]
     KeyLengthMax,
+    #[error("{0} is not between 1 and 128")]
+    Ipv6PrefixBits(u8),
     #[error("{0:?} must start with /, with a `*` only at its end")]
     ExemptPath(String),
     #[error("{0:?} must start with /, with a `*` only at its end")]
@@ -281,6 +288,7 @@ impl RulesError {
         match self {
             RulesError::KeyHeader(_) => "caller.header".to_owned(),
             RulesError::KeyLengthMax => "caller.key_length_max".to_owned(),
+            RulesError::Ipv6PrefixBits(_) => "caller.ipv6_prefix_length".to_owned(),
             RulesError::ExemptPath(_) => "routes.exempt".to_owned(),
             RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
@@ -304,6 +312,7 @@ pub struct RequestRulesBuilder {
     anonymous: bool,
     trusted_proxies: Vec<String>,
     forwarded_header: ForwardedHeader,
+    ipv6_prefix_bits: u8,
     key_length_max: usize,
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
@@ -322,6 +331,7 @@ impl Default for RequestRulesBuilder {
             anonymous: false,
             trusted_proxies: Vec::new(),
             forwarded_header: ForwardedHeader::default(),
+            ipv6_prefix_bits: IPV6_PREFIX_BITS_DEFAULT,
             key_length_max: KEY_LENGTH_MAX_DEFAULT,
             exempt_paths: Vec::new(),
             costs: Vec::new(),
@@ -366,6 +376,13 @@ impl RequestRulesBuilder {
     /// The header the trusted proxies write (`X-Forwarded-For` unless set); the other is ignored.
     pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
         self.forwarded_header = header;
+        self
+    }
+
+    /// How many leading bits of an IPv6 address name a caller known by its address (64 unless
+    /// set: a subscriber's usual allocation; 128: each address alone).
+    pub fn ipv6_prefix_bits(mut self, bits: u8) -> Self {
+        self.ipv6_prefix_bits = bits;
         self
     }
 
@@ -448,6 +465,9 @@ impl RequestRulesBuilder {
         if self.key_length_max == 0 || self.key_length_max > KEY_LENGTH_MAX_LIMIT {
             return Err(RulesError::KeyLengthMax);
         }
+        if !(1..=128).contains(&self.ipv6_prefix_bits) {
+            return Err(RulesError::Ipv6PrefixBits(self.ipv6_prefix_bits));
+        }
         if let Some(bad) = self.exempt_paths.iter().find(|p| !is_route_pattern(p)) {
             return Err(RulesError::ExemptPath(bad.clone()));
         }
@@ -494,6 +514,7 @@ impl RequestRulesBuilder {
             missing_key_status,
             trusted_proxies,
             forwarded_header: self.forwarded_header,
+            ipv6_prefix_bits: self.ipv6_prefix_bits,
             route_limits,
             cost_header,
         })

@@ -98,6 +98,28 @@ impl CallerKey {
         }
     }
 
+    /// A caller identified by its address's network: an IPv4 address alone, an IPv6 one by its
+    /// first `ipv6_prefix_bits` bits (`ip 2001:db8:1:2::/64`; 128 is [`CallerKey::from_ip`]).
+    /// Why: one IPv6 subscriber is given a /64 (or more), and picks any address in it at will;
+    /// counted per address, each one was a fresh allowance.
+    pub fn from_network(ip: IpAddr, ipv6_prefix_bits: u8) -> Self {
+        assert!(
+            (1..=128).contains(&ipv6_prefix_bits),
+            "validated by the rules"
+        );
+        match ip {
+            IpAddr::V6(v6) if ipv6_prefix_bits < 128 => {
+                let mask = u128::MAX << (128 - u32::from(ipv6_prefix_bits));
+                let network = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+                CallerKey {
+                    secret: format!("ip {network}/{ipv6_prefix_bits}"),
+                    kind: KeyKind::Address,
+                }
+            }
+            _ => Self::from_ip(ip),
+        }
+    }
+
     pub fn kind(&self) -> KeyKind {
         self.kind
     }
@@ -182,6 +204,28 @@ mod tests {
                 && value.len() <= length_max
                 && value.iter().all(|b| (0x21..=0x7e).contains(b));
             prop_assert_eq!(accepted, expected);
+        }
+
+        #[test]
+        fn an_ipv6_network_is_one_caller_and_ipv4_addresses_are_each_one(
+            v6 in any::<u128>(),
+            host in any::<u64>(),
+            v4 in any::<u32>(),
+            bits in 1u8..=128,
+        ) {
+            let network = |ip: u128| {
+                let key = CallerKey::from_network(IpAddr::V6(ip.into()), bits);
+                key.expose_secret().to_owned()
+            };
+            let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
+            let same_network = (v6 & mask) | (u128::from(host) & !mask);
+            prop_assert_eq!(network(v6), network(same_network));
+            // One bit inside the prefix apart: another caller.
+            let other_network = v6 ^ (1u128 << (128 - u32::from(bits)));
+            prop_assert_ne!(network(v6), network(other_network));
+            let v4 = IpAddr::V4(v4.into());
+            let (by_network, alone) = (CallerKey::from_network(v4, bits), CallerKey::from_ip(v4));
+            prop_assert_eq!(by_network.expose_secret(), alone.expose_secret());
         }
 
         #[test]
