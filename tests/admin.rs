@@ -366,6 +366,21 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
         problem["type"], "urn:ledger-limiter:problem:admin",
         "{problem}"
     );
+    // A path asked with a method it does not take is a 405, not another path's 400; a path
+    // that is not the admin API's a 404: problems both.
+    for (method, path, expected) in [
+        ("GET", "/admin/callers/lookup", 405),
+        ("DELETE", "/admin/callers/move", 405),
+        ("PUT", &*format!("{path}/credit"), 405),
+        ("GET", "/admin/nothing", 404),
+    ] {
+        let (status, problem) = admin.send(method, path, Some(SECRET), None).await;
+        assert_eq!(status, expected, "{method} {path}: {problem}");
+        assert_eq!(
+            problem["type"], "urn:ledger-limiter:problem:admin",
+            "{problem}"
+        );
+    }
     // The admin API is not on the service's own listener.
     let on_service = app.get(&format!("/admin/callers/{:032x}", 7), None).await;
     assert_eq!(

@@ -120,18 +120,35 @@ pub fn configure(config: &mut web::ServiceConfig) {
             let response = admin_problem(status, &error.to_string());
             InternalError::from_response(error, response).into()
         });
+    // One resource per path, the fixed ones first: a method a path does not take is a 405 there,
+    // not a match of the next pattern (`GET /admin/callers/lookup` was read as an account id).
+    let resource = |path: &str| web::resource(path).default_service(web::to(not_allowed));
     config
         .app_data(json)
-        .route("/admin/callers/lookup", web::post().to(lookup))
-        .route("/admin/callers/move", web::post().to(move_caller))
-        .route("/admin/callers/{account_id}", web::get().to(inspect))
-        .route("/admin/callers/{account_id}/debit", web::post().to(reduce))
-        .route("/admin/callers/{account_id}/credit", web::post().to(top_up))
-        .route("/admin/callers/{account_id}/block", web::post().to(block))
-        .route(
-            "/admin/callers/{account_id}/block",
-            web::delete().to(unblock),
-        );
+        .service(resource("/admin/callers/lookup").route(web::post().to(lookup)))
+        .service(resource("/admin/callers/move").route(web::post().to(move_caller)))
+        .service(resource("/admin/callers/{account_id}").route(web::get().to(inspect)))
+        .service(resource("/admin/callers/{account_id}/debit").route(web::post().to(reduce)))
+        .service(resource("/admin/callers/{account_id}/credit").route(web::post().to(top_up)))
+        .service(
+            resource("/admin/callers/{account_id}/block")
+                .route(web::post().to(block))
+                .route(web::delete().to(unblock)),
+        )
+        .default_service(web::to(not_found));
+}
+
+/// A path of the admin API asked with a method it does not take.
+async fn not_allowed() -> HttpResponse {
+    admin_problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "this path does not take that method",
+    )
+}
+
+/// No such path in the admin API: a problem like every other answer.
+async fn not_found() -> HttpResponse {
+    admin_problem(StatusCode::NOT_FOUND, "no such admin path")
 }
 
 /// Names the account's plan in its audit, when the configuration tells it unambiguously.
