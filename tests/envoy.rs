@@ -51,6 +51,11 @@ descriptors:
     rate_limit:
       requests_per_unit: 1
       unit: minute
+  - key: shadowed_pair
+    shadow_mode: true
+    rate_limit:
+      requests_per_unit: 2
+      unit: minute
   - key: general
     rate_limit:
       name: general
@@ -425,6 +430,27 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
         assert_eq!(overall(&response), Code::Ok, "shadow mode never denies");
         assert_eq!(response.statuses[0].code, Code::Ok as i32);
     }
+    // A request the enforced descriptors refuse consumes nothing on a shadow one either, as
+    // enforcing it would: "costly" (10/min) exhausted, then refused beside "shadowed_pair"
+    // (2/min, shadow), which then still has one left after its own first request.
+    let exhausted = fresh_key("v");
+    let costly = || descriptor(&[("costly", &exhausted)]);
+    for _ in 0..10 {
+        let response = call(&mut client, request("extra", vec![costly()])).await;
+        assert_eq!(overall(&response), Code::Ok);
+    }
+    let pair = fresh_key("v");
+    let both = request(
+        "extra",
+        vec![costly(), descriptor(&[("shadowed_pair", &pair)])],
+    );
+    assert_eq!(overall(&call(&mut client, both).await), Code::OverLimit);
+    let alone = request("extra", vec![descriptor(&[("shadowed_pair", &pair)])]);
+    let response = call(&mut client, alone).await;
+    assert_eq!(
+        response.statuses[0].limit_remaining, 1,
+        "charged once, not twice"
+    );
     // "general" (3/min) is replaced by "specific" when both match: 5 requests pass.
     for _ in 0..5 {
         let both = request(

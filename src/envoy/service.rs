@@ -318,17 +318,44 @@ impl RateLimitServer {
         self.limiter
             .learn(&enforced.1, &unknown, &mut decision, deadline)
             .await;
+        let shadows = shadows
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(internal)?;
+        if !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_)) {
+            self.void_shadow_holds(&shadow, &shadows).await;
+        }
         let shadow = shadow
             .iter()
+            .map(|(index, _)| *index)
             .zip(shadows)
-            .map(|((index, _), d)| d.map(|d| (*index, d)).map_err(internal))
-            .collect::<Result<Vec<_>, Status>>()?;
+            .collect();
         let released = negative.iter().map(|(i, _, _)| *i).zip(releases).collect();
         Ok(Decided {
             enforced: (enforced.0, decision),
             shadow,
             released,
         })
+    }
+
+    /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
+    /// nothing on any descriptor, as it would if those rules were enforced (their holds are
+    /// placed beside the enforced chain, not after it, to cost no second round trip). Best
+    /// effort: a hold not voided expires with its window.
+    async fn void_shadow_holds(&self, shadow: &[(usize, Limit)], decided: &[MultiDecision]) {
+        let holds = shadow
+            .iter()
+            .zip(decided)
+            .filter_map(|((_, limit), decision)| {
+                let hold = decision.limits.first()?.hold?;
+                Some((limit.account.id, hold))
+            });
+        let voids = holds.map(|(account_id, hold)| self.limiter.release(account_id, hold));
+        for result in join_all(voids).await {
+            if let Err(error) = result {
+                tracing::debug!(%error, "could not void a shadow hold; it expires with its window");
+            }
+        }
     }
 
     /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
