@@ -107,7 +107,7 @@ struct Member {
     void_if_abandoned: Option<u16>,
 }
 
-/// What a transfer's caller leaves with the batch ([`create_transfer`]).
+/// What a transfer's caller leaves with the batch (`create_transfer`).
 pub struct Leave {
     pub in_flight: InFlight,
     pub void_if_abandoned: Option<u16>,
