@@ -132,6 +132,29 @@ async fn a_missing_key_can_be_a_400() {
     app.stop().await;
 }
 
+/// Callers keyed by their bearer token (`caller.header = "authorization"`): the token is the key,
+/// whatever the scheme's case; another scheme is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_keyed_by_their_bearer_token() {
+    let mut config = config(2, RoutesFile::default(), ResponseFile::default());
+    config.caller.header = Some("authorization".into());
+    let app = spawn_app(config).await;
+    let token = fresh_key("tok_");
+    let get = |authorization: String| {
+        let request = app.http.get(format!("{}/greeting", app.address));
+        async move {
+            let response = request.header("Authorization", authorization).send().await;
+            response.unwrap().status().as_u16()
+        }
+    };
+    assert_eq!(get(format!("Bearer {token}")).await, 200);
+    assert_eq!(get(format!("bearer {token}")).await, 200, "the same caller");
+    assert_eq!(get(format!("Bearer {token}")).await, 429);
+    assert_eq!(get(format!("Bearer {}", fresh_key("tok_"))).await, 200);
+    assert_eq!(get("Basic dXNlcjpwYXNz".into()).await, 400);
+    app.stop().await;
+}
+
 /// Keyless callers on a plan of this test's own (every test here calls from 127.0.0.1).
 fn anonymous(trusted_proxies: Option<Vec<String>>) -> (FileConfig, String) {
     let mut config = config(5, RoutesFile::default(), ResponseFile::default());

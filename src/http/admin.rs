@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::future::{ready, Ready};
 
+use super::headers;
 use super::problem::{self, ProblemKind};
 use crate::ledger::audit::AccountAudit;
 use crate::ledger::model::{Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX};
@@ -166,20 +167,12 @@ fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
     problem::with_status(ProblemKind::Admin, status, detail)
 }
 
-/// The token of an `Authorization: Bearer <token>` value; the scheme's name in any case
-/// (RFC 9110 §11.1).
-fn bearer_token(value: &[u8]) -> Option<&[u8]> {
-    let (scheme, token) = value.split_at_checked(b"bearer ".len())?;
-    let token = token.trim_ascii_start();
-    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.is_empty()).then_some(token)
-}
-
 /// The secret's number (who acted), or the 401/403 answer.
 fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpResponse>> {
     let bearer = req
         .headers()
         .get(AUTHORIZATION)
-        .and_then(|v| bearer_token(v.as_bytes()));
+        .and_then(|v| headers::bearer_token(v.as_bytes()));
     let Some(presented) = bearer else {
         let mut response = admin_problem(StatusCode::UNAUTHORIZED, "a bearer token is required");
         let challenge = HeaderValue::from_static("Bearer realm=\"ledger-limiter admin\"");
@@ -564,13 +557,14 @@ mod tests {
 
     #[test]
     fn the_bearer_scheme_is_named_in_any_case() {
-        assert_eq!(bearer_token(b"Bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer_token(b"bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer_token(b"BEARER  abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer_token(b"Bearer "), None);
-        assert_eq!(bearer_token(b"Basic abc"), None);
-        assert_eq!(bearer_token(b"Bearerabc"), None);
-        assert_eq!(bearer_token(b""), None);
+        let token = headers::bearer_token;
+        assert_eq!(token(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(token(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(token(b"BEARER  abc"), Some(&b"abc"[..]));
+        assert_eq!(token(b"Bearer "), None);
+        assert_eq!(token(b"Basic abc"), None);
+        assert_eq!(token(b"Bearerabc"), None);
+        assert_eq!(token(b""), None);
     }
 
     #[test]

@@ -12,6 +12,14 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub const RETRY_AFTER: HeaderName = actix_web::http::header::RETRY_AFTER;
 
+/// The token of an `Authorization: Bearer <token>` value; the scheme's name in any case
+/// (RFC 9110 §11.1). For the admin API's secrets, and for callers keyed by their bearer token.
+pub fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, token) = value.split_at_checked(b"bearer ".len())?;
+    let token = token.trim_ascii_start();
+    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.is_empty()).then_some(token)
+}
+
 /// `"<plan>";q=<quota>;w=<window seconds>`. Plan names are `[A-Za-z0-9_-]`, safe in a string item.
 pub fn policy_value(plan: &Plan) -> String {
     format!(

@@ -24,7 +24,8 @@ pub fn rejected(error: &KeyError, missing_status: StatusCode) -> HttpResponse {
         KeyError::Empty { .. }
         | KeyError::TooLong { .. }
         | KeyError::Malformed { .. }
-        | KeyError::Repeated { .. } => ProblemKind::InvalidKey,
+        | KeyError::Repeated { .. }
+        | KeyError::NotBearer { .. } => ProblemKind::InvalidKey,
     };
     problem::response(kind, &error.to_string())
 }

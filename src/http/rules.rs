@@ -7,12 +7,12 @@ use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use actix_web::dev::ServiceRequest;
-use actix_web::http::header::HeaderName;
+use actix_web::http::header::{HeaderName, AUTHORIZATION};
 use actix_web::http::StatusCode;
 use thiserror::Error;
 
 use super::client_ip::{client_ip, Cidr, ForwardedHeader};
-use super::headers::HeaderStyles;
+use super::headers::{bearer_token, HeaderStyles};
 
 use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::extra::ROUTE_LIMITS_MAX;
@@ -149,7 +149,14 @@ impl RequestRules {
                         header: header.to_owned(),
                     });
                 }
-                CallerKey::from_header_value(header, value.as_bytes(), self.key_length_max)
+                // Keyed by a bearer token: the key is the token, not the scheme before it.
+                let value = match *name == AUTHORIZATION {
+                    true => bearer_token(value.as_bytes()).ok_or_else(|| KeyError::NotBearer {
+                        header: header.to_owned(),
+                    })?,
+                    false => value.as_bytes(),
+                };
+                CallerKey::from_header_value(header, value, self.key_length_max)
             }
             KeySource::PeerIp => self.address(req),
         }
@@ -632,6 +639,28 @@ mod tests {
         assert_eq!(cost_of(&r, "/expensive"), 5);
         assert_eq!(cost_of(&r, "/batch/7"), 3);
         assert_eq!(cost_of(&r, "/greeting"), 1);
+    }
+
+    #[test]
+    fn a_caller_keyed_by_its_bearer_token_is_the_token() {
+        let r = RequestRules::builder()
+            .key_header("authorization")
+            .build(&plans())
+            .unwrap();
+        let key = |value: &str| {
+            let req = TestRequest::default()
+                .insert_header(("Authorization", value))
+                .to_srv_request();
+            r.caller_key(&req).map(|k| k.expose_secret().to_owned())
+        };
+        assert_eq!(key("Bearer tok_123").unwrap(), "tok_123");
+        assert_eq!(key("bearer tok_123").unwrap(), "tok_123", "the same caller");
+        assert!(matches!(
+            key("Basic dXNlcg=="),
+            Err(KeyError::NotBearer { .. })
+        ));
+        assert!(matches!(key("Bearer "), Err(KeyError::NotBearer { .. })));
+        assert!(matches!(key("Bearer a b"), Err(KeyError::Malformed { .. })));
     }
 
     #[test]

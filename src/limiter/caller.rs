@@ -34,6 +34,8 @@ pub enum KeyError {
     Malformed { header: String },
     #[error("the {header} header is given more than once")]
     Repeated { header: String },
+    #[error("the {header} header must be `Bearer <key>`")]
+    NotBearer { header: String },
     #[error("the peer address is unknown")]
     NoPeerAddress,
     #[error("the API key is not known")]
