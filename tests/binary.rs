@@ -357,23 +357,32 @@ fn check_config_never_prints_listed_keys() {
 /// A server that keeps exiting is restarted ten times in a row, then given up on, and that is
 /// told (the flag `/healthz` answers 503 on): the process is better restarted whole than left
 /// running without its ledger. The server here is a script that exits as soon as it starts.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
+/// An embedded ledger whose server is a script in `dir`: `format` makes the data file, `start`
+/// runs `start` (shell) and must print a port to be started at all.
+async fn stand_in_ledger(
+    dir: &Path,
+    start: &str,
+) -> ledger_limiter::ledger::embedded::EmbeddedLedger {
     use ledger_limiter::ledger::embedded::{EmbeddedLedger, EmbeddedOptions};
     use std::os::unix::fs::PermissionsExt;
-    let dir = common::ledger_dir();
-    let bin = dir.path().join("tigerbeetle");
-    let script = "#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) echo 3999; exit 1 ;;\nesac\nexit 2\n";
+    let bin = dir.join("tigerbeetle");
+    let script = format!("#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) {start} ;;\nesac\nexit 2\n");
     std::fs::write(&bin, script).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let embedded = EmbeddedLedger::start(EmbeddedOptions {
+    EmbeddedLedger::start(EmbeddedOptions {
         bin,
-        data_dir: dir.path().join("data"),
+        data_dir: dir.join("data"),
         cluster_id: 0,
         development: true,
     })
     .await
-    .expect("it starts (and exits at once)");
+    .expect("it starts (and exits at once)")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
+    let dir = common::ledger_dir();
+    let embedded = stand_in_ledger(dir.path(), "echo 3999; exit 1").await;
     let gave_up = embedded.gave_up();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !gave_up.is_set() {
@@ -389,25 +398,13 @@ async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
 /// never says its port (a start that hangs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_the_embedded_ledger_restarts_is_not_held_up() {
-    use ledger_limiter::ledger::embedded::{EmbeddedLedger, EmbeddedOptions};
-    use std::os::unix::fs::PermissionsExt;
     let dir = common::ledger_dir();
-    let bin = dir.path().join("tigerbeetle");
     let started = dir.path().join("started");
-    let script = format!(
-        "#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) if [ -e {0} ]; then exec sleep 600; fi; touch {0}; echo 3999; exit 1 ;;\nesac\nexit 2\n",
+    let start = format!(
+        "if [ -e {0} ]; then exec sleep 600; fi; touch {0}; echo 3999; exit 1",
         started.display()
     );
-    std::fs::write(&bin, script).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let embedded = EmbeddedLedger::start(EmbeddedOptions {
-        bin,
-        data_dir: dir.path().join("data"),
-        cluster_id: 0,
-        development: true,
-    })
-    .await
-    .expect("it starts (and exits at once)");
+    let embedded = stand_in_ledger(dir.path(), &start).await;
     // Within the backoff, then while the second start hangs.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let stopping = Instant::now();

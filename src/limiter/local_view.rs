@@ -495,22 +495,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_hold_answered_before_the_listing_is_counted_once() {
+    /// Caller 7 (credit 5) with one hold recorded at `t0`, then `listed` holds in the ledger's
+    /// listing stored at `t0` + 2 ms: the view, `t0` and when the listing was stored.
+    fn listed_after_one_recorded(listed: usize) -> (LocalView, Instant, Instant) {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
         let wall = SystemTime::now();
-        // Two of five held, both in the listing stored at t0 + 2 ms; the second was answered at
-        // t0 + 1 ms, and its request gets round to recording it only now.
         view.record_hold(7, 5, 1, t0, WINDOW, t0);
         let listed_at = t0 + Duration::from_millis(2);
-        view.replace(
-            7,
-            &ledger_view(5, &[WINDOW; 2], wall),
-            WINDOW,
-            listed_at,
-            wall,
-        );
+        let holds = vec![WINDOW; listed];
+        view.replace(7, &ledger_view(5, &holds, wall), WINDOW, listed_at, wall);
+        (view, t0, listed_at)
+    }
+
+    #[test]
+    fn a_hold_answered_before_the_listing_is_counted_once() {
+        // Two of five held, both in the listing; the second was answered at t0 + 1 ms, and its
+        // request gets round to recording it only now.
+        let (view, t0, listed_at) = listed_after_one_recorded(2);
         let late = t0 + Duration::from_millis(1);
         let quota = view.record_hold(7, 5, 1, late, WINDOW, listed_at);
         assert_eq!(quota.remaining, 3, "counted once, from the listing");
@@ -523,20 +525,9 @@ mod tests {
 
     #[test]
     fn a_hold_voided_after_the_listing_is_not_held_any_more() {
-        let view = LocalView::new(100, MARGIN);
-        let t0 = Instant::now();
-        let wall = SystemTime::now();
         // A hold recorded here, then listed by the ledger (with the ledger's expiry) as one of
         // the five that exhaust the caller.
-        view.record_hold(7, 5, 1, t0, WINDOW, t0);
-        let listed_at = t0 + Duration::from_millis(2);
-        view.replace(
-            7,
-            &ledger_view(5, &[WINDOW; 5], wall),
-            WINDOW,
-            listed_at,
-            wall,
-        );
+        let (view, t0, listed_at) = listed_after_one_recorded(5);
         assert!(view.check(7, 1, listed_at).is_some(), "exhausted");
         // Its request is refunded: the hold is voided, and must not be counted on.
         view.release(7, 1, t0 + WINDOW + MARGIN);
