@@ -296,12 +296,10 @@ impl Ledger {
 
     /// Talks to `addresses` from now on (a replica that came back at another address): calls
     /// already in flight finish on the old client, or are given up [`RETIRED_CALLS_GRACE`] after
-    /// their callers left; the old client closes once none is left. Nothing changes if the
-    /// addresses are the ones in use. Each call also closes the replaced clients that are done,
-    /// so calling it periodically ([`addresses::follow_addresses`]) is what closes them.
+    /// their callers left; the old client closes once none is left
+    /// ([`Ledger::close_replaced_clients`]). Nothing changes if the addresses are the ones in use.
     pub fn reconnect(&self, addresses: &[SocketAddr]) -> Result<bool, ConnectError> {
         let mut retired = lock(&self.retired);
-        connection::close_unused(&mut retired);
         if self.client.load().addresses == addresses {
             return Ok(false);
         }
@@ -317,16 +315,12 @@ impl Ledger {
     }
 
     /// Closes the clients [`Ledger::reconnect`] replaced that nothing uses any more; returns how
-    /// many are still open. Called at each look at the addresses, whether or not it succeeds.
+    /// many are still open. Called at each look at the addresses
+    /// ([`addresses::follow_addresses`]), whether or not it succeeds.
     pub fn close_replaced_clients(&self) -> usize {
         let mut retired = lock(&self.retired);
         connection::close_unused(&mut retired);
         retired.len()
-    }
-
-    /// Clients [`Ledger::reconnect`] replaced that are not closed yet.
-    pub fn replaced_clients_open(&self) -> usize {
-        lock(&self.retired).len()
     }
 
     /// How many calls this handle (and its clones) started, refused ones included.
@@ -398,8 +392,9 @@ impl Ledger {
 
     /// One single (not linked) transfer, in the batch this thread is filling (`batch.rs`), under
     /// the in-flight bound and waited for until `deadline`. `answer` reads the ledger's result
-    /// (`None`: created) and when it arrived. The batch's task, not one of the call's own, keeps the in-flight permit
-    /// and, given `void_code`, voids a transfer that lands after its caller stopped waiting.
+    /// (`None`: created) and when it arrived. The batch's task, not one of the call's own, keeps
+    /// the in-flight permit and, given `void_code`, voids a transfer that lands after its caller
+    /// stopped waiting.
     async fn single_transfer<T>(
         &self,
         transfer: tb::Transfer,
@@ -528,18 +523,36 @@ impl Ledger {
         }))
     }
 
-    /// The account's live holds, earliest expiry first, read newest first in at most
-    /// [`TRANSFERS_PAGES_MAX`] pages; `false` when there were more than that. Newest first, so
-    /// that what a long look-back or a busy account leaves unread is its oldest transfers: the
-    /// holds that expire first (often already expired), and never the void of a hold that was
-    /// read (a void comes after its hold). What is left unread is then counted as not held,
-    /// which can only make the local view refuse less.
+    /// The account's live holds, earliest expiry first ([`Ledger::unresolved_holds`]); `false`
+    /// when there were more than it reads. What is left unread is counted as not held, which can
+    /// only make the local view refuse less.
     async fn live_holds(
         &self,
         account_id: u128,
         window_seconds_max: u32,
         deadline: Instant,
     ) -> Result<(Vec<Hold>, bool), LedgerError> {
+        let (holds, complete) = self
+            .unresolved_holds(account_id, window_seconds_max, deadline, live_hold)
+            .await?;
+        let mut holds: Vec<Hold> = holds.into_iter().map(|(_, hold)| hold).collect();
+        holds.sort_by_key(|h| h.expires_at);
+        Ok((holds, complete))
+    }
+
+    /// The holds `pick` takes from the account's debits of the last `window_seconds_max` (plus
+    /// clock slack), less those voided or posted since: newest first, read in at most
+    /// [`TRANSFERS_PAGES_MAX`] pages; `false` when there were more than that. Newest first, so
+    /// that what a long look-back or a busy account leaves unread is its oldest transfers: the
+    /// holds that expire first (often already expired), and never the void of a hold that was
+    /// read (a void comes after its hold).
+    async fn unresolved_holds<T>(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+        pick: impl Fn(&tb::Transfer, SystemTime) -> Option<(u128, T)>,
+    ) -> Result<(Vec<(u128, T)>, bool), LedgerError> {
         // Every live hold was created within the longest window (plus clock slack) of now.
         let now = SystemTime::now();
         let timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
@@ -555,7 +568,7 @@ impl Ledger {
             let page = self
                 .transfers_page(account_id, newest_first, range, deadline)
                 .await?;
-            holds.extend(page.iter().filter_map(|transfer| live_hold(transfer, now)));
+            holds.extend(page.iter().filter_map(|transfer| pick(transfer, now)));
             resolved.extend(page.iter().filter_map(resolved_pending));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
@@ -567,12 +580,7 @@ impl Ledger {
                 }
             }
         }
-        let mut holds: Vec<Hold> = holds
-            .into_iter()
-            .filter(|(id, _)| !resolved.contains(id))
-            .map(|(_, hold)| hold)
-            .collect();
-        holds.sort_by_key(|h| h.expires_at);
+        holds.retain(|(id, _)| !resolved.contains(id));
         Ok((holds, complete))
     }
 
@@ -731,7 +739,7 @@ impl Ledger {
         }
         let in_flight = self.in_flight()?;
         let span = call_span(operation);
-        let (sender, receiver) = oneshot::channel();
+        let (sender, mut receiver) = oneshot::channel();
         let connection = self.client.load_full();
         let future = make(connection.client.clone());
         let started = Instant::now();
@@ -746,7 +754,6 @@ impl Ledger {
             }
             .instrument(span.clone()),
         );
-        let mut receiver = receiver;
         let result = match tokio::time::timeout_at(deadline.into(), &mut receiver).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(LedgerError::Unexpected {

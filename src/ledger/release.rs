@@ -9,26 +9,15 @@
 //! timeout. A release can give back less than asked (none left to give), never more.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Instant;
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::{
-    client_error, model, nothing_if_abandoned, resolved_pending, unexpected_transfer, Ledger,
-    LedgerError, TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT,
+    client_error, live_hold, model, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError,
 };
-
-/// A request's hold, pending and not expired by `now` in its own record, as (id, amount): an
-/// operator's block is pending too, and not the caller's.
-fn live_request_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, u64)> {
-    let pending = transfer.flags().contains(tb::transfer::Flags::PENDING);
-    let expires_at = transfer.timestamp() + Duration::from_secs(u64::from(transfer.timeout()));
-    let hold = transfer.code() == model::TRANSFER_CODE_REQUEST;
-    let amount = u64::try_from(transfer.amount()).unwrap_or(u64::MAX);
-    (hold && pending && expires_at > now).then_some((transfer.id(), amount))
-}
 
 /// At most this many holds are voided by one release (one request's negative hits).
 pub const RELEASE_HOLDS_MAX: usize = 254;
@@ -116,43 +105,25 @@ impl Ledger {
 
     /// The account's requests' holds not voided nor expired, oldest first, as (id, amount).
     ///
-    /// Read newest first (at most [`TRANSFERS_PAGES_MAX`] pages), as the account's listing is: a
-    /// void is newer than its hold, so every hold read comes with its void, if any, and the
-    /// live holds (the newest) are read before the cap. Read oldest first, a busy account's
-    /// cap was reached among holds voided long ago, whose voids were past it: they looked live,
-    /// each void of them gave nothing back, and a concurrency limit's slots stayed taken until
-    /// their window ended.
+    /// Read newest first ([`Ledger::unresolved_holds`]), as the account's listing is: the live
+    /// holds (the newest) are read before the cap, each with its void if any. Read oldest first,
+    /// a busy account's cap was reached among holds voided long ago, whose voids were past it:
+    /// they looked live, each void of them gave nothing back, and a concurrency limit's slots
+    /// stayed taken until their window ended.
     async fn pending_holds(
         &self,
         account_id: u128,
         window_seconds: u32,
         deadline: Instant,
     ) -> Result<Vec<(u128, u64)>, LedgerError> {
-        let now = SystemTime::now();
-        let timestamp_min = now - Duration::from_secs(u64::from(window_seconds) + 5);
-        let mut timestamp_max = None;
-        let mut holds = Vec::new();
-        let mut resolved = HashSet::new();
-        for _ in 0..TRANSFERS_PAGES_MAX {
-            let newest_first =
-                tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
-            let range = (timestamp_min, timestamp_max);
-            let page = self
-                .transfers_page(account_id, newest_first, range, deadline)
-                .await?;
-            holds.extend(
-                page.iter()
-                    .filter_map(|transfer| live_request_hold(transfer, now)),
-            );
-            resolved.extend(page.iter().filter_map(resolved_pending));
-            match page.last() {
-                Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
-                    timestamp_max = Some(last.timestamp() - Duration::from_nanos(1));
-                }
-                _ => break,
-            }
-        }
-        holds.retain(|(id, _)| !resolved.contains(id));
+        // A request's hold: an operator's block is pending too, and not the caller's.
+        let request_hold = |transfer: &tb::Transfer, now| {
+            let (id, hold) = live_hold(transfer, now)?;
+            (transfer.code() == model::TRANSFER_CODE_REQUEST).then_some((id, hold.amount))
+        };
+        let (mut holds, _) = self
+            .unresolved_holds(account_id, window_seconds, deadline, request_hold)
+            .await?;
         holds.reverse();
         Ok(holds)
     }
