@@ -21,6 +21,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod commands;
+mod probe;
 
 /// Every flag also reads the environment variable named beside it, and overrides the config file.
 #[derive(Debug, Parser)]
@@ -102,6 +103,10 @@ enum Command {
     /// can reach the ledger): recorded with admin secret number 0, "the command line".
     #[command(subcommand)]
     Admin(commands::AdminCommand),
+    /// Ask the service running on this machine (at --listen, a wildcard address on loopback)
+    /// whether it is ready: exit 0 on a 2xx from --path, else 1 saying why. For a container's
+    /// health check, in an image without curl.
+    Probe(probe::Probe),
 }
 
 impl Cli {
@@ -172,6 +177,14 @@ async fn main() -> anyhow::Result<()> {
     match &cli.command {
         Some(Command::Audit(caller)) => return commands::audit(&settings, caller).await,
         Some(Command::Admin(command)) => return commands::admin(&settings, command).await,
+        Some(Command::Probe(probe)) => {
+            // One line, never a backtrace: health-check output is kept and shown by the runtime.
+            if let Err(error) = probe::probe(&settings.listen, probe).await {
+                eprintln!("ledger-limiter probe: {error:#}");
+                std::process::exit(1);
+            }
+            return Ok(());
+        }
         None => {}
     }
 

@@ -73,6 +73,12 @@ async fn embedded_ledger_runs_and_is_reused_and_stopped() {
         .await
         .unwrap();
     assert_eq!(ready.status(), 200);
+    let probe = probe(dir.path(), port, &[]);
+    assert!(probe.status.success(), "{probe:?}");
+    assert!(
+        String::from_utf8_lossy(&probe.stdout).contains("200 OK ready"),
+        "{probe:?}"
+    );
     let metrics = http
         .get(format!("http://127.0.0.1:{port}/metrics"))
         .send()
@@ -106,6 +112,55 @@ async fn embedded_ledger_runs_and_is_reused_and_stopped() {
         "the ledger remembered the caller across restarts"
     );
     assert!(sigterm_and_wait(child).success());
+}
+
+/// `ledger-limiter probe` of the service at 127.0.0.1:`port`, its output once it exits.
+fn probe(dir: &Path, port: u16, args: &[&str]) -> std::process::Output {
+    let mut command = command(dir);
+    let listen = format!("127.0.0.1:{port}");
+    command.args(["--listen", &listen, "probe"]).args(args);
+    command.output().expect("runs")
+}
+
+#[test]
+fn a_probe_fails_saying_why_when_the_service_is_not_ready_or_not_there() {
+    let dir = common::ledger_dir();
+    // A stand-in service whose ledger is not ready, on a real socket.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let answering = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut request = [0u8; 1024];
+        let read = stream.read(&mut request).unwrap();
+        let request = String::from_utf8_lossy(&request[..read]).into_owned();
+        let answer =
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 16\r\n\r\nledger not ready";
+        stream.write_all(answer.as_bytes()).unwrap();
+        request
+    });
+    let unready = probe(dir.path(), port, &["--path", "/healthz"]);
+    let request = answering.join().unwrap();
+    assert!(
+        request.starts_with("GET /healthz HTTP/1.1\r\n"),
+        "{request}"
+    );
+    assert_eq!(unready.status.code(), Some(1), "{unready:?}");
+    let said = String::from_utf8_lossy(&unready.stderr);
+    assert!(
+        said.contains("503") && said.contains("ledger not ready"),
+        "{said}"
+    );
+
+    // Nothing listens there any more.
+    let absent = probe(dir.path(), port, &["--timeout-ms", "3000"]);
+    assert_eq!(absent.status.code(), Some(1), "{absent:?}");
+    let said = String::from_utf8_lossy(&absent.stderr);
+    assert!(said.contains("connecting to 127.0.0.1"), "{said}");
+
+    let bad = probe(dir.path(), port, &["--path", "readyz"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--path"));
 }
 
 /// The pids of the TigerBeetle servers serving files under `dir` (not the binary, whose own
