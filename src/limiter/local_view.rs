@@ -179,8 +179,19 @@ pub struct LocalLimit {
     pub blocked: bool,
 }
 
+/// How many times the view was cleared or a caller forgotten, read before a listing of an
+/// account is asked for ([`LocalView::generation`]) and given back with it
+/// ([`LocalView::replace`]). Why: a listing read before an operator acted, and stored after the
+/// view forgot what that action changed, said what the action had undone: an unblocked caller
+/// was refused from memory until its old block's end (up to a week).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Generation(u64);
+
 pub struct LocalView {
     shards: Box<[Mutex<HashMap<u128, CallerHolds>>]>,
+    /// Counted up before each clear and forget, read under the shard's lock by `replace`: a
+    /// listing stored before the count went up is removed by the clear or forget that follows.
+    generation: AtomicU64,
     /// Which callers may be verified, a bit each ([`VERIFIED_FILTER_BITS`]): set before a
     /// verified caller is stored, under its shard's lock. A clear bit means none is stored, but
     /// for one stored while the view was being cleared ([`LocalView::clear`] says why that is
@@ -204,9 +215,16 @@ impl LocalView {
             verified_filter: (0..VERIFIED_FILTER_WORDS)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            generation: AtomicU64::new(0),
             callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT),
             expiry_margin,
         }
+    }
+
+    /// Read before asking the ledger for a listing of an account: [`LocalView::replace`] stores
+    /// the listing only if nothing was cleared or forgotten since.
+    pub fn generation(&self) -> Generation {
+        Generation(self.generation.load(Ordering::SeqCst))
     }
 
     fn shard(&self, account_id: u128) -> std::sync::MutexGuard<'_, HashMap<u128, CallerHolds>> {
@@ -262,11 +280,15 @@ impl LocalView {
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
     /// this instance cannot follow (voided by amount). Its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
+        // Before the removal: a listing read before it is not stored after it.
+        self.generation.fetch_add(1, Ordering::SeqCst);
         self.shard(account_id).remove(&account_id);
     }
 
     /// Forgets every caller (an operator acted somewhere: any credit or block may have changed).
     pub fn clear(&self) {
+        // Before the shards: a listing read before the clear is not stored after it.
+        self.generation.fetch_add(1, Ordering::SeqCst);
         for shard in self.shards.iter() {
             lock(shard).clear();
         }
@@ -371,11 +393,14 @@ impl LocalView {
         }
     }
 
-    /// Replaces what this instance knows of a caller by what the ledger just said.
+    /// Replaces what this instance knows of a caller by what the ledger just said, in a listing
+    /// asked for at `read` ([`LocalView::generation`]); not stored if the view was cleared or a
+    /// caller forgotten since (an operator may have changed what it says).
     pub fn replace(
         &self,
         account_id: u128,
         view: &AccountView,
+        read: Generation,
         window_max: Duration,
         now: Instant,
         now_wall: SystemTime,
@@ -412,6 +437,9 @@ impl LocalView {
         // they lasted a whole window refused callers for up to the longest plan's window after
         // the ledger would admit them (an Envoy rule of a second under an hour-long plan).
         let mut shard = self.shard(account_id);
+        if self.generation() != read {
+            return; // the next refusal by the ledger lists the account again
+        }
         if !shard.contains_key(&account_id) && !self.has_room(&mut shard, now) {
             return; // full of active callers: the ledger goes on refusing this one
         }
@@ -495,6 +523,11 @@ mod tests {
         }
     }
 
+    /// Stores `account` as a listing of caller `id` asked for just now (nothing cleared since).
+    fn list(view: &LocalView, id: u128, account: &AccountView, now: Instant, wall: SystemTime) {
+        view.replace(id, account, view.generation(), WINDOW, now, wall);
+    }
+
     /// Caller 7 (credit 5) with one hold recorded at `t0`, then `listed` holds in the ledger's
     /// listing stored at `t0` + 2 ms: the view, `t0` and when the listing was stored.
     fn listed_after_one_recorded(listed: usize) -> (LocalView, Instant, Instant) {
@@ -504,7 +537,7 @@ mod tests {
         view.record_hold(7, 5, 1, t0, WINDOW, t0);
         let listed_at = t0 + Duration::from_millis(2);
         let holds = vec![WINDOW; listed];
-        view.replace(7, &ledger_view(5, &holds, wall), WINDOW, listed_at, wall);
+        list(&view, 7, &ledger_view(5, &holds, wall), listed_at, wall);
         (view, t0, listed_at)
     }
 
@@ -552,7 +585,7 @@ mod tests {
         }
         // The plan's capacity is only a guess at the credit (an operator may have topped it up).
         assert!(view.check(7, 1, t0).is_none(), "the ledger has not said");
-        view.replace(7, &ledger_view(5, &[WINDOW; 5], wall), WINDOW, t0, wall);
+        list(&view, 7, &ledger_view(5, &[WINDOW; 5], wall), t0, wall);
         let limit = view.check(7, 1, t0).expect("exhausted");
         assert_eq!(limit.retry_after, WINDOW + MARGIN);
         assert_eq!(limit.quota.remaining, 0);
@@ -562,7 +595,7 @@ mod tests {
             view.check(7, 1, t0).is_none(),
             "an operator acted: ask again"
         );
-        view.replace(7, &ledger_view(5, &[WINDOW; 4], wall), WINDOW, t0, wall);
+        list(&view, 7, &ledger_view(5, &[WINDOW; 4], wall), t0, wall);
         // A hold answered after the listing.
         let t1 = t0 + Duration::from_millis(1);
         view.record_hold(7, 5, 1, t1, WINDOW, t1);
@@ -571,7 +604,7 @@ mod tests {
             "the ledger's word stands across holds"
         );
         // A top-up the ledger reports is believed.
-        view.replace(7, &ledger_view(6, &[WINDOW; 5], wall), WINDOW, t0, wall);
+        list(&view, 7, &ledger_view(6, &[WINDOW; 5], wall), t0, wall);
         assert!(view.check(7, 1, t0).is_none());
         assert!(view.check(7, 2, t0).is_some());
         view.forget(7);
@@ -591,7 +624,7 @@ mod tests {
             }),
             ..ledger_view(5, &[], wall)
         };
-        view.replace(3, &blocked, WINDOW, t0, wall);
+        list(&view, 3, &blocked, t0, wall);
         let limit = view.check(3, 1, t0).expect("blocked");
         assert!(limit.blocked);
         assert_eq!(limit.retry_after, block + MARGIN);
@@ -602,8 +635,42 @@ mod tests {
             }),
             ..blocked
         };
-        view.replace(3, &unknown_end, WINDOW, t0, wall);
+        list(&view, 3, &unknown_end, t0, wall);
         assert_eq!(view.check(3, 1, t0).unwrap().retry_after, WINDOW);
+    }
+
+    #[test]
+    fn a_listing_read_before_an_operator_acted_is_not_stored_after() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let blocked = AccountView {
+            blocked: Some(crate::ledger::Blocked {
+                until: Some(wall + Duration::from_secs(7 * 24 * 3600)),
+                moved_to: None,
+            }),
+            ..ledger_view(5, &[], wall)
+        };
+        // Read while blocked; an operator unblocks it everywhere (the epoch follower clears the
+        // view) before the listing is stored.
+        let read = view.generation();
+        view.clear();
+        view.replace(3, &blocked, read, WINDOW, t0, wall);
+        assert!(
+            view.check(3, 1, t0).is_none(),
+            "not refused for the old block"
+        );
+        // Unblocked on this instance (the admin API forgets the caller) during the read.
+        let read = view.generation();
+        view.forget(3);
+        view.replace(3, &blocked, read, WINDOW, t0, wall);
+        assert!(
+            view.check(3, 1, t0).is_none(),
+            "not refused for the old block"
+        );
+        // A listing read after both is stored.
+        list(&view, 3, &blocked, t0, wall);
+        assert!(view.check(3, 1, t0).expect("blocked").blocked);
     }
 
     #[test]
@@ -612,7 +679,7 @@ mod tests {
         let t0 = Instant::now();
         let wall = SystemTime::now();
         let expiries = [10, 20, 30].map(Duration::from_secs);
-        view.replace(1, &ledger_view(3, &expiries, wall), WINDOW, t0, wall);
+        list(&view, 1, &ledger_view(3, &expiries, wall), t0, wall);
         let limit = view.check(1, 2, t0).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(20) + MARGIN);
         assert_eq!(limit.quota.reset_after, Duration::from_secs(30) + MARGIN);
@@ -636,7 +703,7 @@ mod tests {
             complete: true,
             blocked: None,
         };
-        view.replace(9, &ledger, WINDOW, now, wall);
+        list(&view, 9, &ledger, now, wall);
         let limit = view.check(9, 2, now).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(2) + MARGIN);
         let incomplete = AccountView {
@@ -644,7 +711,7 @@ mod tests {
             complete: false,
             ..ledger
         };
-        view.replace(9, &incomplete, WINDOW, now, wall);
+        list(&view, 9, &incomplete, now, wall);
         // Nothing listed: the unlisted holds may expire any moment, so nothing is refused.
         assert!(view.check(9, 1, now).is_none());
     }
@@ -687,10 +754,10 @@ mod tests {
         for _ in 0..5 {
             view.record_hold(sharing, 5, 1, t0, WINDOW, t0);
         }
-        view.replace(
+        list(
+            &view,
             verified,
             &ledger_view(5, &[WINDOW; 5], wall),
-            WINDOW,
             t0,
             wall,
         );
@@ -711,7 +778,7 @@ mod tests {
         let wall = SystemTime::now();
         for n in 0..(2 * VERIFIED_FILTER_BITS as u128) {
             let id = (n << 6) | (n % 64); // every shard, every bit
-            view.replace(id, &ledger_view(1, &[WINDOW], wall), WINDOW, t0, wall);
+            list(&view, id, &ledger_view(1, &[WINDOW], wall), t0, wall);
         }
         assert_eq!(view.callers(), 2 * VERIFIED_FILTER_BITS);
         let bits = || -> u32 {
@@ -727,7 +794,7 @@ mod tests {
             view.check(refused, 1, t0).is_none(),
             "forgotten: the ledger decides"
         );
-        view.replace(refused, &ledger_view(1, &[WINDOW], wall), WINDOW, t0, wall);
+        list(&view, refused, &ledger_view(1, &[WINDOW], wall), t0, wall);
         assert!(
             view.check(refused, 1, t0).is_some(),
             "the next refusal sets it again"
@@ -745,7 +812,7 @@ mod tests {
         assert!(view.callers() <= 64, "{}", view.callers());
         // Refused callers too: the ledger's word takes no room a full view does not have.
         for id in 10_000..20_000u128 {
-            view.replace(id, &ledger_view(1, &[WINDOW], wall), WINDOW, now, wall);
+            list(&view, id, &ledger_view(1, &[WINDOW], wall), now, wall);
         }
         assert!(view.callers() <= 64, "{}", view.callers());
     }
@@ -849,7 +916,7 @@ mod tests {
                 complete: true,
                 blocked: None,
             };
-            view.replace(1, &account, window, now, wall(now));
+            view.replace(1, &account, view.generation(), window, now, wall(now));
             prop_assert!(
                 view.check(1, cost, now).is_some(),
                 "the ledger's word refuses locally"

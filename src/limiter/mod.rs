@@ -32,7 +32,7 @@ use crate::telemetry::span::fields;
 use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
 pub use lease::RenewalAhead;
-use local_view::{LocalQuota, LocalView};
+use local_view::{Generation, LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
 pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
 use plan::{Plan, PlanBook, PlanId};
@@ -603,6 +603,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         started: Instant,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
         let deadline = started + self.settings.ledger_timeout;
+        // Before any listing of the account is asked for (`LocalView::replace` says why).
+        let read = self.local.generation();
         let mut provisioned = false;
         match self.place(charge, deadline, &mut provisioned).await? {
             Placed::Held {
@@ -615,12 +617,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 if let Some(tag) = moved_to(&view) {
                     return Err(NotAdmitted::Moved(tag));
                 }
-                return Err(self.limited_by_ledger(charge, view).into());
+                return Err(self.limited_by_ledger(charge, view, read).into());
             }
         }
         let view = self.view(charge, deadline).await;
         match second_chance(&view, charge.cost) {
-            None => return Err(self.limited_by_ledger(charge, view).into()),
+            None => return Err(self.limited_by_ledger(charge, view, read).into()),
             Some(SecondChance::FinishProvisioning) => {
                 if let Err(error) = self.store.provision(&charge.account, deadline).await {
                     return Err(self.fail(error, charge).into());
@@ -638,7 +640,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 if let Some(tag) = moved_to(&view) {
                     return Err(NotAdmitted::Moved(tag));
                 }
-                Err(self.limited_by_ledger(charge, view).into())
+                Err(self.limited_by_ledger(charge, view, read).into())
             }
         }
     }
@@ -738,13 +740,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// A refusal the ledger decided: out of credit, or blocked (as the account says; a block
     /// that ended between the two calls is answered as a plain limit, and the next request gets in).
+    /// `view` was asked for at `read`.
     fn limited_by_ledger(
         &self,
         charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
+        read: Generation,
     ) -> (Outcome, LocalQuota) {
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
-        let retry_after = self.retry_after(charge, view);
+        let retry_after = self.retry_after(charge, view, read);
         let capacity = charge.account.capacity.get();
         let local = self
             .local
@@ -795,30 +799,31 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
+        read: Generation,
     ) -> Duration {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
         let view = match (view, charge.plan.lease()) {
             (Ok(Some(view)), Some(terms)) => Ok(Some(lease::settling_soon(view, terms))),
             (view, _) => view,
         };
-        self.retry_after_for(charge.account.id, charge.cost, window_max, view)
+        self.retry_after_for(charge.account.id, charge.cost, window_max, (view, read))
     }
 
     /// [`Limiter::retry_after`] for `cost` units of account `id`, whose holds last at most
-    /// `window_max`.
+    /// `window_max`, from a listing asked for at its generation.
     fn retry_after_for(
         &self,
         id: u128,
         cost: u64,
         window_max: Duration,
-        view: Result<Option<AccountView>, LedgerError>,
+        (view, read): (Result<Option<AccountView>, LedgerError>, Generation),
     ) -> Duration {
         let fallback = window_max + self.settings.expiry_margin;
         match view {
             Ok(Some(view)) => {
                 let now = self.clock.now();
-                self.local
-                    .replace(id, &view, window_max, now, self.clock.wall());
+                let wall = self.clock.wall();
+                self.local.replace(id, &view, read, window_max, now, wall);
                 match self.local.check(id, cost, now) {
                     Some(limit) => limit.retry_after,
                     // Holds expired between the two calls: credit is back already.

@@ -25,7 +25,7 @@ use super::{
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
-use crate::limiter::local_view::LocalQuota;
+use crate::limiter::local_view::{Generation, LocalQuota};
 
 /// At most this many limits per decision (the ledger's chain bound).
 pub const LIMITS_PER_CHECK_MAX: usize = crate::ledger::CHAIN_LINKS_MAX;
@@ -97,12 +97,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return Ok(self.all_admitted(limits, &links, started, &[]));
         }
         let deadline = started + self.settings.ledger_timeout;
+        // Before any listing of an account is asked for (`LocalView::replace` says why).
+        let read = self.local.generation();
         Ok(match self.chain(limits, &links, deadline).await {
             Ok(Chained::Held {
                 answered_at,
                 transfer_ids,
             }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
-            Ok(Chained::Refused { limit, view }) => self.refused_by_ledger(limits, limit, view),
+            Ok(Chained::Refused { limit, view }) => {
+                self.refused_by_ledger(limits, limit, (view, read))
+            }
             Err(error) => self.all_failed(limits, error),
         })
     }
@@ -144,6 +148,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if decision.outcome != Outcome::Admitted || self.clock.now() >= deadline {
             return;
         }
+        let read = self.local.generation();
         let reads = (0..limits.len())
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
@@ -154,8 +159,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let account = &limits[i].account;
             let now = self.clock.now();
             let window_max = self.window_max_of(account);
+            let wall = self.clock.wall();
             self.local
-                .replace(account.id, &view, window_max, now, self.clock.wall());
+                .replace(account.id, &view, read, window_max, now, wall);
             let local = self.local.quota(account.id, account.capacity.get(), now);
             decision.limits[i].quota = quota(account, local);
         }
@@ -327,12 +333,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds.
+    /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds, as
+    /// its listing (asked for at its generation) says.
     fn refused_by_ledger(
         &self,
         limits: &[Limit],
         refused: usize,
-        view: Result<Option<AccountView>, LedgerError>,
+        (view, read): (Result<Option<AccountView>, LedgerError>, Generation),
     ) -> MultiDecision {
         let limit = &limits[refused];
         let cost = cost_on_account(limits, limit.account.id);
@@ -340,7 +347,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
         let retry_after = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
-            self.retry_after_for(limit.account.id, cost, window_max, view)
+            self.retry_after_for(limit.account.id, cost, window_max, (view, read))
         } else {
             // Not remembered: a slot comes back at the latest after one window.
             Duration::from_secs(limit.account.window_seconds.get().into())

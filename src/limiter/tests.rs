@@ -55,6 +55,12 @@ struct Script {
     held_accounts: Vec<u128>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
+    /// When set, the next account read says it is reading, then waits for the go-ahead: what
+    /// happens meanwhile happens while the read is at the ledger.
+    view_gate: Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::sync::oneshot::Receiver<()>,
+    )>,
 }
 
 struct FakeStore(Mutex<Script>);
@@ -95,6 +101,11 @@ impl Store for FakeStore {
     }
 
     async fn account_view(&self, _: u128, _: u32, _: Instant) -> Reply<Option<AccountView>> {
+        let gate = self.0.lock().unwrap().view_gate.take();
+        if let Some((reading, go)) = gate {
+            reading.send(()).unwrap();
+            go.await.unwrap();
+        }
         self.next("view", |s| s.views.pop_front())
     }
 
@@ -348,6 +359,40 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
     ));
     assert_eq!(again.quota.reset_seconds, block.as_secs());
     assert!(f.calls().is_empty());
+}
+
+#[tokio::test]
+async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read() {
+    let f = Fixture::closed();
+    let blocked = AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + Duration::from_secs(7 * 24 * 3600)),
+            moved_to: None,
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    let (reading, read_started) = tokio::sync::oneshot::channel();
+    let (go, gate) = tokio::sync::oneshot::channel();
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::Blocked));
+        s.views.push_back(Ok(Some(blocked)));
+        s.view_gate = Some((reading, gate));
+    });
+    // An operator unblocks the caller while its account is read: the epoch follower clears
+    // this instance's view before the read's answer (still blocked) arrives.
+    let unblock = async {
+        read_started.await.unwrap();
+        f.limiter.forget_all_local();
+        go.send(()).unwrap();
+    };
+    let (refused, ()) = tokio::join!(f.check(ONE), unblock);
+    assert!(matches!(refused.outcome, Outcome::Blocked { .. }));
+    assert_eq!(f.calls(), ["hold", "view"]);
+    // The next request asks the ledger, which admits it, rather than a memory of the block.
+    let held = f.held();
+    f.script(|s| s.holds.push_back(held));
+    assert_eq!(f.check(ONE).await.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["hold"]);
 }
 
 #[tokio::test]
