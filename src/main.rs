@@ -160,9 +160,29 @@ fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
     Ok(Settings::with_overrides(file.merge(cli.overrides()))?)
 }
 
+/// `ledger-limiter probe`, knowing only the listen address (of the file and the flags).
+async fn run_probe(cli: &Cli, probe: &probe::Probe) -> anyhow::Result<()> {
+    let file = match &cli.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    let listen = Settings::listen_with_overrides(file.merge(cli.overrides()))?;
+    probe::probe(&listen, probe).await
+}
+
 #[actix_web::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::Probe(probe)) = &cli.command {
+        // Before the settings are checked: a health check must not fail a running service over
+        // a keys file or rule edited since it started. One line, never a backtrace: the runtime
+        // keeps health-check output and shows it; and 1, never 2 (reserved by Docker).
+        if let Err(error) = run_probe(&cli, probe).await {
+            eprintln!("ledger-limiter probe: {error:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let settings = match load_settings(&cli) {
         Ok(settings) => settings,
         Err(error) => {
@@ -177,14 +197,7 @@ async fn main() -> anyhow::Result<()> {
     match &cli.command {
         Some(Command::Audit(caller)) => return commands::audit(&settings, caller).await,
         Some(Command::Admin(command)) => return commands::admin(&settings, command).await,
-        Some(Command::Probe(probe)) => {
-            // One line, never a backtrace: health-check output is kept and shown by the runtime.
-            if let Err(error) = probe::probe(&settings.listen, probe).await {
-                eprintln!("ledger-limiter probe: {error:#}");
-                std::process::exit(1);
-            }
-            return Ok(());
-        }
+        Some(Command::Probe(_)) => unreachable!("probed before the settings were read"),
         None => {}
     }
 

@@ -158,6 +158,38 @@ fn a_probe_fails_saying_why_when_the_service_is_not_ready_or_not_there() {
     let said = String::from_utf8_lossy(&absent.stderr);
     assert!(said.contains("connecting to 127.0.0.1"), "{said}");
 
+    // A keys file edited since the service started (here: gone) does not fail its probe.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ready_port = listener.local_addr().unwrap().port();
+    let answering = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut stream, _) = listener.accept().unwrap();
+        let _request = stream.read(&mut [0u8; 1024]).unwrap();
+        let answer = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nready";
+        stream.write_all(answer.as_bytes()).unwrap();
+    });
+    let keys = dir.path().join("gone.keys");
+    let listen = format!("127.0.0.1:{ready_port}");
+    let mut probing = command(dir.path());
+    probing.env("LEDGER_LIMITER_KEYS_FILE", &keys);
+    let ready = probing
+        .args(["--listen", &listen, "probe"])
+        .output()
+        .unwrap();
+    assert!(ready.status.success(), "{ready:?}");
+    answering.join().unwrap();
+    let mut checking = command(dir.path());
+    checking.env("LEDGER_LIMITER_KEYS_FILE", &keys);
+    let refused = checking
+        .args(["--listen", "127.0.0.1:1", "--check-config"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        refused.status.code(),
+        Some(2),
+        "the service itself would refuse it"
+    );
+
     let bad = probe(dir.path(), port, &["--path", "readyz"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--path"));

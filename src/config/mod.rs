@@ -459,6 +459,14 @@ impl Settings {
         })
     }
 
+    /// Only the listen address of `overrides` over the built-in defaults, nothing else read or
+    /// checked: for `ledger-limiter probe`, which must not fail a running service's health
+    /// check over a keys file edited since it started.
+    pub fn listen_with_overrides(overrides: FileConfig) -> Result<String, ConfigError> {
+        let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
+        require(defaults.merge(overrides).listen, "listen")
+    }
+
     /// The built-in defaults with `overrides` applied.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
         let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
