@@ -804,3 +804,79 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     );
     handle.stop(true).await;
 }
+
+/// A request that outlives a short limit's window (a per-second limit under a long completion) is
+/// charged what it reported on the limits whose holds still live: the expired hold has nothing
+/// left to charge, and used to fail every other hold's recharge with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reported_cost_is_charged_where_holds_live_when_a_shorter_one_expired() {
+    use actix_web::{web, App, HttpResponse, HttpServer};
+    use ledger_limiter::http::{RateLimit, RequestRules};
+    use ledger_limiter::limiter::plan::Plan;
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let plan = Plan::new(
+        "metered",
+        NonZeroU64::new(100).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    );
+    let limiter = Arc::new(one_plan_limiter(ledger, plan.unwrap()));
+    let per_second = Plan::new(
+        "per_second",
+        NonZeroU64::new(10).unwrap(),
+        NonZeroU32::new(1).unwrap(),
+    );
+    let rules = RequestRules::builder()
+        .cost_header("x-cost")
+        .limits("/slow/*", vec![per_second.unwrap()])
+        .build(limiter.plans());
+    let rules = Arc::new(rules.unwrap());
+    let server_limiter = limiter.clone();
+    // Past the per-second limit's window (and its expiry margin), then reports its cost.
+    let slow = |n: web::Path<String>| async move {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        HttpResponse::Ok()
+            .insert_header(("x-cost", n.into_inner()))
+            .finish()
+    };
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
+            .route("/slow/{n}", web::get().to(slow))
+    })
+    .workers(1)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    let key = fresh_key("k_");
+    let response = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/slow/40"))
+        .header("X-Api-Key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let policy = response.headers()["ratelimit-policy"].to_str().unwrap();
+    assert!(policy.contains("\"per_second\""), "both limits apply: {policy}");
+    assert_eq!(
+        remaining(&response),
+        60,
+        "the plan's field shows the report"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let account = limiter.account_of(&caller(&key)).unwrap();
+    let audit = limiter.ledger().audit(account, deadline).await;
+    let audit = audit.unwrap().unwrap();
+    assert_eq!(
+        audit.debits_pending, 40,
+        "the report, not the estimate: {audit:?}"
+    );
+    assert_eq!((audit.holds, audit.voids), (2, 1), "{audit:?}");
+    handle.stop(true).await;
+}

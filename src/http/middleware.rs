@@ -381,11 +381,11 @@ impl Inner {
             return;
         };
         match Box::pin(self.limiter.recharge(decision, actual)).await {
-            Ok(true) => {
-                decision.recharged(actual);
+            Ok(done) if done.contains(&true) => {
+                decision.recharged(actual, &done);
                 tracing::Span::current().record(crate::telemetry::span::fields::COST, actual);
             }
-            Ok(false) => {}
+            Ok(_) => {}
             Err(error) => {
                 tracing::debug!(%error, "could not recharge; the estimate stands");
             }

@@ -160,20 +160,25 @@ impl Decision<'_> {
             .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
     }
 
-    /// Its quotas once each of its holds was recharged to `actual` units ([`Limiter::recharge`]):
-    /// the plan's and every route limit's, so the single-valued fields still show the one that
-    /// binds.
-    pub fn recharged(&mut self, actual: u64) {
+    /// Its quotas once the holds flagged in `done` (one flag per hold, in the order of
+    /// [`Decision::holds`]) were recharged to `actual` units ([`Limiter::recharge`]): the plan's
+    /// and the route limits', so the single-valued fields still show the one that binds.
+    pub fn recharged(&mut self, actual: u64, done: &[bool]) {
         let recharge = |quota: &mut Quota, held: u64| {
             let remaining = quota.remaining.saturating_add(held).saturating_sub(actual);
             quota.remaining = remaining.min(quota.limit);
         };
+        let mut done = done.iter().copied();
         if let Some(hold) = self.hold {
-            recharge(&mut self.quota, hold.amount);
+            if done.next() == Some(true) {
+                recharge(&mut self.quota, hold.amount);
+            }
         }
         for limit in &mut self.route_limits {
             if let Some(hold) = limit.hold {
-                recharge(&mut limit.quota, hold.amount);
+                if done.next() == Some(true) {
+                    recharge(&mut limit.quota, hold.amount);
+                }
             }
         }
     }

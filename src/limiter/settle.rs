@@ -2,6 +2,8 @@
 //! as tokens generated or bytes sent): the admitted request's holds are replaced by holds of the
 //! actual cost for the rest of their windows ([`Ledger::recharge`]).
 
+use std::time::Instant;
+
 use super::local_view::LocalRecharge;
 use super::store::Clock;
 use super::{whole_seconds_up, Decision, HoldReceipt, Limiter};
@@ -9,48 +11,85 @@ use crate::ledger::settle::{Recharge, Recharged};
 use crate::ledger::{Ledger, LedgerError};
 
 impl Limiter {
-    /// Charges `actual` instead of what the request held, on the plan and every route limit.
-    /// `Ok(false)` when there was nothing to recharge (no hold, the same cost, or it expired).
+    /// Charges `actual` instead of what the request held, on the plan and every route limit
+    /// whose hold still lives: which were recharged, one flag per hold of
+    /// [`Decision::holds`] (none when there was nothing to recharge: no hold, or the same cost).
+    ///
+    /// A hold whose window is over is left out: it has nothing left to charge, and its void
+    /// (`pending_transfer_expired`) failed the one linked chain of every hold, so a request that
+    /// outlived a per-second limit's window was charged its estimate on its daily limit too.
     pub async fn recharge(
         &self,
         decision: &Decision<'_>,
         actual: u64,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Vec<bool>, LedgerError> {
         let Some(plan_hold) = decision.hold else {
-            return Ok(false);
+            return Ok(Vec::new());
         };
         if plan_hold.amount == actual {
-            return Ok(false);
+            return Ok(Vec::new());
         }
         let now = self.clock.now();
         let margin = self.settings.expiry_margin;
-        let recharges: Vec<Recharge> = decision
-            .holds()
-            .map(|(account_id, hold): (u128, HoldReceipt)| {
+        let holds: Vec<(u128, HoldReceipt)> = decision.holds().collect();
+        let recharges: Vec<Option<Recharge>> = holds
+            .iter()
+            .map(|&(account_id, hold)| {
                 // What is left of the hold's window (its expiry, less the local margin).
                 let left = hold.expires_at.saturating_duration_since(now + margin);
-                Recharge {
+                (!left.is_zero()).then(|| Recharge {
                     pending_id: hold.transfer_id,
                     account_id,
                     amount: actual,
                     timeout_seconds: u32::try_from(whole_seconds_up(left)).unwrap_or(u32::MAX),
-                }
+                })
             })
             .collect();
+        let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
+        let mut live_done = match live.is_empty() {
+            true => Vec::new(),
+            false => self.recharge_live(&live, now).await?,
+        }
+        .into_iter();
+        let done: Vec<bool> = recharges
+            .iter()
+            .map(|recharge| recharge.is_some() && live_done.next().expect("one per live hold"))
+            .collect();
+        for (&(account_id, hold), _) in holds.iter().zip(&done).filter(|(_, done)| **done) {
+            let old = LocalRecharge {
+                amount: hold.amount,
+                expires_at: hold.expires_at,
+            };
+            self.local.recharge(account_id, old, actual, now);
+        }
+        Ok(done)
+    }
+
+    /// Recharges every hold of `live` in one linked chain; if one of them expired at the ledger
+    /// all the same (inside the expiry margin), each alone, so that the others still are.
+    async fn recharge_live(
+        &self,
+        live: &[Recharge],
+        now: Instant,
+    ) -> Result<Vec<bool>, LedgerError> {
         let deadline = now + self.settings.ledger_timeout;
         let ledger: &Ledger = &self.store;
-        match ledger.recharge(&recharges, deadline).await? {
-            Recharged::Expired => Ok(false),
-            Recharged::Done(_) => {
-                for (account_id, hold) in decision.holds() {
-                    let old = LocalRecharge {
-                        amount: hold.amount,
-                        expires_at: hold.expires_at,
-                    };
-                    self.local.recharge(account_id, old, actual, now);
-                }
-                Ok(true)
-            }
+        if let Recharged::Done(_) = ledger.recharge(live, deadline).await? {
+            return Ok(vec![true; live.len()]);
         }
+        let alone = live.iter().map(|recharge| async move {
+            match ledger
+                .recharge(std::slice::from_ref(recharge), deadline)
+                .await
+            {
+                Ok(Recharged::Done(_)) => true,
+                Ok(Recharged::Expired) => false,
+                Err(error) => {
+                    tracing::debug!(%error, "could not recharge a hold; its estimate stands");
+                    false
+                }
+            }
+        });
+        Ok(futures_util::future::join_all(alone).await)
     }
 }
