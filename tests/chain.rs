@@ -31,6 +31,7 @@ fn fresh_limit(capacity: u64, window_seconds: u32, cost: u64) -> Limit {
         },
         cost,
         local_view: true,
+        lease: None,
     }
 }
 

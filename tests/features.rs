@@ -863,7 +863,10 @@ async fn a_reported_cost_is_charged_where_holds_live_when_a_shorter_one_expired(
         .unwrap();
     assert_eq!(response.status(), 200);
     let policy = response.headers()["ratelimit-policy"].to_str().unwrap();
-    assert!(policy.contains("\"per_second\""), "both limits apply: {policy}");
+    assert!(
+        policy.contains("\"per_second\""),
+        "both limits apply: {policy}"
+    );
     assert_eq!(
         remaining(&response),
         60,

@@ -168,6 +168,7 @@ impl RateLimitServer {
             account,
             cost: if negative { 0 } else { hits },
             local_view: !rule.concurrency,
+            lease: None,
         };
         Ok(Matched::Counted {
             rule,

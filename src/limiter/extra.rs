@@ -82,11 +82,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 account: charge.account,
                 cost: cost.get(),
                 local_view: true,
+                lease: charge.plan.lease(),
             }];
             limits.extend(route_limits.iter().map(|limit| Limit {
                 account: route_limit_account(ledger_id, limit, key),
                 cost: cost.get(),
                 local_view: true,
+                lease: None,
             }));
             let multi = self
                 .check_all(&limits)

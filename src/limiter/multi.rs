@@ -26,6 +26,7 @@ use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
 use crate::limiter::local_view::{Generation, LocalQuota};
+use crate::limiter::plan::LeaseTerms;
 
 /// At most this many limits per decision (the ledger's chain bound).
 pub const LIMITS_PER_CHECK_MAX: usize = crate::ledger::CHAIN_LINKS_MAX;
@@ -42,6 +43,11 @@ pub struct Limit {
     /// whose holds other instances void early (concurrency slots): this instance's memory of them
     /// would then refuse what the ledger admits.
     pub local_view: bool,
+    /// The lease terms of the plan whose account this is (a lease plan's, charged per request
+    /// beside route limits): other instances' leases on it end when they settle them, not at
+    /// their timeout, and a refusal's `Retry-After` and the local view say so
+    /// (`lease::settling_soon`).
+    pub lease: Option<LeaseTerms>,
 }
 
 /// What one limit says of the request.
@@ -153,7 +159,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
         for (i, view) in futures_util::future::join_all(reads).await {
-            let Ok(Some(view)) = view else {
+            let Ok(Some(view)) = settling_soon(view, &limits[i]) else {
                 continue;
             };
             let account = &limits[i].account;
@@ -307,6 +313,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 account,
                 cost,
                 local_view,
+                lease: _,
             } = limits[*limit];
             let window = Duration::from_secs(account.window_seconds.get().into());
             let capacity = account.capacity.get();
@@ -347,6 +354,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
         let retry_after = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
+            let view = settling_soon(view, limit);
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
         } else {
             // Not remembered: a slot comes back at the latest after one window.
@@ -444,5 +452,17 @@ fn quota(account: &UserAccount, local: LocalQuota) -> Quota {
         // At most the limit, whatever a top-up left (as a plan's quota).
         remaining: local.remaining.min(account.capacity.get()),
         reset_seconds: whole_seconds_up(local.reset_after),
+    }
+}
+
+/// `view` of `limit`'s account, its leases ending when their instances settle them, if the
+/// account is a lease plan's.
+fn settling_soon(
+    view: Result<Option<AccountView>, LedgerError>,
+    limit: &Limit,
+) -> Result<Option<AccountView>, LedgerError> {
+    match (view, limit.lease) {
+        (Ok(Some(view)), Some(terms)) => Ok(Some(super::lease::settling_soon(view, terms))),
+        (view, _) => view,
     }
 }

@@ -16,6 +16,7 @@ fn limit(id: u128, capacity: u64, window_s: u32, cost: u64) -> Limit {
         },
         cost,
         local_view: true,
+        lease: None,
     }
 }
 
@@ -215,6 +216,50 @@ async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
     let again = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(again.refused_by, Some(1));
     assert!(f.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_lease_plans_refusal_waits_for_other_instances_leases_to_settle_not_to_expire() {
+    // Another instance leased all of the plan's credit at `wall`: its lease times out after
+    // window + L (60 + 2 s), but that instance settles it about L after.
+    let f = Fixture::closed();
+    let terms = crate::limiter::plan::LeaseTerms {
+        units_max: NonZeroU64::new(CAPACITY).unwrap(),
+        seconds: NonZeroU32::new(2).unwrap(),
+    };
+    let wall = f.clock.wall();
+    let leased = AccountView {
+        holds: vec![Hold {
+            amount: CAPACITY,
+            expires_at: wall + Duration::from_secs(62),
+            leased_at: Some(wall),
+        }],
+        available: 0,
+        ..f.view(CAPACITY, &[], true)
+    };
+    f.script(|s| {
+        s.chains.push_back(refused(0, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(leased)));
+    });
+    let plan = Limit {
+        lease: Some(terms),
+        ..limit(A, CAPACITY, 60, 1)
+    };
+    let limits = [plan, limit(B, 20, 1, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let (retry_after_seconds, _) = limited_by_outcome(&decision.outcome).expect("limited");
+    assert!(
+        retry_after_seconds <= 3,
+        "L and a sweep, not 62 s: {retry_after_seconds}"
+    );
+    assert_eq!(f.calls(), ["chain", "view"]);
+    // Past that, the local view does not refuse the caller from memory.
+    f.clock.advance(Duration::from_secs(4));
+    let held = held(&f, &[1, 2]);
+    f.script(|s| s.chains.push_back(held));
+    let admitted = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(admitted.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["chain"]);
 }
 
 #[tokio::test]
