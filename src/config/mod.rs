@@ -748,6 +748,15 @@ fn plan_book(
         ],
     )?;
     let default_plan = require(default_plan, "default_plan")?;
+    if !list.iter().any(|plan| plan.name() == default_plan) {
+        let names: Vec<&str> = list.iter().map(|plan| plan.name()).collect();
+        let message = format!(
+            "{default_plan:?} is not among the plans ({}): a file's [plans] replace the \
+             built-in ones, so name one of its own",
+            names.join(", ")
+        );
+        return Err(invalid("default_plan", message));
+    }
     let prefixes = prefixes.unwrap_or_default();
     PlanBook::new(list, &default_plan, prefixes, keys, unknown_keys)
         .map_err(|e| invalid("plans", e.to_string()))
@@ -813,6 +822,32 @@ mod tests {
         Settings::with_overrides(FileConfig::parse(text, "test").unwrap())
     }
 
+    /// Every ```toml block of the README, as an operator would paste it into an empty file.
+    #[test]
+    fn every_configuration_example_in_the_readme_is_valid() {
+        let readme = include_str!("../../README.md");
+        let blocks: Vec<&str> = readme
+            .split("```toml\n")
+            .skip(1)
+            .map(|rest| rest.split("```").next().unwrap())
+            .collect();
+        assert!(blocks.len() >= 8, "the README's examples: {}", blocks.len());
+        for block in blocks {
+            if let Err(error) = with(block) {
+                panic!("{error}, in the README's example:\n{block}");
+            }
+        }
+    }
+
+    #[test]
+    fn plans_of_ones_own_without_the_default_plan_name_the_setting() {
+        let err = with("[plans.anon]\ncapacity = 2\nwindow_seconds = 60").unwrap_err();
+        assert_eq!(err.setting, "default_plan");
+        assert!(err.message.contains("replace the built-in"), "{err}");
+        let ok = with("default_plan = \"anon\"\n[plans.anon]\ncapacity = 2\nwindow_seconds = 60");
+        assert_eq!(ok.unwrap().plans.plans().len(), 1);
+    }
+
     #[test]
     fn defaults_are_valid() {
         let s = with("").unwrap();
@@ -844,7 +879,7 @@ mod tests {
         let err = with("[ledger]\naddresses = [\"nope\"]").unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");
         let err = with("default_plan = \"gold\"").unwrap_err();
-        assert_eq!(err.setting, "plans");
+        assert_eq!(err.setting, "default_plan");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();
         assert_eq!(err.setting, "caller.header");
         let big = "340282366920938463463374607431768211455"; // 2^128 - 1
