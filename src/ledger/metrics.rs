@@ -18,9 +18,12 @@ pub const LEDGER_IN_FLIGHT: &str = "ledger_limiter_ledger_in_flight";
 pub const LEDGER_IN_FLIGHT_MAX: &str = "ledger_limiter_ledger_in_flight_max";
 
 /// Buckets for ledger calls: TigerBeetle answers in well under a millisecond when healthy; the
-/// upper buckets catch a slow ledger up to the deadline.
+/// upper buckets catch a slow ledger up to the longest deadline (`ledger.timeout_ms` up to
+/// 60 s): a call that times out is recorded at its deadline, and with a last bucket below it the
+/// dashboard's p99 and "Ledger headroom" stopped at that bucket, never reaching 100 %.
 pub const LEDGER_CALL_BUCKETS_SECONDS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
 ];
 
 /// The TigerBeetle operations the limiter performs.
@@ -181,6 +184,15 @@ impl LedgerMetrics {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_last_bucket_holds_the_longest_deadline() {
+        let last = *super::LEDGER_CALL_BUCKETS_SECONDS.last().unwrap();
+        let longest = crate::config::LEDGER_TIMEOUT_MS_MAX as f64 / 1000.0;
+        assert!(last >= longest, "{last} s < {longest} s");
+        let ascending = super::LEDGER_CALL_BUCKETS_SECONDS.windows(2);
+        assert!(ascending.into_iter().all(|pair| pair[0] < pair[1]));
+    }
+
     use super::*;
 
     #[test]
