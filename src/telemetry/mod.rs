@@ -82,13 +82,24 @@ pub fn otlp_tracer_provider(
         .build()
         .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
     let mut resource = opentelemetry_sdk::Resource::builder();
-    if !env_set("OTEL_SERVICE_NAME") {
+    // The default only where the deployment named none: `with_service_name` overrode the one
+    // read from OTEL_RESOURCE_ATTRIBUTES, and Tempo filed the service under our name.
+    let attributes = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
+    if !env_set("OTEL_SERVICE_NAME") && !names_the_service(&attributes) {
         resource = resource.with_service_name(default_service_name.to_owned());
     }
     Ok(SdkTracerProvider::builder()
         .with_resource(resource.build())
         .with_batch_exporter(exporter)
         .build())
+}
+
+/// Whether OTEL_RESOURCE_ATTRIBUTES (`key=value` pairs, comma-separated) gives `service.name`.
+fn names_the_service(attributes: &str) -> bool {
+    attributes
+        .split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .any(|(key, value)| key.trim() == "service.name" && !value.trim().is_empty())
 }
 
 /// Events, not spans, decided once per callsite: a filter without a callsite answer is asked
@@ -170,4 +181,22 @@ pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError
         opentelemetry::global::set_tracer_provider(p.clone());
     }
     Ok(TelemetryGuard { provider })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_the_service;
+
+    #[test]
+    fn a_service_name_in_the_resource_attributes_is_kept() {
+        assert!(names_the_service("service.name=checkout"));
+        assert!(names_the_service(
+            "deployment.environment=prod, service.name = checkout"
+        ));
+        assert!(!names_the_service(""));
+        assert!(!names_the_service(
+            "service.namespace=shop,service.instance.id=a"
+        ));
+        assert!(!names_the_service("service.name="));
+    }
 }
