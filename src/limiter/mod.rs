@@ -26,6 +26,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::future::join_all;
+
 use crate::ledger::model::{self, UserAccount};
 use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
 use crate::telemetry::span::fields;
@@ -385,15 +387,26 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Some(hold) = decision.hold else {
             return Ok(false);
         };
-        for limit in decision.route_limits.iter_mut() {
-            let Some(hold) = limit.hold else {
-                continue;
-            };
-            if self.release(limit.account_id, hold).await? {
-                credit_back(&mut limit.quota, hold.amount);
+        // Every hold at once, by one deadline: in turn, each void had a deadline of its own (a
+        // slow ledger made a refund wait one per limit), and one that failed kept the rest,
+        // the plan's included, charged.
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let routes = decision.route_limits.iter().map(|limit| async move {
+            let hold = limit.hold?;
+            Some(self.release_by(limit.account_id, hold, deadline).await)
+        });
+        let plan = self.release_by(decision.account_id, hold, deadline);
+        let (routes, plan) = futures_util::future::join(join_all(routes), plan).await;
+        for (limit, released) in decision.route_limits.iter_mut().zip(routes) {
+            match (limit.hold, released) {
+                (Some(hold), Some(Ok(true))) => credit_back(&mut limit.quota, hold.amount),
+                (_, Some(Err(error))) => {
+                    tracing::debug!(%error, "could not give a route limit's hold back; it expires with its window");
+                }
+                _ => {}
             }
         }
-        let given = self.release(decision.account_id, hold).await?;
+        let given = plan?;
         if given {
             credit_back(&mut decision.quota, hold.amount);
         }
@@ -404,6 +417,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// a refund, or a concurrency slot whose request is done. `Ok(false)` if it had expired.
     pub async fn release(&self, account_id: u128, hold: HoldReceipt) -> Result<bool, LedgerError> {
         let deadline = self.clock.now() + self.settings.ledger_timeout;
+        self.release_by(account_id, hold, deadline).await
+    }
+
+    /// [`Limiter::release`] by `deadline`.
+    async fn release_by(
+        &self,
+        account_id: u128,
+        hold: HoldReceipt,
+        deadline: Instant,
+    ) -> Result<bool, LedgerError> {
         let voided = self.store.void(hold.transfer_id, deadline).await?;
         if voided {
             self.local.release(account_id, hold.amount, hold.expires_at);

@@ -647,6 +647,36 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
 }
 
 #[tokio::test]
+async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
+    let f = Fixture::closed();
+    let answered_at = f.clock.now();
+    f.script(|s| {
+        s.chains.push_back(Ok(ChainReply::Held {
+            answered_at,
+            transfer_ids: vec![41, 42],
+        }));
+        // The route limit's void (sent first) times out; the plan's goes through.
+        s.voids.extend([Err(timeout()), Ok(true)]);
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let per_second = [test_plan("per_second", 10)];
+    let (mut decision, _) = f.limiter.check_with(&key, ONE, &per_second).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.quota.remaining, CAPACITY - 1);
+    f.calls();
+    assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
+    assert_eq!(f.calls(), ["void", "void"], "both sent, by one deadline");
+    assert_eq!(
+        decision.quota.remaining, CAPACITY,
+        "the plan's hold is back"
+    );
+    assert_eq!(
+        decision.route_limits[0].quota.remaining, 9,
+        "that one expires instead"
+    );
+}
+
+#[tokio::test]
 async fn nothing_to_refund_without_a_pending_hold() {
     let f = Fixture::closed();
     let held = f.held();
