@@ -1,6 +1,7 @@
 //! The keys file: one `<key> <plan>` pair per line; blank lines and `#` comments are skipped.
 //! Errors name the file and line, never the key (it is a secret).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use super::{invalid, ConfigError};
@@ -11,9 +12,12 @@ pub const KEYS_FILE_BYTES_MAX: u64 = 64 * 1024 * 1024;
 
 const SETTING: &str = "caller.keys_file";
 
+/// The keys of the file at `path`, each with a plan `is_plan` knows; a key listed twice, or a
+/// plan not configured, is an error naming the line.
 pub(super) fn load(
     path: &Path,
     key_length_max: usize,
+    is_plan: &dyn Fn(&str) -> bool,
 ) -> Result<Vec<(String, String)>, ConfigError> {
     let unreadable =
         |e: std::io::Error| invalid(SETTING, format!("cannot read {}: {e}", path.display()));
@@ -28,15 +32,18 @@ pub(super) fn load(
         ));
     }
     let text = std::fs::read_to_string(path).map_err(unreadable)?;
-    parse(&text, path, key_length_max)
+    parse(&text, path, key_length_max, is_plan)
 }
 
 fn parse(
     text: &str,
     path: &Path,
     key_length_max: usize,
+    is_plan: &dyn Fn(&str) -> bool,
 ) -> Result<Vec<(String, String)>, ConfigError> {
     let mut keys = Vec::new();
+    // Where each key was first listed: a second line for it gave it that line's plan, silently.
+    let mut lines: HashMap<&str, usize> = HashMap::new();
     for (index, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -52,6 +59,17 @@ fn parse(
                 SETTING,
                 format!("{at}: the key is not 1-{key_length_max} printable ASCII characters"),
             ));
+        }
+        if !is_plan(plan) {
+            // The plan's name is configuration, not a secret.
+            return Err(invalid(
+                SETTING,
+                format!("{at}: no plan {plan:?} is configured"),
+            ));
+        }
+        if let Some(first) = lines.insert(key, index + 1) {
+            let message = format!("{at}: the key is listed already, on line {first}");
+            return Err(invalid(SETTING, message));
         }
         keys.push((key.to_owned(), plan.to_owned()));
     }
@@ -74,7 +92,7 @@ mod tests {
             length_max in 1usize..16,
         ) {
             let text = String::from_utf8_lossy(&bytes);
-            match parse(&text, Path::new("k"), length_max) {
+            match parse(&text, Path::new("k"), length_max, &|_| true) {
                 Ok(keys) => {
                     for (key, _) in keys {
                         prop_assert!(is_valid_key(key.as_bytes(), length_max));
@@ -83,7 +101,9 @@ mod tests {
                 Err(err) => {
                     let after = err.message.split_once(": ").map_or("", |(_, m)| m);
                     prop_assert!(
-                        after == "expected `<key> <plan>`" || after.starts_with("the key is not"),
+                        after == "expected `<key> <plan>`"
+                            || after.starts_with("the key is not")
+                            || after.starts_with("the key is listed already"),
                         "{}", err.message
                     );
                 }
@@ -91,9 +111,14 @@ mod tests {
         }
     }
 
+    fn plans(name: &str) -> bool {
+        ["free", "basic", "pro"].contains(&name)
+    }
+
     #[test]
     fn errors_name_file_and_line_and_never_the_key() {
         let path = Path::new("keys.txt");
+        let parse = |text: &str, path: &Path, length_max| parse(text, path, length_max, &plans);
         let keys = parse("# c\n\nk1 pro\n  k2   basic  \n", path, 8).unwrap();
         assert_eq!(
             keys,
@@ -105,5 +130,13 @@ mod tests {
         let err = parse("secret-key-123 pro\n", path, 4).unwrap_err();
         assert!(err.message.starts_with("keys.txt:1:"), "{}", err.message);
         assert!(!err.message.contains("secret-key-123"), "{}", err.message);
+        // A plan nobody configured, on its line; a key listed twice, both lines.
+        let err = parse("ok free\nsecret-key-123 gold\n", path, 64).unwrap_err();
+        assert_eq!(err.message, "keys.txt:2: no plan \"gold\" is configured");
+        let err = parse("secret-key-123 free\n\nsecret-key-123 pro\n", path, 64).unwrap_err();
+        assert_eq!(
+            err.message,
+            "keys.txt:3: the key is listed already, on line 1"
+        );
     }
 }

@@ -412,7 +412,11 @@ impl Settings {
             return Err(invalid(error.setting(), error.to_string()));
         }
         let keys = match &caller.keys_file {
-            Some(path) => keys_file::load(path, key_length_max)?,
+            Some(path) => {
+                let plans = file.plans.as_ref();
+                let is_plan = |name: &str| plans.is_some_and(|plans| plans.contains_key(name));
+                keys_file::load(path, key_length_max, &is_plan)?
+            }
             None => Vec::new(),
         };
         let plans = plan_book(
@@ -958,5 +962,10 @@ mod tests {
         std::fs::write(&path, "secret-key-123 gold\n").unwrap();
         let err = with(&format!("[caller]\nkeys_file = {:?}", path)).unwrap_err();
         assert!(!err.to_string().contains("secret-key-123"), "{err}");
+        assert_eq!(err.setting, "caller.keys_file", "{err}");
+        assert!(
+            err.message.ends_with(":1: no plan \"gold\" is configured"),
+            "{err}"
+        );
     }
 }
