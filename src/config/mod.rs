@@ -389,7 +389,7 @@ fn one_of<T: Copy>(value: String, setting: &str, choices: &[(&str, T)]) -> Resul
 impl Settings {
     /// Validates a merged configuration; the first error names its setting.
     pub fn from_file_config(file: FileConfig) -> Result<Self, ConfigError> {
-        let listen = require(file.listen, "listen")?;
+        let listen = listen_address(require(file.listen, "listen")?, "listen")?;
         let workers = NonZeroUsize::new(require(file.workers, "workers")?)
             .filter(|n| n.get() <= WORKERS_MAX)
             .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
@@ -435,6 +435,7 @@ impl Settings {
         let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
         let admin = admin_settings(file.admin)?;
         let rls = rls_settings(file.rls)?;
+        distinct_listeners(&listen, admin.as_ref(), rls.as_ref())?;
         let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
         let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
@@ -490,11 +491,52 @@ impl Settings {
     }
 }
 
+/// A listen address as `host:port` (a name, an IPv4 address or a bracketed IPv6 one; port 0
+/// picks a free port): checked here, where a mistake names its setting, rather than at the
+/// bind, after an embedded ledger was started for nothing.
+fn listen_address(value: String, setting: &str) -> Result<String, ConfigError> {
+    let shape = "must be host:port, like 127.0.0.1:8080 or [::]:8080";
+    let (host, port) = value
+        .rsplit_once(':')
+        .ok_or_else(|| invalid(setting, shape))?;
+    let host_ok = match host.strip_prefix('[') {
+        // An IPv6 address: brackets around it, so its colons are not the port's.
+        Some(inner) => inner.strip_suffix(']').is_some_and(|ip| !ip.is_empty()),
+        None => !host.is_empty() && !host.contains([':', ']']),
+    };
+    if !host_ok || port.parse::<u16>().is_err() {
+        return Err(invalid(setting, shape));
+    }
+    Ok(value)
+}
+
+/// The service's listeners are each on an address of their own (port 0 picks a free one each).
+fn distinct_listeners(
+    listen: &str,
+    admin: Option<&AdminSettings>,
+    rls: Option<&RlsSettings>,
+) -> Result<(), ConfigError> {
+    let fixed = |address: &str| !address.ends_with(":0");
+    let admin = admin.map(|admin| admin.listen.as_str());
+    let rls = rls.map(|rls| rls.listen.as_str());
+    if admin.is_some_and(|admin| fixed(admin) && admin == listen) {
+        return Err(invalid("admin.listen", "is `listen`'s address too"));
+    }
+    if rls.is_some_and(|rls| fixed(rls) && (rls == listen || Some(rls) == admin)) {
+        return Err(invalid(
+            "rls.listen",
+            "is `listen`'s or `admin.listen`'s address too",
+        ));
+    }
+    Ok(())
+}
+
 /// The Envoy front end is off without a listener; with one it needs its rules.
 fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     let Some(listen) = rls.listen else {
         return Ok(None);
     };
+    let listen = listen_address(listen, "rls.listen")?;
     let path = rls
         .config
         .ok_or_else(|| invalid("rls.config", "is required when rls.listen is set"))?;
@@ -510,7 +552,10 @@ fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError
     let secrets = AdminSecrets::new(&admin.secrets.unwrap_or_default())
         .map_err(|message| invalid("admin.secrets", message))?;
     match admin.listen {
-        Some(listen) if !secrets.is_empty() => Ok(Some(AdminSettings { listen, secrets })),
+        Some(listen) if !secrets.is_empty() => {
+            let listen = listen_address(listen, "admin.listen")?;
+            Ok(Some(AdminSettings { listen, secrets }))
+        }
         // Asked for, and silently off, was a surprise found only when the API did not answer.
         Some(_) => Err(invalid(
             "admin.listen",
@@ -850,6 +895,40 @@ mod tests {
         assert!(err.message.contains("replace the built-in"), "{err}");
         let ok = with("default_plan = \"anon\"\n[plans.anon]\ncapacity = 2\nwindow_seconds = 60");
         assert_eq!(ok.unwrap().plans.plans().len(), 1);
+    }
+
+    #[test]
+    fn listen_addresses_are_host_and_port_each_its_own() {
+        for good in [
+            "127.0.0.1:0",
+            "0.0.0.0:8080",
+            "[::]:8080",
+            "[::1]:1",
+            "localhost:80",
+        ] {
+            assert!(with(&format!("listen = {good:?}")).is_ok(), "{good}");
+        }
+        for bad in [
+            "nonsense",
+            "8080",
+            ":8080",
+            "127.0.0.1:http",
+            "::1:80",
+            "[::1:80",
+            "a:70000",
+        ] {
+            let err = with(&format!("listen = {bad:?}")).unwrap_err();
+            assert_eq!(err.setting, "listen", "{bad}: {err}");
+        }
+        let secret = "secrets = [\"0123456789abcdef\"]";
+        let same =
+            format!("listen = \"127.0.0.1:8080\"\n[admin]\nlisten = \"127.0.0.1:8080\"\n{secret}");
+        assert_eq!(with(&same).unwrap_err().setting, "admin.listen");
+        let bad = format!("[admin]\nlisten = \"nonsense\"\n{secret}");
+        assert_eq!(with(&bad).unwrap_err().setting, "admin.listen");
+        let both_free =
+            format!("listen = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n{secret}");
+        assert!(with(&both_free).is_ok());
     }
 
     #[test]
