@@ -94,10 +94,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .check_all(&limits)
                 .await
                 .expect("at most 1 + ROUTE_LIMITS_MAX distinct accounts");
-            // The plan's account closed: a block, or a move this instance has not learnt yet.
+            // The plan's account closed: a block, or a move this instance has not learnt yet (as
+            // the refusal's own read of the account says: a second read had a deadline of its
+            // own, and a blocked caller's decision took two).
             if followed < moves::MOVES_FOLLOWED_MAX && closed_by_ledger(&multi) {
-                let view = self.view(&charge, self.clock.now() + self.settings.ledger_timeout);
-                if let Some(plan) = super::moved_to(&view.await)
+                if let Some(plan) = multi
+                    .moved_to
                     .and_then(|tag| moves::plan_of_tag(&self.plans, tag))
                 {
                     self.moves

@@ -67,6 +67,10 @@ pub struct MultiDecision {
     pub refused_by: Option<usize>,
     /// One status per limit, in the request's order.
     pub limits: Vec<LimitStatus>,
+    /// The plan tag the refusing limit's account was moved to (it is closed by a move), as the
+    /// ledger's refusal listed it: the HTTP front end follows the move without reading the
+    /// account again.
+    pub moved_to: Option<u64>,
 }
 
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -189,6 +193,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             outcome: refused(local.retry_after, DecisionSource::LocalView, local.blocked),
             refused_by: Some(index),
             limits: statuses,
+            moved_to: None,
         })
     }
 
@@ -337,6 +342,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             outcome: Outcome::Admitted,
             refused_by: None,
             limits: statuses,
+            moved_to: None,
         }
     }
 
@@ -352,6 +358,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let cost = cost_on_account(limits, limit.account.id);
         // Closed by an operator (a block, or a move this front end does not follow).
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
+        let moved_to = super::moved_to(&view);
         let retry_after = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
             let view = settling_soon(view, limit);
@@ -371,6 +378,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             outcome: super::refused(retry_after, DecisionSource::Ledger, blocked),
             refused_by: Some(refused),
             limits: statuses,
+            moved_to,
         }
     }
 
@@ -384,6 +392,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             outcome,
             refused_by: None,
             limits: self.local_statuses(limits, self.clock.now()),
+            moved_to: None,
         }
     }
 

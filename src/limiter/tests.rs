@@ -698,6 +698,47 @@ async fn nothing_to_refund_without_a_pending_hold() {
     assert!(f.calls().is_empty());
 }
 
+#[tokio::test]
+async fn a_closed_plan_under_route_limits_is_read_once_and_a_move_followed() {
+    let f = Fixture::closed();
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let per_second = [test_plan("per_second", 10)];
+    let closed = |moved_to: Option<&str>| AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + Duration::from_secs(60)),
+            moved_to: moved_to.map(model::plan_tag),
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    let refused = Ok(ChainReply::Refused {
+        index: 0,
+        refusal: crate::ledger::LinkRefusal::Closed,
+    });
+    // Blocked: the refusal's read of the account is the only one.
+    f.script(|s| {
+        s.chains.push_back(refused.clone());
+        s.views.push_back(Ok(Some(closed(None))));
+    });
+    let (blocked, _) = f.limiter.check_with(&key, ONE, &per_second).await.unwrap();
+    assert!(matches!(blocked.outcome, Outcome::Blocked { .. }));
+    assert_eq!(f.calls(), ["chain", "view"]);
+    // Moved: followed to the new plan from that same read.
+    let answered_at = f.clock.now();
+    f.script(|s| {
+        s.chains.push_back(refused);
+        s.views.push_back(Ok(Some(closed(Some("pro")))));
+        s.chains.push_back(Ok(ChainReply::Held {
+            answered_at,
+            transfer_ids: vec![1, 2],
+        }));
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"m", 64).unwrap();
+    let (moved, _) = f.limiter.check_with(&key, ONE, &per_second).await.unwrap();
+    assert_eq!(moved.outcome, Outcome::Admitted);
+    assert_eq!(moved.plan.name(), "pro");
+    assert_eq!(f.calls(), ["chain", "view", "chain"]);
+}
+
 #[test]
 fn seconds_round_up() {
     assert_eq!(whole_seconds_up(Duration::ZERO), 0);
