@@ -43,6 +43,11 @@ pub enum Settled {
     /// after it was placed, and nothing was admitted from it after L, so its units are out of
     /// every window that needs them.
     LeaseGone,
+    /// The account is closed (an operator's block, or a move): the lease could be voided but
+    /// its used units not held again, so the chain changed nothing. The lease holds on until its
+    /// timeout (window + L after it was placed): every admitted unit stays held long enough, and
+    /// the unused ones come back then rather than now.
+    AccountClosed,
 }
 
 pub fn lease_transfer(
@@ -120,18 +125,25 @@ impl Ledger {
     }
 }
 
-/// A refused settlement chain: the lease gone (expired or voided) is an answer, anything else is
-/// an error. The hold of a chain fails only because its void did (`linked_event_failed`).
+/// A refused settlement chain: the lease gone (expired or voided), or its account closed, is an
+/// answer, anything else is an error. The hold of the used units fails on a closed account
+/// (`debit_account_already_closed`: voids are allowed there, new debits are not), and the void
+/// with it (`linked_event_failed`).
 fn settlement_refused(
-    mut errors: impl Iterator<Item = (u32, CreateTransferErrorKind)>,
+    errors: impl Iterator<Item = (u32, CreateTransferErrorKind)>,
 ) -> Result<Settled, LedgerError> {
-    let Some((_, kind)) = errors.find(|(index, _)| *index == 0) else {
-        return Err(super::no_event_error(Operation::CreateTransfers));
-    };
-    match kind {
-        CreateTransferErrorKind::PendingTransferExpired
-        | CreateTransferErrorKind::PendingTransferAlreadyVoided => Ok(Settled::LeaseGone),
-        kind => Err(super::unexpected_transfer("settlement: ", kind)),
+    use CreateTransferErrorKind as K;
+    let errors: Vec<(u32, K)> = errors.collect();
+    let kind_of = |at: u32| errors.iter().find(|(index, _)| *index == at).map(|e| e.1);
+    match (kind_of(0), kind_of(1)) {
+        (None, _) => Err(super::no_event_error(Operation::CreateTransfers)),
+        (Some(K::PendingTransferExpired | K::PendingTransferAlreadyVoided), _) => {
+            Ok(Settled::LeaseGone)
+        }
+        (Some(K::LinkedEventFailed), Some(K::DebitAccountAlreadyClosed)) => {
+            Ok(Settled::AccountClosed)
+        }
+        (Some(kind), _) => Err(super::unexpected_transfer("settlement: ", kind)),
     }
 }
 
@@ -185,6 +197,11 @@ mod tests {
         assert_eq!(
             settlement_refused(voided.into_iter()),
             Ok(Settled::LeaseGone)
+        );
+        let closed = [(0, K::LinkedEventFailed), (1, K::DebitAccountAlreadyClosed)];
+        assert_eq!(
+            settlement_refused(closed.into_iter()),
+            Ok(Settled::AccountClosed)
         );
         let odd = [(0, K::LinkedEventFailed), (1, K::ExceedsCredits)];
         assert!(settlement_refused(odd.into_iter()).is_err());

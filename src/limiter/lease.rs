@@ -647,8 +647,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 return Ok(None);
             }
             // Closed by an operator (a block, a move) while a lease admits from memory: that
-            // lease admits no more (it would for up to L), and is settled; the request is decided
-            // per request, which knows what to do.
+            // lease admits no more (it would for up to L). Its settlement can only void it when
+            // it admitted nothing; else it holds on to its timeout (`Settled::AccountClosed`). The
+            // request is decided per request, which knows what to do.
             HoldReply::Blocked => {
                 let current = slot.lock().lease.take();
                 if let Some(lease) = current {
@@ -733,6 +734,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Expired: its units are out of every window that needed them; the local view forgets
             // it at its recorded expiry.
             Ok(Settled::LeaseGone) => {}
+            // Closed by an operator: the lease holds on, in the ledger as in the local view,
+            // until its timeout (window + L), which covers every unit it admitted.
+            Ok(Settled::AccountClosed) => {
+                tracing::debug!("a lease of a closed account is left to expire");
+            }
             Err(error) => {
                 // Landed or not, unknown: the view forgets the caller rather than count the
                 // whole lease on (a settled one holds only the units used: a local 429 could

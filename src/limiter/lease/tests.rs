@@ -247,6 +247,10 @@ impl Store for ModelStore {
             if *voided || *expires_at <= now {
                 return Settled::LeaseGone;
             }
+            // A closed account takes a void, but not the used units' new hold: nothing changes.
+            if model.blocked && settlement.units_used > 0 {
+                return Settled::AccountClosed;
+            }
             // The linked chain: the void and the new hold at one timestamp.
             *voided = true;
             if settlement.units_used > 0 {
