@@ -516,19 +516,32 @@ fn distinct_listeners(
     admin: Option<&AdminSettings>,
     rls: Option<&RlsSettings>,
 ) -> Result<(), ConfigError> {
-    let fixed = |address: &str| !address.ends_with(":0");
     let admin = admin.map(|admin| admin.listen.as_str());
     let rls = rls.map(|rls| rls.listen.as_str());
-    if admin.is_some_and(|admin| fixed(admin) && admin == listen) {
-        return Err(invalid("admin.listen", "is `listen`'s address too"));
+    if admin.is_some_and(|admin| clash(admin, listen)) {
+        return Err(invalid("admin.listen", "is on `listen`'s address and port"));
     }
-    if rls.is_some_and(|rls| fixed(rls) && (rls == listen || Some(rls) == admin)) {
+    if rls.is_some_and(|rls| clash(rls, listen) || admin.is_some_and(|admin| clash(rls, admin))) {
         return Err(invalid(
             "rls.listen",
-            "is `listen`'s or `admin.listen`'s address too",
+            "is on `listen`'s or `admin.listen`'s address and port",
         ));
     }
     Ok(())
+}
+
+/// Whether two checked listen addresses would bind the same port on a shared address: the same
+/// port (not 0) and the same host, or either on every interface (`0.0.0.0`, `[::]`). (Two
+/// names of one address, `localhost` and `127.0.0.1`, are left to the bind.)
+fn clash(a: &str, b: &str) -> bool {
+    let (Some((host_a, port_a)), Some((host_b, port_b))) = (a.rsplit_once(':'), b.rsplit_once(':'))
+    else {
+        return false;
+    };
+    let every = |host: &str| host == "0.0.0.0" || host == "[::]";
+    port_a == port_b
+        && port_a != "0"
+        && (host_a.eq_ignore_ascii_case(host_b) || every(host_a) || every(host_b))
 }
 
 /// The Envoy front end is off without a listener; with one it needs its rules.
@@ -926,6 +939,11 @@ mod tests {
         assert_eq!(with(&same).unwrap_err().setting, "admin.listen");
         let bad = format!("[admin]\nlisten = \"nonsense\"\n{secret}");
         assert_eq!(with(&bad).unwrap_err().setting, "admin.listen");
+        let overlapping = "listen = \"0.0.0.0:8080\"\n[admin]\nlisten = \"127.0.0.1:8080\"";
+        let overlapping = format!("{overlapping}\n{secret}");
+        assert_eq!(with(&overlapping).unwrap_err().setting, "admin.listen");
+        let apart = "listen = \"127.0.0.1:8080\"\n[admin]\nlisten = \"127.0.0.1:9091\"";
+        assert!(with(&format!("{apart}\n{secret}")).is_ok());
         let both_free =
             format!("listen = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n{secret}");
         assert!(with(&both_free).is_ok());
