@@ -371,8 +371,12 @@ impl RateLimitServer {
         {
             Ok(released) => {
                 self.metrics.record_release(released.units);
-                // This instance's memory of the holds is stale now; the next request asks.
-                self.limiter.forget(limit.account.id);
+                // This instance's memory of the holds is stale now; the next request asks. (A
+                // limit it keeps no memory of, a concurrency rule's, has nothing to forget: and a
+                // forget keeps its shard's listings in flight from being remembered.)
+                if limit.local_view {
+                    self.limiter.forget(limit.account.id);
+                }
                 released.available
             }
             Err(error) => {

@@ -70,6 +70,33 @@ struct CallerHolds {
 }
 
 impl CallerHolds {
+    /// `Some` when `cost` does not fit in the credit this caller is known to have free (a
+    /// verified caller: its credit and block are the ledger's word), until when.
+    fn limit(&mut self, cost: u64, now: Instant) -> Option<LocalLimit> {
+        if let Some(until) = self.blocked_until.filter(|until| *until > now) {
+            let retry_after = until - now;
+            // Nothing to spend until the block ends, which is also when the quota is back.
+            let quota = LocalQuota {
+                remaining: 0,
+                reset_after: self.quota(now).reset_after.max(retry_after),
+            };
+            return Some(LocalLimit {
+                retry_after,
+                quota,
+                blocked: true,
+            });
+        }
+        if self.available() >= cost {
+            return None;
+        }
+        let fits_at = self.fits_at(cost, now);
+        Some(LocalLimit {
+            retry_after: fits_at.saturating_duration_since(now),
+            quota: self.quota(now),
+            blocked: false,
+        })
+    }
+
     fn new(credit: u64) -> Self {
         CallerHolds {
             credit,
@@ -179,19 +206,29 @@ pub struct LocalLimit {
     pub blocked: bool,
 }
 
-/// How many times the view was cleared or a caller forgotten, read before a listing of an
-/// account is asked for ([`LocalView::generation`]) and given back with it
-/// ([`LocalView::replace`]). Why: a listing read before an operator acted, and stored after the
-/// view forgot what that action changed, said what the action had undone: an unblocked caller
-/// was refused from memory until its old block's end (up to a week).
+/// How many times an account's shard of the view was told of a change the ledger's listing of
+/// the account may predate (a clear, a forget, a release, a recharge): read before a listing is
+/// asked for ([`LocalView::generation`]) and given back with it ([`Listing`]). Why: a listing
+/// read before an operator acted, and stored after the view forgot what that action changed,
+/// said what the action had undone: an unblocked caller was refused from memory until its old
+/// block's end (up to a week). Per shard, so that the forgets of routine traffic (Envoy's
+/// releases) keep few listings from being stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Generation(u64);
 
+/// What the ledger said of an account, and the generation of its shard when it was asked.
+#[derive(Debug, Clone, Copy)]
+pub struct Listing<'a> {
+    pub view: &'a AccountView,
+    pub read: Generation,
+}
+
 pub struct LocalView {
     shards: Box<[Mutex<HashMap<u128, CallerHolds>>]>,
-    /// Counted up before each clear and forget, read under the shard's lock by `replace`: a
-    /// listing stored before the count went up is removed by the clear or forget that follows.
-    generation: AtomicU64,
+    /// One [`Generation`] per shard, counted up under the shard's lock by each change a listing
+    /// may predate, and read under it by `replace`: a listing stored before the count went up
+    /// is then changed by what counted it (a forget removes it, a release of a listed hold too).
+    generations: Box<[AtomicU64]>,
     /// Which callers may be verified, a bit each ([`VERIFIED_FILTER_BITS`]): set before a
     /// verified caller is stored, under its shard's lock. A clear bit means none is stored, but
     /// for one stored while the view was being cleared ([`LocalView::clear`] says why that is
@@ -215,22 +252,32 @@ impl LocalView {
             verified_filter: (0..VERIFIED_FILTER_WORDS)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
-            generation: AtomicU64::new(0),
+            generations: (0..SHARD_COUNT).map(|_| AtomicU64::new(0)).collect(),
             callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT),
             expiry_margin,
         }
     }
 
-    /// Read before asking the ledger for a listing of an account: [`LocalView::replace`] stores
-    /// the listing only if nothing was cleared or forgotten since.
-    pub fn generation(&self) -> Generation {
-        Generation(self.generation.load(Ordering::SeqCst))
+    /// Read before asking the ledger for a listing of `account_id`: [`LocalView::replace`]
+    /// stores the listing only if nothing the listing may predate happened in its shard since.
+    pub fn generation(&self, account_id: u128) -> Generation {
+        let index = Self::shard_index(account_id);
+        Generation(self.generations[index].load(Ordering::SeqCst))
+    }
+
+    /// Counts a change a listing of `account_id` may predate; called under its shard's lock.
+    fn changed(&self, account_id: u128) {
+        let index = Self::shard_index(account_id);
+        self.generations[index].fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn shard_index(account_id: u128) -> usize {
+        // Account ids are uniformly distributed hashes: the low bits pick a shard well.
+        (account_id as usize) % SHARD_COUNT
     }
 
     fn shard(&self, account_id: u128) -> std::sync::MutexGuard<'_, HashMap<u128, CallerHolds>> {
-        // Account ids are uniformly distributed hashes: the low bits pick a shard well.
-        let index = (account_id as usize) % SHARD_COUNT;
-        lock(&self.shards[index])
+        lock(&self.shards[Self::shard_index(account_id)])
     }
 
     /// The filter's word and bit for a caller: bits above the shard's (ids are uniform hashes).
@@ -253,44 +300,25 @@ impl LocalView {
         if !holds.verified {
             return None;
         }
-        if let Some(until) = holds.blocked_until.filter(|until| *until > now) {
-            let retry_after = until - now;
-            // Nothing to spend until the block ends, which is also when the quota is back.
-            let quota = LocalQuota {
-                remaining: 0,
-                reset_after: holds.quota(now).reset_after.max(retry_after),
-            };
-            return Some(LocalLimit {
-                retry_after,
-                quota,
-                blocked: true,
-            });
-        }
-        if holds.available() >= cost {
-            return None;
-        }
-        let fits_at = holds.fits_at(cost, now);
-        Some(LocalLimit {
-            retry_after: fits_at.saturating_duration_since(now),
-            quota: holds.quota(now),
-            blocked: false,
-        })
+        holds.limit(cost, now)
     }
 
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
     /// this instance cannot follow (voided by amount). Its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
-        // Before the removal: a listing read before it is not stored after it.
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        self.shard(account_id).remove(&account_id);
+        let mut shard = self.shard(account_id);
+        // A listing read before the removal is not stored after it.
+        self.changed(account_id);
+        shard.remove(&account_id);
     }
 
     /// Forgets every caller (an operator acted somewhere: any credit or block may have changed).
     pub fn clear(&self) {
-        // Before the shards: a listing read before the clear is not stored after it.
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        for shard in self.shards.iter() {
-            lock(shard).clear();
+        for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {
+            let mut shard = lock(shard);
+            // A listing read before the clear is not stored after it.
+            generation.fetch_add(1, Ordering::SeqCst);
+            shard.clear();
         }
         // After the shards: a caller verified meanwhile may lose its bit; the ledger then refuses
         // it, as it refuses a caller the view does not know, and that refusal sets the bit again.
@@ -354,6 +382,8 @@ impl LocalView {
     /// no longer known otherwise (merged with others, or pruned), nothing changes.
     pub fn release(&self, account_id: u128, amount: u64, expires_at: Instant) {
         let mut shard = self.shard(account_id);
+        // A listing read before the void lists the hold still.
+        self.changed(account_id);
         let Some(holds) = shard.get_mut(&account_id) else {
             return;
         };
@@ -393,21 +423,24 @@ impl LocalView {
         }
     }
 
-    /// Replaces what this instance knows of a caller by what the ledger just said, in a listing
-    /// asked for at `read` ([`LocalView::generation`]); not stored if the view was cleared or a
-    /// caller forgotten since (an operator may have changed what it says).
+    /// Replaces what this instance knows of a caller by what the ledger just said: `Some` when
+    /// `cost` does not fit in what the listing says is free, until when (the answer to the
+    /// request the ledger refused). The listing is not stored if something it may predate
+    /// happened in its shard since it was asked for ([`Generation`]); its answer stands all the
+    /// same (the ledger's word at the time). `None` with the view off.
     pub fn replace(
         &self,
         account_id: u128,
-        view: &AccountView,
-        read: Generation,
+        listing: Listing<'_>,
+        cost: u64,
         window_max: Duration,
         now: Instant,
         now_wall: SystemTime,
-    ) {
+    ) -> Option<LocalLimit> {
         if self.callers_per_shard_max == 0 {
-            return;
+            return None;
         }
+        let Listing { view, read } = listing;
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
         holds.listed_at = Some(now);
@@ -436,16 +469,18 @@ impl LocalView {
         // (listed newest first): they may expire any moment, so they count as not held. Assuming
         // they lasted a whole window refused callers for up to the longest plan's window after
         // the ledger would admit them (an Envoy rule of a second under an hour-long plan).
+        let limit = holds.limit(cost, now);
         let mut shard = self.shard(account_id);
-        if self.generation() != read {
-            return; // the next refusal by the ledger lists the account again
+        if self.generation(account_id) != read {
+            return limit; // the next refusal by the ledger lists the account again
         }
         if !shard.contains_key(&account_id) && !self.has_room(&mut shard, now) {
-            return; // full of active callers: the ledger goes on refusing this one
+            return limit; // full of active callers: the ledger goes on refusing this one
         }
         let (word, bit) = self.verified_bit(account_id);
         word.fetch_or(bit, Ordering::Relaxed);
         shard.insert(account_id, holds);
+        limit
     }
 
     /// Whether `shard` has room for one more caller, once callers without live holds are
@@ -525,7 +560,18 @@ mod tests {
 
     /// Stores `account` as a listing of caller `id` asked for just now (nothing cleared since).
     fn list(view: &LocalView, id: u128, account: &AccountView, now: Instant, wall: SystemTime) {
-        view.replace(id, account, view.generation(), WINDOW, now, wall);
+        let read = view.generation(id);
+        view.replace(
+            id,
+            Listing {
+                view: account,
+                read,
+            },
+            0,
+            WINDOW,
+            now,
+            wall,
+        );
     }
 
     /// Caller 7 (credit 5) with one hold recorded at `t0`, then `listed` holds in the ledger's
@@ -653,17 +699,38 @@ mod tests {
         };
         // Read while blocked; an operator unblocks it everywhere (the epoch follower clears the
         // view) before the listing is stored.
-        let read = view.generation();
+        let read = view.generation(3);
         view.clear();
-        view.replace(3, &blocked, read, WINDOW, t0, wall);
+        let answer = view.replace(
+            3,
+            Listing {
+                view: &blocked,
+                read,
+            },
+            1,
+            WINDOW,
+            t0,
+            wall,
+        );
+        assert!(answer.expect("the ledger's word at the time").blocked);
         assert!(
             view.check(3, 1, t0).is_none(),
             "not refused for the old block"
         );
         // Unblocked on this instance (the admin API forgets the caller) during the read.
-        let read = view.generation();
+        let read = view.generation(3);
         view.forget(3);
-        view.replace(3, &blocked, read, WINDOW, t0, wall);
+        view.replace(
+            3,
+            Listing {
+                view: &blocked,
+                read,
+            },
+            1,
+            WINDOW,
+            t0,
+            wall,
+        );
         assert!(
             view.check(3, 1, t0).is_none(),
             "not refused for the old block"
@@ -671,6 +738,38 @@ mod tests {
         // A listing read after both is stored.
         list(&view, 3, &blocked, t0, wall);
         assert!(view.check(3, 1, t0).expect("blocked").blocked);
+        // Another shard's forget (Envoy's releases of other callers) keeps none from being
+        // stored; a release in its own shard (a hold voided meanwhile, listed still) does.
+        view.forget(3);
+        let read = view.generation(3);
+        view.forget(4);
+        view.replace(
+            3,
+            Listing {
+                view: &blocked,
+                read,
+            },
+            1,
+            WINDOW,
+            t0,
+            wall,
+        );
+        assert!(view.check(3, 1, t0).is_some(), "stored");
+        view.forget(3);
+        let read = view.generation(3);
+        view.release(3 + SHARD_COUNT as u128, 1, t0);
+        view.replace(
+            3,
+            Listing {
+                view: &blocked,
+                read,
+            },
+            1,
+            WINDOW,
+            t0,
+            wall,
+        );
+        assert!(view.check(3, 1, t0).is_none(), "not stored");
     }
 
     #[test]
@@ -916,7 +1015,11 @@ mod tests {
                 complete: true,
                 blocked: None,
             };
-            view.replace(1, &account, view.generation(), window, now, wall(now));
+            let listing = Listing {
+                view: &account,
+                read: view.generation(1),
+            };
+            view.replace(1, listing, cost, window, now, wall(now));
             prop_assert!(
                 view.check(1, cost, now).is_some(),
                 "the ledger's word refuses locally"

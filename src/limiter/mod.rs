@@ -34,7 +34,7 @@ use crate::telemetry::span::fields;
 use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
 pub use lease::RenewalAhead;
-use local_view::{Generation, LocalQuota, LocalView};
+use local_view::{Generation, Listing, LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
 pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
 use plan::{Plan, PlanBook, PlanId};
@@ -632,7 +632,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
         let deadline = started + self.settings.ledger_timeout;
         // Before any listing of the account is asked for (`LocalView::replace` says why).
-        let read = self.local.generation();
+        let read = self.local.generation(charge.account.id);
         let mut provisioned = false;
         match self.place(charge, deadline, &mut provisioned).await? {
             Placed::Held {
@@ -776,15 +776,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         read: Generation,
     ) -> (Outcome, LocalQuota) {
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
-        let retry_after = self.retry_after(charge, view, read);
+        let (retry_after, listed) = self.retry_after(charge, view, read);
         let capacity = charge.account.capacity.get();
-        let local = self
-            .local
-            .quota(charge.account.id, capacity, self.clock.now());
+        let known = listed.is_some() || self.local.knows(charge.account.id);
+        let local = listed.unwrap_or_else(|| {
+            self.local
+                .quota(charge.account.id, capacity, self.clock.now())
+        });
         let quota = LocalQuota {
             // What is left when the view read it (less than this request's cost, but not
             // always 0: a local refusal says the same); 0 when it could not, or while blocked.
-            remaining: match !blocked && self.local.knows(charge.account.id) {
+            remaining: match !blocked && known {
                 true => local.remaining,
                 false => 0,
             },
@@ -828,7 +830,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         view: Result<Option<AccountView>, LedgerError>,
         read: Generation,
-    ) -> Duration {
+    ) -> (Duration, Option<LocalQuota>) {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
         let view = match (view, charge.plan.lease()) {
             (Ok(Some(view)), Some(terms)) => Ok(Some(lease::settling_soon(view, terms))),
@@ -838,30 +840,32 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// [`Limiter::retry_after`] for `cost` units of account `id`, whose holds last at most
-    /// `window_max`, from a listing asked for at its generation.
+    /// `window_max`, from a listing asked for at its generation; with the quota the listing
+    /// says, when it refuses `cost` (whether the local view stored it or not).
     fn retry_after_for(
         &self,
         id: u128,
         cost: u64,
         window_max: Duration,
         (view, read): (Result<Option<AccountView>, LedgerError>, Generation),
-    ) -> Duration {
+    ) -> (Duration, Option<LocalQuota>) {
         let fallback = window_max + self.settings.expiry_margin;
         match view {
             Ok(Some(view)) => {
                 let now = self.clock.now();
+                let listing = Listing { view: &view, read };
                 let wall = self.clock.wall();
-                self.local.replace(id, &view, read, window_max, now, wall);
-                match self.local.check(id, cost, now) {
-                    Some(limit) => limit.retry_after,
-                    // Holds expired between the two calls: credit is back already.
-                    None => Duration::ZERO,
+                match self.local.replace(id, listing, cost, window_max, now, wall) {
+                    Some(limit) => (limit.retry_after, Some(limit.quota)),
+                    // Holds expired between the two calls (credit is back already), or the view
+                    // is off.
+                    None => (Duration::ZERO, None),
                 }
             }
-            Ok(None) => fallback,
+            Ok(None) => (fallback, None),
             Err(error) => {
                 tracing::debug!(%error, "could not read holds; Retry-After falls back to the window");
-                fallback
+                (fallback, None)
             }
         }
     }

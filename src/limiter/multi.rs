@@ -25,7 +25,7 @@ use super::{
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
-use crate::limiter::local_view::{Generation, LocalQuota};
+use crate::limiter::local_view::{Generation, Listing, LocalQuota};
 use crate::limiter::plan::LeaseTerms;
 
 /// At most this many limits per decision (the ledger's chain bound).
@@ -108,14 +108,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         let deadline = started + self.settings.ledger_timeout;
         // Before any listing of an account is asked for (`LocalView::replace` says why).
-        let read = self.local.generation();
+        let reads: Vec<Generation> = limits
+            .iter()
+            .map(|limit| self.local.generation(limit.account.id))
+            .collect();
         Ok(match self.chain(limits, &links, deadline).await {
             Ok(Chained::Held {
                 answered_at,
                 transfer_ids,
             }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
             Ok(Chained::Refused { limit, view }) => {
-                self.refused_by_ledger(limits, limit, (view, read))
+                self.refused_by_ledger(limits, limit, (view, reads[limit]))
             }
             Err(error) => self.all_failed(limits, error),
         })
@@ -158,7 +161,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if decision.outcome != Outcome::Admitted || self.clock.now() >= deadline {
             return;
         }
-        let read = self.local.generation();
+        let generations: Vec<Generation> = limits
+            .iter()
+            .map(|limit| self.local.generation(limit.account.id))
+            .collect();
         let reads = (0..limits.len())
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
@@ -170,8 +176,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let now = self.clock.now();
             let window_max = self.window_max_of(account);
             let wall = self.clock.wall();
+            let listing = Listing {
+                view: &view,
+                read: generations[i],
+            };
+            // Admitted: what the listing says free includes this request's hold, so `0` units
+            // refuse nothing; the quota below is the view's (the listing's, once stored).
             self.local
-                .replace(account.id, &view, read, window_max, now, wall);
+                .replace(account.id, listing, 0, window_max, now, wall);
             let local = self.local.quota(account.id, account.capacity.get(), now);
             decision.limits[i].quota = quota(account, local);
         }
@@ -363,6 +375,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let window_max = self.window_max_of(&limit.account);
             let view = settling_soon(view, limit);
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
+                .0
         } else {
             // Not remembered: a slot comes back at the latest after one window.
             Duration::from_secs(limit.account.window_seconds.get().into())

@@ -395,6 +395,56 @@ async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read(
     assert_eq!(f.calls(), ["hold"]);
 }
 
+/// The listing of a refusal answers that refusal (`Retry-After`, the quota) whether or not it
+/// may be stored; a change elsewhere (another shard's forget: Envoy's routine releases) keeps it
+/// from being stored no more, and one in its shard only from being stored.
+#[tokio::test]
+async fn a_refusals_listing_answers_it_though_a_change_keeps_it_from_being_stored() {
+    let f = Fixture::closed();
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let id = f.limiter.account_of(&key).unwrap();
+    for (other, stored) in [(id + 1, true), (id + 64, false)] {
+        f.limiter.forget_local(id);
+        let (reading, read_started) = tokio::sync::oneshot::channel();
+        let (go, gate) = tokio::sync::oneshot::channel();
+        let full = f.view(CAPACITY, &[20; 5], true);
+        f.script(|s| {
+            s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+            s.views.push_back(Ok(Some(full)));
+            s.view_gate = Some((reading, gate));
+        });
+        let change = async {
+            read_started.await.unwrap();
+            f.limiter.forget_local(other);
+            go.send(()).unwrap();
+        };
+        let (refused, ()) = tokio::join!(f.check(ONE), change);
+        assert_eq!(limited_by(&refused), Some((20, DecisionSource::Ledger)));
+        assert_eq!(refused.quota.remaining, 0);
+        assert_eq!(refused.quota.reset_seconds, 20);
+        assert_eq!(f.calls(), ["hold", "view"]);
+        if !stored {
+            // Not stored: the next request asks the ledger again.
+            let full = f.view(CAPACITY, &[20; 5], true);
+            f.script(|s| {
+                s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+                s.views.push_back(Ok(Some(full)));
+            });
+        }
+        let again = f.check(ONE).await;
+        match stored {
+            true => {
+                assert_eq!(limited_by(&again), Some((20, DecisionSource::LocalView)));
+                assert!(f.calls().is_empty(), "refused from memory");
+            }
+            false => {
+                assert_eq!(limited_by(&again), Some((20, DecisionSource::Ledger)));
+                assert_eq!(f.calls(), ["hold", "view"]);
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_new_caller_is_provisioned_then_held() {
     let f = Fixture::closed();
