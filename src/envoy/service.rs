@@ -324,7 +324,7 @@ impl RateLimitServer {
             .collect::<Result<Vec<_>, _>>()
             .map_err(internal)?;
         if !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_)) {
-            self.void_shadow_holds(&shadow, &shadows).await;
+            self.void_shadow_holds(&shadow, &shadows, deadline).await;
         }
         let shadow = shadow
             .iter()
@@ -342,8 +342,14 @@ impl RateLimitServer {
     /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
     /// nothing on any descriptor, as it would if those rules were enforced (their holds are
     /// placed beside the enforced chain, not after it, to cost no second round trip). Best
-    /// effort: a hold not voided expires with its window.
-    async fn void_shadow_holds(&self, shadow: &[(usize, Limit)], decided: &[MultiDecision]) {
+    /// effort, by the decision's `deadline` (a void of its own deadline made a slow ledger's
+    /// answer wait twice): a hold not voided expires with its window.
+    async fn void_shadow_holds(
+        &self,
+        shadow: &[(usize, Limit)],
+        decided: &[MultiDecision],
+        deadline: std::time::Instant,
+    ) {
         let holds = shadow
             .iter()
             .zip(decided)
@@ -351,7 +357,8 @@ impl RateLimitServer {
                 let hold = decision.limits.first()?.hold?;
                 Some((limit.account.id, hold))
             });
-        let voids = holds.map(|(account_id, hold)| self.limiter.release(account_id, hold));
+        let voids =
+            holds.map(|(account_id, hold)| self.limiter.release_by(account_id, hold, deadline));
         for result in join_all(voids).await {
             if let Err(error) = result {
                 tracing::debug!(%error, "could not void a shadow hold; it expires with its window");

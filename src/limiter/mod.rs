@@ -420,8 +420,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.release_by(account_id, hold, deadline).await
     }
 
-    /// [`Limiter::release`] by `deadline`.
-    async fn release_by(
+    /// [`Limiter::release`] by `deadline` (a decision's, for a void that is part of it).
+    pub async fn release_by(
         &self,
         account_id: u128,
         hold: HoldReceipt,
