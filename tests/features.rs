@@ -22,6 +22,43 @@ fn shadow_everything() -> RoutesFile {
     }
 }
 
+/// A plan for the tests that wire the library as a user would.
+fn library_plan(
+    name: &str,
+    capacity: u64,
+    window_seconds: u32,
+) -> ledger_limiter::limiter::plan::Plan {
+    use std::num::{NonZeroU32, NonZeroU64};
+    let capacity = NonZeroU64::new(capacity).unwrap();
+    let window = NonZeroU32::new(window_seconds).unwrap();
+    ledger_limiter::limiter::plan::Plan::new(name, capacity, window).unwrap()
+}
+
+/// Serves `routes` behind `RateLimit::new(limiter, rules)`, one worker on a free port, as a user
+/// wires the library: the port, and the handle that stops it.
+fn serve_library(
+    limiter: &std::sync::Arc<ledger_limiter::limiter::Limiter>,
+    rules: ledger_limiter::http::RequestRules,
+    routes: fn(&mut actix_web::web::ServiceConfig),
+) -> (u16, actix_web::dev::ServerHandle) {
+    use actix_web::{App, HttpServer};
+    use ledger_limiter::http::RateLimit;
+    let (limiter, rules) = (limiter.clone(), std::sync::Arc::new(rules));
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(RateLimit::new(limiter.clone(), rules.clone()))
+            .configure(routes)
+    })
+    .workers(1)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    (port, handle)
+}
+
 async fn held(app: &TestApp, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     app.limiter
@@ -285,43 +322,24 @@ async fn get_forwarded(app: &TestApp, address: &str) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_give_the_credit_back_on_refund_routes_only() {
-    use actix_web::{web, App, HttpResponse, HttpServer};
-    use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::limiter::plan::Plan;
-    use std::num::{NonZeroU32, NonZeroU64};
+    use actix_web::{web, HttpResponse};
+    use ledger_limiter::http::RequestRules;
     use std::sync::Arc;
     use std::time::Duration;
 
     // The library as a user wires it, around handlers that fail.
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let free = Plan::new(
-        "free",
-        NonZeroU64::new(2).unwrap(),
-        NonZeroU32::new(60).unwrap(),
-    );
-    let limiter = Arc::new(one_plan_limiter(ledger, free.unwrap()));
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("free", 2, 60)));
     let rules = RequestRules::builder()
         .refund_server_errors("/boom")
         .build(limiter.plans());
-    let rules = Arc::new(rules.unwrap());
-    let server_limiter = limiter.clone();
-    let server = HttpServer::new(move || {
-        App::new()
-            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
-            .route("/boom", web::get().to(HttpResponse::InternalServerError))
-            .route(
-                "/charged-boom",
-                web::get().to(HttpResponse::InternalServerError),
-            )
-            .route("/ok", web::get().to(HttpResponse::Ok))
-    })
-    .workers(1)
-    .bind(("127.0.0.1", 0))
-    .unwrap();
-    let port = server.addrs()[0].port();
-    let server = server.run();
-    let handle = server.handle();
-    tokio::spawn(server);
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let failing = || web::get().to(HttpResponse::InternalServerError);
+        routes
+            .route("/boom", failing())
+            .route("/charged-boom", failing())
+            .route("/ok", web::get().to(HttpResponse::Ok));
+    });
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
     let get = |path: &str| {
@@ -714,50 +732,33 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
 /// has free), and the next requests see it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_reported_after_the_response_replaces_the_estimate() {
-    use actix_web::{web, App, HttpResponse, HttpServer};
-    use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::limiter::plan::Plan;
-    use std::num::{NonZeroU32, NonZeroU64};
+    use actix_web::{web, HttpResponse};
+    use ledger_limiter::http::RequestRules;
     use std::sync::Arc;
     use std::time::Duration;
 
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let plan = Plan::new(
-        "metered",
-        NonZeroU64::new(10).unwrap(),
-        NonZeroU32::new(60).unwrap(),
-    );
-    let limiter = Arc::new(one_plan_limiter(ledger, plan.unwrap()));
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
     let rules = RequestRules::builder()
         .cost_header("x-cost")
         .refund_server_errors("/failing")
         .build(limiter.plans());
-    let rules = Arc::new(rules.unwrap());
-    let server_limiter = limiter.clone();
-    let tokens = |n: web::Path<String>| async move {
-        HttpResponse::Ok()
-            .insert_header(("x-cost", n.into_inner()))
-            .finish()
-    };
-    // A handler that fails after reporting a cost: refunded, and its report still ours.
-    let failing = || async {
-        HttpResponse::InternalServerError()
-            .insert_header(("x-cost", "3"))
-            .finish()
-    };
-    let server = HttpServer::new(move || {
-        App::new()
-            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let tokens = |n: web::Path<String>| async move {
+            HttpResponse::Ok()
+                .insert_header(("x-cost", n.into_inner()))
+                .finish()
+        };
+        // A handler that fails after reporting a cost: refunded, and its report still ours.
+        let failing = || async {
+            HttpResponse::InternalServerError()
+                .insert_header(("x-cost", "3"))
+                .finish()
+        };
+        routes
             .route("/tokens/{n}", web::get().to(tokens))
-            .route("/failing", web::get().to(failing))
-    })
-    .workers(1)
-    .bind(("127.0.0.1", 0))
-    .unwrap();
-    let port = server.addrs()[0].port();
-    let server = server.run();
-    let handle = server.handle();
-    tokio::spawn(server);
+            .route("/failing", web::get().to(failing));
+    });
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
     let get = |n: &str| {
@@ -810,50 +811,27 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
 /// left to charge, and used to fail every other hold's recharge with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reported_cost_is_charged_where_holds_live_when_a_shorter_one_expired() {
-    use actix_web::{web, App, HttpResponse, HttpServer};
-    use ledger_limiter::http::{RateLimit, RequestRules};
-    use ledger_limiter::limiter::plan::Plan;
-    use std::num::{NonZeroU32, NonZeroU64};
+    use actix_web::{web, HttpResponse};
+    use ledger_limiter::http::RequestRules;
     use std::sync::Arc;
     use std::time::Duration;
 
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let plan = Plan::new(
-        "metered",
-        NonZeroU64::new(100).unwrap(),
-        NonZeroU32::new(60).unwrap(),
-    );
-    let limiter = Arc::new(one_plan_limiter(ledger, plan.unwrap()));
-    let per_second = Plan::new(
-        "per_second",
-        NonZeroU64::new(10).unwrap(),
-        NonZeroU32::new(1).unwrap(),
-    );
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 100, 60)));
     let rules = RequestRules::builder()
         .cost_header("x-cost")
-        .limits("/slow/*", vec![per_second.unwrap()])
+        .limits("/slow/*", vec![library_plan("per_second", 10, 1)])
         .build(limiter.plans());
-    let rules = Arc::new(rules.unwrap());
-    let server_limiter = limiter.clone();
     // Past the per-second limit's window (and its expiry margin), then reports its cost.
-    let slow = |n: web::Path<String>| async move {
-        tokio::time::sleep(Duration::from_millis(2500)).await;
-        HttpResponse::Ok()
-            .insert_header(("x-cost", n.into_inner()))
-            .finish()
-    };
-    let server = HttpServer::new(move || {
-        App::new()
-            .wrap(RateLimit::new(server_limiter.clone(), rules.clone()))
-            .route("/slow/{n}", web::get().to(slow))
-    })
-    .workers(1)
-    .bind(("127.0.0.1", 0))
-    .unwrap();
-    let port = server.addrs()[0].port();
-    let server = server.run();
-    let handle = server.handle();
-    tokio::spawn(server);
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let slow = |n: web::Path<String>| async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            HttpResponse::Ok()
+                .insert_header(("x-cost", n.into_inner()))
+                .finish()
+        };
+        routes.route("/slow/{n}", web::get().to(slow));
+    });
     let key = fresh_key("k_");
     let response = reqwest::Client::new()
         .get(format!("http://127.0.0.1:{port}/slow/40"))

@@ -697,79 +697,42 @@ mod tests {
             }),
             ..ledger_view(5, &[], wall)
         };
-        // Read while blocked; an operator unblocks it everywhere (the epoch follower clears the
-        // view) before the listing is stored.
-        let read = view.generation(3);
-        view.clear();
-        let answer = view.replace(
-            3,
-            Listing {
+        // Read while blocked, then a change before the listing is stored: the listing answers
+        // its refusal all the same, and is stored only if nothing in its shard (3 of 64)
+        // changed meanwhile.
+        type Change = fn(&LocalView);
+        let changes: [(&str, Change, bool); 4] = [
+            // An operator unblocks it everywhere: the epoch follower clears the view.
+            ("a clear", |view| view.clear(), false),
+            // Unblocked on this instance: the admin API forgets the caller.
+            ("its forget", |view| view.forget(3), false),
+            // Another shard's forget (Envoy's releases of other callers).
+            ("another shard's forget", |view| view.forget(4), true),
+            // A hold voided in its shard, which the listing may list still.
+            (
+                "a release in its shard",
+                |view| view.release(3 + SHARD_COUNT as u128, 1, Instant::now()),
+                false,
+            ),
+        ];
+        for (name, change, stored) in changes {
+            view.forget(3);
+            let read = view.generation(3);
+            change(&view);
+            let listing = Listing {
                 view: &blocked,
                 read,
-            },
-            1,
-            WINDOW,
-            t0,
-            wall,
-        );
-        assert!(answer.expect("the ledger's word at the time").blocked);
-        assert!(
-            view.check(3, 1, t0).is_none(),
-            "not refused for the old block"
-        );
-        // Unblocked on this instance (the admin API forgets the caller) during the read.
-        let read = view.generation(3);
-        view.forget(3);
-        view.replace(
-            3,
-            Listing {
-                view: &blocked,
-                read,
-            },
-            1,
-            WINDOW,
-            t0,
-            wall,
-        );
-        assert!(
-            view.check(3, 1, t0).is_none(),
-            "not refused for the old block"
-        );
-        // A listing read after both is stored.
+            };
+            let answer = view.replace(3, listing, 1, WINDOW, t0, wall);
+            assert!(
+                answer.expect("the ledger's word at the time").blocked,
+                "{name}"
+            );
+            assert_eq!(view.check(3, 1, t0).is_some(), stored, "after {name}");
+        }
+        // A listing read after a change is stored.
         list(&view, 3, &blocked, t0, wall);
         assert!(view.check(3, 1, t0).expect("blocked").blocked);
-        // Another shard's forget (Envoy's releases of other callers) keeps none from being
-        // stored; a release in its own shard (a hold voided meanwhile, listed still) does.
-        view.forget(3);
-        let read = view.generation(3);
-        view.forget(4);
-        view.replace(
-            3,
-            Listing {
-                view: &blocked,
-                read,
-            },
-            1,
-            WINDOW,
-            t0,
-            wall,
-        );
-        assert!(view.check(3, 1, t0).is_some(), "stored");
-        view.forget(3);
-        let read = view.generation(3);
-        view.release(3 + SHARD_COUNT as u128, 1, t0);
-        view.replace(
-            3,
-            Listing {
-                view: &blocked,
-                read,
-            },
-            1,
-            WINDOW,
-            t0,
-            wall,
-        );
-        assert!(view.check(3, 1, t0).is_none(), "not stored");
     }
 
     #[test]

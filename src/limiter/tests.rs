@@ -188,6 +188,20 @@ impl Fixture {
         }
     }
 
+    /// [`Fixture::check`] of one unit, with `change` made while its account is read (the
+    /// scripted read waits for it).
+    async fn check_while_read(&self, change: impl FnOnce()) -> Decision<'_> {
+        let (reading, read_started) = tokio::sync::oneshot::channel();
+        let (go, gate) = tokio::sync::oneshot::channel();
+        self.script(|s| s.view_gate = Some((reading, gate)));
+        let changing = async {
+            read_started.await.unwrap();
+            change();
+            go.send(()).unwrap();
+        };
+        tokio::join!(self.check(ONE), changing).0
+    }
+
     async fn check(&self, cost: NonZeroU64) -> Decision<'_> {
         let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
         self.limiter.check(&key, cost).await.expect("a known key")
@@ -371,21 +385,13 @@ async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read(
         }),
         ..f.view(CAPACITY, &[], true)
     };
-    let (reading, read_started) = tokio::sync::oneshot::channel();
-    let (go, gate) = tokio::sync::oneshot::channel();
     f.script(|s| {
         s.holds.push_back(Ok(HoldReply::Blocked));
         s.views.push_back(Ok(Some(blocked)));
-        s.view_gate = Some((reading, gate));
     });
     // An operator unblocks the caller while its account is read: the epoch follower clears
     // this instance's view before the read's answer (still blocked) arrives.
-    let unblock = async {
-        read_started.await.unwrap();
-        f.limiter.forget_all_local();
-        go.send(()).unwrap();
-    };
-    let (refused, ()) = tokio::join!(f.check(ONE), unblock);
+    let refused = f.check_while_read(|| f.limiter.forget_all_local()).await;
     assert!(matches!(refused.outcome, Outcome::Blocked { .. }));
     assert_eq!(f.calls(), ["hold", "view"]);
     // The next request asks the ledger, which admits it, rather than a memory of the block.
@@ -405,20 +411,12 @@ async fn a_refusals_listing_answers_it_though_a_change_keeps_it_from_being_store
     let id = f.limiter.account_of(&key).unwrap();
     for (other, stored) in [(id + 1, true), (id + 64, false)] {
         f.limiter.forget_local(id);
-        let (reading, read_started) = tokio::sync::oneshot::channel();
-        let (go, gate) = tokio::sync::oneshot::channel();
         let full = f.view(CAPACITY, &[20; 5], true);
         f.script(|s| {
             s.holds.push_back(Ok(HoldReply::ExceedsCredits));
             s.views.push_back(Ok(Some(full)));
-            s.view_gate = Some((reading, gate));
         });
-        let change = async {
-            read_started.await.unwrap();
-            f.limiter.forget_local(other);
-            go.send(()).unwrap();
-        };
-        let (refused, ()) = tokio::join!(f.check(ONE), change);
+        let refused = f.check_while_read(|| f.limiter.forget_local(other)).await;
         assert_eq!(limited_by(&refused), Some((20, DecisionSource::Ledger)));
         assert_eq!(refused.quota.remaining, 0);
         assert_eq!(refused.quota.reset_seconds, 20);
