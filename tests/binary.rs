@@ -140,16 +140,17 @@ fn a_probe_fails_saying_why_when_the_service_is_not_ready_or_not_there() {
         request
     });
     let unready = probe(dir.path(), port, &["--path", "/healthz"]);
-    let request = answering.join().unwrap();
-    assert!(
-        request.starts_with("GET /healthz HTTP/1.1\r\n"),
-        "{request}"
-    );
+    // Before the stand-in is joined: a probe that never connected fails here, not hangs there.
     assert_eq!(unready.status.code(), Some(1), "{unready:?}");
     let said = String::from_utf8_lossy(&unready.stderr);
     assert!(
         said.contains("503") && said.contains("ledger not ready"),
         "{said}"
+    );
+    let request = answering.join().unwrap();
+    assert!(
+        request.starts_with("GET /healthz HTTP/1.1\r\n"),
+        "{request}"
     );
 
     // Nothing listens there any more.

@@ -55,6 +55,8 @@ struct Script {
     held_accounts: Vec<u128>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
+    /// The deadline of every void asked for, in order.
+    void_deadlines: Vec<Instant>,
     /// When set, the next account read says it is reading, then waits for the go-ahead: what
     /// happens meanwhile happens while the read is at the ledger.
     view_gate: Option<(
@@ -92,7 +94,8 @@ impl Store for FakeStore {
         self.next("chain", |s| s.chains.pop_front())
     }
 
-    async fn void(&self, _: u128, _: Instant) -> Reply<bool> {
+    async fn void(&self, _: u128, deadline: Instant) -> Reply<bool> {
+        self.0.lock().unwrap().void_deadlines.push(deadline);
         self.next("void", |s| s.voids.pop_front())
     }
 
@@ -195,11 +198,15 @@ impl Fixture {
         let (go, gate) = tokio::sync::oneshot::channel();
         self.script(|s| s.view_gate = Some((reading, gate)));
         let changing = async {
-            read_started.await.unwrap();
+            read_started.await.expect("the decision reads the account");
             change();
             go.send(()).unwrap();
         };
-        tokio::join!(self.check(ONE), changing).0
+        // Bounded: a decision that never reads the account fails the test instead of hanging it.
+        let both = async { tokio::join!(self.check(ONE), changing).0 };
+        tokio::time::timeout(Duration::from_secs(10), both)
+            .await
+            .expect("the decision reads the account, and is answered")
     }
 
     async fn check(&self, cost: NonZeroU64) -> Decision<'_> {
@@ -713,7 +720,10 @@ async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
     assert_eq!(decision.quota.remaining, CAPACITY - 1);
     f.calls();
     assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
-    assert_eq!(f.calls(), ["void", "void"], "both sent, by one deadline");
+    assert_eq!(f.calls(), ["void", "void"], "both sent");
+    let deadlines = f.limiter.store.0.lock().unwrap().void_deadlines.clone();
+    assert_eq!(deadlines.len(), 2);
+    assert_eq!(deadlines[0], deadlines[1], "by one deadline");
     assert_eq!(
         decision.quota.remaining, CAPACITY,
         "the plan's hold is back"

