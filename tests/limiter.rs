@@ -763,3 +763,29 @@ async fn calls_stranded_on_a_replaced_client_give_their_places_back() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A plan whose window reaches before 1970 (a lifetime quota, `u32::MAX` seconds): its account is
+/// read like any other (the listing's lower bound used to be a time before the epoch, which the
+/// client's filter panics on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_under_a_window_of_decades_is_read() {
+    use ledger_limiter::limiter::plan::Plan;
+    use std::num::{NonZeroU32, NonZeroU64};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let lifetime = Plan::new("lifetime", NonZeroU64::MIN, NonZeroU32::MAX).unwrap();
+    let limiter = one_plan_limiter(ledger, lifetime);
+    let key = caller(&fresh_key("k_"));
+    let admitted = limiter
+        .check(&key, std::num::NonZeroU64::MIN)
+        .await
+        .unwrap();
+    assert_eq!(admitted.outcome, ledger_limiter::limiter::Outcome::Admitted);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let account = limiter.account_of(&key).unwrap();
+    let view = limiter
+        .ledger()
+        .account_view(account, u32::MAX, deadline)
+        .await;
+    let view = view.unwrap().expect("the account exists");
+    assert_eq!((view.credit, view.available, view.holds.len()), (1, 0, 1));
+}

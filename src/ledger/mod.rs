@@ -555,7 +555,12 @@ impl Ledger {
     ) -> Result<(Vec<(u128, T)>, bool), LedgerError> {
         // Every live hold was created within the longest window (plus clock slack) of now.
         let now = SystemTime::now();
-        let timestamp_min = now - Duration::from_secs(u64::from(window_seconds_max) + 5);
+        // A window of decades (a lifetime quota) reaches before 1970: no minimum then (the
+        // client's filter panics on a time before the epoch).
+        let timestamp_min = now
+            .checked_sub(Duration::from_secs(u64::from(window_seconds_max) + 5))
+            .filter(|min| *min > SystemTime::UNIX_EPOCH)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
         let mut timestamp_max = None;
         let mut holds = Vec::new();
         // Voided holds (refunds, concurrency slots) still look pending in their own record.

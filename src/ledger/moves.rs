@@ -34,10 +34,12 @@ pub enum Moving {
     TargetBlocked,
 }
 
-/// Live holds as (amount, seconds left), grouped by second and bounded.
+/// Live holds as (amount, seconds left), grouped by second and bounded. A hold of nothing (a
+/// balancing carry or recharge onto an account with nothing free) carries nothing: a carry of 0
+/// is no hold to build.
 fn carried_holds(holds: &[super::Hold], now: SystemTime) -> Vec<(u64, u32)> {
     let mut by_second: BTreeMap<u32, u64> = BTreeMap::new();
-    for hold in holds {
+    for hold in holds.iter().filter(|hold| hold.amount > 0) {
         let left = hold.expires_at.duration_since(now).unwrap_or_default();
         let seconds = u32::try_from(left.as_secs() + 1).unwrap_or(u32::MAX);
         *by_second.entry(seconds).or_default() += hold.amount;
@@ -200,5 +202,11 @@ mod tests {
         assert_eq!(carried.len(), CARRIED_LINKS_MAX);
         assert_eq!(carried.iter().map(|c| c.0).sum::<u64>(), 1000);
         assert_eq!(carried.last().unwrap().1, 1000, "merged into the latest");
+        // Holds of nothing (a move back onto an exhausted account) carry nothing.
+        assert_eq!(carried_holds(&[hold(1500, 0)], now), []);
+        assert_eq!(
+            carried_holds(&[hold(1500, 0), hold(1600, 2)], now),
+            [(2, 2)]
+        );
     }
 }
