@@ -174,6 +174,9 @@ async fn adjust(
         Adjusted::KeyReused => {
             anyhow::bail!("--idempotency-key names a different adjustment of this caller")
         }
+        Adjusted::KeyFailed => anyhow::bail!(
+            "--idempotency-key's adjustment was refused before; run it with a new key"
+        ),
     }
 }
 

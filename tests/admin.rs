@@ -245,6 +245,14 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     }
     let (status, _) = send("credit", "has space", 3).await;
     assert_eq!(status, 400);
+    // A key whose adjustment was refused (more than the caller has free) answers 409 on every
+    // retry, never a 503: the ledger keeps a refused id refused.
+    let refused = fresh_key("adj_");
+    let (status, problem) = send("debit", &refused, 1000).await;
+    assert_eq!(status, 409, "{problem}");
+    let (status, problem) = send("debit", &refused, 1000).await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(problem.to_string().contains("new key"), "{problem}");
     // Another key is another adjustment.
     let (status, other) = send("credit", &fresh_key("adj_"), 3).await;
     assert_eq!(

@@ -331,6 +331,11 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
             StatusCode::UNPROCESSABLE_ENTITY,
             "the Idempotency-Key names a different adjustment of this caller; nothing changed",
         ),
+        Adjusted::KeyFailed => admin_problem(
+            StatusCode::CONFLICT,
+            "the Idempotency-Key's adjustment was refused before; nothing changed: send it again \
+             with a new key",
+        ),
     }
 }
 

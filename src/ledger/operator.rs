@@ -23,6 +23,10 @@ pub enum Adjusted {
     /// The idempotency key named an adjustment that differs from this one (amount, direction,
     /// who or why): nothing was changed.
     KeyReused,
+    /// The idempotency key's adjustment was refused before (not enough credit, no account, a
+    /// block), and a refused transfer's id answers `id_already_failed` for good: nothing was
+    /// changed, and only a new key can apply it.
+    KeyFailed,
 }
 
 /// What a block came to.
@@ -62,6 +66,7 @@ fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjuste
         Some(K::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
         Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Adjusted::NoSuchAccount),
         Some(K::DebitAccountAlreadyClosed | K::CreditAccountAlreadyClosed) => Ok(Adjusted::Blocked),
+        Some(K::IdAlreadyFailed) => Ok(Adjusted::KeyFailed),
         Some(kind) => Err(unexpected_transfer(what, kind)),
     }
 }
