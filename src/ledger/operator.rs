@@ -64,7 +64,10 @@ fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjuste
             | K::ExistsWithDifferentUserData64,
         ) => Ok(Adjusted::KeyReused),
         Some(K::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
-        Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Adjusted::NoSuchAccount),
+        // Not found, or not a caller of this ledger (a concurrency slot's account, ledger 2).
+        Some(
+            K::DebitAccountNotFound | K::CreditAccountNotFound | K::AccountsMustHaveTheSameLedger,
+        ) => Ok(Adjusted::NoSuchAccount),
         Some(K::DebitAccountAlreadyClosed | K::CreditAccountAlreadyClosed) => Ok(Adjusted::Blocked),
         Some(K::IdAlreadyFailed) => Ok(Adjusted::KeyFailed),
         Some(kind) => Err(unexpected_transfer(what, kind)),
@@ -184,7 +187,12 @@ impl Ledger {
                 Ok(Blocking::Done { transfer_id })
             }
             Some(K::DebitAccountAlreadyClosed) => Ok(Blocking::AlreadyBlocked),
-            Some(K::DebitAccountNotFound | K::CreditAccountNotFound) => Ok(Blocking::NoSuchAccount),
+            // Not found, or not a caller of this ledger (a concurrency slot's account).
+            Some(
+                K::DebitAccountNotFound
+                | K::CreditAccountNotFound
+                | K::AccountsMustHaveTheSameLedger,
+            ) => Ok(Blocking::NoSuchAccount),
             Some(kind) => Err(unexpected_transfer("block: ", kind)),
         }
     }
@@ -282,5 +290,23 @@ impl Ledger {
             .with_flags(flags)
             .with_timestamp_max(timestamp_max);
         self.account_transfers(filter, deadline).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_request_caused_is_an_answer_and_the_rest_an_error() {
+        use CreateTransferErrorKind as K;
+        let answer = |kind| adjusted(Some(kind), "test: ");
+        assert_eq!(answer(K::IdAlreadyFailed), Ok(Adjusted::KeyFailed));
+        assert_eq!(
+            answer(K::AccountsMustHaveTheSameLedger),
+            Ok(Adjusted::NoSuchAccount)
+        );
+        assert_eq!(answer(K::ExceedsCredits), Ok(Adjusted::NotEnoughCredit));
+        assert!(answer(K::OverflowsCredits).is_err());
     }
 }
