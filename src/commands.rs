@@ -79,8 +79,9 @@ pub struct Change {
 
 /// `ledger-limiter audit`: one account, as the ledger records it.
 pub async fn audit(settings: &Settings, caller: &Caller) -> anyhow::Result<()> {
-    let account_id = account_id(settings, caller)?;
-    print_audit(settings, &connect(settings).await?, account_id).await
+    let ledger = connect(settings).await?;
+    let account_id = account_id(settings, &ledger, caller).await?;
+    print_audit(settings, &ledger, account_id).await
 }
 
 /// `ledger-limiter admin ...`: one operator action, then the account's audit.
@@ -100,7 +101,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
                 (1..=BLOCK_SECONDS_MAX).contains(seconds),
                 "--seconds must be between 1 and {BLOCK_SECONDS_MAX}"
             );
-            let id = account_id(settings, caller)?;
+            let id = account_id(settings, &ledger, caller).await?;
             match ledger.block(id, *seconds, actor(reason)?, deadline).await? {
                 Blocking::Done { .. } => id,
                 Blocking::AlreadyBlocked => anyhow::bail!("the caller is blocked already"),
@@ -121,7 +122,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             u128::from_str_radix(&report.to_account_id, 16)?
         }
         AdminCommand::Unblock { caller } => {
-            let id = account_id(settings, caller)?;
+            let id = account_id(settings, &ledger, caller).await?;
             match ledger.unblock(id, deadline).await? {
                 Unblocking::Done => id,
                 Unblocking::NotBlocked => anyhow::bail!("the caller is not blocked"),
@@ -149,7 +150,7 @@ async fn adjust(
         (1..=AMOUNT_MAX).contains(&change.amount),
         "--amount must be between 1 and 2^40"
     );
-    let id = account_id(settings, &change.caller)?;
+    let id = account_id(settings, ledger, &change.caller).await?;
     let actor = actor(&change.reason)?;
     let once = match &change.idempotency_key {
         Some(key) => Some(IdempotencyKey::new(key.as_bytes()).with_context(|| {
@@ -218,7 +219,9 @@ fn read_key() -> anyhow::Result<CallerKey> {
     )?)
 }
 
-fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
+/// The caller's account: the one given, or the one its key is charged to now (every move
+/// followed in the ledger: the account its plan derives is closed once it moved).
+async fn account_id(settings: &Settings, ledger: &Ledger, caller: &Caller) -> anyhow::Result<u128> {
     if let Some(hex) = &caller.account_id {
         let id = model::parse_account_id(hex).context("--account-id is 32 hex digits")?;
         anyhow::ensure!(
@@ -228,16 +231,13 @@ fn account_id(settings: &Settings, caller: &Caller) -> anyhow::Result<u128> {
         return Ok(id);
     }
     let key = read_key()?;
-    let plan = settings
-        .plans
-        .plan_for(&key)
-        .context("the key has no plan")?;
-    let plan = settings.plans.get(plan).context("the key has no plan")?;
-    let key = key.expose_secret().as_bytes();
-    Ok(model::user_account_id(
-        model::LEDGER_REQUEST_RATE,
-        plan.name(),
-        plan.capacity(),
-        key,
-    ))
+    let limiter = Limiter::new(
+        ledger.clone(),
+        settings.plans.clone(),
+        settings.limiter.clone(),
+    );
+    let deadline = Instant::now() + DEADLINE;
+    let found = limiter.current_account(&key, deadline).await?;
+    let (id, _) = found.context("the key has no plan")?;
+    Ok(id)
 }

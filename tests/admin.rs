@@ -155,11 +155,17 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
 
 impl Admin<'_> {
     async fn account_of(&self, key: &str) -> String {
+        self.account_of_plan(key).await.0
+    }
+
+    /// The lookup of `key`: its account and plan.
+    async fn account_of_plan(&self, key: &str) -> (String, String) {
         let lookup = json!({"key": key});
         let path = "/admin/callers/lookup";
         let (status, found) = self.send("POST", path, Some(SECRET), Some(lookup)).await;
         assert_eq!(status, 200, "{found}");
-        found["account_id"].as_str().unwrap().to_owned()
+        let text = |field: &str| found[field].as_str().unwrap().to_owned();
+        (text("account_id"), text("plan"))
     }
 }
 
@@ -642,6 +648,7 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
 /// follows it (one that never heard of it learns it from the ledger), and a move back works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
+    let to_of = |moved: &Value| moved["to_account_id"].as_str().unwrap().to_owned();
     let two_plans = || {
         let mut config = config(2);
         config.plans = Some(
@@ -706,6 +713,12 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     // Errors: the same plan, a plan that does not exist, an unblock of a moved account.
     let (status, problem) = send_move("pro").await;
     assert_eq!(status, 409, "{problem}");
+    // An instance that never met the caller looks its key up in the ledger: the moved-to
+    // account, not the closed one its key derives.
+    let fresh = spawn_app(two_plans()).await;
+    let found = Admin { app: &fresh }.account_of_plan(&key).await;
+    assert_eq!((found.0, found.1.as_str()), (to_of(&moved), "pro"));
+    fresh.stop().await;
     let (status, _) = send_move("gold").await;
     assert_eq!(status, 400);
     let (status, _) = admin

@@ -260,14 +260,16 @@ async fn lookup(
     else {
         return admin_problem(StatusCode::BAD_REQUEST, "not a valid key");
     };
-    let plans = state.limiter.plans();
-    let plan = plans.plan_for(&key).and_then(|id| plans.get(id));
-    match (state.limiter.account_of(&key), plan) {
-        (Some(id), Some(plan)) => HttpResponse::Ok().json(Found {
+    // Following the caller's moves in the ledger: one made elsewhere closed the account its key
+    // derives, and every action on that one would miss the caller.
+    let deadline = Instant::now() + DEADLINE;
+    match state.limiter.current_account(&key, deadline).await {
+        Ok(Some((id, plan))) => HttpResponse::Ok().json(Found {
             account_id: format!("{id:032x}"),
             plan: plan.name().to_owned(),
         }),
-        _ => admin_problem(StatusCode::NOT_FOUND, "the key has no plan"),
+        Ok(None) => admin_problem(StatusCode::NOT_FOUND, "the key has no plan"),
+        Err(error) => unavailable(&error),
     }
 }
 

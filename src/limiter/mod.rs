@@ -353,10 +353,41 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.local.clear();
     }
 
-    /// The ledger account `key` is charged to, if it has a plan (for audits and tooling).
+    /// The ledger account `key` is charged to, if it has a plan, as far as this instance knows
+    /// (the moves it has followed). An operator's lookup wants [`Limiter::current_account`].
     pub fn account_of(&self, key: &CallerKey) -> Option<u128> {
         self.charge(key, NonZeroU64::MIN)
             .map(|charge| charge.account.id)
+    }
+
+    /// The account `key` is charged to now, and its plan, following in the ledger every move an
+    /// operator made (here, on another instance or from the command line), which this instance
+    /// then remembers. `None` when the key has no plan. For operators: on a moved caller that
+    /// this instance had not followed, [`Limiter::account_of`] named the closed old account,
+    /// and a block of it answered "blocked already" while the caller went on being admitted.
+    pub async fn current_account(
+        &self,
+        key: &CallerKey,
+        deadline: Instant,
+    ) -> Result<Option<(u128, &Plan)>, LedgerError> {
+        for _ in 0..=moves::MOVES_FOLLOWED_MAX {
+            let Some(charge) = self.charge(key, NonZeroU64::MIN) else {
+                return Ok(None);
+            };
+            let view = self.view(&charge, deadline).await?;
+            let moved = moved_to(&Ok(view)).and_then(|tag| moves::plan_of_tag(&self.plans, tag));
+            match moved {
+                Some(plan) if plan != charge.plan_id => {
+                    self.moves
+                        .learn(charge.home_account_id, plan, charge.home_plan_id);
+                }
+                _ => return Ok(Some((charge.account.id, charge.plan))),
+            }
+        }
+        Err(LedgerError::Unexpected {
+            operation: crate::ledger::metrics::Operation::GetAccountTransfers,
+            message: "a caller moved more times than a lookup follows".to_owned(),
+        })
     }
 
     /// Gives an admitted request's credit back now (the handler failed: callers are not charged
