@@ -427,6 +427,19 @@ pub(super) fn settling_soon(
     view
 }
 
+/// [`settling_soon`] of what a read of an account answered, when the account is a lease plan's
+/// (`terms`); any other answer as it is. For every refusal that reads the account: the plan's
+/// own, and a plan's beside route limits.
+pub(super) fn listing_settling_soon(
+    view: Result<Option<crate::ledger::AccountView>, LedgerError>,
+    terms: Option<LeaseTerms>,
+) -> Result<Option<crate::ledger::AccountView>, LedgerError> {
+    match (view, terms) {
+        (Ok(Some(view)), Some(terms)) => Ok(Some(settling_soon(view, terms))),
+        (view, _) => view,
+    }
+}
+
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
     /// that finds it half spent also gets the renewal of the next one, to run); else after a

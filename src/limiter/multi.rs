@@ -25,6 +25,7 @@ use super::{
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
+use crate::limiter::lease::listing_settling_soon;
 use crate::limiter::local_view::{Generation, Listing, LocalQuota};
 use crate::limiter::plan::LeaseTerms;
 
@@ -46,7 +47,7 @@ pub struct Limit {
     /// The lease terms of the plan whose account this is (a lease plan's, charged per request
     /// beside route limits): other instances' leases on it end when they settle them, not at
     /// their timeout, and a refusal's `Retry-After` and the local view say so
-    /// (`lease::settling_soon`).
+    /// (`lease::listing_settling_soon`).
     pub lease: Option<LeaseTerms>,
 }
 
@@ -108,10 +109,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         let deadline = started + self.settings.ledger_timeout;
         // Before any listing of an account is asked for (`LocalView::replace` says why).
-        let reads: Vec<Generation> = limits
-            .iter()
-            .map(|limit| self.local.generation(limit.account.id))
-            .collect();
+        let reads = self.generations(limits);
         Ok(match self.chain(limits, &links, deadline).await {
             Ok(Chained::Held {
                 answered_at,
@@ -161,15 +159,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if decision.outcome != Outcome::Admitted || self.clock.now() >= deadline {
             return;
         }
-        let generations: Vec<Generation> = limits
-            .iter()
-            .map(|limit| self.local.generation(limit.account.id))
-            .collect();
+        let generations = self.generations(limits);
         let reads = (0..limits.len())
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
         for (i, view) in futures_util::future::join_all(reads).await {
-            let Ok(Some(view)) = settling_soon(view, &limits[i]) else {
+            let Ok(Some(view)) = listing_settling_soon(view, limits[i].lease) else {
                 continue;
             };
             let account = &limits[i].account;
@@ -281,6 +276,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Err(self.unexpected("a chain not decided within its rounds"))
     }
 
+    /// Each limit's account's generation in the local view, read before its listing is asked for.
+    fn generations(&self, limits: &[Limit]) -> Vec<Generation> {
+        limits
+            .iter()
+            .map(|limit| self.local.generation(limit.account.id))
+            .collect()
+    }
+
     /// The account's credit and holds, listed over the longest window of the plans or its own.
     async fn account_view_of(
         &self,
@@ -373,7 +376,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let moved_to = super::moved_to(&view);
         let retry_after = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
-            let view = settling_soon(view, limit);
+            let view = listing_settling_soon(view, limit.lease);
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
                 .0
         } else {
@@ -474,17 +477,5 @@ fn quota(account: &UserAccount, local: LocalQuota) -> Quota {
         // At most the limit, whatever a top-up left (as a plan's quota).
         remaining: local.remaining.min(account.capacity.get()),
         reset_seconds: whole_seconds_up(local.reset_after),
-    }
-}
-
-/// `view` of `limit`'s account, its leases ending when their instances settle them, if the
-/// account is a lease plan's.
-fn settling_soon(
-    view: Result<Option<AccountView>, LedgerError>,
-    limit: &Limit,
-) -> Result<Option<AccountView>, LedgerError> {
-    match (view, limit.lease) {
-        (Ok(Some(view)), Some(terms)) => Ok(Some(super::lease::settling_soon(view, terms))),
-        (view, _) => view,
     }
 }
