@@ -7,7 +7,7 @@
 //! caller costs nothing more once an instance has learnt the move.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
@@ -112,7 +112,7 @@ impl Ledger {
         }
         // Moved: the late pass has time of its own (the move's deadline may be spent by now, and
         // a call past it is not sent), and its failure is not the move's, which is done.
-        let late_deadline = deadline.max(Instant::now() + Duration::from_secs(1));
+        let late_deadline = super::follow_up_deadline(deadline);
         let late = self
             .carry_late_holds(from, to.id, &view, window_seconds_max, late_deadline)
             .await;
@@ -191,6 +191,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn carried_holds_are_grouped_by_second_bounded_and_never_shorter() {

@@ -90,9 +90,8 @@ impl Ledger {
     /// Counts one operator action in the ledger's operator epoch (best effort: an instance that
     /// misses it still refuses only what the ledger would, for at most the callers' windows).
     pub(super) async fn bump_operator_epoch(&self, deadline: Instant) {
-        // The action it counts is done; the action's deadline may be spent by now (a call past
-        // its deadline is not sent), and this must still go: at least a second of its own.
-        let deadline = deadline.max(Instant::now() + Duration::from_secs(1));
+        // The action it counts is done: this must still go.
+        let deadline = super::follow_up_deadline(deadline);
         let accounts = vec![
             model::operator_account(self.ledger_id),
             model::operator_epoch_account(self.ledger_id),
