@@ -152,21 +152,23 @@ impl Cli {
     }
 }
 
-fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
+/// The config file (if any) with the flags and environment over it: what overrides the
+/// built-in defaults.
+fn overrides(cli: &Cli) -> anyhow::Result<FileConfig> {
     let file = match &cli.config {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
     };
-    Ok(Settings::with_overrides(file.merge(cli.overrides()))?)
+    Ok(file.merge(cli.overrides()))
+}
+
+fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
+    Ok(Settings::with_overrides(overrides(cli)?)?)
 }
 
 /// `ledger-limiter probe`, knowing only the listen address (of the file and the flags).
 async fn run_probe(cli: &Cli, probe: &probe::Probe) -> anyhow::Result<()> {
-    let file = match &cli.config {
-        Some(path) => FileConfig::load(path)?,
-        None => FileConfig::default(),
-    };
-    let listen = Settings::listen_with_overrides(file.merge(cli.overrides()))?;
+    let listen = Settings::listen_with_overrides(overrides(cli)?)?;
     probe::probe(&listen, probe).await
 }
 

@@ -266,6 +266,11 @@ impl FileConfig {
         Self::parse(&text, &format!("config ({})", path.display()))
     }
 
+    /// The built-in defaults ([`DEFAULT_CONFIG_TOML`]).
+    pub fn defaults() -> Result<Self, ConfigError> {
+        Self::parse(DEFAULT_CONFIG_TOML, "built-in defaults")
+    }
+
     /// `other`'s values win where given.
     pub fn merge(mut self, other: FileConfig) -> Self {
         macro_rules! take {
@@ -468,14 +473,12 @@ impl Settings {
     /// checked: for `ledger-limiter probe`, which must not fail a running service's health
     /// check over a keys file edited since it started.
     pub fn listen_with_overrides(overrides: FileConfig) -> Result<String, ConfigError> {
-        let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
-        require(defaults.merge(overrides).listen, "listen")
+        require(FileConfig::defaults()?.merge(overrides).listen, "listen")
     }
 
     /// The built-in defaults with `overrides` applied.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
-        let defaults = FileConfig::parse(DEFAULT_CONFIG_TOML, "built-in defaults")?;
-        Self::from_file_config(defaults.merge(overrides))
+        Self::from_file_config(FileConfig::defaults()?.merge(overrides))
     }
 
     /// What [`Ledger::connect`](crate::ledger::Ledger::connect) needs from this configuration,
