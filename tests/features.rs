@@ -3,9 +3,14 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{web, HttpResponse};
 use common::*;
 use futures_util::future::join_all;
 use ledger_limiter::config::{FileConfig, ResponseFile, RoutesFile};
+use ledger_limiter::http::RequestRules;
 
 fn config(capacity: u64, routes: RoutesFile, response: ResponseFile) -> FileConfig {
     let mut config = test_config(shared_ledger().address);
@@ -37,13 +42,13 @@ fn library_plan(
 /// Serves `routes` behind `RateLimit::new(limiter, rules)`, one worker on a free port, as a user
 /// wires the library: the port, and the handle that stops it.
 fn serve_library(
-    limiter: &std::sync::Arc<ledger_limiter::limiter::Limiter>,
-    rules: ledger_limiter::http::RequestRules,
-    routes: fn(&mut actix_web::web::ServiceConfig),
+    limiter: &Arc<ledger_limiter::limiter::Limiter>,
+    rules: RequestRules,
+    routes: fn(&mut web::ServiceConfig),
 ) -> (u16, actix_web::dev::ServerHandle) {
     use actix_web::{App, HttpServer};
     use ledger_limiter::http::RateLimit;
-    let (limiter, rules) = (limiter.clone(), std::sync::Arc::new(rules));
+    let (limiter, rules) = (limiter.clone(), Arc::new(rules));
     let server = HttpServer::new(move || {
         App::new()
             .wrap(RateLimit::new(limiter.clone(), rules.clone()))
@@ -322,11 +327,6 @@ async fn get_forwarded(app: &TestApp, address: &str) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_give_the_credit_back_on_refund_routes_only() {
-    use actix_web::{web, HttpResponse};
-    use ledger_limiter::http::RequestRules;
-    use std::sync::Arc;
-    use std::time::Duration;
-
     // The library as a user wires it, around handlers that fail.
     let ledger = ledger_client(vec![shared_ledger().address]);
     let limiter = Arc::new(one_plan_limiter(ledger, library_plan("free", 2, 60)));
@@ -732,11 +732,6 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
 /// has free), and the next requests see it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_reported_after_the_response_replaces_the_estimate() {
-    use actix_web::{web, HttpResponse};
-    use ledger_limiter::http::RequestRules;
-    use std::sync::Arc;
-    use std::time::Duration;
-
     let ledger = ledger_client(vec![shared_ledger().address]);
     let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
     let rules = RequestRules::builder()
@@ -811,11 +806,6 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
 /// left to charge, and used to fail every other hold's recharge with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reported_cost_is_charged_where_holds_live_when_a_shorter_one_expired() {
-    use actix_web::{web, HttpResponse};
-    use ledger_limiter::http::RequestRules;
-    use std::sync::Arc;
-    use std::time::Duration;
-
     let ledger = ledger_client(vec![shared_ledger().address]);
     let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 100, 60)));
     let rules = RequestRules::builder()

@@ -184,16 +184,16 @@ impl LedgerMetrics {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn the_last_bucket_holds_the_longest_deadline() {
-        let last = *super::LEDGER_CALL_BUCKETS_SECONDS.last().unwrap();
+        let last = *LEDGER_CALL_BUCKETS_SECONDS.last().unwrap();
         let longest = crate::config::LEDGER_TIMEOUT_MS_MAX as f64 / 1000.0;
         assert!(last >= longest, "{last} s < {longest} s");
-        let ascending = super::LEDGER_CALL_BUCKETS_SECONDS.windows(2);
+        let ascending = LEDGER_CALL_BUCKETS_SECONDS.windows(2);
         assert!(ascending.into_iter().all(|pair| pair[0] < pair[1]));
     }
-
-    use super::*;
 
     #[test]
     fn enum_discriminants_index_their_handles() {

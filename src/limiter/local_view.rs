@@ -558,6 +558,17 @@ mod tests {
         }
     }
 
+    /// A caller of credit 5, nothing held, blocked until `until` (`None`: an end not read).
+    fn blocked_view(until: Option<SystemTime>, wall: SystemTime) -> AccountView {
+        AccountView {
+            blocked: Some(crate::ledger::Blocked {
+                until,
+                moved_to: None,
+            }),
+            ..ledger_view(5, &[], wall)
+        }
+    }
+
     /// Stores `account` as a listing of caller `id` asked for just now (nothing cleared since).
     fn list(view: &LocalView, id: u128, account: &AccountView, now: Instant, wall: SystemTime) {
         let read = view.generation(id);
@@ -663,24 +674,12 @@ mod tests {
         let t0 = Instant::now();
         let wall = SystemTime::now();
         let block = Duration::from_secs(60);
-        let blocked = AccountView {
-            blocked: Some(crate::ledger::Blocked {
-                until: Some(wall + block),
-                moved_to: None,
-            }),
-            ..ledger_view(5, &[], wall)
-        };
+        let blocked = blocked_view(Some(wall + block), wall);
         list(&view, 3, &blocked, t0, wall);
         let limit = view.check(3, 1, t0).expect("blocked");
         assert!(limit.blocked);
         assert_eq!(limit.retry_after, block + MARGIN);
-        let unknown_end = AccountView {
-            blocked: Some(crate::ledger::Blocked {
-                until: None,
-                moved_to: None,
-            }),
-            ..blocked
-        };
+        let unknown_end = blocked_view(None, wall);
         list(&view, 3, &unknown_end, t0, wall);
         assert_eq!(view.check(3, 1, t0).unwrap().retry_after, WINDOW);
     }
@@ -690,13 +689,7 @@ mod tests {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
         let wall = SystemTime::now();
-        let blocked = AccountView {
-            blocked: Some(crate::ledger::Blocked {
-                until: Some(wall + Duration::from_secs(7 * 24 * 3600)),
-                moved_to: None,
-            }),
-            ..ledger_view(5, &[], wall)
-        };
+        let blocked = blocked_view(Some(wall + Duration::from_secs(7 * 24 * 3600)), wall);
         // Read while blocked, then a change before the listing is stored: the listing answers
         // its refusal all the same, and is stored only if nothing in its shard (3 of 64)
         // changed meanwhile.
