@@ -7,6 +7,7 @@
 mod common;
 
 use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,17 +55,49 @@ enum Answer {
     Failed,
 }
 
-/// `tasks` concurrent callers sending `key` to `limiter` until `until`, pausing `pause` between
-/// requests.
-async fn hammer(
-    limiter: &Arc<Limiter>,
-    key: &str,
+/// How long a load may run past its `until` to send its `requests_min`, at most: a test that
+/// needs longer has stalled, and fails rather than hangs.
+const OVERRUN_MAX: Duration = Duration::from_secs(120);
+
+/// A load: `tasks` concurrent senders, each pausing `pause` between requests, until `until` and
+/// at least `requests_min` requests in all. The count is a condition of the load rather than an
+/// assertion on it, so a slow machine (a debug build, a busy CI host) takes longer instead of
+/// failing: the tests assert what the ledger did, never how fast this machine is.
+#[derive(Clone, Copy)]
+struct Load {
     tasks: usize,
     until: Instant,
+    requests_min: u64,
     pause: Duration,
-) -> Tally {
+}
+
+impl Load {
+    fn new(tasks: usize, seconds: f64, requests_min: u64, pause: Duration) -> Load {
+        let until = Instant::now() + Duration::from_secs_f64(seconds);
+        Load {
+            tasks,
+            until,
+            requests_min,
+            pause,
+        }
+    }
+
+    fn going(&self, sent: &AtomicU64) -> bool {
+        let now = Instant::now();
+        assert!(
+            now < self.until + OVERRUN_MAX,
+            "stalled: {} of {} requests",
+            sent.load(Relaxed),
+            self.requests_min
+        );
+        now < self.until || sent.load(Relaxed) < self.requests_min
+    }
+}
+
+/// Callers sending `key` to `limiter` under `load`.
+async fn hammer(limiter: &Arc<Limiter>, key: &str, load: Load) -> Tally {
     let (limiter, key) = (limiter.clone(), caller(key));
-    hammer_with(tasks, until, pause, move || {
+    hammer_with(load, move || {
         let (limiter, key) = (limiter.clone(), key.clone());
         async move {
             match limiter.check(&key, NonZeroU64::MIN).await.unwrap().outcome {
@@ -79,15 +112,9 @@ async fn hammer(
 
 /// [`hammer`] over HTTP: `tasks` concurrent clients of the service at `address` (keep-alive
 /// connections, as a load generator's), each request decided by the middleware.
-async fn hammer_http(
-    http: &reqwest::Client,
-    address: &str,
-    key: &str,
-    tasks: usize,
-    until: Instant,
-) -> Tally {
+async fn hammer_http(http: &reqwest::Client, address: &str, key: &str, load: Load) -> Tally {
     let (http, url, key) = (http.clone(), format!("{address}/greeting"), key.to_owned());
-    hammer_with(tasks, until, Duration::ZERO, move || {
+    hammer_with(load, move || {
         let request = http.get(&url).header("X-Api-Key", &key);
         async move {
             match request.send().await.map(|r| r.status().as_u16()) {
@@ -100,19 +127,21 @@ async fn hammer_http(
     .await
 }
 
-/// `tasks` concurrent tasks calling `send` until `until`, each admission bracketed by the
+/// `load.tasks` concurrent tasks calling `send` under `load`, each admission bracketed by the
 /// instants before and after it.
-async fn hammer_with<F, Fut>(tasks: usize, until: Instant, pause: Duration, send: F) -> Tally
+async fn hammer_with<F, Fut>(load: Load, send: F) -> Tally
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = Answer> + Send,
 {
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let handles: Vec<_> = (0..tasks)
+    let sent = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..load.tasks)
         .map(|_| {
-            let (send, tally) = (send.clone(), tally.clone());
+            let (send, tally, sent) = (send.clone(), tally.clone(), sent.clone());
             tokio::spawn(async move {
-                while Instant::now() < until {
+                while load.going(&sent) {
+                    sent.fetch_add(1, Relaxed);
                     let before = Instant::now();
                     let answer = send().await;
                     let after = Instant::now();
@@ -125,8 +154,8 @@ where
                             Answer::Failed => tally.failed += 1,
                         }
                     }
-                    if !pause.is_zero() {
-                        tokio::time::sleep(pause).await;
+                    if !load.pause.is_zero() {
+                        tokio::time::sleep(load.pause).await;
                     }
                 }
             })
@@ -155,10 +184,10 @@ fn assert_within_capacity(admissions: &mut [Admission], capacity: u64) {
     }
 }
 
-/// Two instances' tallies over `seconds`: at least `requests_min` requests, none failed, no window
-/// over `capacity`, and not starved: together they admitted most of what the plan allows (a unit
-/// is held at most window + L, plus settling, after its admission), each at least a tenth.
-fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64, requests_min: u64) {
+/// Two instances' tallies over at least `seconds`: none failed, no window over `capacity`, and not
+/// starved: together they admitted most of what the plan allows (a unit is held at most window +
+/// L, plus settling, after its admission), each at least a tenth.
+fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64) {
     let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
     let requests = ta.requests + tb.requests;
     eprintln!(
@@ -167,10 +196,6 @@ fn assert_exact_and_shared(ta: &Tally, tb: &Tally, capacity: u64, seconds: f64, 
         ta.admitted.len(),
         tb.admitted.len(),
         ta.failed + tb.failed
-    );
-    assert!(
-        requests >= requests_min,
-        "thousands of concurrent requests: {requests}"
     );
     assert_eq!(ta.failed + tb.failed, 0);
     assert_within_capacity(&mut all, capacity);
@@ -227,13 +252,10 @@ async fn two_instances_one_hot_caller_never_over_admit() {
     let (a, b) = (limiter(CAPACITY, 100), limiter(CAPACITY, 100));
     let settlers = [spawn_settler(&a).unwrap(), spawn_settler(&b).unwrap()];
     let key = common::fresh_key("hot_");
-    let until = Instant::now() + Duration::from_secs(7);
-    let pause = Duration::from_millis(2);
-    let (ta, tb) = tokio::join!(
-        hammer(&a, &key, 32, until, pause),
-        hammer(&b, &key, 32, until, pause)
-    );
-    assert_exact_and_shared(&ta, &tb, CAPACITY, 7.0, 5_000);
+    // Thousands of concurrent requests over three windows and more.
+    let load = Load::new(32, 7.0, 2_500, Duration::from_millis(2));
+    let (ta, tb) = tokio::join!(hammer(&a, &key, load), hammer(&b, &key, load));
+    assert_exact_and_shared(&ta, &tb, CAPACITY, 7.0);
     settlers.iter().for_each(|s| s.abort());
 }
 
@@ -257,12 +279,12 @@ async fn two_services_one_hot_caller_never_over_admit_over_http() {
         common::spawn_app(config).await,
     );
     let key = common::fresh_key("hot_");
-    let until = Instant::now() + Duration::from_secs(6);
+    let load = Load::new(16, 6.0, 1_000, Duration::ZERO);
     let (ta, tb) = tokio::join!(
-        hammer_http(&a.http, &a.address, &key, 16, until),
-        hammer_http(&b.http, &b.address, &key, 16, until)
+        hammer_http(&a.http, &a.address, &key, load),
+        hammer_http(&b.http, &b.address, &key, load)
     );
-    assert_exact_and_shared(&ta, &tb, CAPACITY, 6.0, 2_000);
+    assert_exact_and_shared(&ta, &tb, CAPACITY, 6.0);
     a.stop().await;
     b.stop().await;
 }
@@ -274,8 +296,7 @@ async fn a_hot_caller_under_its_limit_is_admitted_from_memory_and_audited_whole(
     let settler = spawn_settler(&a).unwrap();
     let key = common::fresh_key("hot_");
     let calls_before = a.ledger().calls_started();
-    let until = Instant::now() + Duration::from_secs(3);
-    let tally = hammer(&a, &key, 64, until, Duration::ZERO).await;
+    let tally = hammer(&a, &key, Load::new(64, 3.0, 5_000, Duration::ZERO)).await;
     let calls = a.ledger().calls_started() - calls_before;
     let admitted = tally.admitted.len() as u64;
     eprintln!(
@@ -283,7 +304,6 @@ async fn a_hot_caller_under_its_limit_is_admitted_from_memory_and_audited_whole(
         tally.requests
     );
     assert_eq!(admitted, tally.requests, "all admitted");
-    assert!(admitted >= 5_000, "{admitted}");
     assert!(
         calls * 20 <= admitted,
         "{calls} ledger calls for {admitted} admitted: more than 0.05 each"
@@ -316,8 +336,7 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     }
     // A serves the caller for 0.7 s below its limit (about 100 requests/s, so it holds a lease
     // with unused units), then dies: no settlement, no sweeper.
-    let until = Instant::now() + Duration::from_millis(700);
-    let ta = hammer(&a, &key, 2, until, Duration::from_millis(20)).await;
+    let ta = hammer(&a, &key, Load::new(2, 0.7, 0, Duration::from_millis(20))).await;
     eprintln!(
         "a: requests {}, admitted {}, failed {}",
         ta.requests,
@@ -332,8 +351,13 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
         "A died holding a lease: {killed:?}"
     );
     // B takes over at once, for longer than the dead lease lives (window + L).
-    let until = Instant::now() + Duration::from_secs(u64::from(WINDOW_SECONDS + LEASE_SECONDS) + 1);
-    let tb = hammer(&b, &key, 32, until, Duration::from_millis(2)).await;
+    let seconds = f64::from(WINDOW_SECONDS + LEASE_SECONDS + 1);
+    let tb = hammer(
+        &b,
+        &key,
+        Load::new(32, seconds, 0, Duration::from_millis(2)),
+    )
+    .await;
     let mut all: Vec<Admission> = ta.admitted.iter().chain(&tb.admitted).copied().collect();
     eprintln!(
         "admitted a {} then b {}",
