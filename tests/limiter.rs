@@ -368,6 +368,21 @@ async fn ledger_down_fail_open_admits_within_the_deadline() {
     app.stop().await;
 }
 
+/// A route with a concurrency limit decides twice, the rate then the slot, by the request's one
+/// deadline: with the ledger down and failing open, its answer comes within one
+/// `ledger.timeout_ms` (a deadline per decision made it two; the timeout is longer than
+/// [`ANSWER_SLACK`], so two cannot pass for one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_down_a_concurrency_route_answers_within_one_deadline() {
+    let timeout = Duration::from_millis(1_200);
+    let mut config = down_config("open");
+    config.ledger.timeout_ms = Some(timeout.as_millis() as u64);
+    config.routes.concurrency = Some([("/greeting".to_owned(), 2)].into());
+    let app = spawn_app_without_ledger(config).await;
+    burst_answered(&app, 10, 200, timeout).await;
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
     let ledger = TestLedger::start();

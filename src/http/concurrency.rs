@@ -7,6 +7,7 @@
 
 use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
+use std::time::Instant;
 
 use thiserror::Error;
 
@@ -79,18 +80,19 @@ impl ConcurrencyLimits {
 
     /// A slot for `key` if `path` has a concurrency limit; `Err` is the answer when none is free
     /// (429, `Retry-After: 1`: slots come back as requests finish) or the ledger failed closed
-    /// (503). In `shadow` mode a refusal lets the request through without a slot.
+    /// (503), by `deadline`. In `shadow` mode a refusal lets the request through without a slot.
     pub async fn take(
         &self,
         path: &str,
         key: &CallerKey,
         shadow: bool,
+        deadline: Instant,
     ) -> Result<Option<Slot>, HttpResponse> {
         let Some(slots) = self.for_path(path) else {
             return Ok(None);
         };
         // Boxed: only routes with a concurrency limit carry the decision's state.
-        let refused = match Box::pin(Slot::take(slots, key, shadow)).await {
+        let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
             Ok(slot) => return Ok(slot),
             Err(refused) => refused,
         };
@@ -144,13 +146,16 @@ pub struct Slot {
 impl Slot {
     /// Takes a slot for `key`: `Ok(Some)` held, `Ok(None)` nothing to hold (the failure policy
     /// admitted without the ledger, or a refusal let through and counted in `shadow` mode),
-    /// `Err` the refusing decision's outcome (in flight at the max, or the ledger failed closed).
+    /// `Err` the refusing decision's outcome (in flight at the max, or the ledger failed closed
+    /// by `deadline`).
     pub async fn take(
         limiter: &Arc<Limiter>,
         key: &CallerKey,
         shadow: bool,
+        deadline: Instant,
     ) -> Result<Option<Slot>, Outcome> {
-        let decision: Decision<'_> = match limiter.check(key, NonZeroU64::MIN).await {
+        let decided = limiter.check_by(key, NonZeroU64::MIN, deadline);
+        let decision: Decision<'_> = match decided.await {
             Ok(decision) => decision,
             // A concurrency plan takes every key (its book has no rules): never reached.
             Err(_) => return Ok(None),

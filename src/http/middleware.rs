@@ -28,6 +28,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Instant;
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
@@ -209,7 +210,11 @@ where
         limits,
     } = charge;
     let limits = limits.as_deref().unwrap_or_default();
-    let mut decision = match inner.limiter.check_with(&key, cost, limits).await {
+    // One deadline for the request's decisions, the rate's and the slot's: its answer comes
+    // within one `ledger.timeout_ms`, however slow the ledger.
+    let deadline = Instant::now() + inner.limiter.settings().ledger_timeout;
+    let decided = inner.limiter.check_with_by(&key, cost, limits, deadline);
+    let mut decision = match decided.await {
         Ok((decision, renewal)) => {
             inner.renew_ahead(renewal);
             decision
@@ -229,13 +234,17 @@ where
     }
     let slot = match inner
         .concurrency
-        .take(req.match_info().as_str(), &key, shadow)
+        .take(req.match_info().as_str(), &key, shadow, deadline)
         .await
     {
         Ok(slot) => slot,
         Err(mut response) => {
-            // Not served, so not charged (and no refund of a server error: not counted as one).
-            let _ = Box::pin(inner.limiter.give_back(&mut decision)).await;
+            // Not served, so not charged (and no refund of a server error: not counted as one),
+            // after the answer: the deadline may be spent.
+            if let Some(holds) = inner.limiter.give_back_later(&mut decision) {
+                let limiter = inner.limiter.clone();
+                actix_web::rt::spawn(async move { limiter.void_holds(holds).await });
+            }
             // The rate-limit fields as on any refusal: what the caller has left of its rate
             // (given back), beside the concurrency's Retry-After.
             respond::add_fields(response.headers_mut(), &inner.fields, &decision, Some(1));

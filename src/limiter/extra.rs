@@ -6,6 +6,7 @@
 //! (derived from `+<limit name>`, a name no plan can have, its capacity and the key).
 
 use std::num::NonZeroU64;
+use std::time::Instant;
 
 use super::caller::{CallerKey, KeyError};
 use super::multi::{Limit, MultiDecision};
@@ -53,11 +54,24 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: NonZeroU64,
         route_limits: &[Plan],
     ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        self.check_with_by(key, cost, route_limits, deadline).await
+    }
+
+    /// [`Limiter::check_with`] with every ledger call answered by `deadline`
+    /// ([`Limiter::check_by`] says why).
+    pub async fn check_with_by(
+        &self,
+        key: &CallerKey,
+        cost: NonZeroU64,
+        route_limits: &[Plan],
+        deadline: Instant,
+    ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
         if route_limits.is_empty() {
-            return self.check_leaving_renewal(key, cost).await;
+            return self.check_leaving_renewal(key, cost, deadline).await;
         }
         // Boxed: the all-or-none chain's future is large, and most routes have no further limits.
-        let decision = Box::pin(self.check_with_limits(key, cost, route_limits)).await?;
+        let decision = Box::pin(self.check_with_limits(key, cost, route_limits, deadline)).await?;
         Ok((decision, None))
     }
 
@@ -66,6 +80,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         key: &CallerKey,
         cost: NonZeroU64,
         route_limits: &[Plan],
+        deadline: Instant,
     ) -> Result<Decision<'_>, KeyError> {
         assert!(
             route_limits.len() <= ROUTE_LIMITS_MAX,
@@ -91,7 +106,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 lease: None,
             }));
             let multi = self
-                .check_all(&limits)
+                .check_all_by(&limits, deadline)
                 .await
                 .expect("at most 1 + ROUTE_LIMITS_MAX distinct accounts");
             // The plan's account closed: a block, or a move this instance has not learnt yet (as

@@ -40,7 +40,7 @@ use super::counts::ThreadCounts;
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
-use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached};
+use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached, Timing};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
@@ -444,18 +444,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
     /// that finds it half spent also gets the renewal of the next one, to run); else after a
     /// renewal, its own or another request's; per request (exact, as without leases) when no
-    /// lease can be had. Everything by `started + ledger_timeout`.
+    /// lease can be had. Everything by `at.deadline`.
     pub(super) async fn decide_leased(
         &self,
         charge: &Charge<'_>,
         terms: LeaseTerms,
-        started: Instant,
+        at: Timing,
     ) -> Result<Reached, u64> {
         let slot = match self.leases.slot(charge, terms) {
             Some(slot) if charge.cost <= terms.units_max.get() => slot,
-            _ => return self.decide_per_request_counted(charge, started).await,
+            _ => return self.decide_per_request_counted(charge, at).await,
         };
-        let deadline = started + self.settings.ledger_timeout;
+        let deadline = at.deadline;
         for _ in 0..LEASE_ATTEMPTS_MAX {
             match self.look(&slot, charge.cost) {
                 Look::Admitted(decided, leased) => return Ok((decided, Some(leased), None)),
@@ -490,7 +490,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
             }
         }
-        self.decide_per_request_counted(charge, started).await
+        self.decide_per_request_counted(charge, at).await
     }
 
     /// [`Limiter::decide_leased`]'s first look, without waiting: admits `cost` from the caller's
@@ -580,9 +580,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn decide_per_request_counted(
         &self,
         charge: &Charge<'_>,
-        started: Instant,
+        at: Timing,
     ) -> Result<Reached, u64> {
-        let decided = self.decide_per_request(charge, started).await?;
+        let decided = self.decide_per_request(charge, at).await?;
         if decided.2.is_some() {
             self.leases.count_transfers(charge.plan_id, 1);
         }

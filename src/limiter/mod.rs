@@ -191,6 +191,13 @@ fn credit_back(quota: &mut Quota, amount: u64) {
     quota.remaining = quota.remaining.saturating_add(amount).min(quota.limit);
 }
 
+/// The holds of a request that was admitted but not served, to void after its answer
+/// ([`Limiter::give_back_later`]): (account, hold), its plan's first.
+#[must_use = "holds not voided stay charged until their window ends"]
+pub struct HoldsToVoid {
+    holds: Vec<(u128, HoldReceipt)>,
+}
+
 /// A decision before it is a [`Decision`]: the outcome, the quota, the hold if one admitted it.
 type Decided = (Outcome, LocalQuota, Option<HoldReceipt>);
 
@@ -217,6 +224,13 @@ enum Placed {
     },
     ExceedsCredits,
     Blocked,
+}
+
+/// When a decision began (the local view's "now") and by when the ledger must have answered it.
+#[derive(Clone, Copy)]
+struct Timing {
+    started: Instant,
+    deadline: Instant,
 }
 
 /// Why a decision did not admit: a refusal, or the caller moved to another plan (follow it).
@@ -402,12 +416,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(given)
     }
 
-    /// [`Limiter::refund`] without counting it as one: for a request that was admitted but not
-    /// served after all (a concurrency slot refused it), which is no refund of a server error.
-    ///
-    /// What is given back is in the decision's quotas too, so the response's rate-limit fields
-    /// say what the caller has left after it (they used to count the request as charged).
-    pub async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
+    /// [`Limiter::refund`] without counting it as one. What is given back is in the decision's
+    /// quotas too, so the response's rate-limit fields say what the caller has left after it.
+    async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
         if let Some(leased) = decision.leased.take() {
             let given = self.leases.give_back(decision.account_id, leased);
             if given {
@@ -442,6 +453,42 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             credit_back(&mut decision.quota, hold.amount);
         }
         Ok(given)
+    }
+
+    /// [`Limiter::give_back`] for an answer that does not wait for the ledger: lease units come
+    /// back now, and the holds are handed out, to be voided after the answer by
+    /// [`Limiter::void_holds`]. The decision's quotas count them as given back already. Why: a
+    /// request refused a concurrency slot has spent its one deadline on its two decisions, and a
+    /// give-back within it would, on a slow ledger, be cut short and keep the caller charged.
+    pub fn give_back_later(&self, decision: &mut Decision<'_>) -> Option<HoldsToVoid> {
+        if let Some(leased) = decision.leased.take() {
+            if self.leases.give_back(decision.account_id, leased) {
+                credit_back(&mut decision.quota, leased.units);
+            }
+            return None;
+        }
+        let holds: Vec<(u128, HoldReceipt)> = decision.holds().collect();
+        if let Some(hold) = decision.hold {
+            credit_back(&mut decision.quota, hold.amount);
+        }
+        for limit in &mut decision.route_limits {
+            if let Some(hold) = limit.hold {
+                credit_back(&mut limit.quota, hold.amount);
+            }
+        }
+        (!holds.is_empty()).then_some(HoldsToVoid { holds })
+    }
+
+    /// Voids the holds [`Limiter::give_back_later`] handed out, together, within one
+    /// `ledger.timeout_ms` from now. One that fails expires with its window.
+    pub async fn void_holds(&self, holds: HoldsToVoid) {
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let voids = holds.holds.into_iter().map(|(account_id, hold)| async move {
+            if let Err(error) = self.release_by(account_id, hold, deadline).await {
+                tracing::debug!(%error, "could not give a hold back; it expires with its window");
+            }
+        });
+        join_all(voids).await;
     }
 
     /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
@@ -486,18 +533,31 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// deadline ([`Limiter::check_with`] leaves it to its caller instead).
     pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision<'_>, KeyError> {
         let deadline = self.clock.now() + self.settings.ledger_timeout;
-        let (decision, renewal) = self.check_leaving_renewal(key, cost).await?;
+        self.check_by(key, cost, deadline).await
+    }
+
+    /// [`Limiter::check`] with every ledger call answered by `deadline`: a step of a request
+    /// whose other steps share it (an HTTP request's concurrency slot after its rate decision),
+    /// so that the request's answer comes within one deadline, not one per step.
+    pub async fn check_by(
+        &self,
+        key: &CallerKey,
+        cost: NonZeroU64,
+        deadline: Instant,
+    ) -> Result<Decision<'_>, KeyError> {
+        let (decision, renewal) = self.check_leaving_renewal(key, cost, deadline).await?;
         if let Some(renewal) = renewal {
             self.renew_lease_ahead_by(renewal, deadline).await;
         }
         Ok(decision)
     }
 
-    /// [`Limiter::check`], with the renewal ahead of need (if any) for the caller to run.
+    /// [`Limiter::check_by`], with the renewal ahead of need (if any) for the caller to run.
     async fn check_leaving_renewal(
         &self,
         key: &CallerKey,
         cost: NonZeroU64,
+        deadline: Instant,
     ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
         let Some(mut charge) = self.charge(key, cost) else {
             self.reject_key();
@@ -505,7 +565,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let mut followed = 0;
         let ((outcome, local, hold), leased, renewal) = loop {
-            match self.decide(&charge).await {
+            match self.decide(&charge, deadline).await {
                 Ok(decided) => break decided,
                 Err(tag) => match moves::plan_of_tag(&self.plans, tag) {
                     Some(plan) if followed < moves::MOVES_FOLLOWED_MAX => {
@@ -609,12 +669,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// From the caller's lease on lease plans (`lease.rs`), else per request. `Err` with the new
     /// plan's tag when the caller moved to another plan.
-    async fn decide(&self, charge: &Charge<'_>) -> Result<Reached, u64> {
-        let started = self.clock.now();
+    async fn decide(&self, charge: &Charge<'_>, deadline: Instant) -> Result<Reached, u64> {
+        let at = Timing {
+            started: self.clock.now(),
+            deadline,
+        };
         if let Some(terms) = charge.plan.lease() {
-            return self.decide_leased(charge, terms, started).await;
+            return self.decide_leased(charge, terms, at).await;
         }
-        let decided = self.decide_per_request(charge, started).await?;
+        let decided = self.decide_per_request(charge, at).await?;
         Ok((decided, None, None))
     }
 
@@ -623,9 +686,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn decide_per_request(
         &self,
         charge: &Charge<'_>,
-        started: Instant,
+        at: Timing,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), u64> {
-        match self.try_decide(charge, started).await {
+        match self.try_decide(charge, at).await {
             Ok(admitted) => Ok(admitted),
             Err(NotAdmitted::Refused(outcome, local)) => Ok((outcome, local, None)),
             Err(NotAdmitted::Moved(tag)) => Err(tag),
@@ -644,24 +707,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn try_decide(
         &self,
         charge: &Charge<'_>,
-        started: Instant,
+        at: Timing,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
-        if let Some((outcome, quota)) = self.refused_locally(charge, started) {
+        if let Some((outcome, quota)) = self.refused_locally(charge, at.started) {
             return Err(NotAdmitted::Refused(outcome, quota));
         }
         // Boxed: the ledger's futures are kilobytes, and every enclosing future (up to the
         // middleware's) would otherwise be that large and copied on each request, refusals from
         // memory included. One allocation on a path that waits for the ledger anyway.
-        Box::pin(self.decide_on_ledger(charge, started)).await
+        Box::pin(self.decide_on_ledger(charge, at.deadline)).await
     }
 
     /// [`Limiter::try_decide`] past the local view: a hold, and the ledger's word on a refusal.
     async fn decide_on_ledger(
         &self,
         charge: &Charge<'_>,
-        started: Instant,
+        deadline: Instant,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
-        let deadline = started + self.settings.ledger_timeout;
         // Before any listing of the account is asked for (`LocalView::replace` says why).
         let read = self.local.generation(charge.account.id);
         let mut provisioned = false;

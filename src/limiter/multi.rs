@@ -98,6 +98,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Decides one request against every limit of `limits` (at most [`LIMITS_PER_CHECK_MAX`]):
     /// all hold, or none does. No limits, or none that costs anything: admitted, no ledger call.
     pub async fn check_all(&self, limits: &[Limit]) -> Result<MultiDecision, LimitsError> {
+        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        self.check_all_by(limits, deadline).await
+    }
+
+    /// [`Limiter::check_all`] with every ledger call answered by `deadline`
+    /// ([`Limiter::check_by`] says why).
+    pub async fn check_all_by(
+        &self,
+        limits: &[Limit],
+        deadline: Instant,
+    ) -> Result<MultiDecision, LimitsError> {
         validate(limits)?;
         let started = self.clock.now();
         if let Some(refused) = self.refuse_locally(limits, started) {
@@ -107,7 +118,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if links.is_empty() {
             return Ok(self.all_admitted(limits, &links, started, &[]));
         }
-        let deadline = started + self.settings.ledger_timeout;
         // Before any listing of an account is asked for (`LocalView::replace` says why).
         let reads = self.generations(limits);
         Ok(match self.chain(limits, &links, deadline).await {
