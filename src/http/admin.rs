@@ -452,6 +452,7 @@ async fn block(
                     changed(&state, id, deadline).await
                 }
                 Ok(Blocking::AlreadyBlocked) => {
+                    state.limiter.forget_local(id);
                     admin_problem(StatusCode::CONFLICT, "the caller is blocked already")
                 }
                 Ok(Blocking::NoSuchAccount) => {
@@ -481,6 +482,8 @@ async fn unblock(
             changed(&state, id, deadline).await
         }
         Ok(Unblocking::NotBlocked) => {
+            // A retry of an unblock that was done: this instance forgets the block too.
+            state.limiter.forget_local(id);
             admin_problem(StatusCode::CONFLICT, "the caller is not blocked")
         }
         Ok(Unblocking::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),

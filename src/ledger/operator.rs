@@ -185,7 +185,12 @@ impl Ledger {
                 self.bump_operator_epoch(deadline).await;
                 Ok(Blocking::Done { transfer_id })
             }
-            Some(K::DebitAccountAlreadyClosed) => Ok(Blocking::AlreadyBlocked),
+            Some(K::DebitAccountAlreadyClosed) => {
+                // Perhaps a retry of a block whose bump was missed: count it again, so that
+                // every instance hears of it (a bump is one transfer; blocks are rare).
+                self.bump_operator_epoch(deadline).await;
+                Ok(Blocking::AlreadyBlocked)
+            }
             // Not found, or not a caller of this ledger (a concurrency slot's account).
             Some(
                 K::DebitAccountNotFound
@@ -207,6 +212,10 @@ impl Ledger {
             return Ok(Unblocking::NoSuchAccount);
         };
         if !account.flags().contains(tb::account::Flags::CLOSED) {
+            // Perhaps a retry of an unblock that was done but not answered, or whose bump was
+            // missed: without a bump, instances that read the block refuse from memory until
+            // they ask the ledger again.
+            self.bump_operator_epoch(deadline).await;
             return Ok(Unblocking::NotBlocked);
         }
         let block = self.latest_block(account_id, deadline).await?;
@@ -222,6 +231,7 @@ impl Ledger {
             }
             // It expired (or another operator unblocked) meanwhile: open either way.
             Some(K::PendingTransferExpired | K::PendingTransferAlreadyVoided) => {
+                self.bump_operator_epoch(deadline).await;
                 Ok(Unblocking::NotBlocked)
             }
             Some(kind) => Err(unexpected_transfer("unblock: ", kind)),

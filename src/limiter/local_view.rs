@@ -35,6 +35,11 @@ use crate::sync::lock;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
 const SHARD_COUNT: usize = 64;
+/// How long a block the ledger listed is refused from memory before the ledger is asked again.
+/// An unblock reaches every instance through the operator epoch within a second; this bounds
+/// how long an instance that missed it (a bump lost in a failover) goes on refusing, which was
+/// up to the block's end (a week).
+const BLOCK_TRUSTED_FOR: Duration = Duration::from_secs(60);
 /// Bits in the filter of callers the ledger may have verified: 512 bytes. A verified caller sets
 /// its bit, and with it every other caller's that shares the bit (they then take the shard's
 /// path, as every caller did before the filter). Bits are cleared with the view
@@ -73,7 +78,13 @@ impl CallerHolds {
     /// `Some` when `cost` does not fit in the credit this caller is known to have free (a
     /// verified caller: its credit and block are the ledger's word), until when.
     fn limit(&mut self, cost: u64, now: Instant) -> Option<LocalLimit> {
-        if let Some(until) = self.blocked_until.filter(|until| *until > now) {
+        let block_read = self
+            .listed_at
+            .is_some_and(|at| now < at + BLOCK_TRUSTED_FOR);
+        if let Some(until) = self
+            .blocked_until
+            .filter(|until| *until > now && block_read)
+        {
             let retry_after = until - now;
             // Nothing to spend until the block ends, which is also when the quota is back.
             let quota = LocalQuota {
@@ -682,6 +693,31 @@ mod tests {
         let unknown_end = blocked_view(None, wall);
         list(&view, 3, &unknown_end, t0, wall);
         assert_eq!(view.check(3, 1, t0).unwrap().retry_after, WINDOW);
+    }
+
+    #[test]
+    fn a_long_block_is_read_again_after_a_minute() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let week = Duration::from_secs(7 * 24 * 3600);
+        list(&view, 3, &blocked_view(Some(wall + week), wall), t0, wall);
+        let later = t0 + BLOCK_TRUSTED_FOR - Duration::from_millis(1);
+        assert!(view.check(3, 1, later).expect("blocked").blocked);
+        // An unblock this instance did not hear of ends here: the ledger decides again.
+        assert!(view.check(3, 1, t0 + BLOCK_TRUSTED_FOR).is_none());
+        // A fresh listing of the same block refuses from memory again, until its own end.
+        let then = t0 + BLOCK_TRUSTED_FOR;
+        let wall_then = wall + BLOCK_TRUSTED_FOR;
+        list(
+            &view,
+            3,
+            &blocked_view(Some(wall + week), wall_then),
+            then,
+            wall_then,
+        );
+        let limit = view.check(3, 1, then).expect("blocked");
+        assert_eq!(limit.retry_after, week - BLOCK_TRUSTED_FOR + MARGIN);
     }
 
     #[test]
