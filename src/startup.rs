@@ -304,12 +304,25 @@ fn rls_server(
             runtime.block_on(async move {
                 let listener =
                     tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-                let shutdown = async move {
-                    let _ = stopped.await;
+                let stopped = futures_util::FutureExt::shared(stopped);
+                let shutdown = {
+                    let stopped = stopped.clone();
+                    async move {
+                        let _ = stopped.await;
+                    }
                 };
-                crate::envoy::serve(server, listener, shutdown)
-                    .await
-                    .map_err(|e| e.to_string())
+                // Calls in flight finish within their deadline; a call whose peer never ends it
+                // (no grpc-timeout, a half-sent body) must not keep the service from stopping.
+                let cut_off = async move {
+                    let _ = stopped.await;
+                    tokio::time::sleep(RLS_DRAIN_MAX).await;
+                };
+                tokio::select! {
+                    served = crate::envoy::serve(server, listener, shutdown) => {
+                        served.map_err(|e| e.to_string())
+                    }
+                    () = cut_off => Err(format!("calls still open {RLS_DRAIN_MAX:?} after the stop; closed")),
+                }
             })
         })
         .map_err(listen_error)?;
@@ -321,6 +334,9 @@ fn rls_server(
     );
     Ok(RlsServer { port, stop, thread })
 }
+
+/// How long the Envoy front end waits for its calls in flight to finish once stopped, at most.
+const RLS_DRAIN_MAX: Duration = Duration::from_secs(10);
 
 /// How often the client looks for the embedded server's address: a restart takes a second or
 /// more, and a look is a comparison of two addresses.

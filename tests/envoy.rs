@@ -341,6 +341,67 @@ async fn three_instances_admit_exactly_the_limit_in_every_window() {
     }
 }
 
+/// `request` with `value` as raw bytes (what Envoy forwards of a client's header, UTF-8 or not),
+/// sent as the generated client would, and its answer.
+async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, tonic::Status> {
+    use ledger_limiter::envoy::wire::{WireDescriptor, WireEntry, WireRequest};
+    let request = WireRequest {
+        domain: b"extra".to_vec(),
+        descriptors: vec![WireDescriptor {
+            entries: vec![WireEntry {
+                key: b"short".to_vec(),
+                value: value.to_vec(),
+            }],
+            ..WireDescriptor::default()
+        }],
+        hits_addend: 0,
+    };
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("connected");
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
+    let answer = grpc.unary(tonic::Request::new(request), path, codec).await;
+    answer.map(tonic::Response::into_inner)
+}
+
+/// A descriptor value that is not UTF-8 (a client's header bytes, which Envoy forwards as they
+/// are) is limited like any other, on an account of its own. The call used to fail (`INTERNAL`),
+/// and Envoy then lets the request through with none of its limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
+    let rules = rules_dir();
+    let config = rls_config(shared_ledger().address, &rules, "closed", 5_000);
+    let settings = Settings::with_overrides(config).expect("valid test configuration");
+    let application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
+    let port = application.rls_port().expect("RLS listener on");
+    let app = run(application);
+    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("the RLS listener accepts");
+    let mut value = b"\xff".to_vec();
+    value.extend(fresh_key("v").as_bytes());
+    // "short": 5 per 2-second window.
+    let mut codes = Vec::new();
+    for _ in 0..6 {
+        let response = call_raw(channel.clone(), &value).await.expect("an answer");
+        codes.push(overall(&response));
+    }
+    assert_eq!(&codes[..5], &[Code::Ok; 5], "{codes:?}");
+    assert_eq!(codes[5], Code::OverLimit, "limited like any value");
+    // Another byte is another caller.
+    value[0] = 0xfe;
+    let other = call_raw(channel, &value).await.expect("an answer");
+    assert_eq!(overall(&other), Code::Ok);
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_addend_precedence_and_costs_above_what_remains() {
     let rules = rules_dir();

@@ -4,20 +4,32 @@
 //!
 //! - [`config`]: envoyproxy/ratelimit's YAML rules, strictly read;
 //! - [`service`]: `ShouldRateLimit`: descriptors → rules → accounts → one linked chain of holds;
-//! - [`metrics`]: the decision counters with `frontend="envoy"`.
+//! - [`metrics`]: the decision counters with `frontend="envoy"`;
+//! - [`wire`]: the gRPC service, reading the request's strings as bytes.
 
 pub mod config;
 pub mod metrics;
 pub mod service;
+pub mod wire;
 
 use std::future::Future;
+use std::time::Duration;
 
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 pub use service::RateLimitServer;
 
-/// A request message larger than this is refused (`RESOURCE_EXHAUSTED`): 64 descriptors of 16
-/// entries of 256-byte keys and values fit with room to spare.
+/// A request message larger than this is refused (`OUT_OF_RANGE`): 64 descriptors of 16 entries
+/// of 256-byte keys and values fit with room to spare.
 pub const REQUEST_BYTES_MAX: usize = 1 << 20;
+
+/// Calls in flight on one connection, at most. Envoy multiplexes its calls over a few
+/// connections; without a bound (tonic's default is none), one peer could hold any number of
+/// calls and their buffers.
+pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+
+/// How often an idle connection is pinged, and how long the answer may take before the
+/// connection is closed: a peer that went away (half-open) frees its calls.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `server` on `listener` (HTTP/2, plaintext) until `shutdown` completes, then lets calls in
 /// flight finish.
@@ -26,9 +38,14 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let service = RateLimitServiceServer::new(server).max_decoding_message_size(REQUEST_BYTES_MAX);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(KEEPALIVE_INTERVAL));
+    let service = wire::WireServer::new(server, REQUEST_BYTES_MAX);
     tonic::transport::Server::builder()
+        .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await

@@ -455,9 +455,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(given)
     }
 
-    /// [`Limiter::give_back`] for an answer that does not wait for the ledger: lease units come
-    /// back now, and the holds are handed out, to be voided after the answer by
-    /// [`Limiter::void_holds`]. The decision's quotas count them as given back already. Why: a
+    /// A refund not counted as one ([`Limiter::refund`]), for an answer that does not wait for
+    /// the ledger: lease units come back now, and the holds are handed out, to be voided after
+    /// the answer by [`Limiter::void_holds`]. The decision's quotas count them as given back
+    /// already. Why: a
     /// request refused a concurrency slot has spent its one deadline on its two decisions, and a
     /// give-back within it would, on a slow ledger, be cut short and keep the caller charged.
     pub fn give_back_later(&self, decision: &mut Decision<'_>) -> Option<HoldsToVoid> {

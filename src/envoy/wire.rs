@@ -1,0 +1,249 @@
+//! `ShouldRateLimit` as it comes off the wire, with its strings read as bytes. Why: a descriptor's
+//! value is whatever a client put in a header (an API key), and Envoy sends bytes that are not
+//! UTF-8 as they are. The generated server decodes strings strictly, and failed the whole call
+//! (`INTERNAL`) on one such byte: Envoy then let the request through (`failure_mode_deny: false`,
+//! its default) with none of its limits applied. Here such text is escaped instead, one to one,
+//! so the value selects its own account like any other.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use prost::Message;
+use tonic::codec::{Codec, DecodeBuf, Decoder};
+use tonic::codegen::{http, BoxFuture, Context, Poll, Service, StdError};
+use tonic::{Request, Response, Status};
+
+use super::service::RateLimitServer;
+
+/// The one method's path.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// `RateLimitRequest`, its strings as bytes (the same wire form).
+#[derive(Clone, PartialEq, Message)]
+pub struct WireRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    pub domain: Vec<u8>,
+    #[prost(message, repeated, tag = "2")]
+    pub descriptors: Vec<WireDescriptor>,
+    #[prost(uint32, tag = "3")]
+    pub hits_addend: u32,
+}
+
+/// `RateLimitDescriptor`, its entries' strings as bytes.
+#[derive(Clone, PartialEq, Message)]
+pub struct WireDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    pub entries: Vec<WireEntry>,
+    #[prost(message, optional, tag = "2")]
+    pub limit: Option<RateLimitOverride>,
+    #[prost(message, optional, tag = "3")]
+    pub hits_addend: Option<UInt64Value>,
+    #[prost(bool, tag = "4")]
+    pub is_negative_hits: bool,
+}
+
+/// `RateLimitDescriptor.Entry`, as bytes.
+#[derive(Clone, PartialEq, Message)]
+pub struct WireEntry {
+    #[prost(bytes = "vec", tag = "1")]
+    pub key: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    pub value: Vec<u8>,
+}
+
+impl From<WireRequest> for RateLimitRequest {
+    fn from(wire: WireRequest) -> Self {
+        let descriptor = |d: WireDescriptor| RateLimitDescriptor {
+            entries: d
+                .entries
+                .into_iter()
+                .map(|e| Entry {
+                    key: text(e.key),
+                    value: text(e.value),
+                })
+                .collect(),
+            limit: d.limit,
+            hits_addend: d.hits_addend,
+            is_negative_hits: d.is_negative_hits,
+        };
+        RateLimitRequest {
+            domain: text(wire.domain),
+            descriptors: wire.descriptors.into_iter().map(descriptor).collect(),
+            hits_addend: wire.hits_addend,
+        }
+    }
+}
+
+/// `bytes` as text, one to one: UTF-8 as it is, but each byte of an invalid sequence as U+FFFD
+/// and its two hex digits, and each U+FFFD of the text doubled, so that two byte strings never
+/// read as the same text (a value's text names its caller's account).
+pub fn text(bytes: Vec<u8>) -> String {
+    const MARK: char = char::REPLACEMENT_CHARACTER;
+    match String::from_utf8(bytes) {
+        Ok(text) if !text.contains(MARK) => text,
+        Ok(text) => text.replace(MARK, "\u{FFFD}\u{FFFD}"),
+        Err(error) => {
+            let bytes = error.into_bytes();
+            let mut text = String::with_capacity(bytes.len() * 2);
+            for chunk in bytes.utf8_chunks() {
+                text.push_str(&chunk.valid().replace(MARK, "\u{FFFD}\u{FFFD}"));
+                for byte in chunk.invalid() {
+                    let _ = write!(text, "{MARK}{byte:02x}");
+                }
+            }
+            text
+        }
+    }
+}
+
+/// Decodes [`WireRequest`]s into `RateLimitRequest`s; encodes responses as prost does.
+#[derive(Clone, Copy, Default)]
+struct WireCodec;
+
+struct WireDecoder;
+
+impl Decoder for WireDecoder {
+    type Item = RateLimitRequest;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
+        let wire = WireRequest::decode(buf).map_err(|error| {
+            Status::invalid_argument(format!("not a RateLimitRequest: {error}"))
+        })?;
+        Ok(Some(wire.into()))
+    }
+}
+
+impl Codec for WireCodec {
+    type Encode = RateLimitResponse;
+    type Decode = RateLimitRequest;
+    type Encoder = tonic_prost::ProstEncoder<RateLimitResponse>;
+    type Decoder = WireDecoder;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        WireDecoder
+    }
+}
+
+/// The `RateLimitService` gRPC service over [`RateLimitServer`], as the generated server serves
+/// it but for the request's decoding.
+#[derive(Clone)]
+pub struct WireServer {
+    inner: Arc<RateLimitServer>,
+    request_bytes_max: usize,
+}
+
+impl WireServer {
+    pub fn new(server: RateLimitServer, request_bytes_max: usize) -> Self {
+        WireServer {
+            inner: Arc::new(server),
+            request_bytes_max,
+        }
+    }
+}
+
+impl tonic::server::NamedService for WireServer {
+    const NAME: &'static str = "envoy.service.ratelimit.v3.RateLimitService";
+}
+
+struct ShouldRateLimit(Arc<RateLimitServer>);
+
+impl tonic::server::UnaryService<RateLimitRequest> for ShouldRateLimit {
+    type Response = RateLimitResponse;
+    type Future = BoxFuture<Response<RateLimitResponse>, Status>;
+
+    fn call(&mut self, request: Request<RateLimitRequest>) -> Self::Future {
+        let inner = self.0.clone();
+        Box::pin(async move { inner.should_rate_limit(request).await })
+    }
+}
+
+impl<B> Service<http::Request<B>> for WireServer
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() != SHOULD_RATE_LIMIT {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let (inner, bytes_max) = (self.inner.clone(), self.request_bytes_max);
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(WireCodec)
+                .apply_max_message_size_config(Some(bytes_max), None);
+            Ok(grpc.unary(ShouldRateLimit(inner), request).await)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_one_to_one() {
+        let cases: [&[u8]; 7] = [
+            b"key",
+            b"ab\xff",
+            b"ab\xfe",
+            "ab\u{FFFD}ff".as_bytes(),
+            "ab\u{FFFD}".as_bytes(),
+            "ab\u{FFFD}\u{FFFD}".as_bytes(),
+            b"\xc3",
+        ];
+        let texts: Vec<String> = cases.iter().map(|c| text(c.to_vec())).collect();
+        assert_eq!(texts[0], "key", "UTF-8 without the mark is kept as it is");
+        assert_eq!(texts[1], "ab\u{FFFD}ff");
+        assert_eq!(texts[3], "ab\u{FFFD}\u{FFFD}ff");
+        let distinct: std::collections::HashSet<&String> = texts.iter().collect();
+        assert_eq!(distinct.len(), cases.len(), "{texts:?}");
+    }
+
+    #[test]
+    fn a_request_with_bytes_that_are_not_utf8_decodes() {
+        let wire = WireRequest {
+            domain: b"edge".to_vec(),
+            descriptors: vec![WireDescriptor {
+                entries: vec![WireEntry {
+                    key: b"api_key".to_vec(),
+                    value: b"k\xff".to_vec(),
+                }],
+                limit: None,
+                hits_addend: Some(UInt64Value { value: 3 }),
+                is_negative_hits: false,
+            }],
+            hits_addend: 2,
+        };
+        let bytes = wire.encode_to_vec();
+        assert!(
+            RateLimitRequest::decode(bytes.as_slice()).is_err(),
+            "the generated type refuses it"
+        );
+        let request: RateLimitRequest = WireRequest::decode(bytes.as_slice()).unwrap().into();
+        assert_eq!(request.domain, "edge");
+        assert_eq!(request.hits_addend, 2);
+        let descriptor = &request.descriptors[0];
+        assert_eq!(descriptor.entries[0].value, "k\u{FFFD}ff");
+        assert_eq!(descriptor.hits_addend, Some(UInt64Value { value: 3 }));
+    }
+}
