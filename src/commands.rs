@@ -87,10 +87,12 @@ pub async fn audit(settings: &Settings, caller: &Caller) -> anyhow::Result<()> {
 /// `ledger-limiter admin ...`: one operator action, then the account's audit.
 pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Result<()> {
     let ledger = connect(settings).await?;
-    let deadline = Instant::now() + DEADLINE;
+    // Each action's deadline starts once its input is read: a key typed on standard input may
+    // take longer than the deadline.
+    let deadline = || Instant::now() + DEADLINE;
     let id = match command {
-        AdminCommand::Credit(change) => adjust(settings, &ledger, change, false, deadline).await?,
-        AdminCommand::Debit(change) => adjust(settings, &ledger, change, true, deadline).await?,
+        AdminCommand::Credit(change) => adjust(settings, &ledger, change, false).await?,
+        AdminCommand::Debit(change) => adjust(settings, &ledger, change, true).await?,
         AdminCommand::Block {
             caller,
             seconds,
@@ -102,7 +104,10 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
                 "--seconds must be between 1 and {BLOCK_SECONDS_MAX}"
             );
             let id = account_id(settings, &ledger, caller).await?;
-            match ledger.block(id, *seconds, actor(reason)?, deadline).await? {
+            match ledger
+                .block(id, *seconds, actor(reason)?, deadline())
+                .await?
+            {
                 Blocking::Done { .. } => id,
                 Blocking::AlreadyBlocked => anyhow::bail!("the caller is blocked already"),
                 Blocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
@@ -116,14 +121,14 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
                 settings.limiter.clone(),
             );
             let report = limiter
-                .move_caller(&key, plan, actor(reason)?, deadline)
+                .move_caller(&key, plan, actor(reason)?, deadline())
                 .await?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             u128::from_str_radix(&report.to_account_id, 16)?
         }
         AdminCommand::Unblock { caller } => {
             let id = account_id(settings, &ledger, caller).await?;
-            match ledger.unblock(id, deadline).await? {
+            match ledger.unblock(id, deadline()).await? {
                 Unblocking::Done => id,
                 Unblocking::NotBlocked => anyhow::bail!("the caller is not blocked"),
                 Unblocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
@@ -143,7 +148,6 @@ async fn adjust(
     ledger: &Ledger,
     change: &Change,
     reduce: bool,
-    deadline: Instant,
 ) -> anyhow::Result<u128> {
     use ledger_limiter::http::admin::AMOUNT_MAX;
     anyhow::ensure!(
@@ -160,6 +164,7 @@ async fn adjust(
         None => None,
     };
     let who = (actor, once.as_ref());
+    let deadline = Instant::now() + DEADLINE;
     let adjusted = if reduce {
         ledger
             .reduce_credit(id, change.amount, who, deadline)
@@ -168,7 +173,7 @@ async fn adjust(
         ledger.top_up(id, change.amount, who, deadline).await?
     };
     match adjusted {
-        Adjusted::Done => Ok(id),
+        Adjusted::Done | Adjusted::AlreadyDone => Ok(id),
         Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),
         Adjusted::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
         Adjusted::Blocked => anyhow::bail!("the caller is blocked; unblock it first"),

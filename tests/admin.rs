@@ -394,7 +394,20 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
             problem["type"], "urn:ledger-limiter:problem:admin",
             "{problem}"
         );
+        // Without the secret, nothing tells a stranger which paths exist.
+        let (status, _) = admin.send(method, path, None, None).await;
+        assert_eq!(status, 401, "{method} {path} without the secret");
     }
+    // A 405 says what the path takes.
+    let wrong_method = app
+        .http
+        .delete(admin.url(&format!("{path}/credit")))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong_method.status(), 405);
+    assert_eq!(wrong_method.headers()["allow"], "POST");
     // The admin API is not on the service's own listener: a request a caller may send, with the
     // secret, finds nothing there (without a key it would be a 401 either way).
     let on_service = app

@@ -123,32 +123,45 @@ pub fn configure(config: &mut web::ServiceConfig) {
         });
     // One resource per path, the fixed ones first: a method a path does not take is a 405 there,
     // not a match of the next pattern (`GET /admin/callers/lookup` was read as an account id).
-    let resource = |path: &str| web::resource(path).default_service(web::to(not_allowed));
+    let resource = |path: &str, allow: &'static str| {
+        web::resource(path).default_service(web::to(move |who| not_allowed(who, allow)))
+    };
     config
         .app_data(json)
-        .service(resource("/admin/callers/lookup").route(web::post().to(lookup)))
-        .service(resource("/admin/callers/move").route(web::post().to(move_caller)))
-        .service(resource("/admin/callers/{account_id}").route(web::get().to(inspect)))
-        .service(resource("/admin/callers/{account_id}/debit").route(web::post().to(reduce)))
-        .service(resource("/admin/callers/{account_id}/credit").route(web::post().to(top_up)))
+        .service(resource("/admin/callers/lookup", "POST").route(web::post().to(lookup)))
+        .service(resource("/admin/callers/move", "POST").route(web::post().to(move_caller)))
+        .service(resource("/admin/callers/{account_id}", "GET").route(web::get().to(inspect)))
         .service(
-            resource("/admin/callers/{account_id}/block")
+            resource("/admin/callers/{account_id}/debit", "POST").route(web::post().to(reduce)),
+        )
+        .service(
+            resource("/admin/callers/{account_id}/credit", "POST").route(web::post().to(top_up)),
+        )
+        .service(
+            resource("/admin/callers/{account_id}/block", "POST, DELETE")
                 .route(web::post().to(block))
                 .route(web::delete().to(unblock)),
         )
         .default_service(web::to(not_found));
 }
 
-/// A path of the admin API asked with a method it does not take.
-async fn not_allowed() -> HttpResponse {
-    admin_problem(
+/// A path of the admin API asked with a method it does not take: the methods it takes in
+/// `Allow` (RFC 9110). Only for the secret's holders ([`Authorized`] first, a 401 for anyone
+/// else), as is [`not_found`]: a stranger learns no path of the API.
+async fn not_allowed(_: Authorized, allow: &'static str) -> HttpResponse {
+    let mut response = admin_problem(
         StatusCode::METHOD_NOT_ALLOWED,
         "this path does not take that method",
-    )
+    );
+    let allow = actix_web::http::header::HeaderValue::from_static(allow);
+    response
+        .headers_mut()
+        .insert(actix_web::http::header::ALLOW, allow);
+    response
 }
 
 /// No such path in the admin API: a problem like every other answer.
-async fn not_found() -> HttpResponse {
+async fn not_found(_: Authorized) -> HttpResponse {
     admin_problem(StatusCode::NOT_FOUND, "no such admin path")
 }
 
@@ -319,7 +332,7 @@ async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpRespons
 
 fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
     match adjusted {
-        Adjusted::Done => HttpResponse::Ok().finish(),
+        Adjusted::Done | Adjusted::AlreadyDone => HttpResponse::Ok().finish(),
         Adjusted::NotEnoughCredit => admin_problem(
             StatusCode::CONFLICT,
             "the caller has less credit not held than that",
@@ -390,11 +403,13 @@ async fn adjust(
             .await
     };
     match result {
-        Ok(Adjusted::Done) => {
-            let action = if reduce {
-                "credit reduced"
-            } else {
-                "credit topped up"
+        Ok(done @ (Adjusted::Done | Adjusted::AlreadyDone)) => {
+            // The log is the service's record of operators' actions: a retry is not a second one.
+            let action = match (reduce, done == Adjusted::AlreadyDone) {
+                (true, false) => "credit reduced",
+                (false, false) => "credit topped up",
+                (true, true) => "credit reduction retried: applied before, nothing changed",
+                (false, true) => "credit top-up retried: applied before, nothing changed",
             };
             tracing::info!(account_id = %format_args!("{id:032x}"), amount, secret = who, reason = %body.reason, "{action}");
             Ok(changed(state, id, deadline).await)

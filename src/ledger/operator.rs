@@ -15,6 +15,9 @@ use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjusted {
     Done,
+    /// This very adjustment (same idempotency key, same fields) went through before: a retry,
+    /// which changed nothing now.
+    AlreadyDone,
     /// A reduction larger than the credit not held.
     NotEnoughCredit,
     NoSuchAccount,
@@ -52,8 +55,8 @@ pub enum Unblocking {
 fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjusted, LedgerError> {
     use CreateTransferErrorKind as K;
     match kind {
-        // `Exists`: this very adjustment (same idempotency key, same fields) went through before.
-        None | Some(K::Exists) => Ok(Adjusted::Done),
+        None => Ok(Adjusted::Done),
+        Some(K::Exists) => Ok(Adjusted::AlreadyDone),
         Some(
             K::ExistsWithDifferentAmount
             | K::ExistsWithDifferentCode
@@ -130,7 +133,8 @@ impl Ledger {
         adjusted: Result<Adjusted, LedgerError>,
         deadline: Instant,
     ) -> Result<Adjusted, LedgerError> {
-        if adjusted == Ok(Adjusted::Done) {
+        // A retry bumps again: the first may have been done but its bump missed.
+        if matches!(adjusted, Ok(Adjusted::Done | Adjusted::AlreadyDone)) {
             self.bump_operator_epoch(deadline).await;
         }
         adjusted
@@ -311,6 +315,7 @@ mod tests {
         use CreateTransferErrorKind as K;
         let answer = |kind| adjusted(Some(kind), "test: ");
         assert_eq!(answer(K::IdAlreadyFailed), Ok(Adjusted::KeyFailed));
+        assert_eq!(answer(K::Exists), Ok(Adjusted::AlreadyDone));
         assert_eq!(
             answer(K::AccountsMustHaveTheSameLedger),
             Ok(Adjusted::NoSuchAccount)
