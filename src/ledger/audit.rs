@@ -74,7 +74,9 @@ pub struct AccountAudit {
     pub leases_settled: u64,
     pub lease_requests: u64,
     pub lease_settlements: u64,
-    /// Transfers read; `complete` is false when there were more than the audit reads.
+    /// Transfers counted; `complete` is false when there were more than the audit reads (by its
+    /// page bound or its deadline): the counts above are then those of the oldest
+    /// `transfers_read`, and the balances are whole all the same.
     pub transfers_read: u64,
     /// The latest transfers (at most [`RECENT_TRANSFERS_MAX`]), oldest first.
     pub recent: Vec<TransferSummary>,
@@ -93,7 +95,8 @@ impl AccountAudit {
 }
 
 impl Ledger {
-    /// Reads the account and every transfer on it (bounded by [`AUDIT_PAGES_MAX`] pages).
+    /// Reads the account, its latest transfers and every transfer on it (bounded by
+    /// [`AUDIT_PAGES_MAX`] pages and by `deadline`: `complete` says whether all were counted).
     /// `None` if the account does not exist.
     pub async fn audit(
         &self,
@@ -134,12 +137,46 @@ impl Ledger {
             complete: false,
             plan: None,
         };
+        audit.recent = self.recent_transfers(account_id, deadline).await?;
+        self.count_transfers(&mut audit, account_id, deadline)
+            .await?;
+        Ok(Some(audit))
+    }
+
+    /// The account's latest transfers (at most [`RECENT_TRANSFERS_MAX`]), oldest first: one page
+    /// read newest first, so that an audit whose count is cut short still lists the latest.
+    async fn recent_transfers(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Vec<TransferSummary>, LedgerError> {
+        use tb::account::FilterFlags as F;
+        let filter = tb::account::Filter::new(account_id, RECENT_TRANSFERS_MAX as u32)
+            .with_flags(F::DEBITS | F::CREDITS | F::REVERSED);
+        let page = self.account_transfers(filter, deadline).await?;
+        Ok(page.iter().rev().map(summary).collect())
+    }
+
+    /// Counts the account's transfers into `audit`, oldest first, until all are counted
+    /// (`complete`), [`AUDIT_PAGES_MAX`] pages are, or `deadline` passes. Why the deadline ends
+    /// the count rather than the audit: a caller busy for hours has more transfers than one
+    /// deadline reads, and its operator still needs its balances and latest transfers (the
+    /// inspect of such a caller answered 503).
+    async fn count_transfers(
+        &self,
+        audit: &mut AccountAudit,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<(), LedgerError> {
         let both = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::CREDITS;
         let mut timestamp_min = SystemTime::UNIX_EPOCH;
         for _ in 0..AUDIT_PAGES_MAX {
-            let page = self
-                .transfers_page(account_id, both, (timestamp_min, None), deadline)
-                .await?;
+            let read = self.transfers_page(account_id, both, (timestamp_min, None), deadline);
+            let page = match read.await {
+                Ok(page) => page,
+                Err(LedgerError::Timeout { .. }) => return Ok(()),
+                Err(error) => return Err(error),
+            };
             page.iter().for_each(|transfer| audit.count(transfer));
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
@@ -147,21 +184,17 @@ impl Ledger {
                 }
                 _ => {
                     audit.complete = true;
-                    break;
+                    return Ok(());
                 }
             }
         }
-        Ok(Some(audit))
+        Ok(())
     }
 }
 
 impl AccountAudit {
     fn count(&mut self, transfer: &tb::Transfer) {
         self.transfers_read += 1;
-        if self.recent.len() == RECENT_TRANSFERS_MAX {
-            self.recent.remove(0);
-        }
-        self.recent.push(summary(transfer));
         let flags = transfer.flags();
         let void = flags.contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
         match transfer.code() {
