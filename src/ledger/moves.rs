@@ -52,6 +52,33 @@ fn carried_holds(holds: &[super::Hold], now: SystemTime) -> Vec<(u64, u32)> {
     carried
 }
 
+/// What a move carries of `view`: its live holds ([`carried_holds`]) and, when it could not list
+/// them all (`!complete`: more than a listing reads), the credit held by the rest, carried as
+/// long as the longest listed hold lives (or a whole window when none was listed). Those are the
+/// account's oldest holds, so they end no later: the new plan refuses until then, never admits
+/// what the old one held (a fully spent plan of 5,000 moved with about 1,000 units fresh).
+fn carried_from(
+    view: &super::AccountView,
+    now: SystemTime,
+    window_seconds: u32,
+) -> Vec<(u64, u32)> {
+    let mut carried = carried_holds(&view.holds, now);
+    if view.complete {
+        return carried;
+    }
+    let held = view.credit.saturating_sub(view.available);
+    let listed: u64 = view.holds.iter().map(|hold| hold.amount).sum();
+    let unlisted = held.saturating_sub(listed);
+    if unlisted > 0 {
+        match carried.last_mut() {
+            // Sorted by seconds: the last lives longest.
+            Some((amount, _)) => *amount += unlisted,
+            None => carried.push((unlisted, window_seconds)),
+        }
+    }
+    carried
+}
+
 impl Ledger {
     /// Moves the caller from account `from` to `to` (the new plan's account, provisioned here),
     /// recording the new plan's [`model::plan_tag`]. If `to` was closed by an earlier move away
@@ -92,7 +119,7 @@ impl Ledger {
                 None => {}
             }
         }
-        let carried = carried_holds(&view.holds, SystemTime::now());
+        let carried = carried_from(&view, SystemTime::now(), window_seconds_max);
         for (amount, seconds) in &carried {
             let carry = model::carry_transfer(to.id, from, self.ledger_id, *amount, *seconds);
             chain.push(carry);
@@ -214,5 +241,35 @@ mod tests {
             carried_holds(&[hold(1500, 0), hold(1600, 2)], now),
             [(2, 2)]
         );
+    }
+
+    #[test]
+    fn what_a_listing_left_out_is_carried_as_long_as_the_longest_listed_hold() {
+        let now = SystemTime::now();
+        let hold = |ms: u64, amount: u64| super::super::Hold {
+            amount,
+            expires_at: now + Duration::from_millis(ms),
+            leased_at: None,
+        };
+        let view = |holds: Vec<super::super::Hold>, complete| super::super::AccountView {
+            credit: 5_000,
+            available: 0,
+            holds,
+            complete,
+            blocked: None,
+        };
+        let listed = vec![hold(1500, 3), hold(30_500, 4)];
+        // All listed: what is listed, nothing more.
+        assert_eq!(
+            carried_from(&view(listed.clone(), true), now, 60),
+            [(3, 2), (4, 31)]
+        );
+        // 4,993 held but not listed: with the longest listed.
+        assert_eq!(
+            carried_from(&view(listed, false), now, 60),
+            [(3, 2), (4_997, 31)]
+        );
+        // Nothing listed at all: a whole window.
+        assert_eq!(carried_from(&view(vec![], false), now, 60), [(5_000, 60)]);
     }
 }
