@@ -350,6 +350,14 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, RlsConfigError> {
             return Err(RlsConfigError::TooManyFiles(name));
         }
     }
+    if files.is_empty() {
+        // A folder without rules (the runtime's root rather than its config folder, say) would
+        // answer OK to every request: refused at the start instead.
+        return Err(RlsConfigError::Read {
+            file: name,
+            message: "no *.yaml or *.yml file in this folder".to_owned(),
+        });
+    }
     files.sort();
     Ok(files)
 }
@@ -445,7 +453,13 @@ fn rule(descriptor: &YamlDescriptor, yaml: &YamlRateLimit, path: &str) -> Result
         RuleLimit::Unlimited
     } else {
         let window_seconds = match (unit, yaml.window_seconds) {
-            (_, Some(seconds)) => NonZeroU32::new(seconds)
+            // Two windows for one rule: which one was meant is not ours to guess.
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "'{path}': give either unit or window_seconds, not both"
+                ))
+            }
+            (None, Some(seconds)) => NonZeroU32::new(seconds)
                 .ok_or_else(|| format!("'{path}': window_seconds must be at least 1"))?,
             (Some(unit), None) => NonZeroU32::new(unit.seconds()).expect("units are not empty"),
             (None, None) => return Err(format!("invalid rate limit unit '{}'", yaml.unit)),
@@ -704,5 +718,16 @@ mod tests {
             panic!("counted")
         };
         assert_eq!((window_seconds.get(), unit), (90, None));
+        let text = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {requests_per_unit: 2, unit: minute, window_seconds: 90}\n";
+        let error = load(&[("f", text)]).unwrap_err().to_string();
+        assert!(error.contains("not both"), "{error}");
+    }
+
+    #[test]
+    fn a_folder_without_rules_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "not rules").unwrap();
+        let error = RlsConfig::load(dir.path()).unwrap_err().to_string();
+        assert!(error.contains("no *.yaml"), "{error}");
     }
 }
