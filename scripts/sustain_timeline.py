@@ -70,7 +70,8 @@ def main():
     last = (buckets(*requests) or {}, buckets(*ledger) or {})
     last_at = start
     stopped = False
-    while not stopped:
+    last_tries = 10  # reads of the last interval, once stopped: it is not dropped for one failure
+    while not stopped or last_tries > 0:
         due = last_at + interval
         while time.monotonic() < due and not stopped:
             time.sleep(0.5)
@@ -79,6 +80,7 @@ def main():
         at = time.monotonic()
         if now[0] is None or now[1] is None:
             # Unreadable (the service busy or gone): try again in a while, not in a tight loop.
+            last_tries -= stopped
             time.sleep(0.5)
             continue
         if stopped:
@@ -94,6 +96,8 @@ def main():
         rate = n / max(at - last_at, 1e-3)
         print(f"| {at - start:.0f} | {rate:.0f} | {fmt(p50)} | {fmt(p99)} | {fmt(l99)} |", flush=True)
         last, last_at = now, at
+        if stopped:
+            break
 
 if __name__ == "__main__":
     main()
