@@ -567,6 +567,21 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
         elsewhere.statuses[0].current_limit, None,
         "not in an unknown domain"
     );
+    // An override it cannot apply (0 requests, no unit) leaves the configured rule in force,
+    // and the call never fails (Envoy would let the request through with no limit at all).
+    for (requests_per_unit, unit) in [(0, 3), (5, 0)] {
+        let mut d = descriptor(&[("short", &value)]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit,
+            unit,
+        });
+        let response = call(&mut client, request("extra", vec![d])).await;
+        let limit = response.statuses[0]
+            .current_limit
+            .as_ref()
+            .expect("a limit");
+        assert_eq!(limit.requests_per_unit, 5, "the configured short rule");
+    }
 }
 
 /// The decision deadline of the dead-ledger test's instances.

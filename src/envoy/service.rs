@@ -134,11 +134,13 @@ impl RateLimitServer {
             .map(|e| (e.key.as_str(), e.value.as_str()));
         // As envoyproxy/ratelimit: a request's own limit applies in any configured domain, a
         // configured rule otherwise.
-        let rule = match descriptor.limit {
-            Some(limit) if self.config.has_domain(domain) => {
-                override_rule(domain, limit.requests_per_unit, limit.unit)?
-            }
-            _ => match self.config.rule_for(domain, entries) {
+        let overridden = descriptor
+            .limit
+            .filter(|_| self.config.has_domain(domain))
+            .and_then(|limit| override_rule(domain, limit.requests_per_unit, limit.unit));
+        let rule = match overridden {
+            Some(rule) => rule,
+            None => match self.config.rule_for(domain, entries) {
                 Some(rule) => rule,
                 None => return Ok(Matched::Nothing),
             },
@@ -198,14 +200,24 @@ fn matchable(descriptor: &RateLimitDescriptor) -> bool {
 }
 
 /// A request's own limit (`RateLimitDescriptor.limit`), as envoyproxy/ratelimit applies it: never
-/// in shadow mode. Its accounts are apart from any configured rule's.
-fn override_rule(domain: &str, requests_per_unit: u32, unit: i32) -> Result<Arc<Rule>, Status> {
-    let invalid =
-        || Status::invalid_argument("a limit override needs requests_per_unit ≥ 1 and a unit");
-    let unit = Unit::from_proto(unit).ok_or_else(invalid)?;
-    let requests_per_unit = NonZeroU64::new(requests_per_unit.into()).ok_or_else(invalid)?;
-    Ok(Arc::new(Rule {
-        path: format!("{domain}.override").into(),
+/// in shadow mode. Its accounts are apart from any configured rule's: its path has a `/`, which
+/// no configured rule's has (a configured key `override` is `<domain>.override`).
+///
+/// `None` for an override this service cannot apply (0 requests per unit, or no unit): the
+/// configured rule applies instead. Why not an error: Envoy lets a request whose call failed
+/// through (`failure_mode_deny: false`), every other limit of it skipped.
+fn override_rule(domain: &str, requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
+    let unit = Unit::from_proto(unit);
+    let requests_per_unit = NonZeroU64::new(requests_per_unit.into());
+    let (Some(unit), Some(requests_per_unit)) = (unit, requests_per_unit) else {
+        tracing::debug!(
+            domain,
+            "a limit override without a unit or of 0 requests is not applied"
+        );
+        return None;
+    };
+    Some(Arc::new(Rule {
+        path: format!("{domain}/override").into(),
         name: None,
         limit: RuleLimit::Counted {
             requests_per_unit,
