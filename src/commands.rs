@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
+use ledger_limiter::http::admin::MOVED;
 use ledger_limiter::ledger::model::{self, Actor, IdempotencyKey};
 use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
@@ -110,6 +111,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             {
                 Blocking::Done { .. } => id,
                 Blocking::AlreadyBlocked => anyhow::bail!("the caller is blocked already"),
+                Blocking::Moved => anyhow::bail!("{MOVED}"),
                 Blocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
             }
         }
@@ -131,6 +133,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             match ledger.unblock(id, deadline()).await? {
                 Unblocking::Done => id,
                 Unblocking::NotBlocked => anyhow::bail!("the caller is not blocked"),
+                Unblocking::Moved => anyhow::bail!("{MOVED}"),
                 Unblocking::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
             }
         }
@@ -177,6 +180,7 @@ async fn adjust(
         Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),
         Adjusted::NoSuchAccount => anyhow::bail!("no account {id:032x}"),
         Adjusted::Blocked => anyhow::bail!("the caller is blocked; unblock it first"),
+        Adjusted::Moved => anyhow::bail!("{MOVED}"),
         Adjusted::KeyReused => {
             anyhow::bail!("--idempotency-key names a different adjustment of this caller")
         }

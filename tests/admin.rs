@@ -742,15 +742,24 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     fresh.stop().await;
     let (status, _) = send_move("gold").await;
     assert_eq!(status, 400);
-    let (status, _) = admin
-        .send(
-            "DELETE",
-            &format!("/admin/callers/{from}/block"),
-            Some(SECRET),
-            None,
-        )
-        .await;
-    assert_eq!(status, 409, "a move is not a block");
+    // Actions on the account the move closed say so (they used to say "blocked", and an
+    // unblock then "not blocked").
+    let credit = json!({"amount": 1, "reason": "goodwill"});
+    for (method, action, body) in [
+        ("DELETE", "block", None),
+        (
+            "POST",
+            "block",
+            Some(json!({"seconds": 60, "reason": "abuse"})),
+        ),
+        ("POST", "credit", Some(credit)),
+    ] {
+        let path = format!("/admin/callers/{from}/{action}");
+        let (status, problem) = admin.send(method, &path, Some(SECRET), body).await;
+        assert_eq!(status, 409, "{method} {action}: {problem}");
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("moved to another plan"), "{problem}");
+    }
     // Back to free: its account reopens with its own holds still live, so still refused.
     let (status, back) = send_move("free").await;
     assert_eq!(status, 200, "{back}");

@@ -37,6 +37,8 @@ const DEADLINE: Duration = Duration::from_secs(5);
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The largest admin request body (every one is a few short fields).
 const JSON_BYTES_MAX: usize = 4096;
+/// The answer to an action on an account a move closed for good.
+pub const MOVED: &str = "this account was closed for good when its caller moved to another plan: look the caller up by key for its account";
 
 /// The configured secrets, as digests. `Debug` shows how many, never which.
 #[derive(Clone)]
@@ -324,6 +326,8 @@ fn unavailable(error: &LedgerError) -> HttpResponse {
 async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpResponse {
     // This instance forgets what it knew; the others when they read the operator epoch (1 s).
     state.limiter.forget_local(id);
+    // The action may have spent its deadline: the audit that answers it has time of its own.
+    let deadline = crate::ledger::follow_up_deadline(deadline);
     match state.limiter.ledger().audit(id, deadline).await {
         Ok(Some(audit)) => HttpResponse::Ok().json(with_plan(audit, state)),
         _ => HttpResponse::Ok().finish(),
@@ -342,6 +346,7 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
             StatusCode::CONFLICT,
             "the caller is blocked; unblock it first",
         ),
+        Adjusted::Moved => admin_problem(StatusCode::CONFLICT, MOVED),
         Adjusted::KeyReused => admin_problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "the Idempotency-Key names a different adjustment of this caller; nothing changed",
@@ -470,6 +475,7 @@ async fn block(
                     state.limiter.forget_local(id);
                     admin_problem(StatusCode::CONFLICT, "the caller is blocked already")
                 }
+                Ok(Blocking::Moved) => admin_problem(StatusCode::CONFLICT, MOVED),
                 Ok(Blocking::NoSuchAccount) => {
                     admin_problem(StatusCode::NOT_FOUND, "no such account")
                 }
@@ -501,6 +507,7 @@ async fn unblock(
             state.limiter.forget_local(id);
             admin_problem(StatusCode::CONFLICT, "the caller is not blocked")
         }
+        Ok(Unblocking::Moved) => admin_problem(StatusCode::CONFLICT, MOVED),
         Ok(Unblocking::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
         Err(error) => unavailable(&error),
     }

@@ -124,7 +124,7 @@ fn resolved_pending(transfer: &tb::Transfer) -> Option<u128> {
 /// The deadline of a follow-up to an action the ledger has done (an operator epoch's bump, a
 /// move's second pass): the action's deadline may be spent by now, and a call past its deadline
 /// is not sent, so the follow-up has at least a second of its own.
-fn follow_up_deadline(deadline: Instant) -> Instant {
+pub fn follow_up_deadline(deadline: Instant) -> Instant {
     deadline.max(Instant::now() + Duration::from_secs(1))
 }
 

@@ -23,6 +23,9 @@ pub enum Adjusted {
     NoSuchAccount,
     /// The account is closed by a block: unblock it first.
     Blocked,
+    /// The account is closed for good by a move of its caller to another plan: the caller's
+    /// account is the new plan's.
+    Moved,
     /// The idempotency key named an adjustment that differs from this one (amount, direction,
     /// who or why): nothing was changed.
     KeyReused,
@@ -40,6 +43,8 @@ pub enum Blocking {
         transfer_id: u128,
     },
     AlreadyBlocked,
+    /// Closed for good by a move of its caller to another plan (see [`Adjusted::Moved`]).
+    Moved,
     NoSuchAccount,
 }
 
@@ -49,6 +54,8 @@ pub enum Unblocking {
     Done,
     /// The account is open (never blocked, or the block expired).
     NotBlocked,
+    /// Closed for good by a move of its caller to another plan (see [`Adjusted::Moved`]).
+    Moved,
     NoSuchAccount,
 }
 
@@ -128,16 +135,38 @@ impl Ledger {
         self.single_transfer(transfer, deadline, None, answer).await
     }
 
+    /// An adjustment's answer, told to every instance when done, and a closed account's
+    /// reason read (a block, or a move that closed it for good).
     async fn bumped_if(
         &self,
+        account_id: u128,
         adjusted: Result<Adjusted, LedgerError>,
         deadline: Instant,
     ) -> Result<Adjusted, LedgerError> {
-        // A retry bumps again: the first may have been done but its bump missed.
-        if matches!(adjusted, Ok(Adjusted::Done | Adjusted::AlreadyDone)) {
-            self.bump_operator_epoch(deadline).await;
+        match adjusted? {
+            // A retry bumps again: the first may have been done but its bump missed.
+            done @ (Adjusted::Done | Adjusted::AlreadyDone) => {
+                self.bump_operator_epoch(deadline).await;
+                Ok(done)
+            }
+            Adjusted::Blocked if self.closed_by_move(account_id, deadline).await? => {
+                Ok(Adjusted::Moved)
+            }
+            other => Ok(other),
         }
-        adjusted
+    }
+
+    /// Whether a closed account was closed by a move (else by a block).
+    async fn closed_by_move(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<bool, LedgerError> {
+        Ok(self
+            .closed_by(account_id, deadline)
+            .await?
+            .moved_to
+            .is_some())
     }
 
     /// Takes `amount` of credit from a caller for good (a posted transfer to the operator). Only
@@ -152,7 +181,7 @@ impl Ledger {
         let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
         let kind = self.operator_transfer(transfer, deadline).await?;
-        self.bumped_if(adjusted(kind, "reduction: "), deadline)
+        self.bumped_if(account_id, adjusted(kind, "reduction: "), deadline)
             .await
     }
 
@@ -168,7 +197,8 @@ impl Ledger {
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
         let kind = self.operator_transfer(transfer, deadline).await?;
-        self.bumped_if(adjusted(kind, "top-up: "), deadline).await
+        self.bumped_if(account_id, adjusted(kind, "top-up: "), deadline)
+            .await
     }
 
     /// Closes the caller's account for `seconds`: every request of it is refused meanwhile, on
@@ -190,6 +220,9 @@ impl Ledger {
                 Ok(Blocking::Done { transfer_id })
             }
             Some(K::DebitAccountAlreadyClosed) => {
+                if self.closed_by_move(account_id, deadline).await? {
+                    return Ok(Blocking::Moved);
+                }
                 // Perhaps a retry of a block whose bump was missed: count it again, so that
                 // every instance hears of it (a bump is one transfer; blocks are rare).
                 self.bump_operator_epoch(deadline).await;
@@ -223,9 +256,11 @@ impl Ledger {
             return Ok(Unblocking::NotBlocked);
         }
         let block = self.latest_block(account_id, deadline).await?;
-        let Some(block) = block.filter(|b| b.code() == model::TRANSFER_CODE_BLOCK) else {
+        let block = match block {
+            Some(block) if block.code() == model::TRANSFER_CODE_BLOCK => block,
             // Closed by a move: that account is not the caller's any more.
-            return Ok(Unblocking::NotBlocked);
+            Some(_) => return Ok(Unblocking::Moved),
+            None => return Ok(Unblocking::NotBlocked),
         };
         let void = model::unblock_transfer(block.id(), self.ledger_id);
         match self.operator_transfer(void, deadline).await? {
