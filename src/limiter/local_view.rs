@@ -78,24 +78,13 @@ impl CallerHolds {
     /// `Some` when `cost` does not fit in the credit this caller is known to have free (a
     /// verified caller: its credit and block are the ledger's word), until when.
     fn limit(&mut self, cost: u64, now: Instant) -> Option<LocalLimit> {
-        let block_read = self
-            .listed_at
-            .is_some_and(|at| now < at + BLOCK_TRUSTED_FOR);
-        if let Some(until) = self
-            .blocked_until
-            .filter(|until| *until > now && block_read)
-        {
-            let retry_after = until - now;
-            // Nothing to spend until the block ends, which is also when the quota is back.
-            let quota = LocalQuota {
-                remaining: 0,
-                reset_after: self.quota(now).reset_after.max(retry_after),
-            };
-            return Some(LocalLimit {
-                retry_after,
-                quota,
-                blocked: true,
-            });
+        if let Some(until) = self.blocked_until.filter(|until| *until > now) {
+            // Read over a minute ago: the ledger decides again (and lists the account anew), not
+            // the credit check below, which would refuse a blocked caller as rate limited.
+            let block_read = self
+                .listed_at
+                .is_some_and(|at| now < at + BLOCK_TRUSTED_FOR);
+            return block_read.then(|| self.block_limit(until, now));
         }
         if self.available() >= cost {
             return None;
@@ -106,6 +95,21 @@ impl CallerHolds {
             quota: self.quota(now),
             blocked: false,
         })
+    }
+
+    /// The refusal of a caller blocked until `until`.
+    fn block_limit(&self, until: Instant, now: Instant) -> LocalLimit {
+        let retry_after = until - now;
+        // Nothing to spend until the block ends, which is also when the quota is back.
+        let quota = LocalQuota {
+            remaining: 0,
+            reset_after: self.quota(now).reset_after.max(retry_after),
+        };
+        LocalLimit {
+            retry_after,
+            quota,
+            blocked: true,
+        }
     }
 
     fn new(credit: u64) -> Self {
@@ -312,6 +316,17 @@ impl LocalView {
             return None;
         }
         holds.limit(cost, now)
+    }
+
+    /// The block this instance last read of `account_id`, while it lasts, trusted or not
+    /// (a minute): the answer when the ledger cannot be asked, so that a failure
+    /// policy never admits a caller an operator blocked.
+    pub fn known_block(&self, account_id: u128, now: Instant) -> Option<LocalLimit> {
+        let mut shard = self.shard(account_id);
+        let holds = shard.get_mut(&account_id)?;
+        holds.prune(now);
+        let until = holds.blocked_until.filter(|until| *until > now)?;
+        Some(holds.block_limit(until, now))
     }
 
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
@@ -704,8 +719,20 @@ mod tests {
         list(&view, 3, &blocked_view(Some(wall + week), wall), t0, wall);
         let later = t0 + BLOCK_TRUSTED_FOR - Duration::from_millis(1);
         assert!(view.check(3, 1, later).expect("blocked").blocked);
-        // An unblock this instance did not hear of ends here: the ledger decides again.
+        // An unblock this instance did not hear of ends here: the ledger decides again, even
+        // for a caller whose holds use up its credit (refused as rate limited otherwise).
         assert!(view.check(3, 1, t0 + BLOCK_TRUSTED_FOR).is_none());
+        let spent = AccountView {
+            blocked: blocked_view(Some(wall + week), wall).blocked,
+            ..ledger_view(5, &[Duration::from_secs(3600); 5], wall)
+        };
+        list(&view, 4, &spent, t0, wall);
+        assert!(view.check(4, 1, t0).expect("blocked").blocked);
+        assert!(view.check(4, 1, t0 + BLOCK_TRUSTED_FOR).is_none());
+        // Yet while the ledger cannot be asked, the block it last said stands.
+        let known = view.known_block(4, t0 + BLOCK_TRUSTED_FOR).expect("known");
+        assert!(known.blocked);
+        assert!(view.known_block(4, t0 + week + MARGIN).is_none(), "over");
         // A fresh listing of the same block refuses from memory again, until its own end.
         let then = t0 + BLOCK_TRUSTED_FOR;
         let wall_then = wall + BLOCK_TRUSTED_FOR;

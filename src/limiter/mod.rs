@@ -468,12 +468,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             return None;
         }
+        // Taken out of the decision: a second give-back or a refund of it finds nothing.
         let holds: Vec<(u128, HoldReceipt)> = decision.holds().collect();
-        if let Some(hold) = decision.hold {
+        if let Some(hold) = decision.hold.take() {
             credit_back(&mut decision.quota, hold.amount);
         }
         for limit in &mut decision.route_limits {
-            if let Some(hold) = limit.hold {
+            if let Some(hold) = limit.hold.take() {
                 credit_back(&mut limit.quota, hold.amount);
             }
         }
@@ -895,10 +896,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     fn fail(&self, error: LedgerError, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
         self.log_failure(&error);
+        let now = self.clock.now();
+        // An operator's block this instance read stands while the ledger cannot be asked.
+        if let Some(block) = self.local.known_block(charge.account.id, now) {
+            let outcome = refused(block.retry_after, DecisionSource::LocalView, true);
+            return (outcome, block.quota);
+        }
         let capacity = charge.account.capacity.get();
-        let local = self
-            .local
-            .quota(charge.account.id, capacity, self.clock.now());
+        let local = self.local.quota(charge.account.id, capacity, now);
         let outcome = match self.settings.failure_policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),
             FailurePolicy::Closed => Outcome::FailedClosed(error),

@@ -410,6 +410,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
         self.log_failure(&error);
+        let now = self.clock.now();
+        // An operator's block this instance read stands while the ledger cannot be asked.
+        let blocked = limits.iter().enumerate().find_map(|(i, limit)| {
+            let block = limit
+                .local_view
+                .then(|| self.local.known_block(limit.account.id, now));
+            block.flatten().map(|block| (i, block))
+        });
+        if let Some((i, block)) = blocked {
+            return MultiDecision {
+                outcome: super::refused(block.retry_after, DecisionSource::LocalView, true),
+                refused_by: Some(i),
+                limits: self.local_statuses(limits, now),
+                moved_to: None,
+            };
+        }
         let outcome = match self.settings.failure_policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),
             FailurePolicy::Closed => Outcome::FailedClosed(error),
@@ -417,7 +433,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         MultiDecision {
             outcome,
             refused_by: None,
-            limits: self.local_statuses(limits, self.clock.now()),
+            limits: self.local_statuses(limits, now),
             moved_to: None,
         }
     }

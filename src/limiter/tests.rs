@@ -382,6 +382,45 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
     assert!(f.calls().is_empty());
 }
 
+/// A block is refused from memory for a minute, then the ledger decides again (an unblock this
+/// instance missed ends there); but when the ledger cannot be asked, the block it last said
+/// stands, whatever the failure policy: an operator's block is never failed open.
+#[tokio::test]
+async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fails() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    let blocked = AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + Duration::from_secs(7 * 24 * 3600)),
+            moved_to: None,
+        }),
+        ..f.view(CAPACITY, &[], true)
+    };
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::Blocked));
+        s.views.push_back(Ok(Some(blocked)));
+    });
+    assert!(matches!(
+        f.check(ONE).await.outcome,
+        Outcome::Blocked { .. }
+    ));
+    f.calls();
+    f.clock.advance(Duration::from_secs(61));
+    f.script(|s| s.holds.push_back(Err(timeout())));
+    let failed = f.check(ONE).await;
+    assert_eq!(f.calls(), ["hold"], "the ledger was asked again");
+    assert!(
+        matches!(
+            failed.outcome,
+            Outcome::Blocked {
+                source: DecisionSource::LocalView,
+                ..
+            }
+        ),
+        "{:?}",
+        failed.outcome
+    );
+}
+
 #[tokio::test]
 async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read() {
     let f = Fixture::closed();
