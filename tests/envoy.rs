@@ -569,7 +569,7 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
     );
     // An override it cannot apply (0 requests, no unit) leaves the configured rule in force,
     // and the call never fails (Envoy would let the request through with no limit at all).
-    for (requests_per_unit, unit) in [(0, 3), (5, 0)] {
+    for (requests_per_unit, unit) in [(0, 3), (7, 0)] {
         let mut d = descriptor(&[("short", &value)]);
         d.limit = Some(RateLimitOverride {
             requests_per_unit,

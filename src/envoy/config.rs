@@ -390,10 +390,13 @@ fn load_level(
         }
         check_length(&descriptor.key)?;
         check_length(&descriptor.value)?;
-        let final_key = if descriptor.value.is_empty() {
-            descriptor.key.clone()
+        // As a request's key and value are read (`wire::text`): a U+FFFD in one is two there.
+        let key = super::wire::text(descriptor.key.clone().into_bytes());
+        let value = super::wire::text(descriptor.value.clone().into_bytes());
+        let final_key = if value.is_empty() {
+            key
         } else {
-            format!("{}_{}", descriptor.key, descriptor.value)
+            format!("{key}_{value}")
         };
         let path = format!("{parent}{final_key}");
         reject_unimplemented(descriptor, &path)?;
@@ -721,6 +724,20 @@ mod tests {
         let text = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {requests_per_unit: 2, unit: minute, window_seconds: 90}\n";
         let error = load(&[("f", text)]).unwrap_err().to_string();
         assert!(error.contains("not both"), "{error}");
+    }
+
+    #[test]
+    fn a_rule_value_with_the_escape_mark_matches_the_same_value_sent() {
+        let text = "domain: d\ndescriptors:\n  - key: k\n    value: \"a\\uFFFDb\"\n    rate_limit: {requests_per_unit: 2, unit: second}\n";
+        let config = load(&[("f", text)]).unwrap();
+        let sent = super::super::wire::text("a\u{FFFD}b".as_bytes().to_vec());
+        assert!(config
+            .rule_for("d", [("k", sent.as_str())].into_iter())
+            .is_some());
+        let raw = super::super::wire::text(b"a\xffb".to_vec());
+        assert!(config
+            .rule_for("d", [("k", raw.as_str())].into_iter())
+            .is_none());
     }
 
     #[test]
