@@ -109,14 +109,19 @@ fn rls_config(
 
 /// An application with its RLS listener on, and a client connected to it.
 async fn spawn_rls(config: FileConfig) -> (TestApp, Client) {
+    let (app, port) = spawn_rls_port(config).await;
+    (app, client(port).await)
+}
+
+/// An application with its RLS listener on, and that listener's port.
+async fn spawn_rls_port(config: FileConfig) -> (TestApp, u16) {
     let settings = Settings::with_overrides(config).expect("valid test configuration");
     let application = Application::build(settings, Exporters::default())
         .await
         .expect("application builds");
     assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
     let port = application.rls_port().expect("RLS listener on");
-    let app = run(application);
-    (app, client(port).await)
+    (run(application), port)
 }
 
 async fn client(port: u16) -> Client {
@@ -376,13 +381,7 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
 async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
     let rules = rules_dir();
     let config = rls_config(shared_ledger().address, &rules, "closed", 5_000);
-    let settings = Settings::with_overrides(config).expect("valid test configuration");
-    let application = Application::build(settings, Exporters::default())
-        .await
-        .expect("application builds");
-    assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
-    let port = application.rls_port().expect("RLS listener on");
-    let app = run(application);
+    let (app, port) = spawn_rls_port(config).await;
     let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
         .unwrap()
         .connect()

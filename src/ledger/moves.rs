@@ -220,14 +220,19 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    #[test]
-    fn carried_holds_are_grouped_by_second_bounded_and_never_shorter() {
-        let now = SystemTime::now();
-        let hold = |ms: u64, amount: u64| super::super::Hold {
+    /// A hold of `amount` that expires `ms` after `now`.
+    fn hold_at(now: SystemTime, ms: u64, amount: u64) -> super::super::Hold {
+        super::super::Hold {
             amount,
             expires_at: now + Duration::from_millis(ms),
             leased_at: None,
-        };
+        }
+    }
+
+    #[test]
+    fn carried_holds_are_grouped_by_second_bounded_and_never_shorter() {
+        let now = SystemTime::now();
+        let hold = |ms, amount| hold_at(now, ms, amount);
         let holds = [hold(100, 1), hold(900, 2), hold(1500, 3)];
         assert_eq!(carried_holds(&holds, now), [(3, 1), (3, 2)]);
         let many: Vec<_> = (0..1000).map(|i| hold(i * 1000 + 10, 1)).collect();
@@ -246,11 +251,7 @@ mod tests {
     #[test]
     fn what_a_listing_left_out_is_carried_as_long_as_the_longest_listed_hold() {
         let now = SystemTime::now();
-        let hold = |ms: u64, amount: u64| super::super::Hold {
-            amount,
-            expires_at: now + Duration::from_millis(ms),
-            leased_at: None,
-        };
+        let hold = |ms, amount| hold_at(now, ms, amount);
         let view = |holds: Vec<super::super::Hold>, complete| super::super::AccountView {
             credit: 5_000,
             available: 0,

@@ -209,6 +209,22 @@ impl Fixture {
             .expect("the decision reads the account, and is answered")
     }
 
+    /// Scripts the next decision's ledger: the hold refused (the account closed), and the
+    /// account's listing, blocked for a week.
+    fn script_blocked_for_a_week(&self) {
+        let blocked = AccountView {
+            blocked: Some(Blocked {
+                until: Some(self.clock.wall() + Duration::from_secs(7 * 24 * 3600)),
+                moved_to: None,
+            }),
+            ..self.view(CAPACITY, &[], true)
+        };
+        self.script(|s| {
+            s.holds.push_back(Ok(HoldReply::Blocked));
+            s.views.push_back(Ok(Some(blocked)));
+        });
+    }
+
     async fn check(&self, cost: NonZeroU64) -> Decision<'_> {
         let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
         self.limiter.check(&key, cost).await.expect("a known key")
@@ -388,17 +404,7 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
 #[tokio::test]
 async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fails() {
     let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
-    let blocked = AccountView {
-        blocked: Some(Blocked {
-            until: Some(f.clock.wall() + Duration::from_secs(7 * 24 * 3600)),
-            moved_to: None,
-        }),
-        ..f.view(CAPACITY, &[], true)
-    };
-    f.script(|s| {
-        s.holds.push_back(Ok(HoldReply::Blocked));
-        s.views.push_back(Ok(Some(blocked)));
-    });
+    f.script_blocked_for_a_week();
     assert!(matches!(
         f.check(ONE).await.outcome,
         Outcome::Blocked { .. }
@@ -424,17 +430,7 @@ async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fai
 #[tokio::test]
 async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read() {
     let f = Fixture::closed();
-    let blocked = AccountView {
-        blocked: Some(Blocked {
-            until: Some(f.clock.wall() + Duration::from_secs(7 * 24 * 3600)),
-            moved_to: None,
-        }),
-        ..f.view(CAPACITY, &[], true)
-    };
-    f.script(|s| {
-        s.holds.push_back(Ok(HoldReply::Blocked));
-        s.views.push_back(Ok(Some(blocked)));
-    });
+    f.script_blocked_for_a_week();
     // An operator unblocks the caller while its account is read: the epoch follower clears
     // this instance's view before the read's answer (still blocked) arrives.
     let refused = f.check_while_read(|| f.limiter.forget_all_local()).await;
