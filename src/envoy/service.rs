@@ -455,6 +455,12 @@ impl RateLimitServer {
         assert_eq!(indices.len(), decision.limits.len());
         assert!(decided.shadow.iter().all(|(_, d)| d.limits.len() == 1));
         self.record(matched, indices, decision);
+        // Before a failed-closed answer: shadow rules were decided all the same.
+        for (index, shadow) in &decided.shadow {
+            if let Some(rule) = rule_of(&matched[*index]) {
+                self.metrics.record_shadow(rule, &shadow.outcome);
+            }
+        }
         if let Outcome::FailedClosed(error) = &decision.outcome {
             return Err(Status::unavailable(format!(
                 "the ledger could not decide in time: {error}"
@@ -485,9 +491,6 @@ impl RateLimitServer {
             );
         }
         for (index, shadow) in &decided.shadow {
-            if let Some(rule) = rule_of(&matched[*index]) {
-                self.metrics.record_shadow(rule, &shadow.outcome);
-            }
             let quota = &shadow.limits[0].quota;
             statuses[*index] = counted_status(
                 &matched[*index],
