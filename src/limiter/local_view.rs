@@ -35,6 +35,8 @@ use crate::sync::lock;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
 const SHARD_COUNT: usize = 64;
+/// The shortest Retry-After of a cost above the whole credit.
+const NEVER_FITS_RETRY_MIN: Duration = Duration::from_secs(1);
 /// How long a block the ledger listed is refused from memory before the ledger is asked again.
 /// An unblock reaches every instance through the operator epoch within a second; this bounds
 /// how long an instance that missed it (a bump lost in a failover) goes on refusing, which was
@@ -167,7 +169,9 @@ impl CallerHolds {
         self.credit.saturating_sub(self.held)
     }
 
-    /// When `cost` will fit, assuming nobody else takes credit meanwhile.
+    /// When `cost` will fit, assuming nobody else takes credit meanwhile. A cost above the whole
+    /// credit never fits: when the quota is whole again, and a second from now at the earliest,
+    /// so that its Retry-After never says "now" (an Envoy call's hits above its limit).
     fn fits_at(&self, cost: u64, now: Instant) -> Instant {
         let mut available = self.available();
         let mut at = now;
@@ -179,6 +183,9 @@ impl CallerHolds {
             release_at = release_at.max(hold.expires_at);
             available += hold.amount;
             at = release_at;
+        }
+        if available < cost {
+            return at.max(now + NEVER_FITS_RETRY_MIN);
         }
         at
     }
@@ -801,6 +808,14 @@ mod tests {
         let limit = view.check(1, 2, t0).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(20) + MARGIN);
         assert_eq!(limit.quota.reset_after, Duration::from_secs(30) + MARGIN);
+        // More than the whole credit never fits: when all is back, not "now".
+        let limit = view.check(1, 4, t0).unwrap();
+        assert_eq!(limit.retry_after, Duration::from_secs(30) + MARGIN);
+        list(&view, 2, &ledger_view(3, &[], wall), t0, wall);
+        assert_eq!(
+            view.check(2, 4, t0).unwrap().retry_after,
+            NEVER_FITS_RETRY_MIN
+        );
     }
 
     #[test]
