@@ -322,7 +322,7 @@ impl RateLimitServer {
                 .map(|(_, limit, hits)| self.release(limit, *hits)),
         );
         let unknown = self.limiter.unknown_limits(&enforced.1);
-        let deadline = std::time::Instant::now() + self.limiter.settings().ledger_timeout;
+        let deadline = self.limiter.deadline();
         let (decision, shadows, releases) =
             futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
@@ -381,7 +381,7 @@ impl RateLimitServer {
     /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
     /// nothing: the holds expire by themselves after their window.
     async fn release(&self, limit: &Limit, hits: u64) -> Option<u64> {
-        let deadline = std::time::Instant::now() + self.limiter.settings().ledger_timeout;
+        let deadline = self.limiter.deadline();
         let window = limit.account.window_seconds.get();
         match self
             .ledger()

@@ -28,7 +28,6 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Instant;
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
@@ -212,7 +211,7 @@ where
     let limits = limits.as_deref().unwrap_or_default();
     // One deadline for the request's decisions, the rate's and the slot's: its answer comes
     // within one `ledger.timeout_ms`, however slow the ledger.
-    let deadline = Instant::now() + inner.limiter.settings().ledger_timeout;
+    let deadline = inner.limiter.deadline();
     let decided = inner.limiter.check_with_by(&key, cost, limits, deadline);
     let mut decision = match decided.await {
         Ok((decision, renewal)) => {

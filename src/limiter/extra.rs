@@ -54,7 +54,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: NonZeroU64,
         route_limits: &[Plan],
     ) -> Result<(Decision<'_>, Option<RenewalAhead>), KeyError> {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         self.check_with_by(key, cost, route_limits, deadline).await
     }
 

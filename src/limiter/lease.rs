@@ -539,7 +539,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// next requests go on (a failed renewal is retried by the next request that finds the lease
     /// half spent).
     pub async fn renew_lease_ahead(&self, renewal: RenewalAhead) {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         self.renew_lease_ahead_by(renewal, deadline).await;
     }
 

@@ -346,6 +346,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self.settings
     }
 
+    /// The deadline of a decision (or a step of one) that starts now: `ledger.timeout_ms` from
+    /// now, by this limiter's clock.
+    pub fn deadline(&self) -> Instant {
+        self.clock.now() + self.settings.ledger_timeout
+    }
+
     /// Whether the ledger answers within `timeout` (readiness).
     pub async fn ready(&self, timeout: Duration) -> Result<(), LedgerError> {
         self.store.ping(self.clock.now() + timeout).await
@@ -432,7 +438,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         // Every hold at once, by one deadline: in turn, each void had a deadline of its own (a
         // slow ledger made a refund wait one per limit), and one that failed kept the rest,
         // the plan's included, charged.
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         let routes = decision.route_limits.iter().map(|limit| async move {
             let hold = limit.hold?;
             Some(self.release_by(limit.account_id, hold, deadline).await)
@@ -484,7 +490,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Voids the holds [`Limiter::give_back_later`] handed out, together, within one
     /// `ledger.timeout_ms` from now. One that fails expires with its window.
     pub async fn void_holds(&self, holds: HoldsToVoid) {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         let voids = holds.holds.into_iter().map(|(account_id, hold)| async move {
             if let Err(error) = self.release_by(account_id, hold, deadline).await {
                 tracing::debug!(%error, "could not give a hold back; it expires with its window");
@@ -496,7 +502,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
     /// a refund, or a concurrency slot whose request is done. `Ok(false)` if it had expired.
     pub async fn release(&self, account_id: u128, hold: HoldReceipt) -> Result<bool, LedgerError> {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         self.release_by(account_id, hold, deadline).await
     }
 
@@ -534,7 +540,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// ahead of need that the admission made due runs before it returns, within the same
     /// deadline ([`Limiter::check_with`] leaves it to its caller instead).
     pub async fn check(&self, key: &CallerKey, cost: NonZeroU64) -> Result<Decision<'_>, KeyError> {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         self.check_by(key, cost, deadline).await
     }
 

@@ -98,7 +98,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Decides one request against every limit of `limits` (at most [`LIMITS_PER_CHECK_MAX`]):
     /// all hold, or none does. No limits, or none that costs anything: admitted, no ledger call.
     pub async fn check_all(&self, limits: &[Limit]) -> Result<MultiDecision, LimitsError> {
-        let deadline = self.clock.now() + self.settings.ledger_timeout;
+        let deadline = self.deadline();
         self.check_all_by(limits, deadline).await
     }
 
