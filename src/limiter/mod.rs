@@ -425,11 +425,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// [`Limiter::refund`] without counting it as one. What is given back is in the decision's
     /// quotas too, so the response's rate-limit fields say what the caller has left after it.
     async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
-        if let Some(leased) = decision.leased.take() {
-            let given = self.leases.give_back(decision.account_id, leased);
-            if given {
-                credit_back(&mut decision.quota, leased.units);
-            }
+        if let Some(given) = self.give_back_leased(decision) {
             return Ok(given);
         }
         let Some(hold) = decision.hold else {
@@ -461,17 +457,26 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(given)
     }
 
+    /// The lease units that admitted `decision` back to its caller's lease, in memory, and in
+    /// its quota: `None` when no lease admitted it, else whether they were given back (the lease
+    /// may have been settled meanwhile). Taking the receipt out makes a second give-back nothing.
+    fn give_back_leased(&self, decision: &mut Decision<'_>) -> Option<bool> {
+        let leased = decision.leased.take()?;
+        let given = self.leases.give_back(decision.account_id, leased);
+        if given {
+            credit_back(&mut decision.quota, leased.units);
+        }
+        Some(given)
+    }
+
     /// A refund not counted as one ([`Limiter::refund`]), for an answer that does not wait for
     /// the ledger: lease units come back now, and the holds are handed out, to be voided after
     /// the answer by [`Limiter::void_holds`]. The decision's quotas count them as given back
-    /// already. Why: a
-    /// request refused a concurrency slot has spent its one deadline on its two decisions, and a
-    /// give-back within it would, on a slow ledger, be cut short and keep the caller charged.
+    /// already. Why: a request refused a concurrency slot has spent its one deadline on its two
+    /// decisions, and a give-back within it would, on a slow ledger, be cut short and keep the
+    /// caller charged.
     pub fn give_back_later(&self, decision: &mut Decision<'_>) -> Option<HoldsToVoid> {
-        if let Some(leased) = decision.leased.take() {
-            if self.leases.give_back(decision.account_id, leased) {
-                credit_back(&mut decision.quota, leased.units);
-            }
+        if self.give_back_leased(decision).is_some() {
             return None;
         }
         // Taken out of the decision: a second give-back or a refund of it finds nothing.
@@ -903,10 +908,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn fail(&self, error: LedgerError, charge: &Charge<'_>) -> (Outcome, LocalQuota) {
         self.log_failure(&error);
         let now = self.clock.now();
-        // An operator's block this instance read stands while the ledger cannot be asked.
-        if let Some(block) = self.local.known_block(charge.account.id, now) {
-            let outcome = refused(block.retry_after, DecisionSource::LocalView, true);
-            return (outcome, block.quota);
+        if let Some(blocked) = self.known_block_refusal(charge.account.id, now) {
+            return blocked;
         }
         let capacity = charge.account.capacity.get();
         let local = self.local.quota(charge.account.id, capacity, now);
@@ -915,6 +918,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             FailurePolicy::Closed => Outcome::FailedClosed(error),
         };
         (outcome, local)
+    }
+
+    /// The refusal of a caller whose block this instance read, while the block lasts: an
+    /// operator's block stands while the ledger cannot be asked, whatever the failure policy.
+    fn known_block_refusal(&self, account_id: u128, now: Instant) -> Option<(Outcome, LocalQuota)> {
+        let block = self.local.known_block(account_id, now)?;
+        let outcome = refused(block.retry_after, DecisionSource::LocalView, true);
+        Some((outcome, block.quota))
     }
 
     /// On the request's span always; in the log at most once a second (an outage must not turn

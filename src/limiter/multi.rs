@@ -411,16 +411,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
         self.log_failure(&error);
         let now = self.clock.now();
-        // An operator's block this instance read stands while the ledger cannot be asked.
         let blocked = limits.iter().enumerate().find_map(|(i, limit)| {
-            let block = limit
+            let refusal = limit
                 .local_view
-                .then(|| self.local.known_block(limit.account.id, now));
-            block.flatten().map(|block| (i, block))
+                .then(|| self.known_block_refusal(limit.account.id, now));
+            refusal.flatten().map(|(outcome, _)| (i, outcome))
         });
-        if let Some((i, block)) = blocked {
+        if let Some((i, outcome)) = blocked {
             return MultiDecision {
-                outcome: super::refused(block.retry_after, DecisionSource::LocalView, true),
+                outcome,
                 refused_by: Some(i),
                 limits: self.local_statuses(limits, now),
                 moved_to: None,
