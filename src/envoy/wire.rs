@@ -87,21 +87,20 @@ impl From<WireRequest> for RateLimitRequest {
 /// read as the same text (a value's text names its caller's account).
 pub fn text(bytes: Vec<u8>) -> String {
     const MARK: char = char::REPLACEMENT_CHARACTER;
-    match String::from_utf8(bytes) {
-        Ok(text) if !text.contains(MARK) => text,
-        Ok(text) => text.replace(MARK, "\u{FFFD}\u{FFFD}"),
-        Err(error) => {
-            let bytes = error.into_bytes();
-            let mut text = String::with_capacity(bytes.len() * 2);
-            for chunk in bytes.utf8_chunks() {
-                text.push_str(&chunk.valid().replace(MARK, "\u{FFFD}\u{FFFD}"));
-                for byte in chunk.invalid() {
-                    let _ = write!(text, "{MARK}{byte:02x}");
-                }
-            }
-            text
+    // The common case, UTF-8 without the mark, is the text as it came.
+    let bytes = match String::from_utf8(bytes) {
+        Ok(text) if !text.contains(MARK) => return text,
+        Ok(text) => text.into_bytes(),
+        Err(error) => error.into_bytes(),
+    };
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for chunk in bytes.utf8_chunks() {
+        text.push_str(&chunk.valid().replace(MARK, "\u{FFFD}\u{FFFD}"));
+        for byte in chunk.invalid() {
+            let _ = write!(text, "{MARK}{byte:02x}");
         }
     }
+    text
 }
 
 /// Decodes [`WireRequest`]s into `RateLimitRequest`s; encodes responses as prost does.
