@@ -103,6 +103,7 @@ fn live_hold(transfer: &tb::Transfer, now: SystemTime) -> Option<(u128, Hold)> {
         let leased_at =
             (transfer.code() == lease::TRANSFER_CODE_LEASE).then(|| transfer.timestamp());
         let hold = Hold {
+            id: transfer.id(),
             amount,
             expires_at,
             leased_at,
@@ -184,6 +185,8 @@ pub enum HoldReply {
 /// A hold the ledger reports as still pending.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hold {
+    /// The pending transfer's id.
+    pub id: u128,
     pub amount: u64,
     /// When the ledger will release it, in ledger (wall-clock) time.
     pub expires_at: SystemTime,

@@ -79,6 +79,20 @@ fn carried_from(
     carried
 }
 
+/// The holds `after` lists that `before` did not: those placed between the two reads. Told
+/// apart by id, not by a difference of balances, in which a hold that expired between the reads
+/// would hide as much of the new ones. Both listings read newest first, so a hold placed after
+/// `before` is listed in `after` even when neither is complete. A lease settled in flight
+/// leaves its settlement here while the lease's own carry still stands: counted twice until
+/// they expire, which refuses more, never admits more.
+fn late_holds(before: &super::AccountView, after: &super::AccountView) -> Vec<super::Hold> {
+    let seen: std::collections::HashSet<u128> = before.holds.iter().map(|hold| hold.id).collect();
+    (after.holds.iter())
+        .filter(|hold| !seen.contains(&hold.id))
+        .copied()
+        .collect()
+}
+
 impl Ledger {
     /// Moves the caller from account `from` to `to` (the new plan's account, provisioned here),
     /// recording the new plan's [`model::plan_tag`]. If `to` was closed by an earlier move away
@@ -155,8 +169,8 @@ impl Ledger {
     }
 
     /// Holds placed on the old account between the read and the close (requests in flight at
-    /// the move) are carried by a second pass, for a whole window: the old account is closed
-    /// now, so this read is final.
+    /// the move) are carried by a second pass, each for the rest of its own timeout: the old
+    /// account is closed now, so this read is final.
     async fn carry_late_holds(
         &self,
         from: u128,
@@ -165,20 +179,24 @@ impl Ledger {
         window_seconds_max: u32,
         deadline: Instant,
     ) -> Result<u64, LedgerError> {
-        let pending = |v: &super::AccountView| v.credit.saturating_sub(v.available);
         let Some(after) = self
             .account_view(from, window_seconds_max, deadline)
             .await?
         else {
             return Ok(0);
         };
-        let late = pending(&after).saturating_sub(pending(before));
-        if late == 0 {
+        let late = carried_holds(&late_holds(before, &after), SystemTime::now());
+        if late.is_empty() {
             return Ok(0);
         }
-        let carry = model::carry_transfer(to, from, self.ledger_id, late, window_seconds_max);
-        match self.create_chain(vec![carry], deadline).await? {
-            None => Ok(late),
+        let chain = late
+            .iter()
+            .map(|(amount, seconds)| {
+                model::carry_transfer(to, from, self.ledger_id, *amount, *seconds)
+            })
+            .collect();
+        match self.create_chain(chain, deadline).await? {
+            None => Ok(late.iter().map(|(amount, _)| amount).sum()),
             Some(kind) => Err(unexpected_transfer("move, late holds: ", kind)),
         }
     }
@@ -220,9 +238,10 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// A hold of `amount` that expires `ms` after `now`.
+    /// A hold of `amount` that expires `ms` after `now` (its id made of both).
     fn hold_at(now: SystemTime, ms: u64, amount: u64) -> super::super::Hold {
         super::super::Hold {
+            id: u128::from(ms) << 64 | u128::from(amount),
             amount,
             expires_at: now + Duration::from_millis(ms),
             leased_at: None,
@@ -272,5 +291,29 @@ mod tests {
         );
         // Nothing listed at all: a whole window.
         assert_eq!(carried_from(&view(vec![], false), now, 60), [(5_000, 60)]);
+    }
+
+    #[test]
+    fn a_hold_placed_in_flight_is_carried_though_another_expired_between_the_reads() {
+        let now = SystemTime::now();
+        let hold = |ms, amount| hold_at(now, ms, amount);
+        let view = |holds: Vec<super::super::Hold>| super::super::AccountView {
+            credit: 5,
+            available: 5 - holds.iter().map(|hold| hold.amount).sum::<u64>(),
+            holds,
+            complete: true,
+            blocked: None,
+        };
+        // Read at the move: a hold about to expire, and one of 40 s.
+        let before = view(vec![hold(50, 1), hold(40_000, 2)]);
+        // Read after the close: the first expired, and a request in flight placed a hold of a
+        // whole window. Both reads hold 3: a difference of balances carried nothing.
+        let after = view(vec![hold(40_000, 2), hold(60_000, 1)]);
+        assert_eq!(before.available, after.available);
+        let late = late_holds(&before, &after);
+        assert_eq!(carried_holds(&late, now), [(1, 61)], "for its own time");
+        // Nothing placed in flight: nothing late, though one hold expired.
+        let quiet = view(vec![hold(40_000, 2)]);
+        assert_eq!(late_holds(&before, &quiet), []);
     }
 }

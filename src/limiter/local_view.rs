@@ -576,7 +576,9 @@ mod tests {
     fn ledger_view(credit: u64, expiries: &[Duration], wall: SystemTime) -> AccountView {
         let holds: Vec<Hold> = expiries
             .iter()
-            .map(|e| Hold {
+            .enumerate()
+            .map(|(id, e)| Hold {
+                id: id as u128,
                 amount: 1,
                 expires_at: wall + *e,
                 leased_at: None,
@@ -828,6 +830,7 @@ mod tests {
             available: 0,
             holds: (1..=5)
                 .map(|s| Hold {
+                    id: u128::from(s),
                     amount: 1,
                     expires_at: wall + Duration::from_secs(s),
                     leased_at: None,
@@ -1036,7 +1039,9 @@ mod tests {
             let holds: Vec<Hold> = ledger
                 .iter()
                 .filter(|(e, _)| *e > now)
-                .map(|(e, a)| Hold {
+                .enumerate()
+                .map(|(id, (e, a))| Hold {
+                    id: id as u128,
                     amount: *a,
                     expires_at: wall(*e),
                     leased_at: None,

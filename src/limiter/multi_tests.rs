@@ -230,6 +230,7 @@ async fn a_lease_plans_refusal_waits_for_other_instances_leases_to_settle_not_to
     let wall = f.clock.wall();
     let leased = AccountView {
         holds: vec![Hold {
+            id: 1,
             amount: CAPACITY,
             expires_at: wall + Duration::from_secs(62),
             leased_at: Some(wall),

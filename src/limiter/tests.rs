@@ -176,7 +176,9 @@ impl Fixture {
         let wall = self.clock.wall();
         let holds: Vec<Hold> = expiries_s
             .iter()
-            .map(|s| Hold {
+            .enumerate()
+            .map(|(id, s)| Hold {
+                id: id as u128,
                 amount: 1,
                 expires_at: wall + Duration::from_secs(*s),
                 leased_at: None,

@@ -183,9 +183,10 @@ impl Store for ModelStore {
     ) -> Result<Option<AccountView>, LedgerError> {
         let model = self.model.lock().unwrap();
         let (now, wall) = (self.clock.now(), self.clock.wall());
-        let mut holds: Vec<Hold> = (model.pendings.values())
-            .filter(|(_, e, v)| !v && *e > now)
-            .map(|(amount, e, _)| Hold {
+        let mut holds: Vec<Hold> = (model.pendings.iter())
+            .filter(|(_, (_, e, v))| !v && *e > now)
+            .map(|(id, (amount, e, _))| Hold {
+                id: *id,
                 amount: *amount,
                 expires_at: wall + (*e - now),
                 leased_at: None,
@@ -748,11 +749,13 @@ fn leases_end_at_their_settlement_for_retry_after() {
         available: 0,
         holds: vec![
             Hold {
+                id: 1,
                 amount: 4,
                 expires_at: placed + Duration::from_millis(1_500),
                 leased_at: None,
             },
             Hold {
+                id: 2,
                 amount: 20,
                 expires_at: placed + lease_timeout,
                 leased_at: Some(placed),
