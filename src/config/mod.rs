@@ -476,9 +476,19 @@ impl Settings {
         require(FileConfig::defaults()?.merge(overrides).listen, "listen")
     }
 
-    /// The built-in defaults with `overrides` applied.
+    /// The built-in defaults with `overrides` applied. The built-in prefixes (`basic_`, `pro_`)
+    /// are the demo's: they let any caller pick its plan by how it names its key. A configuration
+    /// that lists its keys (a keys file, or unknown keys rejected) has only prefixes of its own.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
-        Self::from_file_config(FileConfig::defaults()?.merge(overrides))
+        let own_prefixes = overrides.key_prefixes.is_some();
+        let mut merged = FileConfig::defaults()?.merge(overrides);
+        let caller = &merged.caller;
+        let lists_keys =
+            caller.keys_file.is_some() || caller.unknown_keys.as_deref() == Some("reject");
+        if lists_keys && !own_prefixes {
+            merged.key_prefixes = Some(BTreeMap::new());
+        }
+        Self::from_file_config(merged)
     }
 
     /// What [`Ledger::connect`](crate::ledger::Ledger::connect) needs from this configuration,
@@ -1041,6 +1051,31 @@ mod tests {
             FileConfig::parse("[admin]", "f").unwrap().admin.secrets,
             None
         );
+    }
+
+    /// A key named like a built-in prefix (`pro_…`) picks its plan only in the demo's
+    /// configuration: once the keys are listed, an invented `pro_` key gets no plan (rejected)
+    /// or the default plan, unless the operator wrote the prefix.
+    #[test]
+    fn the_built_in_prefixes_stand_only_while_no_keys_are_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        std::fs::write(&path, "k1 basic\n").unwrap();
+        let plan_of = |text: &str, key: &str| {
+            let s = with(text).unwrap();
+            let plan = s.plans.plan_for_key(key);
+            plan.map(|id| s.plans.get(id).unwrap().name().to_owned())
+        };
+        assert_eq!(plan_of("", "pro_x").as_deref(), Some("pro"), "the demo");
+        let keys = format!("[caller]\nkeys_file = {path:?}\n");
+        let reject = format!("{keys}unknown_keys = \"reject\"\n");
+        assert_eq!(plan_of(&reject, "pro_x"), None);
+        assert_eq!(plan_of(&reject, "k1").as_deref(), Some("basic"));
+        assert_eq!(plan_of(&keys, "pro_x").as_deref(), Some("free"));
+        let reject_alone = "[caller]\nunknown_keys = \"reject\"\n";
+        assert_eq!(plan_of(reject_alone, "pro_x"), None);
+        let own = format!("{reject}[key_prefixes]\n\"pro_\" = \"pro\"\n");
+        assert_eq!(plan_of(&own, "pro_x").as_deref(), Some("pro"), "its own");
     }
 
     #[test]
