@@ -51,10 +51,22 @@ impl Cidr {
         let network: IpAddr = address.parse().ok()?;
         let width = if network.is_ipv4() { 32 } else { 128 };
         let prefix_bits = bits.unwrap_or(width);
-        (prefix_bits <= width).then_some(Cidr {
-            network,
-            prefix_bits,
-        })
+        if prefix_bits > width {
+            return None;
+        }
+        // A block of IPv4 addresses mapped into IPv6 (`::ffff:10.0.0.0/104`) is the IPv4 block:
+        // peers and forwarded addresses are compared as IPv4. One shorter than the mapped range
+        // (/96) mixes in addresses that are not IPv4: no such block.
+        match network.to_canonical() {
+            IpAddr::V4(v4) if network.is_ipv6() => Some(Cidr {
+                network: IpAddr::V4(v4),
+                prefix_bits: prefix_bits.checked_sub(96)?,
+            }),
+            _ => Some(Cidr {
+                network,
+                prefix_bits,
+            }),
+        }
     }
 
     pub fn contains(&self, address: IpAddr) -> bool {
@@ -80,49 +92,53 @@ pub fn client_ip(
     if !is_trusted(peer) {
         return Some(peer);
     }
-    let hops = forwarded_for(req, header);
-    // From the nearest hop outwards: the first address not of a trusted proxy is the client.
-    Some(
-        hops.iter()
-            .rev()
-            .copied()
-            .find(|ip| !is_trusted(*ip))
-            .or_else(|| hops.first().copied())
-            .unwrap_or(peer),
-    )
+    // From the nearest hop outwards: the first address not of a trusted proxy is the client. A
+    // hop that names no address ends the walk at the proxy that wrote it: what lies beyond, the
+    // client may have written itself. All trusted: the farthest proxy.
+    let mut nearest = peer;
+    for hop in forwarded_for(req, header).iter().rev() {
+        match hop {
+            Some(ip) if is_trusted(*ip) => nearest = *ip,
+            Some(ip) => return Some(*ip),
+            None => return Some(nearest),
+        }
+    }
+    Some(nearest)
 }
 
-/// The forwarded-for chain in `header`, oldest first, at most [`FORWARDED_HOPS_MAX`] hops.
-fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<IpAddr> {
-    let headers = req.headers();
-    let items: Vec<String> = match header {
-        ForwardedHeader::XForwardedFor => headers
-            .get_all(X_FORWARDED_FOR)
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(|item| item.trim().to_owned())
-            .collect(),
-        ForwardedHeader::Forwarded => headers
-            .get_all(FORWARDED)
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|element| {
-                element.split(';').find_map(|pair| {
-                    let (name, value) = pair.trim().split_once('=')?;
-                    name.eq_ignore_ascii_case("for")
-                        .then(|| value.trim().to_owned())
-                })
-            })
-            .collect(),
+/// The forwarded-for chain in `header`, oldest first, at most [`FORWARDED_HOPS_MAX`] hops: each
+/// an address, or `None` for a hop that names none (`unknown`, an obfuscated name, a `Forwarded`
+/// element without `for=`, bytes that are not text). Split on the raw bytes, so that a client's
+/// bad byte spoils its own item only, not the addresses its proxies appended to the same line.
+fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<IpAddr>> {
+    let name = match header {
+        ForwardedHeader::XForwardedFor => X_FORWARDED_FOR,
+        ForwardedHeader::Forwarded => FORWARDED,
     };
-    items
-        .iter()
-        .rev()
-        .take(FORWARDED_HOPS_MAX)
-        .rev()
-        .filter_map(|item| parse_node(item))
-        .map(|ip| ip.to_canonical())
+    let items: Vec<&[u8]> = (req.headers().get_all(name))
+        .flat_map(|line| line.as_bytes().split(|byte| *byte == b','))
+        .collect();
+    let nearest = &items[items.len().saturating_sub(FORWARDED_HOPS_MAX)..];
+    (nearest.iter())
+        .map(|item| {
+            let item = std::str::from_utf8(item).ok()?;
+            let node = match header {
+                ForwardedHeader::XForwardedFor => item,
+                ForwardedHeader::Forwarded => for_parameter(item)?,
+            };
+            parse_node(node).map(|ip| ip.to_canonical())
+        })
         .collect()
+}
+
+/// The `for=` value of one `Forwarded` element (`for=1.2.3.4;proto=https`).
+fn for_parameter(element: &str) -> Option<&str> {
+    element.split(';').find_map(|pair| {
+        let (name, value) = pair.trim().split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("for")
+            .then(|| value.trim())
+    })
 }
 
 /// `1.2.3.4`, `1.2.3.4:80`, `"[2001:db8::1]:443"`, `2001:db8::1`; `unknown` and obfuscated
@@ -158,6 +174,44 @@ mod tests {
         assert!(Cidr::parse("0.0.0.0/0").unwrap().contains(ip("8.8.8.8")));
         assert!(Cidr::parse("10.0.0.0/33").is_none());
         assert!(Cidr::parse("nope").is_none());
+        // Mapped IPv4 blocks are IPv4 blocks, as the addresses they are compared with are.
+        let mapped = Cidr::parse("::ffff:10.0.0.0/104").unwrap();
+        assert!(mapped.contains(ip("10.9.8.7")));
+        assert!(mapped.contains(ip("::ffff:10.9.8.7")));
+        assert!(!mapped.contains(ip("11.0.0.1")));
+        assert!(Cidr::parse("::ffff:10.0.0.5")
+            .unwrap()
+            .contains(ip("10.0.0.5")));
+        assert!(Cidr::parse("::ffff:0.0.0.0/95").is_none());
+    }
+
+    /// A hop that names no address, or that a client's bad byte spoiled, must not let the walk
+    /// reach an address the client wrote; and a bad byte spoils only the client's own item.
+    #[test]
+    fn a_hop_without_an_address_ends_the_walk_at_the_proxy_that_wrote_it() {
+        let proxies = [Cidr::parse("10.0.0.0/8").unwrap()];
+        let from = |header: &str, value: &[u8], written| {
+            let value = actix_web::http::header::HeaderValue::from_bytes(value).unwrap();
+            let req = TestRequest::default()
+                .peer_addr("10.0.0.1:5000".parse().unwrap())
+                .insert_header((header, value))
+                .to_srv_request();
+            client_ip(&req, &proxies, written).unwrap()
+        };
+        let (xff, fwd) = (ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded);
+        // The client wrote 6.6.6.6; the outer proxy (10.0.0.2) could not name the client.
+        let unknown = b"for=6.6.6.6, for=unknown, for=10.0.0.2";
+        assert_eq!(from("forwarded", unknown, fwd), ip("10.0.0.2"));
+        let no_for = b"for=6.6.6.6, proto=https;by=10.0.0.2";
+        assert_eq!(from("forwarded", no_for, fwd), ip("10.0.0.1"));
+        let hidden = b"for=6.6.6.6, _hidden";
+        assert_eq!(from("x-forwarded-for", hidden, xff), ip("10.0.0.1"));
+        // The client's own line had a byte that is not text: the address its proxy appended
+        // still counts.
+        let spoiled = b"\xff, 203.0.113.7";
+        assert_eq!(from("x-forwarded-for", spoiled, xff), ip("203.0.113.7"));
+        let spoiled = b"for=\xff, for=203.0.113.7";
+        assert_eq!(from("forwarded", spoiled, fwd), ip("203.0.113.7"));
     }
 
     #[test]
