@@ -606,10 +606,7 @@ fn concurrency_limits(
     for (route, in_flight_max) in routes.concurrency.clone().unwrap_or_default() {
         let setting = format!("routes.concurrency.\"{route}\"");
         if !crate::http::rules::is_route_pattern(&route) {
-            return Err(invalid(
-                setting,
-                "routes must start with /, with a `*` only at their end",
-            ));
+            return Err(invalid(setting, crate::http::rules::ROUTE_PATTERN_RULE));
         }
         let in_flight_max = NonZeroU64::new(in_flight_max)
             .ok_or_else(|| invalid(&setting, "must be at least 1"))?;

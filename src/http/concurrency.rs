@@ -37,7 +37,7 @@ pub struct ConcurrencyLimits {
 
 #[derive(Debug, Error)]
 pub enum ConcurrencyError {
-    #[error("{0:?} must start with /, with a `*` only at its end")]
+    #[error("{0:?} {rule}", rule = super::rules::ROUTE_PATTERN_RULE)]
     Route(String),
     #[error(transparent)]
     Plan(#[from] PlanError),

@@ -181,11 +181,17 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
     }
 }
 
+/// What [`is_route_pattern`] asks, for the errors that name a pattern.
+pub const ROUTE_PATTERN_RULE: &str = "must start with /, with a `*` only at its end, and \
+    no `{`, `}`, `?`, `#` or white space (paths are compared as written: no placeholders)";
+
 /// A route pattern as the configuration writes it: starts with `/`, and `*` (a prefix) only at
-/// its end. Elsewhere a `*` would be compared literally and never match, silently.
+/// its end. Elsewhere a `*` would be compared literally and never match, silently; so would an
+/// actix placeholder (`/reports/{id}`), a query or fragment, or white space.
 pub fn is_route_pattern(pattern: &str) -> bool {
     let body = pattern.strip_suffix('*').unwrap_or(pattern);
-    pattern.starts_with('/') && !body.contains('*')
+    let never_in_a_path = |c: char| matches!(c, '*' | '{' | '}' | '?' | '#') || c.is_whitespace();
+    pattern.starts_with('/') && !body.contains(never_in_a_path)
 }
 
 /// Orders patterns so that the first that matches a path is the most specific: exact paths
@@ -261,11 +267,11 @@ pub enum RulesError {
     KeyLengthMax,
     #[error("{0} is not between 1 and 128")]
     Ipv6PrefixBits(u8),
-    #[error("{0:?} must start with /, with a `*` only at its end")]
+    #[error("{0:?} {ROUTE_PATTERN_RULE}")]
     ExemptPath(String),
-    #[error("{0:?} must start with /, with a `*` only at its end")]
+    #[error("{0:?} {ROUTE_PATTERN_RULE}")]
     ShadowPath(String),
-    #[error("{0:?} must start with /, with a `*` only at its end")]
+    #[error("{0:?} {ROUTE_PATTERN_RULE}")]
     RefundPath(String),
     #[error("{0:?} is not one of \"ietf\", \"github\", \"bucket4j\" (and at least one is needed)")]
     HeaderStyle(String),
@@ -273,7 +279,7 @@ pub enum RulesError {
     MissingKeyStatus(u16),
     #[error("{0:?} is not an address or an address block such as 10.0.0.0/8")]
     TrustedProxy(String),
-    #[error("routes must start with /, with a `*` only at their end")]
+    #[error("route {0:?} {ROUTE_PATTERN_RULE}")]
     CostRoute(String),
     #[error("route {0:?} {1}")]
     RouteLimits(String, String),
@@ -539,7 +545,7 @@ fn checked_limits(
 ) -> Result<(String, Arc<[Plan]>), RulesError> {
     let invalid = |why: String| Err(RulesError::RouteLimits(route.clone(), why));
     if !is_route_pattern(&route) {
-        return invalid("must start with /, with a `*` only at its end".into());
+        return invalid(ROUTE_PATTERN_RULE.into());
     }
     if limits.is_empty() || limits.len() > ROUTE_LIMITS_MAX {
         return invalid(format!("needs 1 to {ROUTE_LIMITS_MAX} limits"));
@@ -732,6 +738,9 @@ mod tests {
     fn route_patterns_have_their_star_at_the_end() {
         assert!(is_route_pattern("/a") && is_route_pattern("/a*") && is_route_pattern("/*"));
         assert!(!is_route_pattern("a") && !is_route_pattern("/a/*/b") && !is_route_pattern("/**"));
+        for never_matches in ["/reports/{id}", "/search?q=1", "/a#b", "/a b", "/a\t"] {
+            assert!(!is_route_pattern(never_matches), "{never_matches}");
+        }
     }
 
     #[test]
