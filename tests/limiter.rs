@@ -277,6 +277,11 @@ async fn bad_keys_get_problem_responses_before_any_ledger_call() {
             header(&response, "content-type"),
             "application/problem+json"
         );
+        // Every 401 says how to present a key (RFC 9110 section 11.6.1).
+        let challenge = response.headers().get("www-authenticate");
+        let challenge = challenge.map(|value| value.to_str().unwrap());
+        let expected = (status == 401).then_some("ApiKey header=\"x-api-key\"");
+        assert_eq!(challenge, expected, "key {key:?}");
         let body: serde_json::Value = response.json().await.unwrap();
         assert_eq!(
             body["type"],

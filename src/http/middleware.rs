@@ -139,7 +139,9 @@ where
             }
             Classified::Rejected(error) => {
                 self.inner.limiter.reject_key();
-                let response = respond::rejected(&error, self.inner.rules.missing_key_status());
+                let rules = &self.inner.rules;
+                let response =
+                    respond::rejected(&error, rules.missing_key_status(), rules.challenge());
                 return Either::Left(ready(Ok(req.into_response(response).map_into_right_body())));
             }
             Classified::Charge {
@@ -219,7 +221,8 @@ where
             decision
         }
         Err(error) => {
-            let response = respond::rejected(&error, inner.rules.missing_key_status());
+            let rules = &inner.rules;
+            let response = respond::rejected(&error, rules.missing_key_status(), rules.challenge());
             return Ok(req.into_response(response).map_into_right_body());
         }
     };

@@ -13,21 +13,29 @@ use crate::limiter::plan::{Plan, PlanId};
 use crate::limiter::{Decision, Outcome, Quota};
 
 /// 400/401 for a key that is missing (`missing_status`: 401 unless configured 400), malformed or
-/// unknown.
-pub fn rejected(error: &KeyError, missing_status: StatusCode) -> HttpResponse {
-    let kind = match error {
+/// unknown; a 401 carries `challenge` in `WWW-Authenticate`.
+pub fn rejected(
+    error: &KeyError,
+    missing_status: StatusCode,
+    challenge: Option<&HeaderValue>,
+) -> HttpResponse {
+    let (kind, status) = match error {
         KeyError::Missing { .. } | KeyError::NoPeerAddress => {
-            let detail = error.to_string();
-            return problem::with_status(ProblemKind::MissingKey, missing_status, &detail);
+            (ProblemKind::MissingKey, missing_status)
         }
-        KeyError::Unknown => ProblemKind::UnknownKey,
+        KeyError::Unknown => (ProblemKind::UnknownKey, ProblemKind::UnknownKey.status()),
         KeyError::Empty { .. }
         | KeyError::TooLong { .. }
         | KeyError::Malformed { .. }
         | KeyError::Repeated { .. }
-        | KeyError::NotBearer { .. } => ProblemKind::InvalidKey,
+        | KeyError::NotBearer { .. } => (ProblemKind::InvalidKey, ProblemKind::InvalidKey.status()),
     };
-    problem::response(kind, &error.to_string())
+    let mut response = problem::with_status(kind, status, &error.to_string());
+    if let Some(challenge) = challenge.filter(|_| status == StatusCode::UNAUTHORIZED) {
+        let name = actix_web::http::header::WWW_AUTHENTICATE;
+        response.headers_mut().insert(name, challenge.clone());
+    }
+    response
 }
 
 /// The largest cost a handler may report (more is a bug, not a cost).
@@ -207,17 +215,36 @@ mod tests {
     }
 
     #[test]
-    fn key_errors_map_to_statuses() {
+    fn key_errors_map_to_statuses_and_a_401_says_how_to_present_a_key() {
         let header = "x-api-key".to_owned();
         let missing = StatusCode::UNAUTHORIZED;
-        assert_eq!(rejected(&KeyError::Unknown, missing).status(), 401);
+        let challenge = HeaderValue::from_static("ApiKey header=\"x-api-key\"");
+        let rejected = |error: &KeyError, missing| rejected(error, missing, Some(&challenge));
+        let asks = |response: &HttpResponse| {
+            let found = response
+                .headers()
+                .get(actix_web::http::header::WWW_AUTHENTICATE);
+            found.map(|value| value.to_str().unwrap().to_owned())
+        };
+        let unknown = rejected(&KeyError::Unknown, missing);
+        assert_eq!(unknown.status(), 401);
+        assert_eq!(
+            asks(&unknown).as_deref(),
+            Some("ApiKey header=\"x-api-key\"")
+        );
         assert_eq!(rejected(&KeyError::NoPeerAddress, missing).status(), 401);
         let no_key = KeyError::Missing {
             header: header.clone(),
         };
-        assert_eq!(rejected(&no_key, missing).status(), 401);
-        assert_eq!(rejected(&no_key, StatusCode::BAD_REQUEST).status(), 400);
-        let repeated = KeyError::Repeated { header };
-        assert_eq!(rejected(&repeated, missing).status(), 400);
+        let missing_401 = rejected(&no_key, missing);
+        assert_eq!(missing_401.status(), 401);
+        assert!(asks(&missing_401).is_some());
+        let missing_400 = rejected(&no_key, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            (missing_400.status().as_u16(), asks(&missing_400)),
+            (400, None)
+        );
+        let repeated = rejected(&KeyError::Repeated { header }, missing);
+        assert_eq!((repeated.status().as_u16(), asks(&repeated)), (400, None));
     }
 }

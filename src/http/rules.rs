@@ -7,7 +7,7 @@ use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use actix_web::dev::ServiceRequest;
-use actix_web::http::header::{HeaderName, AUTHORIZATION};
+use actix_web::http::header::{HeaderName, HeaderValue, AUTHORIZATION};
 use actix_web::http::StatusCode;
 use thiserror::Error;
 
@@ -80,6 +80,8 @@ pub struct RequestRules {
     route_limits: Vec<(String, Arc<[Plan]>)>,
     /// A response header in which handlers report what a request actually cost.
     cost_header: Option<HeaderName>,
+    /// `WWW-Authenticate` for a 401 (RFC 9110 asks one of every 401): how to present a key.
+    challenge: Option<HeaderValue>,
 }
 
 impl RequestRules {
@@ -130,6 +132,12 @@ impl RequestRules {
     /// The status of a request without a key (401 unless configured 400).
     pub fn missing_key_status(&self) -> StatusCode {
         self.missing_key_status
+    }
+
+    /// What a 401 answers in `WWW-Authenticate`: `Bearer` when the key is the `Authorization`
+    /// token, else `ApiKey header="<name>"`; none when callers are known by address only.
+    pub fn challenge(&self) -> Option<&HeaderValue> {
+        self.challenge.as_ref()
     }
 
     /// Identifies the caller, before any ledger call.
@@ -516,6 +524,7 @@ impl RequestRulesBuilder {
             .map(|(route, limits)| checked_limits(route, limits, &route_costs, plans))
             .collect::<Result<Vec<_>, _>>()?;
         most_specific_first(&mut route_limits);
+        let challenge = challenge(&key_source);
         Ok(RequestRules {
             key_source,
             key_length_max: self.key_length_max,
@@ -530,6 +539,7 @@ impl RequestRulesBuilder {
             ipv6_prefix_bits: self.ipv6_prefix_bits,
             route_limits,
             cost_header,
+            challenge,
         })
     }
 }
@@ -569,6 +579,19 @@ fn checked_limits(
         }
     }
     Ok((route, limits.into()))
+}
+
+/// The `WWW-Authenticate` challenge for callers keyed by `source` (see
+/// [`RequestRules::challenge`]).
+fn challenge(source: &KeySource) -> Option<HeaderValue> {
+    let (KeySource::Header(name) | KeySource::HeaderOrPeerIp(name)) = source else {
+        return None;
+    };
+    if *name == AUTHORIZATION {
+        return Some(HeaderValue::from_static("Bearer"));
+    }
+    // A header name is a token: always a valid field value.
+    HeaderValue::from_str(&format!("ApiKey header=\"{name}\"")).ok()
 }
 
 /// A route's cost must be positive and affordable on every plan: a request that costs more than a
