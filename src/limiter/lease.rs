@@ -104,6 +104,9 @@ struct CallerLease {
     lease: Option<Lease>,
     /// A request is taking the next lease: others admit from the current one, or wait.
     renewing: bool,
+    /// Every lease was settled while this caller renewed (an operator acted): the lease the
+    /// renewal brings may predate the act, so it is settled at once, not installed.
+    retire_renewed: bool,
     /// The next lease's size, from this caller's demand on this instance.
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
@@ -129,6 +132,7 @@ impl Slot {
     fn renewal_ended(&self, caller: &mut CallerLease) {
         assert!(caller.renewing);
         caller.renewing = false;
+        caller.retire_renewed = false;
         self.renewed.notify_waiters();
     }
 }
@@ -276,6 +280,7 @@ impl LeaseBook {
                 holder,
                 lease: None,
                 renewing: false,
+                retire_renewed: false,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
                 refused: false,
@@ -334,9 +339,11 @@ impl LeaseBook {
             let mut shard = lock(shard);
             shard.retain(|_, slot| {
                 let mut caller = slot.lock();
-                if caller.renewing {
+                if caller.renewing && !all {
                     return true;
                 }
+                // All, and renewing: the current lease goes now, and the next when it comes.
+                caller.retire_renewed |= caller.renewing;
                 match caller.lease {
                     Some(lease)
                         if (all || now >= lease.admit_until) && due.len() < SETTLE_BATCH_MAX =>
@@ -505,8 +512,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return None;
         }
         let slot = self.leases.slot(charge, terms)?;
+        let mut caller = slot.lock();
+        // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
         let now = self.clock.now();
-        let (decided, leased, renewing) = self.admit_locked(&mut slot.lock(), charge.cost, now)?;
+        let (decided, leased, renewing) = self.admit_locked(&mut caller, charge.cost, now)?;
+        drop(caller);
         let renewal = renewing.then(|| RenewalAhead {
             slot: Some(slot),
             cost: charge.cost,
@@ -554,8 +564,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// One look at the caller's lease, under its lock (never held across a ledger call).
     fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
-        let now = self.clock.now();
         let mut caller = slot.lock();
+        // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
+        let now = self.clock.now();
         match self.admit_locked(&mut caller, cost, now) {
             Some((decided, leased, true)) => return Look::AdmittedRenewing(decided, leased),
             Some((decided, leased, false)) => return Look::Admitted(decided, leased),
@@ -610,6 +621,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let replaced = {
             let mut caller = slot.lock();
             let replaced = match taken {
+                Ok(Some(lease)) if caller.retire_renewed => Some(lease),
                 Ok(Some(lease)) => caller.lease.replace(lease),
                 _ => None,
             };

@@ -67,6 +67,8 @@ struct Model {
     settlements: u64,
     /// The next lease call never answers.
     hang_next_lease: bool,
+    /// The next lease call is applied at once, but answered only when this is sent.
+    answer_next_lease_on: Option<tokio::sync::oneshot::Receiver<()>>,
     /// Lease calls made (answered or not).
     lease_calls: u64,
     /// The account is closed by an operator: every new hold and lease is refused so.
@@ -225,15 +227,20 @@ impl Store for ModelStore {
         timeout_seconds: u32,
         _: Instant,
     ) -> Result<HoldReply, LedgerError> {
-        let hang = {
+        let (hang, answer_on) = {
             let mut model = self.model.lock().unwrap();
             model.lease_calls += 1;
-            std::mem::take(&mut model.hang_next_lease)
+            let answer_on = model.answer_next_lease_on.take();
+            (std::mem::take(&mut model.hang_next_lease), answer_on)
         };
         if hang {
             std::future::pending::<()>().await;
         }
-        self.place(units, timeout_seconds, true)
+        let placed = self.place(units, timeout_seconds, true);
+        if let Some(answer_on) = answer_on {
+            answer_on.await.unwrap();
+        }
+        placed
     }
 
     async fn settle_lease(
@@ -516,6 +523,56 @@ fn a_block_retires_the_lease_at_its_next_renewal() {
     let after = runtime.block_on(limiter.check(&key, one)).unwrap();
     assert!(after.leased.is_none(), "admitted from a retired lease");
     assert_ne!(after.outcome, Outcome::Admitted);
+}
+
+/// An operator acts (here a block) while a renewal ahead is in flight, its lease placed just
+/// before: the epoch follower's settle cannot take that lease, which is not yet installed, so the
+/// renewal must not install it either. Installed, it admitted from memory past the block until
+/// its own renewal, up to L/2 later.
+#[test]
+fn a_lease_taken_while_every_lease_is_settled_is_not_installed() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    runtime.block_on(async {
+        limiter.check(&key, one).await.unwrap();
+        for _ in 2..=3 {
+            let decision = limiter.check(&key, one).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+        let (answer, answer_on) = tokio::sync::oneshot::channel();
+        store.model.lock().unwrap().answer_next_lease_on = Some(answer_on);
+        // The 4th is admitted from the lease and renews ahead: the next lease is placed, and its
+        // answer waits.
+        let fourth = limiter.check(&key, one);
+        tokio::pin!(fourth);
+        let early = tokio::time::timeout(Duration::from_millis(20), &mut fourth).await;
+        assert!(early.is_err(), "the renewal waits for its answer");
+        assert_eq!(
+            store.model.lock().unwrap().leases,
+            2,
+            "the next lease is placed"
+        );
+        store.model.lock().unwrap().blocked = true;
+        assert_eq!(limiter.settle_all_leases().await, 1, "the current lease");
+        answer.send(()).unwrap();
+        assert_eq!(fourth.await.unwrap().outcome, Outcome::Admitted);
+        let after = limiter.check(&key, one).await.unwrap();
+        assert!(
+            after.leased.is_none(),
+            "admitted from a lease taken before the block"
+        );
+        assert_ne!(after.outcome, Outcome::Admitted);
+    });
+    let model = store.model.lock().unwrap();
+    let (units, _, voided) = model.pendings[&2];
+    assert!(
+        units > 0 && voided,
+        "the lease taken as the block came was voided"
+    );
+    // The lease before the block holds on whole: a closed account takes no new hold.
+    assert_eq!(model.held(store.clock.now()), model.pendings[&1].0);
 }
 
 fn requests(instance: usize, count: usize) -> Vec<Event> {
