@@ -717,6 +717,49 @@ fn a_linger_past_the_most_is_refused_at_connect() {
     );
 }
 
+/// A hold answered just as its request went away (the answer sent, never read) is voided: the
+/// batch saw it delivered and voided nothing, so the receiving end's drop does. Before, it stayed
+/// held for its whole timeout (a concurrency slot for a minute, a lease for window + L).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_answered_as_its_request_went_away_is_voided() {
+    use ledger_limiter::ledger::model::UserAccount;
+    use ledger_limiter::ledger::ChainLink;
+    use std::num::{NonZeroU32, NonZeroU64};
+
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let far = || Instant::now() + Duration::from_secs(20);
+    let account = UserAccount {
+        id: fresh_id(),
+        capacity: NonZeroU64::new(5).unwrap(),
+        window_seconds: NonZeroU32::new(60).unwrap(),
+    };
+    ledger.provision(&account, far()).await.unwrap();
+    let link = ChainLink {
+        account_id: account.id,
+        amount: 1,
+        timeout_seconds: 60,
+    };
+    // Both ways a hold goes: in a batch, and as a call of its own (a chain).
+    let mut hold = Box::pin(ledger.hold(account.id, 1, 60, far(), true));
+    let mut chain = Box::pin(ledger.hold_chain(vec![link], far(), true));
+    assert!(futures_util::poll!(hold.as_mut()).is_pending(), "sent");
+    assert!(futures_util::poll!(chain.as_mut()).is_pending(), "sent");
+    // Not polled again while the ledger answers: the answers wait, unread.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = ledger.account_view(account.id, 60, far()).await.unwrap();
+    assert_eq!(held.unwrap().available, 3, "both landed");
+    drop((hold, chain));
+    let voided_by = Instant::now() + Duration::from_secs(5);
+    loop {
+        let view = ledger.account_view(account.id, 60, far()).await.unwrap();
+        if view.unwrap().available == 5 {
+            break;
+        }
+        assert!(Instant::now() < voided_by, "a hold nobody read stayed held");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// An id no account has.
 fn fresh_id() -> u128 {
     rand::random()

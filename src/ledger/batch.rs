@@ -133,13 +133,20 @@ pub(super) async fn create_transfer(
         !transfer.flags().contains(tb::transfer::Flags::LINKED),
         "a linked chain is not a batch of independent transfers"
     );
-    let (reply, result) = oneshot::channel();
+    let (reply, receiver) = oneshot::channel();
     let member = Member {
         reply: Some(reply),
         deadline,
         void_if_abandoned: leave.void_if_abandoned,
     };
-    if let Some(opened) = join_or_open(connection, transfer, member, leave.in_flight) {
+    let void = (leave.void_if_abandoned).map(|code| (transfer.id(), transfer.ledger(), code));
+    let opened = join_or_open(&connection, transfer, member, leave.in_flight);
+    let mut answer = Answer {
+        receiver,
+        connection,
+        void,
+    };
+    if let Some(opened) = opened {
         // Counted here, not in the task: every batch opened is sent, and the task then needs no
         // handle on the count (an Arc's two shared writes per batch).
         batching.count_sent();
@@ -156,7 +163,7 @@ pub(super) async fn create_transfer(
         });
     }
     // The batch answers by the deadline: its task keeps the timer.
-    result.await.unwrap_or_else(|_| {
+    (&mut answer.receiver).await.unwrap_or_else(|_| {
         Err(LedgerError::Unexpected {
             operation: Operation::CreateTransfers,
             message: "a batch ended without an answer".to_owned(),
@@ -164,10 +171,39 @@ pub(super) async fn create_transfer(
     })
 }
 
+/// A member's end of its answer. The batch voids the holds of the members that had left when it
+/// answered (their sends failed); one whose request went away just after the send succeeded,
+/// before reading it, would keep its hold for a whole timeout: dropped unread, this takes the
+/// answer back and voids the hold it created.
+struct Answer {
+    receiver: oneshot::Receiver<TransferResult>,
+    connection: Arc<Connection>,
+    /// The transfer's id, ledger and void code, when a hold landing unread is to be voided.
+    void: Option<(u128, u32, u16)>,
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        let Some((id, ledger_id, code)) = self.void else {
+            return;
+        };
+        // After a read, a no-op and an error; before one, the answer that was sent, if any.
+        self.receiver.close();
+        let Ok(Ok((None, _))) = self.receiver.try_recv() else {
+            return;
+        };
+        let voids = vec![model::void_transfer(id, ledger_id).with_code(code)];
+        let connection = self.connection.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { connection.void_abandoned(voids).await });
+        }
+    }
+}
+
 /// Joins this thread's open batch when it is for the same client and has room; else opens one
 /// (returned: the caller has it sent).
 fn join_or_open(
-    connection: Arc<Connection>,
+    connection: &Arc<Connection>,
     transfer: tb::Transfer,
     member: Member,
     in_flight: InFlight,
@@ -177,7 +213,7 @@ fn join_or_open(
         if let Some(open) = filling.as_ref() {
             let mut batch = lock(open);
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
-            let same = |open: &Arc<Connection>| Arc::ptr_eq(open, &connection);
+            let same = |open: &Arc<Connection>| Arc::ptr_eq(open, connection);
             if fits && batch.connection.as_ref().is_some_and(same) {
                 batch.transfers.push(transfer);
                 batch.members.push(member);
@@ -190,7 +226,7 @@ fn join_or_open(
             }
         }
         let opened = Arc::new(Mutex::new(Batch {
-            connection: Some(connection),
+            connection: Some(connection.clone()),
             transfers: vec![transfer],
             members: vec![member],
             in_flight: Some(in_flight),

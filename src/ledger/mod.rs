@@ -413,6 +413,12 @@ impl Ledger {
         answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
         let operation = Operation::CreateTransfers;
+        // Not sent with no time left, as in `call`: a hold that landed would be voided again.
+        if Instant::now() >= deadline {
+            let error = LedgerError::Timeout { operation };
+            self.metrics.record_error(error.kind());
+            return Err(error);
+        }
         let leave = batch::Leave {
             in_flight: self.in_flight()?,
             void_if_abandoned: void_code,
@@ -743,7 +749,7 @@ impl Ledger {
         T: Send + 'static,
         F: FnOnce(Arc<tb::Client>) -> Fut,
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
-        A: FnOnce(Arc<Connection>, &Result<T, LedgerError>) + Send + 'static,
+        A: FnOnce(Arc<Connection>, &Result<T, LedgerError>) + Clone + Send + 'static,
     {
         // A call with no time left is not sent: nobody would wait for its answer, and under the
         // closed policy a hold that landed would cost a second write to void it.
@@ -754,9 +760,11 @@ impl Ledger {
         }
         let in_flight = self.in_flight()?;
         let span = call_span(operation);
-        let (sender, mut receiver) = oneshot::channel();
+        let (sender, receiver) = oneshot::channel();
         let connection = self.client.load_full();
         let future = make(connection.client.clone());
+        let late = (on_abandoned.clone()).map(|late| (late, connection.clone()));
+        let mut answer = CallAnswer { receiver, late };
         let started = Instant::now();
         tokio::spawn(
             async move {
@@ -769,7 +777,8 @@ impl Ledger {
             }
             .instrument(span.clone()),
         );
-        let result = match tokio::time::timeout_at(deadline.into(), &mut receiver).await {
+        let receiver = &mut answer.receiver;
+        let result = match tokio::time::timeout_at(deadline.into(), &mut *receiver).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(LedgerError::Unexpected {
                 operation,
@@ -787,6 +796,33 @@ impl Ledger {
         };
         self.finish(operation, started, &span, &result);
         result
+    }
+}
+
+/// The caller's end of a [`Ledger::call`]. The call's task hands an answer to `on_abandoned`
+/// when its send fails (the caller had left); one whose request went away just after the send
+/// succeeded, before reading it, is taken back here when dropped, and handed over the same way.
+struct CallAnswer<T, A>
+where
+    A: FnOnce(Arc<Connection>, &Result<T, LedgerError>),
+{
+    receiver: oneshot::Receiver<Result<T, LedgerError>>,
+    late: Option<(A, Arc<Connection>)>,
+}
+
+impl<T, A> Drop for CallAnswer<T, A>
+where
+    A: FnOnce(Arc<Connection>, &Result<T, LedgerError>),
+{
+    fn drop(&mut self) {
+        let Some((late, connection)) = self.late.take() else {
+            return;
+        };
+        // After a read, a no-op and an error; before one, the answer that was sent, if any.
+        self.receiver.close();
+        if let Ok(result) = self.receiver.try_recv() {
+            late(connection, &result);
+        }
     }
 }
 
