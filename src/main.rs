@@ -82,7 +82,7 @@ struct Cli {
     /// Off unless given; needs --rls-config.
     #[arg(long, env = "LEDGER_LIMITER_RLS_LISTEN")]
     rls_listen: Option<String>,
-    /// envoyproxy/ratelimit YAML rules: a file, or a directory of *.yaml files.
+    /// envoyproxy/ratelimit YAML rules: a file, or a directory of *.yaml or *.yml files.
     #[arg(long, env = "LEDGER_LIMITER_RLS_CONFIG")]
     rls_config: Option<PathBuf>,
     /// Validate the configuration, print it, and exit.
