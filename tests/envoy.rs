@@ -55,6 +55,11 @@ descriptors:
     rate_limit:
       requests_per_unit: 10
       unit: minute
+  - key: counted_partner
+    value: sk_partner_0123456789
+    rate_limit:
+      requests_per_unit: 10
+      unit: minute
   - key: counted_shadow
     shadow_mode: true
     rate_limit:
@@ -792,6 +797,7 @@ async fn decisions_are_counted_with_the_envoy_frontend_label() {
             vec![
                 descriptor(&[("counted_shadow", &value)]),
                 descriptor(&[("counted", &value)]),
+                descriptor(&[("counted_partner", PARTNER_KEY)]),
             ],
         )
     };
@@ -812,4 +818,18 @@ async fn decisions_are_counted_with_the_envoy_frontend_label() {
     );
     assert!(shadow.is_some_and(|l| l.ends_with(" 1")), "{text}");
     assert!(!text.contains(&value), "a descriptor value became a label");
+    // A rule's own value (here a partner's key) is a hash in its label.
+    let digest = {
+        use sha2::{Digest, Sha256};
+        hex::encode(&Sha256::digest(PARTNER_KEY.as_bytes())[..4])
+    };
+    let partner = format!(r#"decision="admitted",plan="extra.counted_partner_{digest}""#);
+    assert!(line(&partner).is_some_and(|l| l.ends_with(" 2")), "{text}");
+    assert!(
+        !text.contains(PARTNER_KEY),
+        "a configured value became a label"
+    );
 }
+
+/// A value configured in `EXTRA`'s rules.
+const PARTNER_KEY: &str = "sk_partner_0123456789";

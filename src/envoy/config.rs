@@ -128,8 +128,12 @@ pub enum RuleLimit {
 /// One descriptor with a `rate_limit`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
-    /// `domain.key_value.key...`: as envoyproxy/ratelimit names its stats key. A metric label.
+    /// `domain.key_value.key...`: as envoyproxy/ratelimit names its stats key.
     pub path: Arc<str>,
+    /// The `plan` metric label when the rule has no `name`: its path with each configured value
+    /// as 8 hex digits of its SHA-256 (`domain.api_key_1a2b3c4d`), as a value in a rules file
+    /// may be a partner's API key, and values never reach metrics.
+    pub label: Arc<str>,
     pub name: Option<String>,
     pub limit: RuleLimit,
     pub replaces: Vec<String>,
@@ -273,7 +277,8 @@ impl RlsConfig {
         let mut node = Node::default();
         let mut rules = self.rules;
         let prefix = format!("{}.", root.domain);
-        load_level(&mut node, &prefix, &root.descriptors, 1, &mut rules).map_err(invalid)?;
+        let parents = (prefix.as_str(), prefix.as_str());
+        load_level(&mut node, parents, &root.descriptors, 1, &mut rules).map_err(invalid)?;
         self.rules = rules;
         self.domains.insert(root.domain, node);
         Ok(())
@@ -372,9 +377,10 @@ fn check_length(text: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `parents`: the path and the metric label of the level above, each ending in `.`.
 fn load_level(
     node: &mut Node,
-    parent: &str,
+    (parent, parent_label): (&str, &str),
     descriptors: &[YamlDescriptor],
     depth: usize,
     rules: &mut usize,
@@ -399,6 +405,14 @@ fn load_level(
             format!("{key}_{value}")
         };
         let path = format!("{parent}{final_key}");
+        let label = match descriptor.value.is_empty() {
+            true => format!("{parent_label}{key}", key = descriptor.key),
+            false => format!(
+                "{parent_label}{}_{}",
+                descriptor.key,
+                value_digest(&descriptor.value)
+            ),
+        };
         reject_unimplemented(descriptor, &path)?;
         if node.children.contains_key(&final_key) {
             return Err(format!("duplicate descriptor composite key '{path}'"));
@@ -409,11 +423,11 @@ fn load_level(
             if *rules > RULES_MAX {
                 return Err(format!("more than {RULES_MAX} rules"));
             }
-            child.rule = Some(Arc::new(rule(descriptor, rate_limit, &path)?));
+            child.rule = Some(Arc::new(rule(descriptor, rate_limit, (&path, &label))?));
         }
         load_level(
             &mut child,
-            &format!("{path}."),
+            (&format!("{path}."), &format!("{label}.")),
             &descriptor.descriptors,
             depth + 1,
             rules,
@@ -442,7 +456,17 @@ fn reject_unimplemented(descriptor: &YamlDescriptor, path: &str) -> Result<(), S
     }
 }
 
-fn rule(descriptor: &YamlDescriptor, yaml: &YamlRateLimit, path: &str) -> Result<Rule, String> {
+/// A configured value as a metric may show it: 8 hex digits of its SHA-256.
+fn value_digest(value: &str) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(&Sha256::digest(value.as_bytes())[..4])
+}
+
+fn rule(
+    descriptor: &YamlDescriptor,
+    yaml: &YamlRateLimit,
+    (path, label): (&str, &str),
+) -> Result<Rule, String> {
     let unit = (!yaml.unit.is_empty())
         .then(|| {
             Unit::parse(&yaml.unit)
@@ -486,6 +510,7 @@ fn rule(descriptor: &YamlDescriptor, yaml: &YamlRateLimit, path: &str) -> Result
     }
     Ok(Rule {
         path: path.into(),
+        label: label.into(),
         name: (!yaml.name.is_empty()).then(|| yaml.name.clone()),
         limit,
         replaces: yaml.replaces.iter().map(|r| r.name.clone()).collect(),

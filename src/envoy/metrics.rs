@@ -1,7 +1,8 @@
 //! The RLS front end's decisions, in the middleware's metric families with a `frontend="envoy"`
 //! label: `ledger_limiter_decisions_total{frontend, decision, plan, source}` (`plan` is the
-//! matched rule: its `name`, else its envoyproxy/ratelimit stats key, a configured and bounded
-//! set; descriptor values never become labels), `ledger_limiter_shadow_passed_total{frontend,
+//! matched rule: its `name`, else its envoyproxy/ratelimit stats key with each configured value
+//! as a hash ([`Rule::label`]), a configured and bounded set; descriptor values never become
+//! labels), `ledger_limiter_shadow_passed_total{frontend,
 //! plan, decision}`, and `ledger_limiter_rls_released_units_total` for negative hits. The
 //! middleware's own series carry no `frontend` label (`{frontend=""}` in PromQL selects them).
 
@@ -67,5 +68,5 @@ impl RlsMetrics {
 }
 
 fn label(rule: &Rule) -> String {
-    rule.name.clone().unwrap_or_else(|| rule.path.to_string())
+    rule.name.clone().unwrap_or_else(|| rule.label.to_string())
 }

@@ -216,8 +216,11 @@ fn override_rule(domain: &str, requests_per_unit: u32, unit: i32) -> Option<Arc<
         );
         return None;
     };
+    // A configured domain's (overrides apply in those only): bounded, as a label.
+    let path: Arc<str> = format!("{domain}/override").into();
     Some(Arc::new(Rule {
-        path: format!("{domain}/override").into(),
+        label: path.clone(),
+        path,
         name: None,
         limit: RuleLimit::Counted {
             requests_per_unit,
