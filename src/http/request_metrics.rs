@@ -18,7 +18,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
 use actix_web::http::Method;
@@ -56,7 +56,10 @@ pub struct RequestLabels {
 struct Exemplar {
     trace_id: String,
     seconds: f64,
-    observed_at: Instant,
+    /// Written with the exemplar. Why: one without a timestamp takes each scrape's, so the last
+    /// exemplar of a bucket rarely hit (seconds-long requests) looks new for the process's
+    /// whole life, to a Prometheus that lost its stored copy, long after its trace is gone.
+    observed_at: SystemTime,
 }
 
 /// One worker's counts for one series. Only that worker writes them (so its cache lines stay on
@@ -83,6 +86,11 @@ impl Cells {
     /// Only the worker that owns these cells calls this: a load and a store, not a locked
     /// read-modify-write, since no other thread writes them.
     fn observe(&self, seconds: f64, trace_id: Option<String>) {
+        self.observe_at(seconds, trace_id, SystemTime::now());
+    }
+
+    /// [`Cells::observe`] at the wall-clock time `observed_at`.
+    fn observe_at(&self, seconds: f64, trace_id: Option<String>, observed_at: SystemTime) {
         // The first bucket whose bound is at least `seconds` (`le`), else `+Inf`.
         let bucket = HTTP_BUCKETS_SECONDS.partition_point(|bound| *bound < seconds);
         let count = &self.buckets[bucket];
@@ -93,7 +101,7 @@ impl Cells {
             lock(&self.exemplars)[bucket] = Some(Exemplar {
                 trace_id,
                 seconds,
-                observed_at: Instant::now(),
+                observed_at,
             });
         }
     }
@@ -194,6 +202,8 @@ fn write_series(out: &mut String, labels: &RequestLabels, summed: &Summed) {
         if let Some(exemplar) = &summed.exemplars[index] {
             let trace_id = escape_label_value(&exemplar.trace_id);
             let _ = write!(out, " # {{trace_id=\"{trace_id}\"}} {:?}", exemplar.seconds);
+            let since_epoch = exemplar.observed_at.duration_since(SystemTime::UNIX_EPOCH);
+            let _ = write!(out, " {:?}", since_epoch.unwrap_or_default().as_secs_f64());
         }
         out.push('\n');
     }
@@ -428,6 +438,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn greeting(status: u16) -> RequestLabels {
         RequestLabels {
@@ -464,6 +475,7 @@ mod tests {
     /// What `prometheus-client` (the reference, one series shared by every worker) writes for
     /// the same observations.
     fn reference_text(observations: &[(RequestLabels, f64, Option<&str>)]) -> String {
+        let observed_at = |index: usize| SystemTime::UNIX_EPOCH + Duration::from_secs(index as u64);
         use prometheus_client::encoding::EncodeLabelSet;
         use prometheus_client::metrics::exemplar::HistogramWithExemplars;
         use prometheus_client::metrics::family::Family;
@@ -486,7 +498,7 @@ mod tests {
         let help = "Duration of HTTP server requests, with trace exemplars";
         let name = "http_server_request_duration";
         registry.register_with_unit(name, help, Unit::Seconds, family.clone());
-        for (labels, seconds, trace_id) in observations {
+        for (index, (labels, seconds, trace_id)) in observations.iter().enumerate() {
             let labels = Labels {
                 method: labels.method,
                 route: labels.route.clone(),
@@ -495,7 +507,8 @@ mod tests {
             let trace = trace_id.map(|id| Trace {
                 trace_id: id.to_owned(),
             });
-            family.get_or_create(&labels).observe(*seconds, trace, None);
+            let at = Some(observed_at(index));
+            family.get_or_create(&labels).observe(*seconds, trace, at);
         }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
@@ -535,7 +548,8 @@ mod tests {
             } else {
                 &workers[index % 2]
             };
-            cells.observe(*seconds, trace_id.map(str::to_owned));
+            let at = SystemTime::UNIX_EPOCH + Duration::from_secs(index as u64);
+            cells.observe_at(*seconds, trace_id.map(str::to_owned), at);
         }
         let ours = metrics.render();
         let reference = reference_text(&observations);
