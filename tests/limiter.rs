@@ -760,6 +760,54 @@ async fn a_hold_answered_as_its_request_went_away_is_voided() {
     }
 }
 
+/// The cluster evicts a client's session when it needs the room (it keeps 64) or no longer
+/// serves its release. The evicted client then takes calls and never answers them: every call
+/// waited out its deadline and kept its in-flight place for good, until the instance refused
+/// everything as overloaded. The instance now makes a new client, and the stranded calls give
+/// their places back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_client_is_replaced_and_its_stranded_calls_give_their_places_back() {
+    use ledger_limiter::ledger::{HoldReply, RETIRED_CALLS_GRACE};
+
+    let private = TestLedger::start(); // its sessions are this test's alone
+    let ledger = ledger_client(vec![private.address]);
+    let within = |ms| Instant::now() + Duration::from_millis(ms);
+    let answered = |reply: &Result<HoldReply, ledger::LedgerError>| {
+        matches!(reply, Ok(HoldReply::AccountNotFound))
+    };
+    assert!(answered(
+        &ledger.hold(fresh_id(), 1, 30, within(10_000), true).await
+    ));
+    // 64 clients register after ours, one at a time (a server takes few connections at once,
+    // and a session outlives its connection): the cluster evicts the oldest session, ours.
+    let register = || async {
+        let other = tb::Client::new(0, private.address.to_string()).unwrap();
+        other.lookup_accounts(vec![1]).await.unwrap();
+        tokio::task::spawn_blocking(move || drop(other))
+            .await
+            .unwrap();
+    };
+    for _ in 0..64 / 4 {
+        join_all((0..4).map(|_| register())).await;
+    }
+    // Our next call learns of the eviction; soon a new client answers.
+    let replaced_by = within(30_000);
+    while !answered(&ledger.hold(fresh_id(), 1, 30, within(1_000), true).await) {
+        assert!(
+            Instant::now() < replaced_by,
+            "the evicted client was never replaced"
+        );
+    }
+    let given_back_by = Instant::now() + RETIRED_CALLS_GRACE + Duration::from_secs(5);
+    while ledger.calls_in_flight() > 0 {
+        assert!(
+            Instant::now() < given_back_by,
+            "calls stranded on the evicted client kept their places"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// An id no account has.
 fn fresh_id() -> u128 {
     rand::random()

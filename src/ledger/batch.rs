@@ -268,6 +268,11 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
     let Some(answer) = answer else {
         return; // its outcome is unknown: its holds, if placed, expire on their own
     };
+    if let Err(error) = &answer {
+        if super::connection::is_client_gone(error) {
+            connection.mark_gone();
+        }
+    }
     let mut voids = Vec::new();
     let answered_at = Instant::now();
     let answered = members

@@ -15,6 +15,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,26 @@ pub(crate) struct Connection {
     pub(crate) addresses: Vec<SocketAddr>,
     /// When another connection replaced this one; `None` while it is the one in use.
     retired: watch::Sender<Option<Instant>>,
+    /// The client can send nothing more ([`is_client_gone`]): the next call replaces it.
+    gone: AtomicBool,
+}
+
+/// Whether `error` says the client can send nothing more: the cluster evicted its session
+/// (more clients than the cluster keeps sessions for, a release it no longer serves), or it was
+/// closed. Why it matters: from then on the client takes calls and never answers them (the
+/// crate drops a submit the C client refuses), so every call would wait out its deadline and
+/// keep its in-flight place for good.
+pub(crate) fn is_client_gone(error: &(dyn std::error::Error + 'static)) -> bool {
+    use tb::error::{SendError, SendErrorKind as K};
+    let send = error
+        .downcast_ref::<SendError>()
+        .or_else(|| error.source()?.downcast_ref::<SendError>());
+    send.is_some_and(|send| {
+        matches!(
+            send.kind(),
+            K::ClientEvicted | K::ClientReleaseTooLow | K::ClientReleaseTooHigh | K::ClientShutdown
+        )
+    })
 }
 
 impl Connection {
@@ -56,7 +77,17 @@ impl Connection {
             client: Arc::new(client),
             addresses: addresses.to_vec(),
             retired: watch::Sender::new(None),
+            gone: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the client as able to send nothing more (see [`is_client_gone`]).
+    pub(crate) fn mark_gone(&self) {
+        self.gone.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Relaxed)
     }
 
     /// Marks this connection replaced: its calls that nobody waits for any more are given up

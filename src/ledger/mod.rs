@@ -62,6 +62,9 @@ pub enum LedgerError {
     Client {
         operation: Operation,
         message: String,
+        /// The client can send nothing more (evicted by the cluster, or closed): the next call
+        /// replaces it ([`connection::is_client_gone`]).
+        client_gone: bool,
     },
     #[error("ledger answered {} with {message}", .operation.as_str())]
     Unexpected {
@@ -146,10 +149,11 @@ fn no_event_error(operation: Operation) -> LedgerError {
     }
 }
 
-fn client_error(operation: Operation, error: impl std::fmt::Display) -> LedgerError {
+fn client_error(operation: Operation, error: impl std::error::Error + 'static) -> LedgerError {
     LedgerError::Client {
         operation,
         message: error.to_string(),
+        client_gone: connection::is_client_gone(&error),
     }
 }
 
@@ -313,6 +317,39 @@ impl Ledger {
         if self.client.load().addresses == addresses {
             return Ok(false);
         }
+        self.replace_client(&mut retired, addresses)?;
+        Ok(true)
+    }
+
+    /// The connection to call on: the one in use, or, if its client can send nothing more (an
+    /// eviction), a new one at the same addresses. The evicted one is retired like a replaced
+    /// one, so its calls that will never be answered give their places back.
+    fn connection(&self) -> Arc<Connection> {
+        let connection = self.client.load_full();
+        if !connection.is_gone() {
+            return connection;
+        }
+        let mut retired = lock(&self.retired);
+        let current = self.client.load_full();
+        if !Arc::ptr_eq(&current, &connection) {
+            return current; // another call replaced it
+        }
+        tracing::warn!("the ledger cluster evicted this instance's client (too many clients, or a release it does not serve); a new client registers");
+        match self.replace_client(&mut retired, &connection.addresses) {
+            Ok(()) => self.client.load_full(),
+            Err(error) => {
+                tracing::error!(%error, "could not make a new ledger client; calls fail until one is made");
+                connection
+            }
+        }
+    }
+
+    /// Swaps in a client for `addresses`, retiring the one in use.
+    fn replace_client(
+        &self,
+        retired: &mut Vec<Arc<Connection>>,
+        addresses: &[SocketAddr],
+    ) -> Result<(), ConnectError> {
         let connection = Connection::new(self.cluster_id, addresses)?;
         let replaced = self.client.swap(Arc::new(connection));
         replaced.retire();
@@ -321,7 +358,7 @@ impl Ledger {
             let open = retired.len();
             tracing::warn!(open, "replaced ledger clients are still open: addresses change faster than their calls end");
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Closes the clients [`Ledger::reconnect`] replaced that nothing uses any more; returns how
@@ -423,7 +460,7 @@ impl Ledger {
             in_flight: self.in_flight()?,
             void_if_abandoned: void_code,
         };
-        let connection = self.client.load_full();
+        let connection = self.connection();
         let span = call_span(operation);
         let started = Instant::now();
         let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
@@ -761,18 +798,32 @@ impl Ledger {
         let in_flight = self.in_flight()?;
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
-        let connection = self.client.load_full();
+        let connection = self.connection();
         let future = make(connection.client.clone());
         let late = (on_abandoned.clone()).map(|late| (late, connection.clone()));
         let mut answer = CallAnswer { receiver, late };
         let started = Instant::now();
         tokio::spawn(
             async move {
-                let answered = answer_or_leave(future, sender, &connection).await;
+                let connection = &connection;
+                let future = async move {
+                    let answer = future.await;
+                    if matches!(
+                        answer,
+                        Err(LedgerError::Client {
+                            client_gone: true,
+                            ..
+                        })
+                    ) {
+                        connection.mark_gone();
+                    }
+                    answer
+                };
+                let answered = answer_or_leave(future, sender, connection).await;
                 // The ledger answered or the call was given up: the permit goes back either way.
                 drop(in_flight);
                 if let (Some(Err(result)), Some(on_abandoned)) = (answered, on_abandoned) {
-                    on_abandoned(connection, &result);
+                    on_abandoned(connection.clone(), &result);
                 }
             }
             .instrument(span.clone()),
