@@ -31,8 +31,10 @@ where
         tick.tick().await;
         // First, and whether or not the names resolve: a replaced client's calls end on their own.
         ledger.close_replaced_clients();
-        let error = match resolve().await {
-            Ok(addresses) => match ledger.reconnect(&addresses) {
+        // Bounded: a resolver that does not answer (glibc retries each name server for
+        // seconds) would hold up the next look and the closing of replaced clients.
+        let error = match tokio::time::timeout(every, resolve()).await {
+            Ok(Ok(addresses)) => match ledger.reconnect(&addresses) {
                 Ok(true) => {
                     tracing::info!(?addresses, "the ledger's addresses changed; reconnected");
                     continue;
@@ -40,7 +42,8 @@ where
                 Ok(false) => continue,
                 Err(error) => error.to_string(),
             },
-            Err(error) => error.to_string(),
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => format!("no answer from the resolver within {every:?}"),
         };
         if crate::telemetry::log_throttle(&RESOLVE_FAILURE_LOGGED_SECOND) {
             tracing::warn!(%error, "cannot follow the ledger's addresses; keeping the current ones");

@@ -53,6 +53,8 @@ pub const LEASE_CALLERS_MAX: usize = 16_384;
 pub const LEASE_UNITS_FIRST: u64 = 8;
 /// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
 pub const SETTLE_TICK: Duration = Duration::from_millis(100);
+/// The least time a settle of every lease gets, whatever `ledger.timeout_ms`: up to 65 batches.
+const SETTLE_ALL_TIME_MIN: Duration = Duration::from_secs(1);
 /// Leases settled at once by one sweep, so a sweep's ledger calls stay bounded.
 const SETTLE_BATCH_MAX: usize = 256;
 const SHARD_COUNT: usize = 16;
@@ -805,15 +807,21 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// every [`SETTLE_TICK`], so unused leased units return about L after the lease was taken
     /// even when the caller stopped sending. Returns how many it settled.
     pub async fn settle_due_leases(&self) -> usize {
-        self.settle_leases(false).await
+        let deadline = self.deadline();
+        self.settle_leases(false, deadline).await
     }
 
     /// Settles every lease now, whatever its time (a clean shutdown, after the server stopped
     /// taking requests): unused leased units return at once rather than window + L later.
+    ///
+    /// One deadline for the whole pass, at least [`SETTLE_ALL_TIME_MIN`]: with the ledger down,
+    /// a deadline per batch made a shutdown wait up to 65 of them. A lease not settled by then
+    /// is out of memory all the same, and the ledger releases it at its timeout.
     pub async fn settle_all_leases(&self) -> usize {
+        let deadline = self.clock.now() + self.settings.ledger_timeout.max(SETTLE_ALL_TIME_MIN);
         let mut settled = 0;
         for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            match self.settle_leases(true).await {
+            match self.settle_leases(true, deadline).await {
                 0 => break,
                 count => settled += count,
             }
@@ -821,11 +829,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         settled
     }
 
-    async fn settle_leases(&self, all: bool) -> usize {
-        let now = self.clock.now();
-        let due = self.leases.due(now, all);
+    async fn settle_leases(&self, all: bool, deadline: Instant) -> usize {
+        let due = self.leases.due(self.clock.now(), all);
         let count = due.len();
-        let deadline = now + self.settings.ledger_timeout;
         let settlements = due
             .iter()
             .map(|(holder, lease)| self.settle(holder, *lease, deadline));
