@@ -767,7 +767,7 @@ async fn a_hold_answered_as_its_request_went_away_is_voided() {
 /// their places back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_client_is_replaced_and_its_stranded_calls_give_their_places_back() {
-    use ledger_limiter::ledger::{HoldReply, RETIRED_CALLS_GRACE};
+    use ledger_limiter::ledger::HoldReply;
 
     let private = TestLedger::start(); // its sessions are this test's alone
     let ledger = ledger_client(vec![private.address]);
@@ -798,12 +798,19 @@ async fn an_evicted_client_is_replaced_and_its_stranded_calls_give_their_places_
             "the evicted client was never replaced"
         );
     }
-    let given_back_by = Instant::now() + RETIRED_CALLS_GRACE + Duration::from_secs(5);
+    places_given_back(
+        &ledger,
+        "calls stranded on the evicted client kept their places",
+    )
+    .await;
+}
+
+/// Waits until `ledger`'s calls stranded on a retired client are given up (their grace, and
+/// some slack), failing with `why` if they are not.
+async fn places_given_back(ledger: &ledger::Ledger, why: &str) {
+    let given_up_by = Instant::now() + ledger::RETIRED_CALLS_GRACE + Duration::from_secs(5);
     while ledger.calls_in_flight() > 0 {
-        assert!(
-            Instant::now() < given_back_by,
-            "calls stranded on the evicted client kept their places"
-        );
+        assert!(Instant::now() < given_up_by, "{why}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -819,7 +826,7 @@ fn fresh_id() -> u128 {
 /// overloaded, and kept every old client (its I/O thread) alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_stranded_on_a_replaced_client_give_their_places_back() {
-    use ledger_limiter::ledger::{ChainLink, RETIRED_CALLS_GRACE};
+    use ledger_limiter::ledger::ChainLink;
 
     let ledger = ledger_client_bounded(vec![dead_address()], 4);
     let soon = Instant::now() + Duration::from_millis(300);
@@ -850,14 +857,7 @@ async fn calls_stranded_on_a_replaced_client_give_their_places_back() {
         "within the grace the old calls keep their places: {refused:?}"
     );
 
-    let given_up_by = Instant::now() + RETIRED_CALLS_GRACE + Duration::from_secs(5);
-    while ledger.calls_in_flight() > 0 {
-        assert!(
-            Instant::now() < given_up_by,
-            "the stranded calls kept their places"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    places_given_back(&ledger, "the stranded calls kept their places").await;
     let answered = ledger.hold(fresh_id(), 1, 30, far(), true).await;
     assert!(
         matches!(answered, Ok(ledger::HoldReply::AccountNotFound)),

@@ -63,7 +63,7 @@ pub enum LedgerError {
         operation: Operation,
         message: String,
         /// The client can send nothing more (evicted by the cluster, or closed): the next call
-        /// replaces it ([`connection::is_client_gone`]).
+        /// replaces it (see `ledger::connection`).
         client_gone: bool,
     },
     #[error("ledger answered {} with {message}", .operation.as_str())]

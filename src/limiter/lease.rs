@@ -814,7 +814,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Settles every lease now, whatever its time (a clean shutdown, after the server stopped
     /// taking requests): unused leased units return at once rather than window + L later.
     ///
-    /// One deadline for the whole pass, at least [`SETTLE_ALL_TIME_MIN`]: with the ledger down,
+    /// One deadline for the whole pass, at least a second: with the ledger down,
     /// a deadline per batch made a shutdown wait up to 65 of them. A lease not settled by then
     /// is out of memory all the same, and the ledger releases it at its timeout.
     pub async fn settle_all_leases(&self) -> usize {
