@@ -404,19 +404,24 @@ async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_placed_after_its_request_was_refused_is_voided() {
-    let ledger = shared_ledger();
+    let ledger = TestLedger::start(); // its own: stopped for a while below
     let key = fresh_key("k_");
     // Provision the caller through a normal instance: one hold of 1.
     let warm = spawn_app(exactness_config(ledger.address, 5, 1)).await;
     assert_eq!(warm.get("/greeting", Some(&key)).await.status(), 200);
 
-    // A cold instance (its client's first request takes far longer than 1 ms) with a 1 ms
-    // deadline and the closed policy: the request is refused, but the hold still reaches the ledger.
+    // Another instance, the closed policy, and a ledger stopped while its request is decided:
+    // the hold is sent in time and answered late, so the request is refused, but the hold still
+    // reaches the ledger once it continues. (A deadline of 1 ms once did this on a cold client;
+    // a hold is no longer sent once its deadline has passed.)
     let mut config = exactness_config(ledger.address, 5, 1);
-    config.ledger.timeout_ms = Some(1);
+    config.ledger.timeout_ms = Some(300);
     config.ledger.failure_policy = Some("closed".into());
     let cold = spawn_app_without_ledger(config).await;
-    assert_eq!(cold.get("/greeting", Some(&key)).await.status(), 503);
+    ledger.pause(true);
+    let refused = cold.get("/greeting", Some(&key)).await.status();
+    ledger.pause(false);
+    assert_eq!(refused, 503);
 
     // Once the late answer arrives, the hold is voided: only the first one is still pending.
     let client = tb::Client::new(0, ledger.address.to_string()).unwrap();

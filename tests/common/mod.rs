@@ -224,6 +224,15 @@ impl TestLedger {
         let _ = child.kill();
         let _ = child.wait();
     }
+
+    /// Stops (`true`) or continues the server's process: a ledger that takes calls and answers
+    /// them only once continued, whatever the deadlines.
+    pub fn pause(&self, stopped: bool) {
+        let pid = self.child.lock().unwrap().id().to_string();
+        let signal = if stopped { "-STOP" } else { "-CONT" };
+        let status = Command::new("kill").args([signal, &pid]).status();
+        assert!(status.expect("run kill").success(), "kill {signal} {pid}");
+    }
 }
 
 const RESTART_MARK: &str = "---- restarted by the test\n";
