@@ -783,8 +783,9 @@ async fn an_evicted_client_is_replaced_and_its_stranded_calls_give_their_places_
     assert!(answered(
         &ledger.hold(fresh_id(), 1, 30, within(10_000), true).await
     ));
-    // 64 clients register after ours, one at a time (a server takes few connections at once,
-    // and a session outlives its connection): the cluster evicts the oldest session, ours.
+    // 64 clients register after ours, four at a time, each closing its connection after (a
+    // server takes few connections at once, and a session outlives its connection): the
+    // cluster evicts the oldest session, ours.
     let register = || async {
         let other = tb::Client::new(0, private.address.to_string()).unwrap();
         other.lookup_accounts(vec![1]).await.unwrap();
