@@ -417,7 +417,11 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
     let audit = audit_when(&app.limiter, &key, SETTLED_WITHIN, settled).await;
     assert!(audit.leases >= 1, "{audit:?}");
     assert_eq!(audit.leases, audit.leases_settled, "{audit:?}");
-    assert_eq!(audit.debits_pending, 5, "{audit:?}");
+    // Read again: an audit reads the balances, then the transfers, so a void that landed between
+    // the two was listed while the balances did not count it yet (seen once in CI: 51 pending).
+    // Read after the listing that showed it, the balances count it.
+    let again = crate::audit(&app.limiter, &key).await;
+    assert_eq!(again.debits_pending, 5, "{again:?}");
     assert_eq!(audit.admitted(), 5);
     // No settlement in flight now: the next request's fields are exact again.
     let response = app.get("/greeting", Some(&key)).await;
