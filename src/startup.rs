@@ -1,6 +1,6 @@
 //! Wiring: ledger (embedded or remote), limiter, HTTP server. Used by the binary and the tests.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -71,15 +71,39 @@ pub struct Application {
     port: u16,
     limiter: Arc<Limiter>,
     embedded: Option<EmbeddedLedger>,
-    /// Re-resolves the ledger's host names; stopped with the server.
+    companions: Companions,
+}
+
+/// What runs beside the HTTP server from the start. Stopped when the service stops, and on drop:
+/// an application dropped unrun, or a build that fails half-way, leaves no task following the
+/// ledger and no admin API serving a limiter nobody runs.
+#[derive(Default)]
+struct Companions {
+    /// Follows the ledger's addresses (and closes replaced clients).
     follower: Option<JoinHandle<()>>,
-    /// Follows the ledger's operator epoch (see `Limiter::follow_operator_epoch`); stopped with
-    /// the server.
-    epoch_follower: JoinHandle<()>,
+    /// Follows the ledger's operator epoch (see `Limiter::follow_operator_epoch`).
+    epoch_follower: Option<JoinHandle<()>>,
     /// The admin API's server (running) and its port.
     admin: Option<(actix_web::dev::ServerHandle, u16)>,
     /// Envoy's rate-limit service (running), when configured.
     rls: Option<RlsServer>,
+}
+
+impl Drop for Companions {
+    fn drop(&mut self) {
+        for task in [self.follower.take(), self.epoch_follower.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+        if let Some((admin, _)) = self.admin.take() {
+            // The stop command is sent as the future is made; nobody is left to await it.
+            drop(admin.stop(false));
+        }
+        // Dropping its stop signal stops the Envoy front end (see `rls_server`).
+        self.rls.take();
+    }
 }
 
 /// The Envoy front end's gRPC server: its port, its thread and the signal that stops it.
@@ -92,6 +116,8 @@ struct RlsServer {
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
+        let mut companions = Companions::default();
+        companions.follower = Some(follower);
         let concurrency = ConcurrencyLimits::new(
             &ledger,
             &settings.concurrency,
@@ -137,26 +163,22 @@ impl Application {
         })?
         .run();
 
-        let admin = match &settings.admin {
-            Some(admin) => Some(admin_server(admin, limiter.clone())?),
-            None => None,
-        };
+        if let Some(admin) = &settings.admin {
+            companions.admin = Some(admin_server(admin, limiter.clone())?);
+        }
+        if let Some(rls) = &settings.rls {
+            companions.rls = Some(rls_server(rls, limiter.clone(), settings.workers.get())?);
+        }
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
-        let rls = match &settings.rls {
-            Some(rls) => Some(rls_server(rls, limiter.clone(), settings.workers.get())?),
-            None => None,
-        };
+        companions.epoch_follower = Some(tokio::spawn(epoch));
         Ok(Application {
             server,
             port,
             limiter,
             embedded,
-            follower,
-            epoch_follower: tokio::spawn(epoch),
-            admin,
-            rls,
+            companions,
         })
     }
 
@@ -166,12 +188,12 @@ impl Application {
 
     /// The admin API's port, when it is on.
     pub fn admin_port(&self) -> Option<u16> {
-        self.admin.as_ref().map(|(_, port)| *port)
+        self.companions.admin.as_ref().map(|(_, port)| *port)
     }
 
     /// The Envoy rate-limit service's port, when it is on.
     pub fn rls_port(&self) -> Option<u16> {
-        self.rls.as_ref().map(|rls| rls.port)
+        self.companions.rls.as_ref().map(|rls| rls.port)
     }
 
     pub fn limiter(&self) -> Arc<Limiter> {
@@ -201,17 +223,17 @@ impl Application {
     }
 
     /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
-    pub async fn run_until_stopped(self) -> std::io::Result<()> {
+    pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
         let result = self.server.await;
         // No request is decided any more: give leased units back now, not window + L later.
         let settled = self.limiter.settle_all_leases().await;
         if settled > 0 {
             tracing::info!(settled, "leases settled");
         }
-        if let Some((admin, _)) = self.admin {
+        if let Some((admin, _)) = self.companions.admin.take() {
             admin.stop(true).await;
         }
-        if let Some(rls) = self.rls {
+        if let Some(rls) = self.companions.rls.take() {
             // Graceful: no new calls, the ones in flight finish (each within the decision deadline).
             let _ = rls.stop.send(());
             match tokio::task::spawn_blocking(move || rls.thread.join()).await {
@@ -220,10 +242,8 @@ impl Application {
                 _ => tracing::warn!("Envoy rate-limit service thread failed"),
             }
         }
-        if let Some(follower) = self.follower {
-            follower.abort();
-        }
-        self.epoch_follower.abort();
+        // The address and epoch followers.
+        drop(self.companions);
         if let Some(embedded) = self.embedded {
             embedded.stop().await;
             tracing::info!("embedded TigerBeetle stopped");
@@ -343,11 +363,11 @@ const RLS_DRAIN_MAX: Duration = Duration::from_secs(10);
 const EMBEDDED_FOLLOW_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The embedded ledger, started first, or the cluster's resolved addresses; then the one client.
-/// Host names (not IP literals) are followed: resolved again every few seconds. So is the
-/// embedded server, which each restart moves to a new port.
+/// The addresses are followed: host names resolved again every few seconds, the embedded
+/// server's port after each restart. Each look also closes the clients an eviction replaced.
 async fn connect_ledger(
     settings: &Settings,
-) -> Result<(Ledger, Option<EmbeddedLedger>, Option<JoinHandle<()>>), StartupError> {
+) -> Result<(Ledger, Option<EmbeddedLedger>, JoinHandle<()>), StartupError> {
     let (addresses, embedded) = match &settings.ledger {
         LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
         LedgerLocation::Embedded {
@@ -367,16 +387,16 @@ async fn connect_ledger(
     };
     let ledger = Ledger::connect(&settings.ledger_settings(addresses))?;
     let follower = match &settings.ledger {
-        LedgerLocation::Cluster { addresses }
-            if addresses.iter().any(|a| a.parse::<SocketAddr>().is_err()) =>
-        {
+        // IP literals too: they resolve to themselves without a lookup, and each look closes
+        // the clients an eviction replaced.
+        LedgerLocation::Cluster { addresses } => {
             let hosts = addresses.clone();
             let resolve = move || {
                 let hosts = hosts.clone();
                 async move { resolve_addresses(&hosts).await }
             };
             let follow = follow_addresses(ledger.clone(), RESOLVE_INTERVAL, resolve);
-            Some(tokio::spawn(follow))
+            tokio::spawn(follow)
         }
         LedgerLocation::Embedded { .. } => {
             let address = embedded.as_ref().expect("started above").addresses();
@@ -385,9 +405,8 @@ async fn connect_ledger(
                 async move { Ok::<_, std::convert::Infallible>(addresses) }
             };
             let follow = follow_addresses(ledger.clone(), EMBEDDED_FOLLOW_INTERVAL, resolve);
-            Some(tokio::spawn(follow))
+            tokio::spawn(follow)
         }
-        _ => None,
     };
     Ok((ledger, embedded, follower))
 }

@@ -775,3 +775,28 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     app.stop().await;
     other.stop().await;
 }
+
+/// An application dropped without being run stops what it started beside its server: its admin
+/// API no longer serves a limiter that nobody runs (it did, for the life of the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_dropped_unrun_stops_its_admin_api() {
+    use ledger_limiter::config::Settings;
+    use ledger_limiter::startup::{Application, Exporters};
+
+    let settings = Settings::with_overrides(config(5)).expect("valid test configuration");
+    let application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    let port = application.admin_port().expect("admin API on");
+    let connects = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+    assert!(connects(), "the admin API listens once built");
+    drop(application);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while connects() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the admin API still serves"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
