@@ -351,6 +351,9 @@ impl Ledger {
         addresses: &[SocketAddr],
     ) -> Result<(), ConnectError> {
         let connection = Connection::new(self.cluster_id, addresses)?;
+        // Those retired before and unused by now: without an address follower (a cluster given
+        // by IP literals has none) nothing else would close them, and evictions repeat.
+        connection::close_unused(retired);
         let replaced = self.client.swap(Arc::new(connection));
         replaced.retire();
         retired.push(replaced);
