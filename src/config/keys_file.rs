@@ -61,10 +61,10 @@ fn parse(
             ));
         }
         if !is_plan(plan) {
-            // The plan's name is configuration, not a secret.
+            // Not quoted: in a line written `<plan> <key>`, the second field is the key.
             return Err(invalid(
                 SETTING,
-                format!("{at}: no plan {plan:?} is configured"),
+                format!("{at}: the line's second field names no configured plan (`<key> <plan>`)"),
             ));
         }
         if let Some(first) = lines.insert(key, index + 1) {
@@ -92,7 +92,8 @@ mod tests {
             length_max in 1usize..16,
         ) {
             let text = String::from_utf8_lossy(&bytes);
-            match parse(&text, Path::new("k"), length_max, &|_| true) {
+            // Plans of even length: a refused plan's branch is reached too.
+            match parse(&text, Path::new("k"), length_max, &|plan| plan.len() % 2 == 0) {
                 Ok(keys) => {
                     for (key, _) in keys {
                         prop_assert!(is_valid_key(key.as_bytes(), length_max));
@@ -103,7 +104,8 @@ mod tests {
                     prop_assert!(
                         after == "expected `<key> <plan>`"
                             || after.starts_with("the key is not")
-                            || after.starts_with("the key is listed already"),
+                            || after.starts_with("the key is listed already")
+                            || after.starts_with("the line's second field names no"),
                         "{}", err.message
                     );
                 }
@@ -132,7 +134,14 @@ mod tests {
         assert!(!err.message.contains("secret-key-123"), "{}", err.message);
         // A plan nobody configured, on its line; a key listed twice, both lines.
         let err = parse("ok free\nsecret-key-123 gold\n", path, 64).unwrap_err();
-        assert_eq!(err.message, "keys.txt:2: no plan \"gold\" is configured");
+        assert_eq!(
+            err.message,
+            "keys.txt:2: the line's second field names no configured plan (`<key> <plan>`)"
+        );
+        // Its fields the wrong way round: the key is the second field, and is not quoted.
+        let err = parse("pro secret-key-123\n", path, 64).unwrap_err();
+        assert!(err.message.starts_with("keys.txt:1:"), "{}", err.message);
+        assert!(!err.message.contains("secret-key-123"), "{}", err.message);
         let err = parse("secret-key-123 free\n\nsecret-key-123 pro\n", path, 64).unwrap_err();
         assert_eq!(
             err.message,

@@ -1096,7 +1096,8 @@ mod tests {
         assert!(!err.to_string().contains("secret-key-123"), "{err}");
         assert_eq!(err.setting, "caller.keys_file", "{err}");
         assert!(
-            err.message.ends_with(":1: no plan \"gold\" is configured"),
+            err.message
+                .ends_with(":1: the line's second field names no configured plan (`<key> <plan>`)"),
             "{err}"
         );
     }
