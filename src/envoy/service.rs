@@ -386,19 +386,20 @@ impl RateLimitServer {
     async fn release(&self, limit: &Limit, hits: u64) -> Option<u64> {
         let deadline = self.limiter.deadline();
         let window = limit.account.window_seconds.get();
-        match self
+        let released = self
             .ledger()
             .release_units(limit.account.id, hits, window, deadline)
-            .await
-        {
+            .await;
+        // This instance's memory of the holds is stale now, failed or not (a failure may come
+        // after some voids landed: a local 429 on holds given back would be wrong); the next
+        // request asks. (A limit it keeps no memory of, a concurrency rule's, has nothing to
+        // forget: and a forget keeps its shard's listings in flight from being remembered.)
+        if limit.local_view {
+            self.limiter.forget(limit.account.id);
+        }
+        match released {
             Ok(released) => {
                 self.metrics.record_release(released.units);
-                // This instance's memory of the holds is stale now; the next request asks. (A
-                // limit it keeps no memory of, a concurrency rule's, has nothing to forget: and a
-                // forget keeps its shard's listings in flight from being remembered.)
-                if limit.local_view {
-                    self.limiter.forget(limit.account.id);
-                }
                 released.available
             }
             Err(error) => {

@@ -30,7 +30,8 @@ pub const RELEASE_ROUNDS_MAX: usize = 4;
 pub struct Released {
     /// Units given back (at most what was asked).
     pub units: u64,
-    /// The account's available credit afterwards; `None` if the account does not exist.
+    /// The account's available credit afterwards; `None` if the account does not exist, or
+    /// could not be read again before the deadline.
     pub available: Option<u64>,
 }
 
@@ -93,7 +94,9 @@ impl Ledger {
             released += self.void_all(chosen, deadline).await?;
             assert!(released <= units, "released {released} of {units}");
         }
-        let available = self.lookup_account(account_id, deadline).await?.map(|a| {
+        // Best effort: the voids above landed whether or not this read has time left.
+        let account = self.lookup_account(account_id, deadline).await;
+        let available = account.ok().flatten().map(|a| {
             let credit = a.credits_posted().saturating_sub(a.debits_posted());
             u64::try_from(credit.saturating_sub(a.debits_pending())).unwrap_or(u64::MAX)
         });
