@@ -577,6 +577,7 @@ async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
     use ledger_limiter::ledger::addresses::follow_addresses;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
     let old = shared_ledger();
@@ -586,9 +587,19 @@ async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
     // container comes back with another IP).
     let resolved = Arc::new(Mutex::new(vec![old.address]));
     let answer = resolved.clone();
+    // Set: the next look never answers (a resolver retrying dead name servers). The follower
+    // gives up on it after its interval and looks again.
+    let hang_once = Arc::new(AtomicBool::new(false));
+    let hang = hang_once.clone();
     let resolve = move || {
         let addresses = answer.lock().unwrap().clone();
-        async move { Ok::<_, String>(addresses) }
+        let hangs = hang.swap(false, Ordering::SeqCst);
+        async move {
+            if hangs {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, String>(addresses)
+        }
     };
     let ledger = app.limiter.ledger().clone();
     let follower = tokio::spawn(follow_addresses(
@@ -599,12 +610,17 @@ async fn an_instance_follows_its_ledger_to_a_new_address_without_a_restart() {
     let before = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&before)).await.status(), 200);
 
+    hang_once.store(true, Ordering::SeqCst);
     *resolved.lock().unwrap() = vec![new.address];
     let started = Instant::now();
     while ledger.addresses() != [new.address] {
-        assert!(started.elapsed() < Duration::from_secs(5), "never followed");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never followed (held up by a resolver that did not answer?)"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert!(!hang_once.load(Ordering::SeqCst), "a look did not answer");
     let after = fresh_key("k_");
     let deadline = Instant::now() + Duration::from_secs(20);
     // The new client's first request takes a while; the policy answers meanwhile.
@@ -763,6 +779,47 @@ async fn a_hold_answered_as_its_request_went_away_is_voided() {
         assert!(Instant::now() < voided_by, "a hold nobody read stayed held");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A transfer whose deadline has passed is not sent: its caller has given up on it, and a void
+/// that landed then would give back credit that the caller's view still counts as held.
+#[tokio::test]
+async fn a_transfer_past_its_deadline_is_not_sent() {
+    use ledger_limiter::ledger::model::UserAccount;
+    use ledger_limiter::ledger::HoldReply;
+    use std::num::{NonZeroU32, NonZeroU64};
+
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let far = || Instant::now() + Duration::from_secs(20);
+    let account = UserAccount {
+        id: fresh_id(),
+        capacity: NonZeroU64::new(5).unwrap(),
+        window_seconds: NonZeroU32::new(60).unwrap(),
+    };
+    ledger.provision(&account, far()).await.unwrap();
+    let hold = match ledger.hold(account.id, 1, 60, far(), true).await.unwrap() {
+        HoldReply::Held { transfer_id, .. } => transfer_id,
+        other => panic!("not held: {other:?}"),
+    };
+    let gone = Instant::now() - Duration::from_millis(1);
+    assert!(
+        matches!(
+            ledger.void(hold, gone).await,
+            Err(ledger::LedgerError::Timeout { .. })
+        ),
+        "a void with no time left"
+    );
+    assert!(
+        ledger.hold(account.id, 1, 60, gone, true).await.is_err(),
+        "a hold with no time left"
+    );
+    // One client answers in order: had either been sent, this void would see it.
+    let view = ledger.account_view(account.id, 60, far()).await.unwrap();
+    assert_eq!(view.unwrap().available, 4, "only the first hold landed");
+    assert!(
+        ledger.void(hold, far()).await.unwrap(),
+        "the hold was still pending"
+    );
 }
 
 /// The cluster evicts a client's session when it needs the room (it keeps 64) or no longer
