@@ -49,6 +49,9 @@ pub enum AdminCommand {
     Unblock {
         #[command(flatten)]
         caller: Caller,
+        /// Why (its hash goes to the ledger, the text nowhere).
+        #[arg(long, default_value = model::UNBLOCK_REASON_DEFAULT)]
+        reason: String,
     },
     /// Move the caller whose key is read from standard input to another plan, carrying what it
     /// holds (every instance follows the move).
@@ -128,9 +131,10 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             println!("{}", serde_json::to_string_pretty(&report)?);
             u128::from_str_radix(&report.to_account_id, 16)?
         }
-        AdminCommand::Unblock { caller } => {
+        AdminCommand::Unblock { caller, reason } => {
+            let actor = actor(reason)?;
             let id = account_id(settings, &ledger, caller).await?;
-            match ledger.unblock(id, deadline()).await? {
+            match ledger.unblock(id, actor, deadline()).await? {
                 Unblocking::Done => id,
                 Unblocking::NotBlocked => anyhow::bail!("the caller is not blocked"),
                 Unblocking::Moved => anyhow::bail!("{MOVED}"),

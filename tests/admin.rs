@@ -269,6 +269,27 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     app.stop().await;
 }
 
+/// The account's latest unblock in the ledger (a void of code 5).
+async fn unblock_of(account_id: &str) -> tigerbeetle_unofficial::Transfer {
+    use tigerbeetle_unofficial as tb;
+    let client = tb::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let id = u128::from_str_radix(account_id, 16).unwrap();
+    let filter = tb::account::Filter::new(id, 100)
+        .with_flags(tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED);
+    let transfers = client
+        .get_account_transfers(Box::new(filter))
+        .await
+        .unwrap();
+    *transfers
+        .iter()
+        .find(|t| {
+            t.code() == 5
+                && t.flags()
+                    .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+        })
+        .expect("an unblock in the ledger")
+}
+
 /// A block refuses every request with 403 and Retry-After on every instance, even on a caller
 /// with credit; an unblock (or the block's end) lets it in again. Both are in the audit trail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -310,13 +331,28 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
         .send("POST", &credit, Some(SECRET), Some(top_up))
         .await;
     assert_eq!(status, 409);
-    let (status, after) = admin.send("DELETE", &path, Some(ROTATED), None).await;
+    for bad in [json!({"reason": ""}), json!({"why": "appeal"})] {
+        let (status, problem) = admin.send("DELETE", &path, Some(ROTATED), Some(bad)).await;
+        assert_eq!(status, 400, "{problem}");
+    }
+    let appeal = json!({"reason": "appeal granted"});
+    let (status, after) = admin
+        .send("DELETE", &path, Some(ROTATED), Some(appeal))
+        .await;
     assert_eq!(status, 200, "{after}");
     assert_eq!(
         (after["blocked"].as_bool(), after["unblocks"].as_u64()),
         (Some(false), Some(1))
     );
     assert_eq!(after["voids"], 0, "an unblock is not a refund");
+    // The unblock is its own operator's, for its own reason (a void's zero fields would be
+    // the block's).
+    let unblock = unblock_of(&id).await;
+    let actor = ledger_limiter::ledger::model::Actor::from_reason(2, "appeal granted").unwrap();
+    assert_eq!(
+        (unblock.user_data_64(), unblock.user_data_128()),
+        (actor.who, actor.why)
+    );
     let (status, _) = admin.send("DELETE", &path, Some(SECRET), None).await;
     assert_eq!(status, 409, "not blocked");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
@@ -631,9 +667,19 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     let (code, _, err) = run(&block, None);
     assert_eq!(code, Some(1));
     assert!(err.contains("blocked already"), "{err}");
-    let (code, out, err) = run(&["admin", "unblock", "--account-id", &id], None);
+    let unblock = [
+        "admin",
+        "unblock",
+        "--account-id",
+        &id,
+        "--reason",
+        "by phone",
+    ];
+    let (code, out, err) = run(&unblock, None);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("\"unblocks\": 1"), "{out}");
+    let by_phone = ledger_limiter::ledger::model::Actor::from_reason(0, "by phone").unwrap();
+    assert_eq!(unblock_of(&id).await.user_data_128(), by_phone.why);
     until_status(&app, &key, 200).await;
     let (code, out, _) = run(&["audit", "--account-id", &id], None);
     assert_eq!(code, Some(0));

@@ -207,7 +207,11 @@ async fn concurrent_releases_give_back_every_unit_they_ask_for() {
     let released: Vec<u64> = join_all(releases).await.iter().map(|r| r.units).collect();
     assert_eq!(released, [10, 10, 10, 10], "each got back what it asked");
     assert_eq!(available(ledger, &limit).await, Some(40));
-    let unblocked = ledger.unblock(limit.account.id, deadline).await.unwrap();
+    let why = ledger_limiter::ledger::model::Actor::from_reason(1, "test").unwrap();
+    let unblocked = ledger
+        .unblock(limit.account.id, why, deadline)
+        .await
+        .unwrap();
     assert_eq!(
         unblocked,
         ledger_limiter::ledger::Unblocking::Done,

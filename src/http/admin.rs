@@ -11,9 +11,12 @@ use std::time::{Duration, Instant};
 
 use actix_web::dev::Payload;
 use actix_web::error::{InternalError, JsonPayloadError};
-use actix_web::http::header::{HeaderValue, AUTHORIZATION, WWW_AUTHENTICATE};
+use actix_web::http::header::{
+    HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING, WWW_AUTHENTICATE,
+};
 use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
+use futures_util::future::LocalBoxFuture;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::future::{ready, Ready};
@@ -21,7 +24,9 @@ use std::future::{ready, Ready};
 use super::headers;
 use super::problem::{self, ProblemKind};
 use crate::ledger::audit::AccountAudit;
-use crate::ledger::model::{Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX};
+use crate::ledger::model::{
+    Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX, UNBLOCK_REASON_DEFAULT,
+};
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::Limiter;
@@ -302,6 +307,34 @@ struct Block {
     reason: String,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Unblock {
+    reason: String,
+}
+
+/// An unblock's reason: its JSON body's (`{"reason": …}`), or [`UNBLOCK_REASON_DEFAULT`] for a
+/// request without a body (a bare `DELETE`). A body that is there is judged as any other.
+struct UnblockReason(String);
+
+impl FromRequest for UnblockReason {
+    type Error = actix_web::Error;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let length = req.headers().get(CONTENT_LENGTH);
+        let bodiless = req.headers().get(CONTENT_TYPE).is_none()
+            && req.headers().get(TRANSFER_ENCODING).is_none()
+            && length.is_none_or(|length| length.as_bytes() == b"0");
+        if bodiless {
+            let reason = UnblockReason(UNBLOCK_REASON_DEFAULT.to_owned());
+            return Box::pin(ready(Ok(reason)));
+        }
+        let body = web::Json::<Unblock>::from_request(req, payload);
+        Box::pin(async move { Ok(UnblockReason(body.await?.into_inner().reason)) })
+    }
+}
+
 /// Who acts and why: the secret's number, and the reason's SHA-256 (truncated) for the ledger.
 fn actor(who: u64, reason: &str) -> Result<Actor, Box<HttpResponse>> {
     Actor::from_reason(who, reason).ok_or_else(|| {
@@ -490,16 +523,17 @@ async fn block(
 async fn unblock(
     Authorized(who): Authorized,
     path: web::Path<String>,
+    UnblockReason(reason): UnblockReason,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    let id = match account_id(&path) {
-        Ok(id) => id,
+    let (id, actor) = match account_id(&path).and_then(|id| Ok((id, actor(who, &reason)?))) {
+        Ok(found) => found,
         Err(response) => return *response,
     };
     let deadline = Instant::now() + DEADLINE;
-    match state.limiter.ledger().unblock(id, deadline).await {
+    match state.limiter.ledger().unblock(id, actor, deadline).await {
         Ok(Unblocking::Done) => {
-            tracing::info!(account_id = %format_args!("{id:032x}"), secret = who, "caller unblocked");
+            tracing::info!(account_id = %format_args!("{id:032x}"), secret = who, reason = %reason, "caller unblocked");
             changed(&state, id, deadline).await
         }
         Ok(Unblocking::NotBlocked) => {

@@ -234,9 +234,17 @@ pub fn block_transfer(
         .with_timeout(timeout_seconds)
 }
 
-/// Ends a block early (voids its closing transfer).
-pub fn unblock_transfer(block_id: u128, ledger: u32) -> tb::Transfer {
-    void_transfer(block_id, ledger).with_code(TRANSFER_CODE_BLOCK)
+/// The reason an unblock records when it is given none.
+pub const UNBLOCK_REASON_DEFAULT: &str = "unblock";
+
+/// Ends a block early (voids its closing transfer), for `actor`. TigerBeetle gives a void's zero
+/// `user_data` fields its pending transfer's: a zero `who` (the command line) reads as the
+/// block's, and `why` is never zero (a reason's hash).
+pub fn unblock_transfer(block_id: u128, ledger: u32, actor: Actor) -> tb::Transfer {
+    void_transfer(block_id, ledger)
+        .with_code(TRANSFER_CODE_BLOCK)
+        .with_user_data_64(actor.who)
+        .with_user_data_128(actor.why)
 }
 
 /// An operator's reduction of a caller's credit, posted at once (it does not come back).

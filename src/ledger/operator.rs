@@ -238,10 +238,11 @@ impl Ledger {
         }
     }
 
-    /// Ends the caller's block now (voids the closing transfer).
+    /// Ends the caller's block now (voids the closing transfer), recording who and why.
     pub async fn unblock(
         &self,
         account_id: u128,
+        actor: Actor,
         deadline: Instant,
     ) -> Result<Unblocking, LedgerError> {
         use CreateTransferErrorKind as K;
@@ -262,7 +263,7 @@ impl Ledger {
             Some(_) => return Ok(Unblocking::Moved),
             None => return Ok(Unblocking::NotBlocked),
         };
-        let void = model::unblock_transfer(block.id(), self.ledger_id);
+        let void = model::unblock_transfer(block.id(), self.ledger_id, actor);
         match self.operator_transfer(void, deadline).await? {
             None => {
                 self.bump_operator_epoch(deadline).await;
