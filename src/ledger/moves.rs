@@ -52,20 +52,20 @@ fn carried_holds(holds: &[super::Hold], now: SystemTime) -> Vec<(u64, u32)> {
     carried
 }
 
-/// What a move carries of `view`: its live holds ([`carried_holds`]) and, when it could not list
-/// them all (`!complete`: more than a listing reads), the credit held by the rest, carried as
-/// long as the longest listed hold lives (or a whole window when none was listed). Those are the
-/// account's oldest holds, so they end no later: the new plan refuses until then, never admits
-/// what the old one held (a fully spent plan of 5,000 moved with about 1,000 units fresh).
+/// What a move carries of `view`: its live holds ([`carried_holds`]) and the credit held by holds
+/// it did not list, carried as long as the longest listed hold lives (or a whole window when
+/// none was listed). Those are the account's oldest holds, so they end no later: the new plan
+/// refuses until then, never admits what the old one held. Unlisted: past what a listing reads
+/// (`!complete`; a fully spent plan of 5,000 moved with about 1,000 units fresh), or older than
+/// its look-back of a window (a lease, held for window + L, whose settlement failed or whose
+/// instance died), listed or not as `complete`. A hold that expired between the balance and the
+/// listing is carried too: refusing more for a while, never admitting more.
 fn carried_from(
     view: &super::AccountView,
     now: SystemTime,
     window_seconds: u32,
 ) -> Vec<(u64, u32)> {
     let mut carried = carried_holds(&view.holds, now);
-    if view.complete {
-        return carried;
-    }
     let held = view.credit.saturating_sub(view.available);
     let listed: u64 = view.holds.iter().map(|hold| hold.amount).sum();
     let unlisted = held.saturating_sub(listed);
@@ -271,18 +271,25 @@ mod tests {
     fn what_a_listing_left_out_is_carried_as_long_as_the_longest_listed_hold() {
         let now = SystemTime::now();
         let hold = |ms, amount| hold_at(now, ms, amount);
-        let view = |holds: Vec<super::super::Hold>, complete| super::super::AccountView {
-            credit: 5_000,
-            available: 0,
-            holds,
-            complete,
-            blocked: None,
-        };
+        let spent =
+            |available, holds: Vec<super::super::Hold>, complete| super::super::AccountView {
+                credit: 5_000,
+                available,
+                holds,
+                complete,
+                blocked: None,
+            };
+        let view = |holds, complete| spent(0, holds, complete);
         let listed = vec![hold(1500, 3), hold(30_500, 4)];
         // All listed: what is listed, nothing more.
         assert_eq!(
-            carried_from(&view(listed.clone(), true), now, 60),
+            carried_from(&spent(4_993, listed.clone(), true), now, 60),
             [(3, 2), (4, 31)]
+        );
+        // A whole listing that misses held credit (a lease older than the look-back): carried.
+        assert_eq!(
+            carried_from(&view(listed.clone(), true), now, 60),
+            [(3, 2), (4_997, 31)]
         );
         // 4,993 held but not listed: with the longest listed.
         assert_eq!(
