@@ -738,23 +738,29 @@ fn a_linger_past_the_most_is_refused_at_connect() {
     );
 }
 
+/// A client of the shared ledger, and a new account on it of 5 units per 60 s.
+async fn provisioned_account() -> (ledger::Ledger, model::UserAccount) {
+    use std::num::{NonZeroU32, NonZeroU64};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let account = model::UserAccount {
+        id: fresh_id(),
+        capacity: NonZeroU64::new(5).unwrap(),
+        window_seconds: NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    ledger.provision(&account, deadline).await.unwrap();
+    (ledger, account)
+}
+
 /// A hold answered just as its request went away (the answer sent, never read) is voided: the
 /// batch saw it delivered and voided nothing, so the receiving end's drop does. Before, it stayed
 /// held for its whole timeout (a concurrency slot for a minute, a lease for window + L).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_answered_as_its_request_went_away_is_voided() {
-    use ledger_limiter::ledger::model::UserAccount;
     use ledger_limiter::ledger::ChainLink;
-    use std::num::{NonZeroU32, NonZeroU64};
 
-    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (ledger, account) = provisioned_account().await;
     let far = || Instant::now() + Duration::from_secs(20);
-    let account = UserAccount {
-        id: fresh_id(),
-        capacity: NonZeroU64::new(5).unwrap(),
-        window_seconds: NonZeroU32::new(60).unwrap(),
-    };
-    ledger.provision(&account, far()).await.unwrap();
     let link = ChainLink {
         account_id: account.id,
         amount: 1,
@@ -785,18 +791,10 @@ async fn a_hold_answered_as_its_request_went_away_is_voided() {
 /// that landed then would give back credit that the caller's view still counts as held.
 #[tokio::test]
 async fn a_transfer_past_its_deadline_is_not_sent() {
-    use ledger_limiter::ledger::model::UserAccount;
     use ledger_limiter::ledger::HoldReply;
-    use std::num::{NonZeroU32, NonZeroU64};
 
-    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (ledger, account) = provisioned_account().await;
     let far = || Instant::now() + Duration::from_secs(20);
-    let account = UserAccount {
-        id: fresh_id(),
-        capacity: NonZeroU64::new(5).unwrap(),
-        window_seconds: NonZeroU32::new(60).unwrap(),
-    };
-    ledger.provision(&account, far()).await.unwrap();
     let hold = match ledger.hold(account.id, 1, 60, far(), true).await.unwrap() {
         HoldReply::Held { transfer_id, .. } => transfer_id,
         other => panic!("not held: {other:?}"),
