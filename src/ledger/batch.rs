@@ -139,13 +139,21 @@ pub(super) async fn create_transfer(
         deadline,
         void_if_abandoned: leave.void_if_abandoned,
     };
-    let void = (leave.void_if_abandoned).map(|code| (transfer.id(), transfer.ledger(), code));
+    // A member whose request went away just after the batch's send to it succeeded, before
+    // reading it, would keep its hold for a whole timeout (the batch voids only the holds whose
+    // sends failed): dropped unread, its end takes the answer back and voids what it created.
+    let (id, ledger) = (transfer.id(), transfer.ledger());
+    let late = (leave.void_if_abandoned).map(|code| {
+        let void = move |connection: Arc<Connection>, result: &TransferResult| {
+            if let Ok((None, _)) = result {
+                let voids = vec![model::void_transfer(id, ledger).with_code(code)];
+                connection.void_abandoned_later(voids);
+            }
+        };
+        (void, connection.clone())
+    });
     let opened = join_or_open(&connection, transfer, member, leave.in_flight);
-    let mut answer = Answer {
-        receiver,
-        connection,
-        void,
-    };
+    let mut answer = super::CallAnswer { receiver, late };
     if let Some(opened) = opened {
         // Counted here, not in the task: every batch opened is sent, and the task then needs no
         // handle on the count (an Arc's two shared writes per batch).
@@ -169,35 +177,6 @@ pub(super) async fn create_transfer(
             message: "a batch ended without an answer".to_owned(),
         })
     })
-}
-
-/// A member's end of its answer. The batch voids the holds of the members that had left when it
-/// answered (their sends failed); one whose request went away just after the send succeeded,
-/// before reading it, would keep its hold for a whole timeout: dropped unread, this takes the
-/// answer back and voids the hold it created.
-struct Answer {
-    receiver: oneshot::Receiver<TransferResult>,
-    connection: Arc<Connection>,
-    /// The transfer's id, ledger and void code, when a hold landing unread is to be voided.
-    void: Option<(u128, u32, u16)>,
-}
-
-impl Drop for Answer {
-    fn drop(&mut self) {
-        let Some((id, ledger_id, code)) = self.void else {
-            return;
-        };
-        // After a read, a no-op and an error; before one, the answer that was sent, if any.
-        self.receiver.close();
-        let Ok(Ok((None, _))) = self.receiver.try_recv() else {
-            return;
-        };
-        let voids = vec![model::void_transfer(id, ledger_id).with_code(code)];
-        let connection = self.connection.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { connection.void_abandoned(voids).await });
-        }
-    }
 }
 
 /// Joins this thread's open batch when it is for the same client and has room; else opens one

@@ -79,7 +79,7 @@ impl Ledger {
                         .iter()
                         .map(|id| model::void_transfer(*id, ledger_id))
                         .collect();
-                    tokio::spawn(async move { connection.void_abandoned(voids).await });
+                    connection.void_abandoned_later(voids);
                 }
             };
         self.call(

@@ -119,6 +119,15 @@ impl Connection {
         }
     }
 
+    /// [`Connection::void_abandoned`] in a task of its own, from code that cannot wait (a drop,
+    /// a call's task that has answered). Outside a runtime (a future dropped after its runtime
+    /// ended) there is nothing to run it on: the holds expire after their timeout.
+    pub(crate) fn void_abandoned_later(self: Arc<Self>, voids: Vec<tb::Transfer>) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { self.void_abandoned(voids).await });
+        }
+    }
+
     /// Voids holds that landed after their callers left. Best effort: a hold not voided expires
     /// after its timeout. Nobody waits for it, so it is given up like any such call.
     pub(crate) async fn void_abandoned(&self, voids: Vec<tb::Transfer>) {

@@ -853,9 +853,10 @@ impl Ledger {
     }
 }
 
-/// The caller's end of a [`Ledger::call`]. The call's task hands an answer to `on_abandoned`
-/// when its send fails (the caller had left); one whose request went away just after the send
-/// succeeded, before reading it, is taken back here when dropped, and handed over the same way.
+/// The caller's end of a [`Ledger::call`], or of a transfer in a batch (`batch.rs`). The
+/// call's task hands an answer to `on_abandoned` when its send fails (the caller had left); one
+/// whose request went away just after the send succeeded, before reading it, is taken back here
+/// when dropped, and handed over the same way.
 struct CallAnswer<T, A>
 where
     A: FnOnce(Arc<Connection>, &Result<T, LedgerError>),
