@@ -21,12 +21,12 @@ use std::task::{ready, Context, Poll};
 use std::time::{Instant, SystemTime};
 
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
-use actix_web::http::Method;
 use actix_web::{Error, HttpRequest};
 use opentelemetry::trace::TraceContextExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::sync::lock;
+use crate::telemetry::span::method_label;
 
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -219,22 +219,6 @@ fn escape_label_value(value: &str) -> std::borrow::Cow<'_, str> {
         .replace('"', "\\\"")
         .replace('\n', "\\n")
         .into()
-}
-
-/// Bounded method label: the standard methods, everything else `_OTHER` (as OpenTelemetry does).
-fn method_label(method: &Method) -> &'static str {
-    match *method {
-        Method::GET => "GET",
-        Method::POST => "POST",
-        Method::PUT => "PUT",
-        Method::DELETE => "DELETE",
-        Method::HEAD => "HEAD",
-        Method::OPTIONS => "OPTIONS",
-        Method::PATCH => "PATCH",
-        Method::CONNECT => "CONNECT",
-        Method::TRACE => "TRACE",
-        _ => "_OTHER",
-    }
 }
 
 /// The current span's trace id, if the trace is sampled (so the exemplar leads somewhere).
@@ -467,7 +451,7 @@ mod tests {
         );
         assert!(text.trim_end().ends_with("# EOF"), "{text}");
         assert_eq!(
-            method_label(&Method::from_bytes(b"BREW").unwrap()),
+            method_label(&actix_web::http::Method::from_bytes(b"BREW").unwrap()),
             "_OTHER"
         );
     }

@@ -4,9 +4,12 @@
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::Method;
 use actix_web::Error;
+use opentelemetry::trace::TraceContextExt;
 use tracing::Span;
 use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Span fields the limiter records. `user.id` is the caller's account id, never the raw key.
 pub mod fields {
@@ -24,12 +27,32 @@ pub mod fields {
     pub const LIMIT: &str = "ratelimit.limit";
 }
 
+/// The method label of a method outside the standard ones (as OpenTelemetry names it).
+const METHOD_OTHER: &str = "_OTHER";
+
+/// Bounded method label: the standard methods, everything else [`METHOD_OTHER`], for metric
+/// labels and span names alike (a client may send any token as its method).
+pub fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::PATCH => "PATCH",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => METHOD_OTHER,
+    }
+}
+
 /// The server span of every request, with the limiter's fields declared (empty until recorded).
 pub struct LimiterRootSpan;
 
 impl RootSpanBuilder for LimiterRootSpan {
     fn on_request_start(request: &ServiceRequest) -> Span {
-        tracing_actix_web::root_span!(
+        let span = tracing_actix_web::root_span!(
             request,
             user.id = tracing::field::Empty,
             ratelimit.key_id = tracing::field::Empty,
@@ -40,7 +63,22 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.remaining = tracing::field::Empty,
             ratelimit.shadow = tracing::field::Empty,
             ratelimit.limit = tracing::field::Empty,
-        )
+        );
+        // The macro names the span after any method a client sends; span metrics (Tempo's)
+        // label by that name, so each invented method would be series of their own.
+        let method = method_label(request.method());
+        if method == METHOD_OTHER {
+            let route = request
+                .match_pattern()
+                .unwrap_or_else(|| "default".to_owned());
+            span.record("http.method", method);
+            // Its OpenTelemetry span is built by now (a `traceparent` is read as the span is
+            // made), and a recorded `otel.name` renames only a span not yet built.
+            span.context()
+                .span()
+                .update_name(format!("{method} {route}"));
+        }
+        span
     }
 
     fn on_request_end<B: MessageBody>(span: Span, outcome: &Result<ServiceResponse<B>, Error>) {
