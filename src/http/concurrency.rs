@@ -17,8 +17,10 @@ use super::problem::{self, ProblemKind};
 use super::rules::{is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
 use crate::limiter::caller::CallerKey;
+use crate::limiter::metrics::DecisionLabel;
 use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
 use crate::limiter::{Decision, HoldReceipt, Limiter, LimiterSettings, Outcome};
+use crate::telemetry::span::fields;
 
 /// The plan (and so the account and the `plan` metric label) of a route's concurrency limit:
 /// named from the pattern itself, so that adding or removing another route, on one instance of
@@ -96,6 +98,7 @@ impl ConcurrencyLimits {
             Ok(slot) => return Ok(slot),
             Err(refused) => refused,
         };
+        record_refusal(&refused);
         let in_flight_max = slots.plans().capacity_min();
         let mut response = match refused {
             Outcome::FailedClosed(error) => {
@@ -137,6 +140,30 @@ impl ConcurrencyLimits {
 }
 
 /// A slot taken; given back by [`Slot::release`], or on drop.
+/// What the request's span says of a route's concurrency refusal: the rate's decision was
+/// recorded first (`admitted`), and the slot's limiter records nothing on the span (it would
+/// put its own plan where the caller's is).
+fn record_refusal(refused: &Outcome) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    span.record(fields::DECISION, DecisionLabel::of(refused).as_str());
+    span.record(fields::LIMIT, CONCURRENCY_LIMIT_NAME);
+    if let Outcome::Limited { source, .. } = refused {
+        // As every 429's (`respond::refusal`): slots come back as requests finish.
+        tracing::info!(
+            target: crate::telemetry::SPAN_EVENTS_TARGET,
+            retry_after_seconds = 1,
+            source = source.as_str(),
+            "limited"
+        );
+    }
+}
+
+/// The `ratelimit.limit` of a request refused a concurrency slot.
+const CONCURRENCY_LIMIT_NAME: &str = "concurrency";
+
 pub struct Slot {
     limiter: Arc<Limiter>,
     account_id: u128,
