@@ -190,6 +190,29 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         server.events
     );
 
+    // A method a client invented names no span (span metrics would be series per method).
+    let invented_trace = format!("{:032x}", rand::random::<u128>());
+    let method = reqwest::Method::from_bytes(b"BREW42").unwrap();
+    let invented = app
+        .http
+        .request(method, format!("{}/greeting", app.address))
+        .header("X-Api-Key", &key)
+        .header(
+            "traceparent",
+            format!("00-{invented_trace}-00f067aa0ba902b7-01"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(invented.status(), 429, "charged as any request");
+    let spans = server_spans_of_trace(&invented_trace).await;
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(server.name, "_OTHER /greeting");
+    assert_eq!(attribute(server, "http.method").as_deref(), Some("_OTHER"));
+
     // The raw key is a secret: it is in no attribute or event of any span received.
     for span in telemetry().spans.lock().unwrap().iter() {
         let shown = format!("{:?} {:?}", span.attributes, span.events);
@@ -351,12 +374,31 @@ async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_ar
     );
 
     // One slot, many requests at once: some are refused a slot (429), none of them a refund.
-    let refused = burst(&app, &key)
-        .await
-        .iter()
-        .filter(|s| s.as_u16() == 429)
-        .count();
+    let traces: Vec<String> = (0..40)
+        .map(|_| format!("{:032x}", rand::random::<u128>()))
+        .collect();
+    let requests = traces.iter().map(|trace| traced_get(&app, &key, trace));
+    let statuses = futures_util::future::join_all(requests).await;
+    let refused_traces: Vec<&String> = (traces.iter().zip(&statuses))
+        .filter(|(_, response)| response.status() == 429)
+        .map(|(trace, _)| trace)
+        .collect();
+    let refused = refused_traces.len();
     assert!(refused > 0, "40 requests at once on one slot: none refused");
+    // Its span says so: the rate's decision on it (admitted) was recorded first.
+    let spans = server_spans_of_trace(refused_traces[0]).await;
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
+    assert_eq!(attribute(server, "ratelimit.limit").unwrap(), "concurrency");
+    assert_eq!(attribute(server, "ratelimit.plan").unwrap(), plan_name);
+    assert!(
+        server.events.iter().any(|e| e.name == "limited"),
+        "a `limited` event: {:?}",
+        server.events
+    );
     let text = app.get("/metrics", None).await.text().await.unwrap();
     let plan = format!("plan=\"{plan_name}\"");
     assert_eq!(
