@@ -339,7 +339,7 @@ impl RateLimitServer {
             .collect::<Result<Vec<_>, _>>()
             .map_err(internal)?;
         if !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_)) {
-            self.void_shadow_holds(&shadow, &shadows, deadline).await;
+            self.void_shadow_holds(&shadow, &shadows);
         }
         let shadow = shadow
             .iter()
@@ -356,29 +356,31 @@ impl RateLimitServer {
 
     /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
     /// nothing on any descriptor, as it would if those rules were enforced (their holds are
-    /// placed beside the enforced chain, not after it, to cost no second round trip). Best
-    /// effort, by the decision's `deadline` (a void of its own deadline made a slow ledger's
-    /// answer wait twice): a hold not voided expires with its window.
-    async fn void_shadow_holds(
-        &self,
-        shadow: &[(usize, Limit)],
-        decided: &[MultiDecision],
-        deadline: std::time::Instant,
-    ) {
-        let holds = shadow
-            .iter()
-            .zip(decided)
+    /// placed beside the enforced chain, not after it, to cost no second round trip). In a task
+    /// of its own, with a deadline of its own: the answer does not wait for it (a slow ledger's
+    /// answer waited twice), and a refusal that spent the decision's deadline (failed closed)
+    /// still gets its voids sent. Best effort: a hold not voided expires with its window.
+    fn void_shadow_holds(&self, shadow: &[(usize, Limit)], decided: &[MultiDecision]) {
+        let holds: Vec<_> = (shadow.iter().zip(decided))
             .filter_map(|((_, limit), decision)| {
                 let hold = decision.limits.first()?.hold?;
                 Some((limit.account.id, hold))
-            });
-        let voids =
-            holds.map(|(account_id, hold)| self.limiter.release_by(account_id, hold, deadline));
-        for result in join_all(voids).await {
-            if let Err(error) = result {
-                tracing::debug!(%error, "could not void a shadow hold; it expires with its window");
-            }
+            })
+            .collect();
+        if holds.is_empty() {
+            return;
         }
+        let limiter = self.limiter.clone();
+        tokio::spawn(async move {
+            let deadline = limiter.deadline();
+            let voids = (holds.into_iter())
+                .map(|(account_id, hold)| limiter.release_by(account_id, hold, deadline));
+            for result in join_all(voids).await {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "could not void a shadow hold; it expires with its window");
+                }
+            }
+        });
     }
 
     /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
@@ -649,13 +651,15 @@ fn rate_limit_headers(
     headers
 }
 
-/// The policy's name in the fields: the rule's `name`, else its last key; only characters a
-/// structured-field string carries plainly.
+/// The policy's name in the fields: the rule's `name`, else its last key (with its configured
+/// value as the metric label has it, a hash: a value may be a partner's API key, and these
+/// headers reach every caller and their logs); only characters a structured-field string
+/// carries plainly.
 fn policy_name(rule: &Rule) -> String {
     let name = rule
         .name
         .as_deref()
-        .unwrap_or_else(|| rule.path.rsplit('.').next().unwrap_or("limit"));
+        .unwrap_or_else(|| rule.label.rsplit('.').next().unwrap_or("limit"));
     name.chars()
         .take(64)
         .map(|c| {
@@ -666,4 +670,26 @@ fn policy_name(rule: &Rule) -> String {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_policy_name_never_shows_a_configured_value() {
+        let mut config = RlsConfig::default();
+        let rules = "domain: d\ndescriptors:\n  - key: api_key\n    value: sk_live_partner_1234\n    rate_limit: {unit: minute, requests_per_unit: 5}\n  - key: tenant\n    rate_limit: {name: per-tenant, unit: second, requests_per_unit: 1}\n";
+        config.add("rules.yaml", rules).unwrap();
+        let keyed = config
+            .rule_for("d", [("api_key", "sk_live_partner_1234")].into_iter())
+            .unwrap();
+        let name = policy_name(&keyed);
+        assert!(!name.contains("sk_live"), "{name}");
+        assert!(name.starts_with("api_key_"), "{name}");
+        let named = config
+            .rule_for("d", [("tenant", "t1")].into_iter())
+            .unwrap();
+        assert_eq!(policy_name(&named), "per-tenant");
+    }
 }
