@@ -441,17 +441,34 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         call(&mut client, costly(1, Some(4))).await.statuses[0].limit_remaining,
         3
     );
-    // 5 > 3 remaining: OVER_LIMIT, and nothing consumed.
-    let over = call(&mut client, costly(5, None)).await;
-    assert_eq!(overall(&over), Code::OverLimit);
+    // A check (a descriptor's hits_addend of 0) holds nothing and reads the ledger: an instance
+    // that never saw the caller says 3 left, not its capacity.
+    let (_other, mut other) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let check = call(&mut other, costly(0, Some(0))).await;
     assert_eq!(
-        call(&mut client, costly(0, Some(0))).await.statuses[0].limit_remaining,
-        3
+        (overall(&check), check.statuses[0].limit_remaining),
+        (Code::Ok, 3)
     );
-    // The 3 left are whole: a request of 3 is admitted (a refusal also reports 0 remaining).
-    let last = call(&mut client, costly(3, None)).await;
-    assert_eq!(overall(&last), Code::Ok, "nothing consumed by the refusal");
-    assert_eq!(last.statuses[0].limit_remaining, 0);
+    // 5 > 3 remaining: OVER_LIMIT, and the 3 are spent, as envoyproxy/ratelimit's counter goes
+    // past its limit: a charge reported after the response (tokens counted at stream end) that
+    // does not fit still exhausts the budget.
+    let over = call(&mut client, costly(5, None)).await;
+    assert_eq!(
+        (overall(&over), over.statuses[0].limit_remaining),
+        (Code::OverLimit, 0)
+    );
+    // Then checks refuse on every instance, and so does a charge of 1.
+    for client in [&mut client, &mut other] {
+        let check = call(client, costly(0, Some(0))).await;
+        assert_eq!(overall(&check), Code::OverLimit, "nothing free");
+        let reset = check.statuses[0].duration_until_reset.unwrap().seconds;
+        assert!((1..=61).contains(&reset), "{reset}");
+    }
+    assert_eq!(
+        overall(&call(&mut client, costly(1, None)).await),
+        Code::OverLimit
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -334,6 +334,8 @@ impl RateLimitServer {
         self.limiter
             .learn(&enforced.1, &unknown, &mut decision, deadline)
             .await;
+        self.hold_what_remains(&enforced.1, &mut decision, deadline)
+            .await;
         let shadows = shadows
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
@@ -352,6 +354,42 @@ impl RateLimitServer {
             shadow,
             released,
         })
+    }
+
+    /// A charge of more than one unit refused for want of credit is counted as far as it goes:
+    /// what its account has left is held for the window, so the descriptor is spent, as
+    /// envoyproxy/ratelimit's counter is then over its limit. Without it, a charge reported
+    /// after the response (`apply_on_stream_done`, tokens counted at the end) that did not fit
+    /// was dropped, the budget never ran out, and checks (`hits_addend` 0) passed for good. One
+    /// more write, on this refusal only; best effort, by the decision's `deadline`.
+    async fn hold_what_remains(
+        &self,
+        limits: &[Limit],
+        decision: &mut MultiDecision,
+        deadline: std::time::Instant,
+    ) {
+        let (Outcome::Limited { .. }, Some(refused)) = (&decision.outcome, decision.refused_by)
+        else {
+            return;
+        };
+        let limit = &limits[refused];
+        // A charge of 1 refused has nothing left to hold.
+        if limit.cost <= 1 {
+            return;
+        }
+        let window = limit.account.window_seconds.get();
+        let held = self
+            .ledger()
+            .hold_what_remains(limit.account.id, limit.cost, window, deadline)
+            .await;
+        if let Err(error) = held {
+            tracing::debug!(%error, "could not hold what was left of a refused charge");
+        }
+        // Remembered holds are short of it now; the next request asks the ledger.
+        if limit.local_view {
+            self.limiter.forget(limit.account.id);
+        }
+        decision.limits[refused].quota.remaining = 0;
     }
 
     /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes

@@ -412,6 +412,23 @@ impl Ledger {
 
     /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
     /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
+    /// Holds as much of `amount` as the account has free (a balancing debit: all of what is
+    /// left when less), for `timeout_seconds`: a charge that does not fit, counted as far as
+    /// it goes (envoyproxy/ratelimit's counter goes past the limit; a ledger account cannot).
+    /// `Held` even when nothing was free (a hold of 0).
+    pub async fn hold_what_remains(
+        &self,
+        account_id: u128,
+        amount: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> Result<HoldReply, LedgerError> {
+        let transfer = model::hold_transfer(account_id, self.ledger_id, amount, timeout_seconds);
+        let flags = transfer.flags() | tb::transfer::Flags::BALANCING_DEBIT;
+        self.place_pending(transfer.with_flags(flags), deadline, false)
+            .await
+    }
+
     async fn place_pending(
         &self,
         transfer: tb::Transfer,

@@ -37,8 +37,8 @@ pub const LIMITS_PER_CHECK_MAX: usize = crate::ledger::CHAIN_LINKS_MAX;
 pub struct Limit {
     /// The account that counts this limit (its capacity and window are the limit's).
     pub account: UserAccount,
-    /// What the request costs on it. 0: reported, never held nor refused (Envoy's `hits_addend`
-    /// 0 on one descriptor).
+    /// What the request costs on it. 0: a check (Envoy's `hits_addend` 0 on one descriptor):
+    /// never held, refused when the account has nothing free or is closed.
     pub cost: u64,
     /// Whether this instance may remember the limit's holds and refuse locally. Off for limits
     /// whose holds other instances void early (concurrency slots): this instance's memory of them
@@ -114,13 +114,34 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if let Some(refused) = self.refuse_locally(limits, started) {
             return Ok(refused);
         }
-        let links: Vec<usize> = (0..limits.len()).filter(|i| limits[*i].cost > 0).collect();
-        if links.is_empty() {
-            return Ok(self.all_admitted(limits, &links, started, &[]));
-        }
         // Before any listing of an account is asked for (`LocalView::replace` says why).
         let reads = self.generations(limits);
-        Ok(match self.chain(limits, &links, deadline).await {
+        let checked = match self.refuse_checked(limits, &reads, deadline).await {
+            Ok(checked) => checked,
+            Err(refused) => return Ok(refused),
+        };
+        let mut decision = self.charge_all(limits, (started, &reads), deadline).await;
+        if decision.outcome == Outcome::Admitted {
+            // What a check read is the ledger's, not the view's guess.
+            for (i, available) in checked {
+                decision.limits[i].quota.remaining = available;
+            }
+        }
+        Ok(decision)
+    }
+
+    /// The chain of every limit that costs something: all hold, or none does.
+    async fn charge_all(
+        &self,
+        limits: &[Limit],
+        (started, reads): (Instant, &[Generation]),
+        deadline: Instant,
+    ) -> MultiDecision {
+        let links: Vec<usize> = (0..limits.len()).filter(|i| limits[*i].cost > 0).collect();
+        if links.is_empty() {
+            return self.all_admitted(limits, &links, started, &[]);
+        }
+        match self.chain(limits, &links, deadline).await {
             Ok(Chained::Held {
                 answered_at,
                 transfer_ids,
@@ -129,7 +150,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 self.refused_by_ledger(limits, limit, (view, reads[limit]))
             }
             Err(error) => self.all_failed(limits, error),
-        })
+        }
     }
 
     /// Forgets what this instance remembers of an account (its holds were given back by amount,
@@ -197,7 +218,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// The first limit this instance knows to be exhausted for the request's cost on its account.
     fn refuse_locally(&self, limits: &[Limit], now: Instant) -> Option<MultiDecision> {
         let (index, local) = limits.iter().enumerate().find_map(|(index, limit)| {
-            if limit.cost == 0 || !limit.local_view {
+            if !limit.local_view {
                 return None;
             }
             let cost = cost_on_account(limits, limit.account.id);
@@ -212,6 +233,41 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             limits: statuses,
             moved_to: None,
         })
+    }
+
+    /// The checks among `limits`: accounts that only costs of 0 name (Envoy's `hits_addend` 0,
+    /// "check only"). Nothing is held for them, so the ledger is read: refused when the account
+    /// is closed (a block) or has nothing free, as a charge of 1 would be; a missing account is
+    /// whole. Read each time (the local view refuses sooner, above, but may not know what other
+    /// instances charged). A failed read is the failure policy's.
+    ///
+    /// `Ok`: what each check found free (its index, its units).
+    async fn refuse_checked(
+        &self,
+        limits: &[Limit],
+        reads: &[Generation],
+        deadline: Instant,
+    ) -> Result<Vec<(usize, u64)>, MultiDecision> {
+        let checked = (0..limits.len()).filter(|i| {
+            let id = limits[*i].account.id;
+            limits.iter().all(|l| l.account.id != id || l.cost == 0)
+        });
+        let views = checked.map(|i| async move {
+            let view = self.account_view_of(&limits[i].account, deadline).await;
+            (i, view)
+        });
+        let mut free = Vec::new();
+        for (i, view) in futures_util::future::join_all(views).await {
+            match &view {
+                Ok(Some(v)) if v.blocked.is_some() || v.available == 0 => {
+                    return Err(self.refused_by_ledger(limits, i, (view, reads[i])));
+                }
+                Ok(Some(v)) => free.push((i, v.available)),
+                Ok(None) => free.push((i, limits[i].account.capacity.get())),
+                Err(error) => return Err(self.all_failed(limits, error.clone())),
+            }
+        }
+        Ok(free)
     }
 
     /// Places the chain of `links` (indices into `limits`); provisions each new account once
@@ -479,11 +535,14 @@ fn validate(limits: &[Limit]) -> Result<(), LimitsError> {
 }
 
 /// The request's whole cost on one account (two limits of a request may share one).
+/// What the request costs on one account: its limits' costs, and at least 1, as a check (a
+/// cost of 0) asks for a unit to be free.
 fn cost_on_account(limits: &[Limit], account_id: u128) -> u64 {
     limits
         .iter()
         .filter(|l| l.account.id == account_id)
         .fold(0u64, |sum, l| sum.saturating_add(l.cost))
+        .max(1)
 }
 
 fn link(limit: &Limit) -> ChainLink {

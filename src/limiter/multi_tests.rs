@@ -68,26 +68,49 @@ async fn every_costing_limit_is_one_link_of_one_chain() {
 }
 
 #[tokio::test]
-async fn a_limit_that_costs_nothing_is_reported_but_never_held() {
+async fn a_check_holds_nothing_and_is_refused_when_nothing_is_free() {
     let f = Fixture::closed();
+    // A check (cost 0) beside a charge: the check's account is read, the charge is the chain.
     let answer = held(&f, &[7]);
-    f.script(|s| s.chains.push_back(answer));
+    let two_free = f.view(5, &[30, 30, 30], true);
+    f.script(|s| {
+        s.views.push_back(Ok(Some(two_free)));
+        s.chains.push_back(answer);
+    });
     let decision = f
         .limiter
         .check_all(&[limit(A, 5, 60, 0), limit(B, 5, 60, 1)])
         .await
         .unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["view", "chain"]);
     assert_eq!(chains(&f), [vec![(B, 1)]]);
     assert_eq!(decision.limits[0].hold, None);
+    assert_eq!(decision.limits[0].quota.remaining, 2, "the ledger's word");
+    // A caller the ledger has never seen is whole; no limits at all: no ledger call.
+    f.script(|s| s.views.push_back(Ok(None)));
+    let decision = f.limiter.check_all(&[limit(A, 5, 60, 0)]).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
     assert_eq!(decision.limits[0].quota.remaining, 5);
-    // Nothing costs anything (or no limits at all): admitted without a ledger call.
-    f.calls();
-    for limits in [vec![limit(A, 5, 60, 0)], vec![]] {
-        let decision = f.limiter.check_all(&limits).await.unwrap();
-        assert_eq!(decision.outcome, Outcome::Admitted);
-        assert_eq!(decision.limits.len(), limits.len());
-    }
+    let decision = f.limiter.check_all(&[]).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["view"]);
+    // Nothing free: refused, retry when the first hold ends; then from memory.
+    let spent = f.view(3, &[20, 30, 30], true);
+    f.script(|s| s.views.push_back(Ok(Some(spent))));
+    let checks = [limit(A, 5, 60, 0), limit(B, 5, 60, 1)];
+    let decision = f.limiter.check_all(&checks).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((20, DecisionSource::Ledger))
+    );
+    assert_eq!(decision.refused_by, Some(0));
+    assert_eq!(f.calls(), ["view"], "nothing charged beside it");
+    let decision = f.limiter.check_all(&checks).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((20, DecisionSource::LocalView))
+    );
     assert!(f.calls().is_empty());
 }
 
