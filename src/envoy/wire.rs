@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
+use prost::bytes::Buf;
 use prost::Message;
 use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::codegen::{http, BoxFuture, Context, Poll, Service, StdError};
@@ -114,11 +115,68 @@ impl Decoder for WireDecoder {
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
+        // The whole message: tonic's buffer is one `BytesMut`, a single chunk.
+        debug_assert_eq!(buf.chunk().len(), buf.remaining());
+        bounded(buf.chunk())?;
         let wire = WireRequest::decode(buf).map_err(|error| {
             Status::invalid_argument(format!("not a RateLimitRequest: {error}"))
         })?;
         Ok(Some(wire.into()))
     }
+}
+
+/// Descriptors one request may carry (as the service allows), and entries one descriptor may
+/// (Envoy's actions make them; no client adds one), counted on the wire before anything is
+/// decoded. Why: each message costs its decoded size, not its bytes: a megabyte of empty entries
+/// decodes to about half a million, tens of megabytes per call. Bytes that are no protobuf are
+/// left to the decoder to refuse.
+const ENTRIES_PER_DESCRIPTOR_MAX: usize = 256;
+
+fn bounded(message: &[u8]) -> Result<(), Status> {
+    use super::service::DESCRIPTORS_MAX;
+    let mut descriptors = 0;
+    let too_many = |what: String| Err(Status::invalid_argument(what));
+    for (field, value) in fields(message) {
+        if field != 2 {
+            continue;
+        }
+        descriptors += 1;
+        if descriptors > DESCRIPTORS_MAX {
+            return too_many(format!("at most {DESCRIPTORS_MAX} descriptors per request"));
+        }
+        let entries = fields(value).filter(|(field, _)| *field == 1).count();
+        if entries > ENTRIES_PER_DESCRIPTOR_MAX {
+            return too_many(format!(
+                "at most {ENTRIES_PER_DESCRIPTOR_MAX} entries per descriptor"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The length-delimited fields of a protobuf message, as (field number, bytes); other fields are
+/// skipped. Ends early at anything malformed.
+fn fields(mut message: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
+    use prost::encoding::decode_varint;
+    std::iter::from_fn(move || loop {
+        let tag = decode_varint(&mut message).ok()?;
+        let skip = match tag & 7 {
+            0 => {
+                decode_varint(&mut message).ok()?;
+                0
+            }
+            1 => 8,
+            2 => {
+                let length = usize::try_from(decode_varint(&mut message).ok()?).ok()?;
+                let value = message.get(..length)?;
+                message = &message[length..];
+                return Some((tag >> 3, value));
+            }
+            5 => 4,
+            _ => return None,
+        };
+        message = message.get(skip..)?;
+    })
 }
 
 impl Codec for WireCodec {
@@ -198,6 +256,38 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descriptors_and_entries_are_bounded_before_decoding() {
+        let entry = WireEntry {
+            key: b"k".to_vec(),
+            value: b"v".to_vec(),
+        };
+        let descriptor = |entries: usize| WireDescriptor {
+            entries: vec![entry.clone(); entries],
+            limit: None,
+            hits_addend: Some(UInt64Value { value: 3 }),
+            is_negative_hits: true,
+        };
+        let request = |descriptors: Vec<WireDescriptor>| {
+            WireRequest {
+                domain: b"d".to_vec(),
+                descriptors,
+                hits_addend: 7,
+            }
+            .encode_to_vec()
+        };
+        let max = super::super::service::DESCRIPTORS_MAX;
+        assert!(bounded(&request(vec![descriptor(2); max])).is_ok());
+        assert!(bounded(&request(vec![descriptor(ENTRIES_PER_DESCRIPTOR_MAX)])).is_ok());
+        let many = bounded(&request(vec![descriptor(0); max + 1])).unwrap_err();
+        assert_eq!(many.code(), tonic::Code::InvalidArgument);
+        let deep = bounded(&request(vec![descriptor(ENTRIES_PER_DESCRIPTOR_MAX + 1)]));
+        assert_eq!(deep.unwrap_err().code(), tonic::Code::InvalidArgument);
+        // Not a protobuf: left to the decoder.
+        assert!(bounded(&[0xff, 0xff, 0xff]).is_ok());
+        assert!(bounded(&[]).is_ok());
+    }
 
     #[test]
     fn text_is_one_to_one() {
