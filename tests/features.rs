@@ -325,6 +325,56 @@ async fn get_forwarded(app: &TestApp, address: &str) -> u16 {
     response.status().as_u16()
 }
 
+/// A middleware inside the limiter that fails (a session store that is down): its error is
+/// the request's response, refunded on a refund route as a handler's 500 is. Before, the
+/// error passed the limiter by, charged.
+async fn failing_middleware(
+    _: actix_web::dev::ServiceRequest,
+    _: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse, actix_web::Error> {
+    Err(actix_web::error::ErrorInternalServerError(
+        "a store is down",
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_from_a_middleware_inside_is_refunded() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("free", 2, 60)));
+    let rules = RequestRules::builder()
+        .refund_server_errors("/err")
+        .cost_header("X-Cost")
+        .exempt("/public")
+        .build(limiter.plans());
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let failing = actix_web::middleware::from_fn(failing_middleware);
+        let costly = || async { HttpResponse::Ok().insert_header(("X-Cost", "7")).finish() };
+        routes
+            .service(
+                web::resource("/err")
+                    .wrap(failing)
+                    .route(web::get().to(HttpResponse::Ok)),
+            )
+            .route("/public", web::get().to(costly));
+    });
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let get = |path: &str| {
+        http.get(format!("http://127.0.0.1:{port}{path}"))
+            .header("X-Api-Key", &key)
+            .send()
+    };
+    for _ in 0..5 {
+        let response = get("/err").await.unwrap();
+        assert_eq!(response.status(), 500, "refunded: never refused");
+    }
+    // The cost header a handler sets never reaches the client, on an exempt path too.
+    let public = get("/public").await.unwrap();
+    assert_eq!(public.status(), 200);
+    assert!(public.headers().get("x-cost").is_none(), "{public:?}");
+    handle.stop(true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_give_the_credit_back_on_refund_routes_only() {
     // The library as a user wires it, around handlers that fail.

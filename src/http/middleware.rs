@@ -31,6 +31,7 @@ use std::task::{ready, Context, Poll};
 
 use actix_web::body::EitherBody;
 use actix_web::dev::{forward_ready, Service, ServiceRequest, ServiceResponse, Transform};
+use actix_web::http::header::HeaderName;
 use actix_web::{Error, HttpResponse};
 use futures_util::future::{Either, LocalBoxFuture};
 
@@ -134,8 +135,14 @@ where
         let charge = match self.inner.rules.classify(&req) {
             Classified::Exempt => {
                 let response = self.service.call(req);
+                // Nothing to settle, but the cost header never reaches the client.
+                let strip = self.inner.rules.cost_header().cloned();
                 let fields = None;
-                return Either::Right(Either::Left(Served { response, fields }));
+                return Either::Right(Either::Left(Served {
+                    response,
+                    fields,
+                    strip,
+                }));
             }
             Classified::Rejected(error) => {
                 self.inner.limiter.reject_key();
@@ -253,7 +260,21 @@ where
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
-    let mut response = service.call(req).await?;
+    let mut response = match service.call(req).await {
+        Ok(response) => response,
+        Err(error) => {
+            // A service inside this one failed (a library user's middleware; actix turns a
+            // handler's errors into responses itself). Its response is made past this
+            // middleware, without the fields (a request cloned to make it here breaks actix's
+            // routing), but a refund route's 5xx is refunded as a handler's is.
+            let status = error.as_response_error().status_code();
+            if refund && status.is_server_error() {
+                inner.refund(&mut decision).await;
+            }
+            drop(slot);
+            return Err(error);
+        }
+    };
     inner.settle(&mut decision, &mut response, refund).await;
     respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
     // The slot is given back when the body is sent (or the client goes away).
@@ -271,6 +292,9 @@ pin_project_lite::pin_project! {
         #[pin]
         response: F,
         fields: Option<PlanFields>,
+        // The cost header, removed from an exempt response (an admission from a lease has
+        // none: `Inner::serves_plainly`).
+        strip: Option<HeaderName>,
     }
 }
 
@@ -290,6 +314,9 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = ready!(this.response.poll(cx))?;
+        if let Some(header) = this.strip {
+            response.headers_mut().remove(&*header);
+        }
         if let Some(PlanFields {
             inner,
             plan_id,
@@ -332,6 +359,7 @@ impl Inner {
                 plan_id: decision.plan_id,
                 quota: decision.quota,
             }),
+            strip: None,
         }
     }
 
@@ -362,6 +390,15 @@ impl Inner {
         }
     }
 
+    /// Gives an admitted request's credit back (a server error on a refund route).
+    async fn refund(&self, decision: &mut Decision<'_>) {
+        // The ledger's futures are boxed here and in `settle`: inline, they would make every
+        // request's middleware future kilobytes larger, and it is moved on each request.
+        if let Err(error) = Box::pin(self.limiter.refund(decision)).await {
+            tracing::debug!(%error, "could not refund; the hold expires with its window");
+        }
+    }
+
     /// After the handler: a refund for a server error on a refund route, else the actual cost
     /// when the handler reported one (in the configured cost header, removed here).
     async fn settle<B>(
@@ -377,11 +414,7 @@ impl Inner {
             .cost_header()
             .and_then(|header| response.headers_mut().remove(header).next());
         if refund && response.status().is_server_error() {
-            // The ledger's futures are boxed here and below: inline, they would make every
-            // request's middleware future kilobytes larger, and it is moved on each request.
-            if let Err(error) = Box::pin(self.limiter.refund(decision)).await {
-                tracing::debug!(%error, "could not refund; the hold expires with its window");
-            }
+            self.refund(decision).await;
             return;
         }
         let Some(value) = reported else {

@@ -18,6 +18,9 @@ pub enum ProblemKind {
     /// An operator blocked the caller for a while (admin API).
     Blocked,
     LedgerUnavailable,
+    /// The caller is known by its address, and the request has none (served over a Unix
+    /// socket with no trusted proxy's header): the deployment's fault, not the caller's.
+    CallerUnknown,
     /// An admin API request that could not be carried out (its status says why).
     Admin,
 }
@@ -30,6 +33,7 @@ impl ProblemKind {
             ProblemKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ProblemKind::Blocked => StatusCode::FORBIDDEN,
             ProblemKind::LedgerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::CallerUnknown => StatusCode::INTERNAL_SERVER_ERROR,
             ProblemKind::Admin => StatusCode::BAD_REQUEST,
         }
     }
@@ -42,6 +46,7 @@ impl ProblemKind {
             ProblemKind::RateLimited => "urn:ledger-limiter:problem:rate-limited",
             ProblemKind::Blocked => "urn:ledger-limiter:problem:blocked",
             ProblemKind::LedgerUnavailable => "urn:ledger-limiter:problem:ledger-unavailable",
+            ProblemKind::CallerUnknown => "urn:ledger-limiter:problem:caller-unknown",
             ProblemKind::Admin => "urn:ledger-limiter:problem:admin",
         }
     }
@@ -54,6 +59,7 @@ impl ProblemKind {
             ProblemKind::RateLimited => "Rate limit exceeded",
             ProblemKind::Blocked => "Caller blocked",
             ProblemKind::LedgerUnavailable => "Rate limiter unavailable",
+            ProblemKind::CallerUnknown => "Caller unknown",
             ProblemKind::Admin => "Admin request refused",
         }
     }

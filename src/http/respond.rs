@@ -13,15 +13,21 @@ use crate::limiter::plan::{Plan, PlanId};
 use crate::limiter::{Decision, Outcome, Quota};
 
 /// 400/401 for a key that is missing (`missing_status`: 401 unless configured 400), malformed or
-/// unknown; a 401 carries `challenge` in `WWW-Authenticate`.
+/// unknown; a 401 carries `challenge` in `WWW-Authenticate`. A request without an address where
+/// callers are known by address alone (no `challenge`): 500, the deployment's fault.
 pub fn rejected(
     error: &KeyError,
     missing_status: StatusCode,
     challenge: Option<&HeaderValue>,
 ) -> HttpResponse {
     let (kind, status) = match error {
-        KeyError::Missing { .. } | KeyError::NoPeerAddress => {
-            (ProblemKind::MissingKey, missing_status)
+        KeyError::Missing { .. } => (ProblemKind::MissingKey, missing_status),
+        // A key would name the caller (a key, else the address): ask for one.
+        KeyError::NoPeerAddress if challenge.is_some() => (ProblemKind::MissingKey, missing_status),
+        // Callers known by address alone: nothing the client could send would name it.
+        KeyError::NoPeerAddress => {
+            let kind = ProblemKind::CallerUnknown;
+            (kind, kind.status())
         }
         KeyError::Unknown => (ProblemKind::UnknownKey, ProblemKind::UnknownKey.status()),
         KeyError::Empty { .. }
@@ -232,7 +238,12 @@ mod tests {
             asks(&unknown).as_deref(),
             Some("ApiKey header=\"x-api-key\"")
         );
+        // No address: with a key to send, a 401 asking for it; by address alone, the server's
+        // fault.
         assert_eq!(rejected(&KeyError::NoPeerAddress, missing).status(), 401);
+        let by_address = super::rejected(&KeyError::NoPeerAddress, missing, None);
+        assert_eq!(by_address.status(), 500);
+        assert_eq!(asks(&by_address), None);
         let no_key = KeyError::Missing {
             header: header.clone(),
         };
