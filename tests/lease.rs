@@ -483,3 +483,74 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
     );
     settler.abort();
 }
+
+/// A sweep settles every lease whose time is over, not one batch (256) of them: the callers of
+/// the last shards waited for as long as the first ones had a batch due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_settles_every_lease_that_is_due() {
+    let limiter = limiter(100, 10);
+    let callers: Vec<_> = (0..300).map(|_| caller(&common::fresh_key("k_"))).collect();
+    for chunk in callers.chunks(50) {
+        let checks = chunk.iter().map(|who| limiter.check(who, NonZeroU64::MIN));
+        for decision in futures_util::future::join_all(checks).await {
+            assert_eq!(decision.unwrap().outcome, Outcome::Admitted);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 200)).await;
+    assert_eq!(limiter.settle_due_leases().await, 300, "every lease is due");
+}
+
+/// A lease lasts window + L. One its instance never settled (it died), older than a window,
+/// is still held, and what it admitted still counts: a move carries it, for the rest of its own
+/// time. Before, a move read back one window (and 5 s), did not see it, and the new plan
+/// admitted its units again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_carries_a_lease_older_than_its_window() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::limiter::plan::{PlanBook, UnknownKeys};
+    let plan = |name: &str, lease_seconds: Option<u32>| {
+        let window = NonZeroU32::new(1).unwrap();
+        let plan = Plan::new(name, NonZeroU64::new(100).unwrap(), window).unwrap();
+        match lease_seconds {
+            Some(seconds) => plan
+                .with_lease(LeaseTerms {
+                    units_max: NonZeroU64::new(50).unwrap(),
+                    seconds: NonZeroU32::new(seconds).unwrap(),
+                })
+                .unwrap(),
+            None => plan,
+        }
+    };
+    let limiter = || {
+        let ledger = common::ledger_client(vec![common::shared_ledger().address]);
+        let plans = vec![plan("hot", Some(10)), plan("other", None)];
+        let plans = PlanBook::new(plans, "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
+        Limiter::new(ledger, Arc::new(plans), common::library_settings())
+    };
+    let name = common::fresh_key("k_");
+    let key = caller(&name);
+    let dies = limiter();
+    let decision = dies.check(&key, NonZeroU64::MIN).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    let leased = u64::try_from(audit(&dies, &name).await.debits_pending).unwrap();
+    assert!(leased > 1, "a lease: {leased}");
+    drop(dies); // its lease stays, for 1 + 10 s
+                // Past the look-back of a window (1 s) and 5 s, the lease still held.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let operator = limiter();
+    let actor = Actor::from_reason(1, "upgrade").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let report = operator.move_caller(&key, "other", actor, deadline).await;
+    let report = report.unwrap();
+    assert_eq!(report.carried, leased, "the lease is carried");
+    // For the rest of the lease's time (about 4 s), not a window's (1 s).
+    let to = u128::from_str_radix(&report.to_account_id, 16).unwrap();
+    let moved = operator
+        .ledger()
+        .audit(to, deadline)
+        .await
+        .unwrap()
+        .unwrap();
+    let carried_for = moved.recent.iter().map(|t| t.timeout_seconds).max();
+    assert!(carried_for.is_some_and(|s| s >= 3), "{:?}", moved.recent);
+}

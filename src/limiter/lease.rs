@@ -803,12 +803,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         ((Outcome::Admitted, quota, None), leased)
     }
 
-    /// Settles every lease whose time L is over (at most a batch per call): the sweeper calls it
-    /// every [`SETTLE_TICK`], so unused leased units return about L after the lease was taken
-    /// even when the caller stopped sending. Returns how many it settled.
+    /// Settles every lease whose time L is over: the sweeper calls it every [`SETTLE_TICK`], so
+    /// unused leased units return about L after the lease was taken even when the caller
+    /// stopped sending. Returns how many it settled.
+    ///
+    /// Batch after batch while they come back full, each with a deadline of its own: one batch
+    /// a tick, taken from the shards in order, left the callers of the last shards waiting for
+    /// as long as the first ones had a batch due.
     pub async fn settle_due_leases(&self) -> usize {
-        let deadline = self.deadline();
-        self.settle_leases(false, deadline).await
+        let mut settled = 0;
+        for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+            let count = self.settle_leases(false, self.deadline()).await;
+            settled += count;
+            if count < SETTLE_BATCH_MAX {
+                break;
+            }
+        }
+        settled
     }
 
     /// Settles every lease now, whatever its time (a clean shutdown, after the server stopped

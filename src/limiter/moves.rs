@@ -113,10 +113,12 @@ impl super::Limiter {
             window_seconds: plan.window_seconds(),
         };
         let tag = model::plan_tag(plan.name());
-        let window_max = self.plans.window_seconds_max().get();
+        // A lease lasts window + L: read back that far, or a lease that failed to settle (or
+        // whose instance died) is not listed, and goes uncarried while its requests count.
+        let hold_seconds_max = self.plans.hold_seconds_max().get();
         let ledger = &self.store;
         let carried = match ledger
-            .move_caller(from, &account, tag, actor, window_max, deadline)
+            .move_caller(from, &account, tag, actor, hold_seconds_max, deadline)
             .await?
         {
             Moving::Done { carried } => carried,

@@ -292,9 +292,26 @@ impl PlanBook {
         self.capacity_min
     }
 
-    /// The longest window of any plan: every hold is released within it.
+    /// The longest window of any plan: every request's hold is released within it (a lease
+    /// may last longer: [`PlanBook::hold_seconds_max`]).
     pub fn window_seconds_max(&self) -> NonZeroU32 {
         self.window_seconds_max
+    }
+
+    /// The longest any hold of these plans lasts: a window, or a lease's window + L.
+    pub fn hold_seconds_max(&self) -> NonZeroU32 {
+        let lease_seconds_max = (self.plans.iter())
+            .filter_map(|plan| {
+                Some(
+                    plan.window_seconds()
+                        .get()
+                        .saturating_add(plan.lease()?.seconds.get()),
+                )
+            })
+            .max()
+            .unwrap_or(0);
+        self.window_seconds_max
+            .max(NonZeroU32::new(lease_seconds_max).unwrap_or(self.window_seconds_max))
     }
 }
 
@@ -361,6 +378,25 @@ mod tests {
         assert!(tokens.clone().with_lease(terms(most)).is_ok());
         let err = tokens.with_lease(terms(most + 1)).unwrap_err();
         assert_eq!(err, PlanError::LeaseUnits(most));
+    }
+
+    #[test]
+    fn a_lease_holds_longer_than_its_window() {
+        let plan = |name: &str, window: u32| {
+            let window = NonZeroU32::new(window).unwrap();
+            Plan::new(name, NonZeroU64::new(100).unwrap(), window).unwrap()
+        };
+        let terms = LeaseTerms {
+            units_max: NonZeroU64::new(10).unwrap(),
+            seconds: NonZeroU32::new(30).unwrap(),
+        };
+        let book = |plans| PlanBook::new(plans, "a", [], [], UnknownKeys::DefaultPlan).unwrap();
+        let plain = book(vec![plan("a", 10), plan("b", 60)]);
+        assert_eq!(plain.hold_seconds_max().get(), 60);
+        let leased = plan("a", 10).with_lease(terms).unwrap();
+        let book = book(vec![leased, plan("b", 20)]);
+        assert_eq!(book.window_seconds_max().get(), 20);
+        assert_eq!(book.hold_seconds_max().get(), 40, "10 + 30");
     }
 
     #[test]
