@@ -37,7 +37,7 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use super::counts::ThreadCounts;
-use super::local_view::LocalQuota;
+use super::local_view::{LocalQuota, LocalView};
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
 use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached, Timing};
@@ -374,6 +374,20 @@ impl LeaseBook {
 struct Renewal<'a> {
     slot: &'a Slot,
     ending: bool,
+}
+
+/// Makes the local view forget `account_id` when dropped with `local` set.
+struct Forget<'a> {
+    local: Option<&'a LocalView>,
+    account_id: u128,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        if let Some(local) = self.local {
+            local.forget(self.account_id);
+        }
+    }
 }
 
 impl Drop for Renewal<'_> {
@@ -745,7 +759,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         assert!(lease.units_used <= lease.units);
         let settlement = holder.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
+        // Dropped before the answer (a renewing request's client went away): the settlement
+        // may land all the same (the call runs in a task of its own) and nothing below runs, so
+        // the view forgets the caller, as on an error, rather than count the whole lease on.
+        let mut unanswered = Forget {
+            local: Some(&self.local),
+            account_id: holder.account_id,
+        };
         let result = self.store.settle_lease(settlement, deadline).await;
+        unanswered.local = None;
         self.leases.count_transfers(holder.plan_id, transfers);
         match result {
             Ok(Settled::Done) => {

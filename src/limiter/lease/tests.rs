@@ -67,6 +67,8 @@ struct Model {
     settlements: u64,
     /// The next lease call never answers.
     hang_next_lease: bool,
+    /// The next settlement is applied, and never answered.
+    hang_next_settlement: bool,
     /// The next lease call is applied at once, but answered only when this is sent.
     answer_next_lease_on: Option<tokio::sync::oneshot::Receiver<()>>,
     /// Lease calls made (answered or not).
@@ -248,6 +250,17 @@ impl Store for ModelStore {
         settlement: Settlement,
         _: Instant,
     ) -> Result<Settled, LedgerError> {
+        let settled = self.apply_settlement(settlement);
+        let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_settlement);
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        settled
+    }
+}
+
+impl ModelStore {
+    fn apply_settlement(&self, settlement: Settlement) -> Result<Settled, LedgerError> {
         self.faulty(|model, now| {
             let Some((_, expires_at, voided)) = model.pendings.get_mut(&settlement.lease_id) else {
                 return Settled::LeaseGone;
@@ -774,6 +787,30 @@ fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
         assert_eq!(decision.outcome, Outcome::Admitted);
     });
     assert_eq!(store.model.lock().unwrap().leases, 1);
+}
+
+/// A renewing request whose client goes away while its lease's settlement is at the ledger: the
+/// settlement lands, and the view forgets the caller rather than count the whole lease on (it
+/// would refuse from memory what the ledger admits, until the lease's timeout).
+#[test]
+fn a_settlement_left_unanswered_makes_the_view_forget_the_caller() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    store.model.lock().unwrap().hang_next_settlement = true;
+    runtime.block_on(async {
+        for _ in 0..CAPACITY {
+            let check = limiter.check(&key, NonZeroU64::MIN);
+            match tokio::time::timeout(Duration::from_millis(20), check).await {
+                Ok(decision) => assert_eq!(decision.unwrap().outcome, Outcome::Admitted),
+                Err(_) => break, // its settlement hangs: the client goes away
+            }
+        }
+    });
+    let model = store.model.lock().unwrap();
+    assert_eq!(model.settlements, 1, "a settlement landed");
+    assert!(!model.hang_next_settlement, "and was never answered");
+    assert_eq!(limiter.local_callers(), 0, "the view forgot the caller");
 }
 
 #[test]
