@@ -247,31 +247,17 @@ where
         .await
     {
         Ok(slot) => slot,
-        Err(mut response) => {
-            // Not served, so not charged (and no refund of a server error: not counted as one),
-            // after the answer: the deadline may be spent.
-            if let Some(holds) = inner.limiter.give_back_later(&mut decision) {
-                let limiter = inner.limiter.clone();
-                actix_web::rt::spawn(async move { limiter.void_holds(holds).await });
-            }
-            // The rate-limit fields as on any refusal: what the caller has left of its rate
-            // (given back), beside the concurrency's Retry-After.
-            respond::add_fields(response.headers_mut(), &inner.fields, &decision, Some(1));
+        Err(response) => {
+            let response = inner.slot_refused(&mut decision, response);
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
     let mut response = match service.call(req).await {
         Ok(response) => response,
         Err(error) => {
-            // A service inside this one failed (a library user's middleware; actix turns a
-            // handler's errors into responses itself). Its response is made past this
-            // middleware, without the fields (a request cloned to make it here breaks actix's
-            // routing), but a refund route's 5xx is refunded as a handler's is.
-            let status = error.as_response_error().status_code();
-            if refund && status.is_server_error() {
-                inner.refund(&mut decision).await;
-            }
-            drop(slot);
+            // Its response is made past this middleware, without the fields (a request cloned
+            // to make it here breaks actix's routing).
+            inner.settle_error(&mut decision, &error, refund).await;
             return Err(error);
         }
     };
@@ -387,6 +373,32 @@ impl Inner {
                 styles: factory.rules.header_styles(),
             },
             concurrency: factory.concurrency.clone(),
+        }
+    }
+
+    /// A request refused a concurrency slot: not served, so not charged (and no refund of a
+    /// server error: not counted as one), after the answer (the deadline may be spent). The
+    /// rate-limit fields as on any refusal: what the caller has left of its rate (given back),
+    /// beside the concurrency's Retry-After.
+    fn slot_refused(
+        &self,
+        decision: &mut Decision<'_>,
+        mut response: HttpResponse,
+    ) -> HttpResponse {
+        if let Some(holds) = self.limiter.give_back_later(decision) {
+            let limiter = self.limiter.clone();
+            actix_web::rt::spawn(async move { limiter.void_holds(holds).await });
+        }
+        respond::add_fields(response.headers_mut(), &self.fields, decision, Some(1));
+        response
+    }
+
+    /// A service inside this one failed (a library user's middleware; actix turns a handler's
+    /// errors into responses itself): a refund route's 5xx is refunded as a handler's is.
+    async fn settle_error(&self, decision: &mut Decision<'_>, error: &Error, refund: bool) {
+        let status = error.as_response_error().status_code();
+        if refund && status.is_server_error() {
+            self.refund(decision).await;
         }
     }
 

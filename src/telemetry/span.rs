@@ -30,7 +30,7 @@ pub mod fields {
 /// The method label of a method outside the standard ones (as OpenTelemetry names it).
 const METHOD_OTHER: &str = "_OTHER";
 
-/// Bounded method label: the standard methods, everything else [`METHOD_OTHER`], for metric
+/// Bounded method label: the standard methods, everything else `_OTHER`, for metric
 /// labels and span names alike (a client may send any token as its method).
 pub fn method_label(method: &Method) -> &'static str {
     match *method {
