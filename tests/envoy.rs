@@ -484,6 +484,12 @@ async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
         d.is_negative_hits = true;
         request("extra", vec![d])
     };
+    // More slots than there are: refused, and none is spent (a slot comes back by a negative
+    // hit, one request at a time).
+    let mut greedy = descriptor(&[("slot", &value)]);
+    greedy.hits_addend = Some(UInt64Value { value: 3 });
+    let refused = call(&mut a, request("extra", vec![greedy])).await;
+    assert_eq!(overall(&refused), Code::OverLimit);
     assert_eq!(overall(&call(&mut a, acquire()).await), Code::Ok);
     assert_eq!(overall(&call(&mut b, acquire()).await), Code::Ok);
     assert_eq!(

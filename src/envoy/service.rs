@@ -373,8 +373,10 @@ impl RateLimitServer {
             return;
         };
         let limit = &limits[refused];
-        // A charge of 1 refused has nothing left to hold.
-        if limit.cost <= 1 {
+        // A charge of 1 refused has nothing left to hold. A concurrency rule's holds are slots
+        // that negative hits give back one request at a time: one that spent the rest would
+        // hold them all until its window ended.
+        if limit.cost <= 1 || !limit.local_view {
             return;
         }
         let window = limit.account.window_seconds.get();
@@ -386,9 +388,7 @@ impl RateLimitServer {
             tracing::debug!(%error, "could not hold what was left of a refused charge");
         }
         // Remembered holds are short of it now; the next request asks the ledger.
-        if limit.local_view {
-            self.limiter.forget(limit.account.id);
-        }
+        self.limiter.forget(limit.account.id);
         decision.limits[refused].quota.remaining = 0;
     }
 
