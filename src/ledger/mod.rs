@@ -423,10 +423,9 @@ impl Ledger {
         timeout_seconds: u32,
         deadline: Instant,
     ) -> Result<HoldReply, LedgerError> {
-        let transfer = model::hold_transfer(account_id, self.ledger_id, amount, timeout_seconds);
-        let flags = transfer.flags() | tb::transfer::Flags::BALANCING_DEBIT;
-        self.place_pending(transfer.with_flags(flags), deadline, false)
-            .await
+        let ledger = self.ledger_id;
+        let transfer = model::balancing_hold_transfer(account_id, ledger, amount, timeout_seconds);
+        self.place_pending(transfer, deadline, false).await
     }
 
     async fn place_pending(

@@ -121,9 +121,8 @@ pub fn carry_transfer(
     amount: u64,
     timeout_seconds: u32,
 ) -> tb::Transfer {
-    hold_transfer(to_account_id, ledger, amount, timeout_seconds)
+    balancing_hold_transfer(to_account_id, ledger, amount, timeout_seconds)
         .with_code(TRANSFER_CODE_CARRY)
-        .with_flags(tb::transfer::Flags::PENDING | tb::transfer::Flags::BALANCING_DEBIT)
         .with_user_data_128(from_account_id)
 }
 
@@ -341,6 +340,19 @@ pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
 }
 
 /// A request's hold: pending, so it expires and gives the credit back after `timeout_seconds`.
+/// A hold of as much of `amount` as the account has free (a balancing debit: all of what is
+/// left when less, 0 when nothing is), pending for `timeout_seconds`.
+pub fn balancing_hold_transfer(
+    user_account_id: u128,
+    ledger: u32,
+    amount: u64,
+    timeout_seconds: u32,
+) -> tb::Transfer {
+    let hold = hold_transfer(user_account_id, ledger, amount, timeout_seconds);
+    let flags = hold.flags() | tb::transfer::Flags::BALANCING_DEBIT;
+    hold.with_flags(flags)
+}
+
 pub fn hold_transfer(
     user_account_id: u128,
     ledger: u32,

@@ -30,18 +30,6 @@ pub enum Recharged {
     Expired,
 }
 
-/// A pending debit of as much of `amount` as the account has free.
-fn balancing_hold(recharge: &Recharge, ledger: u32) -> tb::Transfer {
-    let hold = model::hold_transfer(
-        recharge.account_id,
-        ledger,
-        recharge.amount,
-        recharge.timeout_seconds,
-    );
-    let flags = hold.flags() | tb::transfer::Flags::BALANCING_DEBIT;
-    hold.with_flags(flags)
-}
-
 impl Ledger {
     /// Replaces every hold of `recharges` by one of its actual cost, all in one linked chain.
     pub async fn recharge(
@@ -55,7 +43,15 @@ impl Ledger {
         for recharge in recharges {
             chain.push(model::void_transfer(recharge.pending_id, self.ledger_id));
             if recharge.amount > 0 && recharge.timeout_seconds > 0 {
-                let hold = balancing_hold(recharge, self.ledger_id);
+                // As much of the actual cost as the account has free.
+                let (account, amount) = (recharge.account_id, recharge.amount);
+                let timeout_seconds = recharge.timeout_seconds;
+                let hold = model::balancing_hold_transfer(
+                    account,
+                    self.ledger_id,
+                    amount,
+                    timeout_seconds,
+                );
                 ids.push(Some(hold.id()));
                 chain.push(hold);
             } else {

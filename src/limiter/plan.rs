@@ -300,18 +300,18 @@ impl PlanBook {
 
     /// The longest any hold of these plans lasts: a window, or a lease's window + L.
     pub fn hold_seconds_max(&self) -> NonZeroU32 {
-        let lease_seconds_max = (self.plans.iter())
-            .filter_map(|plan| {
-                Some(
-                    plan.window_seconds()
-                        .get()
-                        .saturating_add(plan.lease()?.seconds.get()),
-                )
+        let lease_seconds = |plan: &Plan| plan.lease().map_or(0, |terms| terms.seconds.get());
+        let seconds = (self.plans.iter())
+            .map(|plan| {
+                plan.window_seconds()
+                    .get()
+                    .saturating_add(lease_seconds(plan))
             })
-            .max()
-            .unwrap_or(0);
-        self.window_seconds_max
-            .max(NonZeroU32::new(lease_seconds_max).unwrap_or(self.window_seconds_max))
+            .max();
+        // Every plan's window is at least 1 s, and a book has a plan.
+        seconds
+            .and_then(NonZeroU32::new)
+            .unwrap_or(self.window_seconds_max)
     }
 }
 
