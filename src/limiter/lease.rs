@@ -117,6 +117,10 @@ struct CallerLease {
     /// need until a lease is taken again, or each admission from the current lease's second
     /// half would ask again, a ledger call per request.
     refused: bool,
+    /// A lease that no longer admits, whose settlement a renewal could not send by its
+    /// request's deadline: the sweeper settles it with a deadline of its own, rather than leave
+    /// its unused units held for window + L.
+    handed_over: Option<Lease>,
 }
 
 /// A caller's lease state, and the signal that a renewal ended.
@@ -285,6 +289,7 @@ impl LeaseBook {
                 retire_renewed: false,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
+                handed_over: None,
                 refused: false,
             }),
             renewed: Notify::new(),
@@ -341,6 +346,11 @@ impl LeaseBook {
             let mut shard = lock(shard);
             shard.retain(|_, slot| {
                 let mut caller = slot.lock();
+                if due.len() < SETTLE_BATCH_MAX {
+                    if let Some(lease) = caller.handed_over.take() {
+                        due.push((caller.holder, lease));
+                    }
+                }
                 if caller.renewing && !all {
                     return true;
                 }
@@ -631,7 +641,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut renewal = Renewal { slot, ending: true };
         let holder = slot.lock().holder;
         if let Some(lease) = retired {
-            self.settle(&holder, lease, deadline).await;
+            self.settle_or_hand_over(slot, &holder, lease, deadline)
+                .await;
         }
         let taken = self.take(slot, &holder, cost, deadline).await;
         let replaced = {
@@ -647,9 +658,37 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         // No admission from `replaced` after the lock above: its settlement is sent after its last.
         if let Some(lease) = replaced {
-            self.settle(&holder, lease, deadline).await;
+            self.settle_or_hand_over(slot, &holder, lease, deadline)
+                .await;
         }
         taken.map(|lease| lease.is_some())
+    }
+
+    /// Settles `lease` by `deadline` if any of it is left; else hands it to the sweeper
+    /// ([`CallerLease::handed_over`]). Why: a call with no time left is not sent, and a renewal
+    /// run within its request's deadline (`check`) can spend it on the lease it takes. The lease
+    /// it replaced then went unsettled, its unused units held from every instance for window + L.
+    async fn settle_or_hand_over(
+        &self,
+        slot: &Slot,
+        holder: &Holder,
+        lease: Lease,
+        deadline: Instant,
+    ) {
+        if self.clock.now() < deadline {
+            return self.settle(holder, lease, deadline).await;
+        }
+        let mut caller = slot.lock();
+        match caller.handed_over {
+            None => caller.handed_over = Some(lease),
+            // One is already waiting for the sweeper (a tick is 100 ms): this one is left to
+            // expire, which holds every unit it admitted; the view must not count it on whole.
+            Some(_) => {
+                drop(caller);
+                self.local.forget(holder.account_id);
+                tracing::debug!("a lease's settlement missed its deadline; it expires window + L after it was placed");
+            }
+        }
     }
 
     /// Takes a lease for `holder`: `Ok(None)` when the ledger refused it or the caller should
@@ -694,7 +733,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             HoldReply::Blocked => {
                 let current = slot.lock().lease.take();
                 if let Some(lease) = current {
-                    self.settle(holder, lease, deadline).await;
+                    self.settle_or_hand_over(slot, holder, lease, deadline)
+                        .await;
                 }
                 return Ok(None);
             }

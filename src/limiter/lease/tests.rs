@@ -69,6 +69,8 @@ struct Model {
     hang_next_lease: bool,
     /// The next settlement is applied, and never answered.
     hang_next_settlement: bool,
+    /// The next lease call takes this long (on the test clock) before it is applied.
+    slow_next_lease: Duration,
     /// The next lease call is applied at once, but answered only when this is sent.
     answer_next_lease_on: Option<tokio::sync::oneshot::Receiver<()>>,
     /// Lease calls made (answered or not).
@@ -232,6 +234,8 @@ impl Store for ModelStore {
         let (hang, answer_on) = {
             let mut model = self.model.lock().unwrap();
             model.lease_calls += 1;
+            let slow = std::mem::take(&mut model.slow_next_lease);
+            self.clock.advance_to(self.clock.now() + slow);
             let answer_on = model.answer_next_lease_on.take();
             (std::mem::take(&mut model.hang_next_lease), answer_on)
         };
@@ -248,8 +252,12 @@ impl Store for ModelStore {
     async fn settle_lease(
         &self,
         settlement: Settlement,
-        _: Instant,
+        deadline: Instant,
     ) -> Result<Settled, LedgerError> {
+        // As the ledger's client: a call with no time left is not sent.
+        if self.clock.now() >= deadline {
+            return Err(timeout());
+        }
         let settled = self.apply_settlement(settlement);
         let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_settlement);
         if hang {
@@ -811,6 +819,50 @@ fn a_settlement_left_unanswered_makes_the_view_forget_the_caller() {
     assert_eq!(model.settlements, 1, "a settlement landed");
     assert!(!model.hang_next_settlement, "and was never answered");
     assert_eq!(limiter.local_callers(), 0, "the view forgot the caller");
+}
+
+/// A renewal that `check` runs within its request's deadline, whose lease call spends it: the
+/// lease it replaced cannot be settled by then, and the sweeper settles it (not left held, whole,
+/// for window + L).
+#[test]
+fn a_settlement_past_the_renewals_deadline_is_left_to_the_sweeper() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let first = runtime
+        .block_on(limiter.check(&key, NonZeroU64::MIN))
+        .unwrap();
+    let lease_id = first
+        .leased
+        .expect("admitted from the first lease")
+        .lease_id;
+    for _ in 2..=3 {
+        runtime
+            .block_on(limiter.check(&key, NonZeroU64::MIN))
+            .unwrap();
+    }
+    // The fourth admission makes the renewal due; its lease call takes the whole deadline.
+    store.model.lock().unwrap().slow_next_lease = Duration::from_millis(600);
+    let fourth = runtime
+        .block_on(limiter.check(&key, NonZeroU64::MIN))
+        .unwrap();
+    assert_eq!(fourth.outcome, Outcome::Admitted);
+    let voided = |store: &ModelStore| store.model.lock().unwrap().pendings[&lease_id].2;
+    assert!(!voided(&store), "not sent past the deadline");
+    assert_eq!(runtime.block_on(limiter.settle_due_leases()), 1);
+    assert!(voided(&store), "the sweeper settled it");
+    let model = store.model.lock().unwrap();
+    assert_eq!(model.settlements, 1);
+    let held: Vec<u64> = model
+        .pendings
+        .values()
+        .filter(|p| !p.2)
+        .map(|p| p.0)
+        .collect();
+    assert!(
+        held.contains(&4),
+        "the first lease's four units are held on: {held:?}"
+    );
 }
 
 #[test]
