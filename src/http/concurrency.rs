@@ -151,13 +151,8 @@ fn record_refusal(refused: &Outcome) {
     span.record(fields::DECISION, DecisionLabel::of(refused).as_str());
     span.record(fields::LIMIT, CONCURRENCY_LIMIT_NAME);
     if let Outcome::Limited { source, .. } = refused {
-        // As every 429's (`respond::refusal`): slots come back as requests finish.
-        tracing::info!(
-            target: crate::telemetry::SPAN_EVENTS_TARGET,
-            retry_after_seconds = 1,
-            source = source.as_str(),
-            "limited"
-        );
+        // Slots come back as requests finish.
+        crate::telemetry::span::limited_event(1, source.as_str());
     }
 }
 

@@ -11,6 +11,7 @@ use super::repeats::{self, Refuser};
 use crate::limiter::caller::KeyError;
 use crate::limiter::plan::{Plan, PlanId};
 use crate::limiter::{Decision, Outcome, Quota};
+use crate::telemetry::span;
 
 /// 400/401 for a key that is missing (`missing_status`: 401 unless configured 400), malformed or
 /// unknown; a 401 carries `challenge` in `WWW-Authenticate`. A request without an address where
@@ -148,13 +149,7 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
             retry_after_seconds,
             source,
         } => {
-            // A span event for traces, not a log line: 429s can come by the thousand.
-            tracing::info!(
-                target: crate::telemetry::SPAN_EVENTS_TARGET,
-                retry_after_seconds,
-                source = source.as_str(),
-                "limited"
-            );
+            span::limited_event(*retry_after_seconds, source.as_str());
             let (what, name, quota) = match decision.refused_by {
                 Some(index) => {
                     let limit = &decision.route_limits[index];

@@ -30,6 +30,17 @@ pub mod fields {
 /// The method label of a method outside the standard ones (as OpenTelemetry names it).
 const METHOD_OTHER: &str = "_OTHER";
 
+/// The span event of a request refused for want of credit or of a concurrency slot: an event
+/// on the request's trace, not a log line (429s can come by the thousand).
+pub fn limited_event(retry_after_seconds: u64, source: &'static str) {
+    tracing::info!(
+        target: super::SPAN_EVENTS_TARGET,
+        retry_after_seconds,
+        source,
+        "limited"
+    );
+}
+
 /// Bounded method label: the standard methods, everything else `_OTHER`, for metric
 /// labels and span names alike (a client may send any token as its method).
 pub fn method_label(method: &Method) -> &'static str {
