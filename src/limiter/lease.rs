@@ -726,16 +726,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 caller.refused = true;
                 return Ok(None);
             }
-            // Closed by an operator (a block, a move) while a lease admits from memory: that
-            // lease admits no more (it would for up to L). Its settlement can only void it when
-            // it admitted nothing; else it holds on to its timeout (`Settled::AccountClosed`). The
-            // request is decided per request, which knows what to do.
             HoldReply::Blocked => {
-                let current = slot.lock().lease.take();
-                if let Some(lease) = current {
-                    self.settle_or_hand_over(slot, holder, lease, deadline)
-                        .await;
-                }
+                self.retire_closed(slot, holder, deadline).await;
                 return Ok(None);
             }
             // Not found after provisioning: decided per request.
@@ -764,6 +756,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
         }))
+    }
+
+    /// The caller's account was closed by an operator (a block, a move) while a lease admits from
+    /// memory: that lease admits no more (it would for up to L). Its settlement can only void it
+    /// when it admitted nothing; else it holds on to its timeout (`Settled::AccountClosed`). The
+    /// request is decided per request, which knows what to do.
+    async fn retire_closed(&self, slot: &Slot, holder: &Holder, deadline: Instant) {
+        let current = slot.lock().lease.take();
+        if let Some(lease) = current {
+            self.settle_or_hand_over(slot, holder, lease, deadline)
+                .await;
+        }
     }
 
     /// Places a lease of `units` for `holder`, provisioning a new caller first if need be.
