@@ -208,10 +208,11 @@ async fn main() -> anyhow::Result<()> {
     serve(settings, signals).await
 }
 
-/// SIGINT and SIGTERM, listened for from the start to the end. actix installs its own handlers
-/// only once its server first runs, after the ledger answers; until then either signal killed
-/// the process (exit by signal 15 in a CI run) while the Envoy front end was already answering.
-/// Once the server runs, both it and this see a signal, and either stops it.
+/// SIGINT and SIGTERM, listened for from the start to the end, and the only handlers (the
+/// server's own are off, `startup.rs`). actix installs its handlers only once its server first
+/// runs, after the ledger answers; until then either signal killed the process (exit by signal 15
+/// in a CI run) while the Envoy front end was already answering. Once running, actix's stopped at
+/// once on SIGINT, with no drain.
 struct StopSignals {
     interrupt: tokio::signal::unix::Signal,
     terminate: tokio::signal::unix::Signal,

@@ -151,6 +151,11 @@ impl Application {
                 .configure(|config| all_routes(config, &rate_limit, &exporters))
         })
         .workers(settings.workers.get())
+        // The binary hears SIGINT and SIGTERM itself, from before the server runs, and stops
+        // it gracefully. actix's own handlers, beside them, stopped at once on SIGINT
+        // (connections closed unanswered), and on either signal stopped the whole system 300 ms
+        // after, the admin API with it, before it could drain.
+        .disable_signals()
         .shutdown_timeout(10)
         .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
         .client_disconnect_timeout(CLIENT_DISCONNECT_TIMEOUT)

@@ -284,6 +284,40 @@ async fn a_killed_embedded_ledger_is_restarted_with_its_data_and_dies_with_the_b
     drop(child);
 }
 
+/// SIGINT drains a request in flight, as SIGTERM does (README: "SIGINT/SIGTERM drain in-flight
+/// requests"). actix's own handlers, left on beside the binary's, stopped at once on SIGINT: the
+/// connection was closed with no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_drains_a_request_in_flight() {
+    let ledger = common::TestLedger::start();
+    let mut command = binary_command();
+    command
+        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "5000"])
+        .arg(format!("--ledger-addresses={}", ledger.address));
+    let (mut running, port) = start_binary(command);
+    let url = format!("http://127.0.0.1:{port}/greeting");
+    // The ledger takes the request's hold and answers only once continued.
+    ledger.pause(true);
+    let request = reqwest::Client::new()
+        .get(&url)
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .send();
+    let in_flight = tokio::spawn(request);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    running.send_signal("-INT");
+    // Past the 300 ms after which actix's own stop also ended the whole system.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    ledger.pause(false);
+    let answer = in_flight.await.unwrap();
+    let response = answer.expect("answered, not cut off by the stop");
+    assert_eq!(response.status(), 200);
+    let status = running.wait_exit(Duration::from_secs(20));
+    assert!(
+        status.expect("exits after the drain").success(),
+        "{status:?}"
+    );
+}
+
 /// actix handles SIGINT and SIGTERM only once its server runs, after the ledger answers; the
 /// binary listens for them from the start. A stop while it waits for the ledger is a clean exit,
 /// not death by signal 15 (a CI run saw that, with the Envoy front end already answering).

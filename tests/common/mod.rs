@@ -25,15 +25,25 @@ impl Guard {
 
     /// Sends the process SIGTERM (a graceful stop), leaving it guarded.
     pub fn send_term(&self) {
+        self.send_signal("-TERM");
+    }
+
+    /// Sends the process `signal` (as `kill` spells it: `-INT`), leaving it guarded.
+    pub fn send_signal(&self, signal: &str) {
         let pid = self.pid().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(sent.expect("kill runs").success(), "kill -TERM {pid}");
+        let sent = Command::new("kill").args([signal, &pid]).status();
+        assert!(sent.expect("kill runs").success(), "kill {signal} {pid}");
     }
 
     /// SIGTERM, then its exit status once it exits within `timeout`; `None` while it still runs.
     /// It stays guarded until it exits, so a test that fails on a hung process kills it.
     pub fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
         self.send_term();
+        self.wait_exit(timeout)
+    }
+
+    /// Its exit status once it exits within `timeout`; `None` while it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             let child = self.0.as_mut().expect("running");
