@@ -301,3 +301,27 @@ async fn a_call_past_its_deadline_is_not_sent() {
     ledger.ping(deadline).await.expect("in time, it is sent");
     assert_eq!(ledger.calls_started(), sent + 1);
 }
+
+/// The Envoy front end's over-charge (a charge that did not fit spends what remains) is a
+/// balancing hold; the audit counts it apart, so `holds − voids` stays the requests admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_charge_holds_what_remains_and_is_audited_apart() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(5, 30, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let id = limit.account.id;
+    let held = ledger.hold(id, 3, 30, deadline, false).await.unwrap();
+    assert!(matches!(
+        held,
+        ledger_limiter::ledger::HoldReply::Held { .. }
+    ));
+    // 7 asked, 2 free: the 2 are held.
+    ledger.hold_what_remains(id, 7, 30, deadline).await.unwrap();
+    assert_eq!(available(&ledger, &limit).await, Some(0));
+    let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
+    assert_eq!((audit.holds, audit.over_charges), (1, 1));
+    assert_eq!(audit.debits_pending, 5);
+    let kinds: Vec<&str> = audit.recent.iter().map(|t| t.kind.as_str()).collect();
+    assert_eq!(kinds, ["grant", "hold", "over_charge"]);
+}

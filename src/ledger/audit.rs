@@ -51,6 +51,10 @@ pub struct AccountAudit {
     /// Pending debits ever placed: one per admitted request (and per hold whose request was
     /// refused at its deadline, each then voided).
     pub holds: u64,
+    /// The Envoy front end's holds of what remained of a charge that did not fit (a balancing
+    /// debit, code 2), one per such refused request: not in `holds`, which stays the requests
+    /// placed.
+    pub over_charges: u64,
     /// Holds voided: their request had been refused when they landed, or was refunded.
     pub voids: u64,
     /// Operators' reductions of the credit (admin API).
@@ -119,6 +123,7 @@ impl Ledger {
             debits_pending: account.debits_pending(),
             grants: 0,
             holds: 0,
+            over_charges: 0,
             voids: 0,
             reductions: 0,
             top_ups: 0,
@@ -219,6 +224,8 @@ impl AccountAudit {
     fn count_request(&mut self, flags: tb::transfer::Flags, void: bool) {
         if void {
             self.voids += 1;
+        } else if flags.contains(tb::transfer::Flags::BALANCING_DEBIT) {
+            self.over_charges += 1;
         } else if flags.contains(tb::transfer::Flags::PENDING) {
             self.holds += 1;
         }
@@ -229,8 +236,12 @@ fn summary(transfer: &tb::Transfer) -> TransferSummary {
     let void = transfer
         .flags()
         .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+    let balancing = transfer
+        .flags()
+        .contains(tb::transfer::Flags::BALANCING_DEBIT);
     let kind = match (transfer.code(), void) {
         (model::TRANSFER_CODE_GRANT, _) => "grant".to_owned(),
+        (model::TRANSFER_CODE_REQUEST, false) if balancing => "over_charge".to_owned(),
         (model::TRANSFER_CODE_REQUEST, false) => "hold".to_owned(),
         (model::TRANSFER_CODE_REQUEST, true) => "void".to_owned(),
         (model::TRANSFER_CODE_TOP_UP, _) => "top_up".to_owned(),

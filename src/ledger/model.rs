@@ -339,9 +339,9 @@ pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
         .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
 }
 
-/// A request's hold: pending, so it expires and gives the credit back after `timeout_seconds`.
 /// A hold of as much of `amount` as the account has free (a balancing debit: all of what is
-/// left when less, 0 when nothing is), pending for `timeout_seconds`.
+/// left when less, 0 when nothing is), pending for `timeout_seconds`. With code 2, only the Envoy
+/// front end's over-charges are balancing, which is how the audit tells them from requests.
 pub fn balancing_hold_transfer(
     user_account_id: u128,
     ledger: u32,
@@ -353,6 +353,7 @@ pub fn balancing_hold_transfer(
     hold.with_flags(flags)
 }
 
+/// A request's hold: pending, so it expires and gives the credit back after `timeout_seconds`.
 pub fn hold_transfer(
     user_account_id: u128,
     ledger: u32,
