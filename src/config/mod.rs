@@ -823,15 +823,32 @@ fn plan_book(
     if !list.iter().any(|plan| plan.name() == default_plan) {
         let names: Vec<&str> = list.iter().map(|plan| plan.name()).collect();
         let message = format!(
-            "{default_plan:?} is not among the plans ({}): a file's [plans] replace the \
-             built-in ones, so name one of its own",
+            "{default_plan:?} is not among the plans ({}) (a file's [plans] replace the \
+             built-in ones)",
             names.join(", ")
         );
         return Err(invalid("default_plan", message));
     }
     let prefixes = prefixes.unwrap_or_default();
+    check_prefixes(&prefixes, &list)?;
     PlanBook::new(list, &default_plan, prefixes, keys, unknown_keys)
         .map_err(|e| invalid("plans", e.to_string()))
+}
+
+/// `[key_prefixes]`, each named in its error: the book's own errors would name `plans`.
+fn check_prefixes(prefixes: &BTreeMap<String, String>, plans: &[Plan]) -> Result<(), ConfigError> {
+    for (prefix, plan) in prefixes {
+        let setting = || format!("key_prefixes.{prefix:?}");
+        if prefix.is_empty() {
+            return Err(invalid(setting(), "a key prefix must not be empty"));
+        }
+        if !plans.iter().any(|p| p.name() == plan) {
+            let names: Vec<&str> = plans.iter().map(|p| p.name()).collect();
+            let message = format!("{plan:?} is not among the plans ({})", names.join(", "));
+            return Err(invalid(setting(), message));
+        }
+    }
+    Ok(())
 }
 
 /// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only).
@@ -918,6 +935,21 @@ mod tests {
         assert!(err.message.contains("replace the built-in"), "{err}");
         let ok = with("default_plan = \"anon\"\n[plans.anon]\ncapacity = 2\nwindow_seconds = 60");
         assert_eq!(ok.unwrap().plans.plans().len(), 1);
+    }
+
+    #[test]
+    fn a_key_prefix_error_names_the_prefix_not_the_plans() {
+        let err = with("[key_prefixes]\n\"gold_\" = \"gold\"").unwrap_err();
+        assert_eq!(err.setting, "key_prefixes.\"gold_\"");
+        assert!(
+            err.message
+                .contains("\"gold\" is not among the plans (basic"),
+            "{err}"
+        );
+        let err = with("[key_prefixes]\n\"\" = \"free\"").unwrap_err();
+        assert_eq!(err.setting, "key_prefixes.\"\"");
+        assert!(err.message.contains("must not be empty"), "{err}");
+        assert!(with("[key_prefixes]\n\"gold_\" = \"pro\"").is_ok());
     }
 
     #[test]
