@@ -11,6 +11,7 @@ they are as coarse as the buckets (0.5, 1, 2.5, 5, 10, 25, 50, 75, 100 ms, ...).
 STOP_FILE exists, after a last, shorter interval that ends when the file was made (none if that
 is under a second). Standard library only.
 """
+import http.client
 import os
 import re
 import sys
@@ -26,7 +27,8 @@ def buckets(url, name, want):
     all of `want`."""
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException, UnicodeDecodeError):
+        # Refused, timed out, or cut short (an overloaded service): unreadable this time.
         return None
     counts = {}
     for line in text.splitlines():
