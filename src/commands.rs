@@ -223,8 +223,10 @@ async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> 
 
 /// A caller's key, from one line of standard input (never an argument).
 fn read_key() -> anyhow::Result<CallerKey> {
+    use std::io::{BufRead, Read};
     let mut key = String::new();
-    std::io::stdin().read_line(&mut key)?;
+    // Bounded: a longer line is refused below all the same, and need not be read whole.
+    std::io::stdin().lock().take(4097).read_line(&mut key)?;
     Ok(CallerKey::from_header_value(
         "key",
         key.trim_end().as_bytes(),

@@ -19,19 +19,8 @@ pub(super) fn load(
     key_length_max: usize,
     is_plan: &dyn Fn(&str) -> bool,
 ) -> Result<Vec<(String, String)>, ConfigError> {
-    let unreadable =
-        |e: std::io::Error| invalid(SETTING, format!("cannot read {}: {e}", path.display()));
-    let metadata = std::fs::metadata(path).map_err(unreadable)?;
-    if metadata.len() > KEYS_FILE_BYTES_MAX {
-        return Err(invalid(
-            SETTING,
-            format!(
-                "{} is larger than {KEYS_FILE_BYTES_MAX} bytes",
-                path.display()
-            ),
-        ));
-    }
-    let text = std::fs::read_to_string(path).map_err(unreadable)?;
+    let text = super::read_bounded(path, KEYS_FILE_BYTES_MAX)
+        .map_err(|message| invalid(SETTING, message))?;
     parse(&text, path, key_length_max, is_plan)
 }
 
@@ -115,6 +104,13 @@ mod tests {
 
     fn plans(name: &str) -> bool {
         ["free", "basic", "pro"].contains(&name)
+    }
+
+    /// A file whose size says nothing (a device, a pipe) is read through the bound, not whole.
+    #[test]
+    fn a_keys_file_without_a_size_is_read_only_up_to_the_bound() {
+        let err = load(Path::new("/dev/zero"), 64, &|_| true).unwrap_err();
+        assert!(err.message.contains("larger than"), "{err}");
     }
 
     #[test]

@@ -261,8 +261,8 @@ impl FileConfig {
     }
 
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| invalid("config", format!("cannot read {}: {e}", path.display())))?;
+        let text = read_bounded(path, CONFIG_FILE_BYTES_MAX)
+            .map_err(|message| invalid("config", message))?;
         Self::parse(&text, &format!("config ({})", path.display()))
     }
 
@@ -833,6 +833,29 @@ fn plan_book(
     check_prefixes(&prefixes, &list)?;
     PlanBook::new(list, &default_plan, prefixes, keys, unknown_keys)
         .map_err(|e| invalid("plans", e.to_string()))
+}
+
+/// The most a configuration file is read of: a configuration is a few kilobytes.
+pub const CONFIG_FILE_BYTES_MAX: u64 = 1024 * 1024;
+
+/// The text of the file at `path`, if at most `bytes_max` long; else why not, naming the file.
+/// Read through a bound, not after a size check: a pipe, `/dev/zero` or a file still growing
+/// has a size that does not say what a read would take.
+fn read_bounded(path: &Path, bytes_max: u64) -> Result<String, String> {
+    use std::io::Read;
+    let unreadable = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
+    let file = std::fs::File::open(path).map_err(unreadable)?;
+    let mut text = String::new();
+    file.take(bytes_max + 1)
+        .read_to_string(&mut text)
+        .map_err(unreadable)?;
+    if text.len() as u64 > bytes_max {
+        return Err(format!(
+            "{} is larger than {bytes_max} bytes",
+            path.display()
+        ));
+    }
+    Ok(text)
 }
 
 /// `[key_prefixes]`, each named in its error: the book's own errors would name `plans`.
