@@ -110,8 +110,8 @@ enum Command {
 }
 
 impl Cli {
-    fn overrides(&self) -> FileConfig {
-        FileConfig {
+    fn overrides(&self) -> anyhow::Result<FileConfig> {
+        Ok(FileConfig {
             listen: self.listen.clone(),
             workers: self.workers,
             ledger: LedgerFile {
@@ -135,19 +135,30 @@ impl Cli {
             },
             admin: AdminFile {
                 listen: self.admin_listen.clone(),
-                secrets: std::env::var("LEDGER_LIMITER_ADMIN_SECRETS").ok().map(|v| {
-                    // "a, b" is two secrets, not one with a space in front.
-                    v.split(',')
-                        .map(|s| s.trim().to_owned())
-                        .filter(|s| !s.is_empty())
-                        .collect()
-                }),
+                secrets: admin_secrets_from_env()?,
             },
             rls: RlsFile {
                 listen: self.rls_listen.clone(),
                 config: self.rls_config.clone(),
             },
             ..FileConfig::default()
+        })
+    }
+}
+
+/// `LEDGER_LIMITER_ADMIN_SECRETS`, comma-separated ("a, b" is two secrets, not one with a
+/// space in front). Empty entries are kept, so that an error's "secret #N" counts every entry
+/// as written; a variable with nothing in it names no secret. Not UTF-8: an error, not unset
+/// (the file's secrets would have been used, though the variable wins).
+fn admin_secrets_from_env() -> anyhow::Result<Option<Vec<String>>> {
+    match std::env::var("LEDGER_LIMITER_ADMIN_SECRETS") {
+        Ok(value) if value.trim().is_empty() => Ok(Some(Vec::new())),
+        Ok(value) => Ok(Some(
+            value.split(',').map(|s| s.trim().to_owned()).collect(),
+        )),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("LEDGER_LIMITER_ADMIN_SECRETS is not UTF-8")
         }
     }
 }
@@ -159,7 +170,7 @@ fn overrides(cli: &Cli) -> anyhow::Result<FileConfig> {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
     };
-    Ok(file.merge(cli.overrides()))
+    Ok(file.merge(cli.overrides()?))
 }
 
 fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
@@ -174,7 +185,15 @@ async fn run_probe(cli: &Cli, probe: &probe::Probe) -> anyhow::Result<()> {
 
 #[actix_web::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|error| {
+        // A health check's failure is 1, never 2 (reserved by Docker), bad flags included.
+        let probing = std::env::args().any(|arg| arg == "probe");
+        if probing && error.use_stderr() {
+            eprint!("{error}");
+            std::process::exit(1);
+        }
+        error.exit()
+    });
     if let Some(Command::Probe(probe)) = &cli.command {
         // Before the settings are checked: a health check must not fail a running service over
         // a keys file or rule edited since it started. One line, never a backtrace: the runtime

@@ -31,11 +31,16 @@ pub async fn probe(listen: &str, probe: &Probe) -> anyhow::Result<()> {
         probe.path.starts_with('/') && probe.path.bytes().all(|b| b.is_ascii_graphic()),
         "--path must be an absolute path of visible ASCII, like /readyz"
     );
-    let address = target(listen).await?;
+    // One time limit for the whole probe, the name's lookup included (a stalled resolver).
     let timeout = Duration::from_millis(probe.timeout_ms);
-    let answer = tokio::time::timeout(timeout, get(address, &probe.path))
+    let whole = async {
+        let address = target(listen).await?;
+        let answer = get(address, &probe.path).await?;
+        anyhow::Ok((address, answer))
+    };
+    let (address, answer) = tokio::time::timeout(timeout, whole)
         .await
-        .with_context(|| format!("no answer from {address} within {timeout:?}"))??;
+        .with_context(|| format!("no answer from {listen} within {timeout:?}"))??;
     let status_line = answer.lines().next().unwrap_or_default();
     let status = status_line.split(' ').nth(1).unwrap_or_default();
     let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default().trim();

@@ -415,6 +415,12 @@ fn bad_configuration_is_refused_naming_the_setting() {
             Some("[ledger]\ntimeout = 3\n"),
             "unknown field `timeout`",
         ),
+        (
+            vec![],
+            Some("[key_prefixes]\n\"gold_\" = \"gold\"\n"),
+            "key_prefixes.\"gold_\"",
+        ),
+        (vec!["--rls-config", "rules.yaml"], None, "rls.config"),
     ];
     for (args, file, expected) in cases {
         let mut command = command(dir.path());
@@ -447,6 +453,48 @@ fn environment_variables_configure_like_flags() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("ledger.failure_policy"));
+}
+
+/// Each secret of `LEDGER_LIMITER_ADMIN_SECRETS` counted as written (an empty one too), and a
+/// variable that is not UTF-8 refused, not read as unset.
+#[test]
+fn admin_secrets_from_the_environment_are_checked_as_written() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let check = |value: &std::ffi::OsStr| {
+        let output = command(dir.path())
+            .args(["--check-config", "--admin-listen", "127.0.0.1:0"])
+            .env("LEDGER_LIMITER_ADMIN_SECRETS", value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (output.status.code(), stderr)
+    };
+    let (code, stderr) = check("admin-secret-for-tests-0001,,x".as_ref());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("secret #2 is shorter"), "{stderr}");
+    assert!(!stderr.contains("admin-secret-for-tests"), "{stderr}");
+    let (code, stderr) = check(std::ffi::OsStr::from_bytes(b"admin-secret-\xff-tests-0001"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("not UTF-8"), "{stderr}");
+    let (code, stderr) = check("admin-secret-for-tests-0001, admin-secret-for-tests-0002".as_ref());
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// A probe's misspelt flag fails as the probe fails, 1 (2 is reserved by Docker).
+#[test]
+fn a_probes_bad_flag_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = command(dir.path())
+        .args(["probe", "--timout-ms", "5"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let output = command(dir.path())
+        .args(["--lissen", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
 }
 
 #[test]

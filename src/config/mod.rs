@@ -560,6 +560,13 @@ fn clash(a: &str, b: &str) -> bool {
 /// The Envoy front end is off without a listener; with one it needs its rules.
 fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     let Some(listen) = rls.listen else {
+        // Rules given and never read was a surprise found only when Envoy got no answers.
+        if rls.config.is_some() {
+            return Err(invalid(
+                "rls.config",
+                "the Envoy front end is off: set rls.listen too (or remove rls.config)",
+            ));
+        }
         return Ok(None);
     };
     let listen = listen_address(listen, "rls.listen")?;
@@ -585,7 +592,8 @@ fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError
         // Asked for, and silently off, was a surprise found only when the API did not answer.
         Some(_) => Err(invalid(
             "admin.listen",
-            "the admin API needs a secret too: set LEDGER_LIMITER_ADMIN_SECRETS (or admin.secrets)",
+            "the admin API needs a secret too: LEDGER_LIMITER_ADMIN_SECRETS (which wins when \
+             set, even empty) or admin.secrets names none",
         )),
         None => Ok(None),
     }
