@@ -257,13 +257,31 @@ impl StopSignals {
 /// Starts the service and serves until stopped. A stop signal while the application is built
 /// drops what was built (an embedded ledger is killed with it); one while the ledger is awaited
 /// stops the built servers gracefully.
-async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<()> {
+async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     let telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         "ledger-limiter starting"
     );
     let exporting_traces = telemetry.exporting();
+    let served = serve_exporting(settings, signals, exporting_traces).await;
+    if let Err(error) = &served {
+        tracing::error!(
+            error = format!("{error:#}"),
+            "ledger-limiter stopped on an error"
+        );
+    }
+    // On an error too: the spans that led up to it are the ones worth having.
+    flush_telemetry(telemetry).await?;
+    served
+}
+
+/// [`serve`], with telemetry set up (and flushed by it, however this ends).
+async fn serve_exporting(
+    settings: Settings,
+    mut signals: StopSignals,
+    exporting_traces: bool,
+) -> anyhow::Result<()> {
     let exporters = Exporters {
         prometheus: Some(prometheus_recorder()?),
         http_metrics: Some(Arc::new(HttpMetrics::new())),
@@ -273,7 +291,7 @@ async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<(
         built = Application::build(settings, exporters) => built.context("starting ledger-limiter")?,
         () = signals.recv() => {
             tracing::info!("stop signal during start-up: stopped before serving");
-            return flush_telemetry(telemetry).await;
+            return Ok(());
         }
     };
     let waited = tokio::select! {
@@ -300,9 +318,9 @@ async fn serve(settings: Settings, mut signals: StopSignals) -> anyhow::Result<(
         }
     }
     let stopper = tokio::spawn(stop_on_signals(signals, server));
-    application.run_until_stopped().await?;
+    let ran = application.run_until_stopped().await;
     stopper.abort();
-    flush_telemetry(telemetry).await
+    Ok(ran?)
 }
 
 /// Stops `server` gracefully at each stop signal, for as long as it runs. Why not leave that to

@@ -882,12 +882,22 @@ fn check_prefixes(prefixes: &BTreeMap<String, String>, plans: &[Plan]) -> Result
     Ok(())
 }
 
-/// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only).
+/// How long one ledger address' lookup may take: a resolver that never answers must not hold
+/// up a start or an operator's command for good.
+pub const RESOLVE_TIME_MAX: Duration = Duration::from_secs(10);
+
+/// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only),
+/// each within [`RESOLVE_TIME_MAX`].
 pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, ConfigError> {
     let mut resolved = Vec::new();
     for address in addresses {
-        let found = tokio::net::lookup_host(address.as_str())
+        let lookup = tokio::time::timeout(RESOLVE_TIME_MAX, tokio::net::lookup_host(address))
             .await
+            .unwrap_or_else(|_| {
+                let late = format!("no answer within {RESOLVE_TIME_MAX:?}");
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, late))
+            });
+        let found = lookup
             .map_err(|e| {
                 invalid(
                     "ledger.addresses",
