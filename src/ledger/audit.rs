@@ -51,9 +51,9 @@ pub struct AccountAudit {
     /// Pending debits ever placed: one per admitted request (and per hold whose request was
     /// refused at its deadline, each then voided).
     pub holds: u64,
-    /// The Envoy front end's holds of what remained of a charge that did not fit (a balancing
-    /// debit, code 2), one per such refused request: not in `holds`, which stays the requests
-    /// placed.
+    /// The Envoy front end's holds of what remained of a charge that did not fit (code 2,
+    /// `user_data_32` = [`model::OVER_CHARGE_USER_DATA_32`]), one per such refused request: not
+    /// in `holds`, which stays the requests placed (and recharges, each with its void).
     pub over_charges: u64,
     /// Holds voided: their request had been refused when they landed, or was refunded.
     pub voids: u64,
@@ -217,6 +217,7 @@ impl AccountAudit {
             }
             super::lease::TRANSFER_CODE_LEASE => self.leases += 1,
             super::lease::TRANSFER_CODE_LEASE_SETTLEMENT => self.lease_settlements += 1,
+            _ if !void && is_over_charge(transfer) => self.over_charges += 1,
             _ => self.count_request(flags, void),
         }
     }
@@ -224,24 +225,26 @@ impl AccountAudit {
     fn count_request(&mut self, flags: tb::transfer::Flags, void: bool) {
         if void {
             self.voids += 1;
-        } else if flags.contains(tb::transfer::Flags::BALANCING_DEBIT) {
-            self.over_charges += 1;
         } else if flags.contains(tb::transfer::Flags::PENDING) {
             self.holds += 1;
         }
     }
 }
 
+fn is_over_charge(transfer: &tb::Transfer) -> bool {
+    transfer.code() == model::TRANSFER_CODE_REQUEST
+        && transfer.user_data_32() == model::OVER_CHARGE_USER_DATA_32
+}
+
 fn summary(transfer: &tb::Transfer) -> TransferSummary {
     let void = transfer
         .flags()
         .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
-    let balancing = transfer
-        .flags()
-        .contains(tb::transfer::Flags::BALANCING_DEBIT);
     let kind = match (transfer.code(), void) {
         (model::TRANSFER_CODE_GRANT, _) => "grant".to_owned(),
-        (model::TRANSFER_CODE_REQUEST, false) if balancing => "over_charge".to_owned(),
+        (model::TRANSFER_CODE_REQUEST, false) if is_over_charge(transfer) => {
+            "over_charge".to_owned()
+        }
         (model::TRANSFER_CODE_REQUEST, false) => "hold".to_owned(),
         (model::TRANSFER_CODE_REQUEST, true) => "void".to_owned(),
         (model::TRANSFER_CODE_TOP_UP, _) => "top_up".to_owned(),

@@ -424,7 +424,7 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<HoldReply, LedgerError> {
         let ledger = self.ledger_id;
-        let transfer = model::balancing_hold_transfer(account_id, ledger, amount, timeout_seconds);
+        let transfer = model::over_charge_transfer(account_id, ledger, amount, timeout_seconds);
         self.place_pending(transfer, deadline, false).await
     }
 

@@ -339,9 +339,25 @@ pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
         .with_flags(tb::transfer::Flags::VOID_PENDING_TRANSFER)
 }
 
+/// `user_data_32` of the Envoy front end's over-charge (a code-2 balancing hold of what remained
+/// of a charge that did not fit, `user_data_64` = the charge): how the audit tells it from a
+/// request's hold, and from a recharge's (balancing too, linked with the void it replaces).
+pub const OVER_CHARGE_USER_DATA_32: u32 = 1;
+
+/// The Envoy front end's over-charge: what remains of `amount` on the account, held.
+pub fn over_charge_transfer(
+    user_account_id: u128,
+    ledger: u32,
+    amount: u64,
+    timeout_seconds: u32,
+) -> tb::Transfer {
+    balancing_hold_transfer(user_account_id, ledger, amount, timeout_seconds)
+        .with_user_data_64(amount)
+        .with_user_data_32(OVER_CHARGE_USER_DATA_32)
+}
+
 /// A hold of as much of `amount` as the account has free (a balancing debit: all of what is
-/// left when less, 0 when nothing is), pending for `timeout_seconds`. With code 2, only the Envoy
-/// front end's over-charges are balancing, which is how the audit tells them from requests.
+/// left when less, 0 when nothing is), pending for `timeout_seconds`.
 pub fn balancing_hold_transfer(
     user_account_id: u128,
     ledger: u32,
