@@ -438,8 +438,12 @@ impl LocalView {
     }
 
     /// Replaces one hold this instance recorded by one of `actual` units with the same expiry (a
-    /// cost known after the response). The ledger takes at most what is free, so at most that is
-    /// recorded: the view's free credit bounds the ledger's from above.
+    /// cost known after the response). The ledger voids the old hold and holds as much of
+    /// `actual` as is then free; the view records as much as it thinks free, which is exact on
+    /// one instance (and keeps the `RateLimit` fields right). Above the old hold's units it may
+    /// be more than the ledger took (other instances' holds, unknown here, leave less free), so
+    /// the caller is no longer the ledger's word: it is not refused from memory until a listing
+    /// says again (a refusal from memory of what the ledger admits would break the rule).
     pub fn recharge(&self, account_id: u128, old: LocalRecharge, actual: u64, now: Instant) {
         self.release(account_id, old.amount, old.expires_at);
         let mut shard = self.shard(account_id);
@@ -447,6 +451,9 @@ impl LocalView {
             return;
         };
         holds.prune(now);
+        if actual > old.amount {
+            holds.verified = false;
+        }
         let amount = actual.min(holds.available());
         if amount > 0 && old.expires_at > now {
             holds.push(LocalHold {
@@ -646,6 +653,31 @@ mod tests {
         let quota = view.record_hold(7, 5, 1, after, WINDOW, after);
         assert_eq!(quota.remaining, 2);
         assert!(view.check(7, 2, after).is_none(), "2 of 5 are still free");
+    }
+
+    /// A recharge above the old hold's units may record more than the ledger took (other
+    /// instances' holds, unknown here, leave less free there): the caller is then not refused
+    /// from memory until the ledger's word is read again.
+    #[test]
+    fn a_recharge_above_the_estimate_is_not_refused_from_memory() {
+        // Verified by a listing (nothing held), then one hold of 1 answered after it.
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        list(&view, 7, &ledger_view(5, &[], wall), t0, wall);
+        let answered_at = t0 + Duration::from_millis(1);
+        view.record_hold(7, 5, 1, answered_at, WINDOW, answered_at);
+        let old = LocalRecharge {
+            amount: 1,
+            expires_at: answered_at + WINDOW + MARGIN,
+        };
+        view.recharge(7, old, 4, answered_at);
+        let quota = view.quota(7, 5, answered_at);
+        assert_eq!(quota.remaining, 1, "what this instance thinks held");
+        assert!(
+            view.check(7, 2, answered_at).is_none(),
+            "not refused from memory: the ledger may have taken less, and decides"
+        );
     }
 
     #[test]

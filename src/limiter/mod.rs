@@ -518,11 +518,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         hold: HoldReceipt,
         deadline: Instant,
     ) -> Result<bool, LedgerError> {
-        let voided = self.store.void(hold.transfer_id, deadline).await?;
-        if voided {
-            self.local.release(account_id, hold.amount, hold.expires_at);
+        let voided = self.store.void(hold.transfer_id, deadline).await;
+        match voided {
+            Ok(true) => self.local.release(account_id, hold.amount, hold.expires_at),
+            Ok(false) => {}
+            // Landed or not, unknown: the view forgets the caller rather than count the hold on
+            // (a void that landed would leave 429s from memory for what the ledger admits).
+            Err(_) => self.local.forget(account_id),
         }
-        Ok(voided)
+        voided
     }
 
     /// Counts a refusal that a route in shadow mode lets through, and marks the request's span.

@@ -122,9 +122,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let mut decision = self.charge_all(limits, (started, &reads), deadline).await;
         if decision.outcome == Outcome::Admitted {
-            // What a check read is the ledger's, not the view's guess.
+            // What a check read is the ledger's, not the view's guess (at most the limit: a
+            // top-up can leave more free than it).
             for (i, available) in checked {
-                decision.limits[i].quota.remaining = available;
+                let capacity = limits[i].account.capacity.get();
+                decision.limits[i].quota.remaining = available.min(capacity);
             }
         }
         Ok(decision)

@@ -46,11 +46,21 @@ impl Limiter {
             })
             .collect();
         let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
-        let mut live_done = match live.is_empty() {
-            true => Vec::new(),
-            false => self.recharge_live(&live, now).await?,
-        }
-        .into_iter();
+        let recharged = match live.is_empty() {
+            true => Ok(Vec::new()),
+            false => self.recharge_live(&live, now).await,
+        };
+        let mut live_done = match recharged {
+            Ok(done) => done.into_iter(),
+            Err(error) => {
+                // Landed or not, unknown: the view forgets these callers rather than count the
+                // old holds on (a recharge that landed may have left more free, or less).
+                for recharge in &live {
+                    self.local.forget(recharge.account_id);
+                }
+                return Err(error);
+            }
+        };
         let done: Vec<bool> = recharges
             .iter()
             .map(|recharge| recharge.is_some() && live_done.next().expect("one per live hold"))

@@ -771,6 +771,24 @@ async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
     );
 }
 
+/// A void whose answer is lost may have landed: the view forgets the caller rather than count
+/// the hold on (429s from memory for credit the ledger has back).
+#[tokio::test]
+async fn a_refund_whose_void_is_unanswered_makes_the_view_forget_the_caller() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| {
+        s.holds.push_back(held);
+        s.voids.push_back(Err(timeout()));
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let mut decision = f.limiter.check(&key, ONE).await.unwrap();
+    assert_eq!(f.limiter.local_callers(), 1);
+    let _unknown = f.limiter.refund(&mut decision).await;
+    assert_eq!(f.calls(), ["hold", "void"]);
+    assert_eq!(f.limiter.local_callers(), 0, "forgotten");
+}
+
 #[tokio::test]
 async fn nothing_to_refund_without_a_pending_hold() {
     let f = Fixture::closed();
