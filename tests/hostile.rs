@@ -62,7 +62,7 @@ async fn a_client_trickling_its_headers_is_cut_off_and_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_headers_are_refused_before_the_limiter() {
     let app = app().await;
-    let calls = app.limiter.ledger().calls_started();
+    let calls = request_calls(app.limiter.ledger());
     // A 64 KiB key header, and a request with thousands of headers.
     // Refused with 431 (or 400), or the connection is reset before the answer can be read.
     let refused = |status: &Result<u16, reqwest::Error>| match status {
@@ -87,11 +87,7 @@ async fn oversized_headers_are_refused_before_the_limiter() {
     }
     let status = request.send().await.map(|r| r.status().as_u16());
     assert!(refused(&status), "{status:?}");
-    assert_eq!(
-        app.limiter.ledger().calls_started(),
-        calls,
-        "no ledger call"
-    );
+    assert_eq!(request_calls(app.limiter.ledger()), calls, "no ledger call");
     assert_eq!(
         app.get("/greeting", Some(&fresh_key("k_"))).await.status(),
         200
@@ -162,11 +158,9 @@ async fn no_key_reaches_another_callers_account_or_the_operators() {
         format!("ip:{victim}"),
         "ip:127.0.0.1".to_owned(),
     ];
+    // Each is a well-formed key (visible ASCII), so each is admitted on an account of its own.
     for attack in &attacks {
         let status = app.get("/greeting", Some(attack)).await.status().as_u16();
-        if status == 400 {
-            continue; // not a key at all
-        }
         assert_eq!(status, 200, "{attack:?}");
         let id = account_id(&app, attack);
         assert_ne!(id, victim_id, "{attack:?}");
@@ -186,9 +180,10 @@ async fn a_flood_of_readiness_probes_is_a_few_ledger_reads() {
     let probes = join_all((0..200).map(|_| async { app.get("/readyz", None).await.status() }));
     let statuses = probes.await;
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
-    // One probe per 500 ms at most, whatever the flood: two per second it lasted, plus one.
+    // One probe per 500 ms at most, whatever the flood: two per second it lasted, plus one;
+    // and the operator-epoch follower's read, once a second (both are account reads).
     let reads = app.limiter.ledger().calls_started() - calls;
-    let bound = 2 * started.elapsed().as_secs() + 2;
+    let bound = 3 * started.elapsed().as_secs() + 3;
     assert!(
         reads <= bound,
         "{reads} ledger reads for 200 probes (bound {bound})"

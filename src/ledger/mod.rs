@@ -248,9 +248,9 @@ pub struct Ledger {
     in_flight_max: usize,
     ledger_id: u32,
     metrics: Arc<LedgerMetrics>,
-    /// Every call started, refused ones included: lets an operator (and a test) see that a request
-    /// cost no ledger call at all.
-    calls_started: Arc<AtomicU64>,
+    /// Every call started, refused ones included, by operation ([`Operation`] order): lets an
+    /// operator (and a test) see that a request cost no ledger call at all.
+    calls_started: Arc<[AtomicU64; Operation::ALL.len()]>,
     /// How batches of single transfers go, and how many went.
     batching: Arc<batch::Batching>,
 }
@@ -290,7 +290,7 @@ impl Ledger {
             in_flight_max: settings.in_flight_max.get(),
             ledger_id: settings.ledger_id,
             metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
-            calls_started: Arc::new(AtomicU64::new(0)),
+            calls_started: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
             batching: Arc::new(batch::Batching::new(settings.batch_linger)),
         })
     }
@@ -375,7 +375,16 @@ impl Ledger {
 
     /// How many calls this handle (and its clones) started, refused ones included.
     pub fn calls_started(&self) -> u64 {
-        self.calls_started.load(Ordering::Relaxed)
+        Operation::ALL
+            .iter()
+            .map(|o| self.calls_started_of(*o))
+            .sum()
+    }
+
+    /// [`Ledger::calls_started`] of one operation: the operator-epoch follower reads the ledger
+    /// once a second (`lookup_accounts`), so "no call" of a request is best counted without it.
+    pub fn calls_started_of(&self, operation: Operation) -> u64 {
+        self.calls_started[operation as usize].load(Ordering::Relaxed)
     }
 
     /// How many `create_transfers` calls this handle's batches of single transfers made (each
@@ -476,7 +485,7 @@ impl Ledger {
             return Err(error);
         }
         let leave = batch::Leave {
-            in_flight: self.in_flight()?,
+            in_flight: self.in_flight(operation)?,
             void_if_abandoned: void_code,
         };
         let connection = self.connection();
@@ -755,9 +764,9 @@ impl Ledger {
         self.in_flight_max - self.in_flight.available_permits()
     }
 
-    /// A place under the in-flight bound, or `Overloaded`.
-    fn in_flight(&self) -> Result<InFlight, LedgerError> {
-        self.calls_started.fetch_add(1, Ordering::Relaxed);
+    /// A place under the in-flight bound for a call of `operation`, or `Overloaded`.
+    fn in_flight(&self, operation: Operation) -> Result<InFlight, LedgerError> {
+        self.calls_started[operation as usize].fetch_add(1, Ordering::Relaxed);
         let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
             let error = LedgerError::Overloaded {
                 in_flight_max: self.in_flight_max,
@@ -814,7 +823,7 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         }
-        let in_flight = self.in_flight()?;
+        let in_flight = self.in_flight(operation)?;
         let span = call_span(operation);
         let (sender, receiver) = oneshot::channel();
         let connection = self.connection();

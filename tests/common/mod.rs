@@ -480,6 +480,20 @@ pub fn shared_ledger() -> &'static TestLedger {
 }
 
 /// A key no other test uses.
+/// Ledger calls a request could cost (holds, provisioning, listings), not counting the account
+/// reads the operator-epoch follower makes once a second in every application.
+pub fn request_calls(ledger: &ledger_limiter::ledger::Ledger) -> u64 {
+    use ledger_limiter::ledger::metrics::Operation;
+    [
+        Operation::CreateTransfers,
+        Operation::CreateAccounts,
+        Operation::GetAccountTransfers,
+    ]
+    .into_iter()
+    .map(|operation| ledger.calls_started_of(operation))
+    .sum()
+}
+
 pub fn fresh_key(prefix: &str) -> String {
     format!("{prefix}{:032x}", rand::random::<u128>())
 }
