@@ -303,7 +303,9 @@ async fn sigint_drains_a_request_in_flight() {
         .header("X-Api-Key", common::fresh_key("k_"))
         .send();
     let in_flight = tokio::spawn(request);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Time for the request to reach the server (on loopback) and wait on the paused ledger,
+    // whose deadline (5 s) leaves room for the rest.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     running.send_signal("-INT");
     // Past the 300 ms after which actix's own stop also ended the whole system.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -524,9 +526,6 @@ fn check_config_never_prints_listed_keys() {
     assert!(!shown.contains("sk_live_very_secret"), "{shown}");
 }
 
-/// A server that keeps exiting is restarted ten times in a row, then given up on, and that is
-/// told (the flag `/healthz` answers 503 on): the process is better restarted whole than left
-/// running without its ledger. The server here is a script that exits as soon as it starts.
 /// An embedded ledger whose server is a script in `dir`: `format` makes the data file, `start`
 /// runs `start` (shell) and must print a port to be started at all.
 async fn stand_in_ledger(
@@ -549,16 +548,30 @@ async fn stand_in_ledger(
     .expect("it starts (and exits at once)")
 }
 
+/// A server that keeps exiting is restarted ten times in a row, then given up on, and that is
+/// told (the flag `/healthz` answers 503 on, `routes.rs`'s own test): the process is better
+/// restarted whole than left running without its ledger. The server here is a script that
+/// counts its starts and exits as soon as it starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_ledger_that_keeps_exiting_is_given_up_on_and_said_so() {
     let dir = common::ledger_dir();
-    let embedded = stand_in_ledger(dir.path(), "echo 3999; exit 1").await;
+    let starts = dir.path().join("starts");
+    let start = format!("echo start >> {}; echo 3999; exit 1", starts.display());
+    let embedded = stand_in_ledger(dir.path(), &start).await;
     let gave_up = embedded.gave_up();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !gave_up.is_set() {
         assert!(Instant::now() < deadline, "still restarting after 60 s");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let started = std::fs::read_to_string(&starts).unwrap().lines().count();
+    assert_eq!(started, 11, "the first start and ten restarts");
+    // Given up: no start after.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        std::fs::read_to_string(&starts).unwrap().lines().count(),
+        11
+    );
     embedded.stop().await;
 }
 

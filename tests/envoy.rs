@@ -804,8 +804,19 @@ fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
     // The domain and every descriptor key Envoy sends are rules of the mounted configuration.
     let rules = RlsConfig::load(&root.join("envoy/ratelimit")).expect("the demo rules load");
     let domain = filter["domain"].as_str().unwrap();
-    let routes = &manager["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["rate_limits"];
-    for rate_limit in routes.as_sequence().unwrap() {
+    let routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+        .as_sequence()
+        .unwrap();
+    let rate_limits: Vec<&Value> = routes
+        .iter()
+        .filter_map(|route| route["route"]["rate_limits"].as_sequence())
+        .flatten()
+        .collect();
+    assert!(
+        !rate_limits.is_empty(),
+        "the demo's routes send descriptors"
+    );
+    for rate_limit in rate_limits {
         let key = rate_limit["actions"][0]["request_headers"]["descriptor_key"]
             .as_str()
             .unwrap();

@@ -36,7 +36,9 @@ pub const WORKERS_MAX: usize = 1024;
 /// Bound on `ledger.in_flight_max` (tokio's semaphore takes at most `usize::MAX >> 3` permits,
 /// and a million calls in flight is far past what one client can send).
 pub const IN_FLIGHT_MAX_LIMIT: usize = 1 << 20;
-/// Bound on `ledger.local_callers_max`: about 100 bytes each, so 10 GB at most.
+/// Bound on `ledger.local_callers_max`. A caller remembered costs about 100 bytes, and up to
+/// 24 more per hold it has live (at most `HOLDS_PER_CALLER_MAX`, 1,024: about 24 KiB for a caller
+/// that busy); the README gives the arithmetic.
 pub const LOCAL_CALLERS_MAX_LIMIT: usize = 100_000_000;
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -936,8 +938,16 @@ mod tests {
                 "(\\[(ledger|caller|routes|plans\\.[a-z]{1,3}|routes\\.costs)\\]\n)?[a-z_]{1,16} = (-?[0-9]{1,20}|\"[ -~]{0,20}\"|\\[\\]|true)\n{1,3}"
             ],
         ) {
-            if let Ok(file) = FileConfig::parse(&text, "fuzz.toml") {
-                let _ = Settings::with_overrides(file);
+            match FileConfig::parse(&text, "fuzz.toml") {
+                Ok(file) => {
+                    if let Err(err) = Settings::with_overrides(file) {
+                        prop_assert!(!err.setting.is_empty() && !err.message.is_empty(), "{err}");
+                    }
+                }
+                Err(err) => {
+                    prop_assert_eq!(err.setting.as_str(), "fuzz.toml");
+                    prop_assert!(!err.message.is_empty());
+                }
             }
         }
 
