@@ -151,10 +151,8 @@ impl Application {
                 .configure(|config| all_routes(config, &rate_limit, &exporters))
         })
         .workers(settings.workers.get())
-        // The binary hears SIGINT and SIGTERM itself, from before the server runs, and stops
-        // it gracefully. actix's own handlers, beside them, stopped at once on SIGINT
-        // (connections closed unanswered), and on either signal stopped the whole system 300 ms
-        // after, the admin API with it, before it could drain.
+        // The binary's own handlers stop it gracefully (main.rs); actix's stopped it at once on
+        // SIGINT, and the whole system 300 ms after either signal, admin API and all.
         .disable_signals()
         .shutdown_timeout(10)
         .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
