@@ -750,13 +750,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 transfer_id,
             } => return Ok(self.admitted(charge, answered_at, transfer_id)),
             Placed::ExceedsCredits => {}
-            Placed::Blocked => {
-                let view = self.view(charge, deadline).await;
-                if let Some(tag) = moved_to(&view) {
-                    return Err(NotAdmitted::Moved(tag));
-                }
-                return Err(self.limited_by_ledger(charge, view, read).into());
-            }
+            Placed::Blocked => return Err(self.refused_closed(charge, deadline, read).await),
         }
         let view = self.view(charge, deadline).await;
         match second_chance(&view, charge.cost) {
@@ -773,14 +767,40 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 answered_at,
                 transfer_id,
             } => Ok(self.admitted(charge, answered_at, transfer_id)),
-            Placed::ExceedsCredits | Placed::Blocked => {
+            Placed::Blocked => Err(self.refused_closed(charge, deadline, read).await),
+            Placed::ExceedsCredits => {
                 let view = self.view(charge, deadline).await;
-                if let Some(tag) = moved_to(&view) {
-                    return Err(NotAdmitted::Moved(tag));
-                }
                 Err(self.limited_by_ledger(charge, view, read).into())
             }
         }
+    }
+
+    /// The ledger refused the hold on a closed account (a block, or a move away): read which.
+    /// If that read fails, the request is not admitted (the ledger said no), and not told to
+    /// wait a window either, as a 429 would (a moved caller follows at its next request): the
+    /// block this instance knows, else failed closed, whatever the policy.
+    async fn refused_closed(
+        &self,
+        charge: &Charge<'_>,
+        deadline: Instant,
+        read: Generation,
+    ) -> NotAdmitted {
+        let view = self.view(charge, deadline).await;
+        if let Some(tag) = moved_to(&view) {
+            return NotAdmitted::Moved(tag);
+        }
+        let error = match view {
+            Err(error) => error,
+            view => return self.limited_by_ledger(charge, view, read).into(),
+        };
+        self.log_failure(&error);
+        let now = self.clock.now();
+        if let Some(blocked) = self.known_block_refusal(charge.account.id, now) {
+            return blocked.into();
+        }
+        let capacity = charge.account.capacity.get();
+        let local = self.local.quota(charge.account.id, capacity, now);
+        (Outcome::FailedClosed(error), local).into()
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
