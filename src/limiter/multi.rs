@@ -92,6 +92,9 @@ enum Chained {
         limit: usize,
         view: Result<Option<AccountView>, LedgerError>,
     },
+    /// A link's account is closed (a block, a move) and the read that says why failed: the
+    /// ledger said no, so failed closed whatever the policy, not a 429 for a window.
+    ClosedUnread(LedgerError),
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
@@ -150,6 +153,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
             Ok(Chained::Refused { limit, view }) => {
                 self.refused_by_ledger(limits, limit, (view, reads[limit]))
+            }
+            Ok(Chained::ClosedUnread(error)) => {
+                self.failed_with(limits, error, FailurePolicy::Closed)
             }
             Err(error) => self.all_failed(limits, error),
         }
@@ -320,8 +326,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     return Err(self.unexpected("account not found right after provisioning"));
                 }
                 LinkRefusal::Closed => {
-                    let view = self.account_view_of(account, deadline).await;
-                    return Ok(Chained::Refused { limit, view });
+                    return match self.account_view_of(account, deadline).await {
+                        Err(error) => Ok(Chained::ClosedUnread(error)),
+                        view => Ok(Chained::Refused { limit, view }),
+                    };
                 }
                 LinkRefusal::ExceedsCredits => {
                     let view = self.account_view_of(account, deadline).await;
@@ -467,6 +475,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
+        self.failed_with(limits, error, self.settings.failure_policy)
+    }
+
+    /// [`Limiter::all_failed`] under `policy`: a block this instance knows first, whatever it.
+    fn failed_with(
+        &self,
+        limits: &[Limit],
+        error: LedgerError,
+        policy: FailurePolicy,
+    ) -> MultiDecision {
         self.log_failure(&error);
         let now = self.clock.now();
         let blocked = limits.iter().enumerate().find_map(|(i, limit)| {
@@ -483,7 +501,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 moved_to: None,
             };
         }
-        let outcome = match self.settings.failure_policy {
+        let outcome = match policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),
             FailurePolicy::Closed => Outcome::FailedClosed(error),
         };

@@ -491,3 +491,18 @@ async fn an_unknown_account_is_learnt_from_the_ledger_after_an_admission() {
         .await;
     assert!(f.calls().is_empty());
 }
+
+/// A link's account is closed (a block, a move) and the read of why fails: failed closed under
+/// either policy (the ledger said no), not a 429 for the longest window.
+#[tokio::test]
+async fn a_closed_link_whose_read_fails_is_failed_closed_under_either_policy() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    f.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::Closed));
+        s.views.push_back(Err(timeout()));
+    });
+    let limits = [limit(A, 5, 60, 1), limit(B, 10, 3600, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::FailedClosed(timeout()));
+    assert_eq!(f.calls(), ["chain", "view"]);
+}
