@@ -483,7 +483,15 @@ impl Settings {
     /// that lists its keys (a keys file, or unknown keys rejected) has only prefixes of its own.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
         let own_prefixes = overrides.key_prefixes.is_some();
+        let own_caller = overrides.caller.clone();
+        let listed_prefixes = overrides
+            .key_prefixes
+            .as_ref()
+            .is_some_and(|p| !p.is_empty());
         let mut merged = FileConfig::defaults()?.merge(overrides);
+        if let Some(source) = &merged.caller.source {
+            unread_caller_settings(&own_caller, listed_prefixes, source)?;
+        }
         let caller = &merged.caller;
         let lists_keys =
             caller.keys_file.is_some() || caller.unknown_keys.as_deref() == Some("reject");
@@ -623,6 +631,48 @@ fn concurrency_limits(
         limits.push((route, in_flight_max));
     }
     Ok((limits, timeout))
+}
+
+/// A setting given (in the file or by a flag) that `source` never reads is an error: an
+/// anonymous plan that never applies, or a keys file never consulted, was a surprise found only
+/// when callers were limited otherwise. (The built-in defaults set some of these; only what
+/// `own` sets counts.)
+fn unread_caller_settings(
+    own: &CallerFile,
+    listed_prefixes: bool,
+    source: &str,
+) -> Result<(), ConfigError> {
+    let (unread, why): (&[(&str, bool)], &str) = match source {
+        "header" => (
+            &[
+                ("caller.anonymous_plan", own.anonymous_plan.is_some()),
+                (
+                    "caller.trusted_proxies",
+                    own.trusted_proxies.as_ref().is_some_and(|p| !p.is_empty()),
+                ),
+                ("caller.forwarded_header", own.forwarded_header.is_some()),
+                (
+                    "caller.ipv6_prefix_length",
+                    own.ipv6_prefix_length.is_some(),
+                ),
+            ],
+            "callers are known by their key alone (caller.source = \"header\")",
+        ),
+        "peer-ip" => (
+            &[
+                ("caller.keys_file", own.keys_file.is_some()),
+                ("caller.unknown_keys", own.unknown_keys.is_some()),
+                ("key_prefixes", listed_prefixes),
+                ("caller.header", own.header.is_some()),
+            ],
+            "callers are known by their address alone (caller.source = \"peer-ip\")",
+        ),
+        _ => (&[], ""),
+    };
+    match unread.iter().find(|(_, given)| *given) {
+        Some((setting, _)) => Err(invalid(*setting, format!("is never read: {why}"))),
+        None => Ok(()),
+    }
 }
 
 /// Where callers' keys come from, and which proxies may name a caller's address.
@@ -989,6 +1039,23 @@ mod tests {
     }
 
     #[test]
+    fn a_caller_setting_the_source_never_reads_is_an_error() {
+        let err = with("[caller]\nanonymous_plan = \"free\"").unwrap_err();
+        assert_eq!(err.setting, "caller.anonymous_plan");
+        assert!(err.message.contains("by their key alone"), "{err}");
+        let peer = "[caller]\nsource = \"peer-ip\"\n";
+        let err = with(&format!("{peer}unknown_keys = \"reject\"")).unwrap_err();
+        assert_eq!(err.setting, "caller.unknown_keys");
+        let err = with(&format!("[key_prefixes]\n\"p_\" = \"pro\"\n{peer}")).unwrap_err();
+        assert_eq!(err.setting, "key_prefixes");
+        // What the defaults set is no error, nor an empty list, nor a setting the source reads.
+        assert!(with(peer).is_ok());
+        assert!(with("[caller]\ntrusted_proxies = []").is_ok());
+        let either = "[caller]\nsource = \"header-or-peer-ip\"\nanonymous_plan = \"free\"";
+        assert!(with(either).is_ok());
+    }
+
+    #[test]
     fn a_key_prefix_error_names_the_prefix_not_the_plans() {
         let err = with("[key_prefixes]\n\"gold_\" = \"gold\"").unwrap_err();
         assert_eq!(err.setting, "key_prefixes.\"gold_\"");
@@ -1099,9 +1166,11 @@ mod tests {
         // Plans of one's own, without prefixes: the built-in prefixes go with the built-in plans.
         let own = with("default_plan = \"gold\"\n[plans.gold]\ncapacity = 5\nwindow_seconds = 30");
         assert_eq!(own.unwrap().plans.plans().len(), 1);
-        let err = with("[caller]\nforwarded_header = \"x-real-ip\"").unwrap_err();
+        let by_address = "[caller]\nsource = \"header-or-peer-ip\"\n";
+        let err = with(&format!("{by_address}forwarded_header = \"x-real-ip\"")).unwrap_err();
         assert_eq!(err.setting, "caller.forwarded_header");
-        assert!(with("[caller]\nforwarded_header = \"Forwarded\"").is_ok());
+        assert!(err.message.contains("neither"), "{err}");
+        assert!(with(&format!("{by_address}forwarded_header = \"Forwarded\"")).is_ok());
         let err = FileConfig::parse("[ledger]\ntimeout = 5", "f.toml").unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);
         assert!(
