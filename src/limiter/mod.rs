@@ -233,6 +233,10 @@ struct Timing {
     deadline: Instant,
 }
 
+/// How soon a caller refused on a closed account whose read failed is told to come back: the
+/// read is tried again then (a moved caller follows the move).
+const CLOSED_UNREAD_RETRY: Duration = Duration::from_secs(1);
+
 /// Why a decision did not admit: a refusal, or the caller moved to another plan (follow it).
 enum NotAdmitted {
     Refused(Outcome, LocalQuota),
@@ -776,9 +780,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// The ledger refused the hold on a closed account (a block, or a move away): read which.
-    /// If that read fails, the request is not admitted (the ledger said no), and not told to
-    /// wait a window either, as a 429 would (a moved caller follows at its next request): the
-    /// block this instance knows, else failed closed, whatever the policy.
+    /// If that read fails, the request is refused (the ledger said no, so never admitted,
+    /// whatever the policy; a 503 would be admitted by an Envoy that fails open), but told to
+    /// come back in [`CLOSED_UNREAD_RETRY`], not a window: a moved caller follows the move at
+    /// its next request. The block this instance knows, if any, answers instead.
     async fn refused_closed(
         &self,
         charge: &Charge<'_>,
@@ -793,14 +798,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Err(error) => error,
             view => return self.limited_by_ledger(charge, view, read).into(),
         };
-        self.log_failure(&error);
+        tracing::debug!(%error, "a closed account could not be read; refused for a second");
         let now = self.clock.now();
         if let Some(blocked) = self.known_block_refusal(charge.account.id, now) {
             return blocked.into();
         }
         let capacity = charge.account.capacity.get();
-        let local = self.local.quota(charge.account.id, capacity, now);
-        (Outcome::FailedClosed(error), local).into()
+        let local = LocalQuota {
+            remaining: 0,
+            ..self.local.quota(charge.account.id, capacity, now)
+        };
+        let outcome = refused(CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false);
+        (outcome, local).into()
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)

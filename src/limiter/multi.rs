@@ -93,8 +93,8 @@ enum Chained {
         view: Result<Option<AccountView>, LedgerError>,
     },
     /// A link's account is closed (a block, a move) and the read that says why failed: the
-    /// ledger said no, so failed closed whatever the policy, not a 429 for a window.
-    ClosedUnread(LedgerError),
+    /// ledger said no, so refused, but for a second, not a window.
+    ClosedUnread { limit: usize, error: LedgerError },
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
@@ -154,8 +154,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Chained::Refused { limit, view }) => {
                 self.refused_by_ledger(limits, limit, (view, reads[limit]))
             }
-            Ok(Chained::ClosedUnread(error)) => {
-                self.failed_with(limits, error, FailurePolicy::Closed)
+            Ok(Chained::ClosedUnread { limit, error }) => {
+                self.refused_closed_unread(limits, limit, error)
             }
             Err(error) => self.all_failed(limits, error),
         }
@@ -327,7 +327,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
                 LinkRefusal::Closed => {
                     return match self.account_view_of(account, deadline).await {
-                        Err(error) => Ok(Chained::ClosedUnread(error)),
+                        Err(error) => Ok(Chained::ClosedUnread { limit, error }),
                         view => Ok(Chained::Refused { limit, view }),
                     };
                 }
@@ -474,17 +474,34 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
-        self.failed_with(limits, error, self.settings.failure_policy)
-    }
-
-    /// [`Limiter::all_failed`] under `policy`: a block this instance knows first, whatever it.
-    fn failed_with(
+    /// The refusal of a request whose link `refused` found its account closed (a block, a
+    /// move) when the read of why failed: the block this instance knows, else refused for a
+    /// second ([`CLOSED_UNREAD_RETRY`](super::CLOSED_UNREAD_RETRY)).
+    fn refused_closed_unread(
         &self,
         limits: &[Limit],
+        refused: usize,
         error: LedgerError,
-        policy: FailurePolicy,
     ) -> MultiDecision {
+        tracing::debug!(%error, "a closed account could not be read; refused for a second");
+        let now = self.clock.now();
+        let id = limits[refused].account.id;
+        let known = limits[refused].local_view;
+        let outcome = match known.then(|| self.known_block_refusal(id, now)).flatten() {
+            Some((outcome, _)) => outcome,
+            None => super::refused(super::CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false),
+        };
+        let mut statuses = self.local_statuses(limits, now);
+        statuses[refused].quota.remaining = 0;
+        MultiDecision {
+            outcome,
+            refused_by: Some(refused),
+            limits: statuses,
+            moved_to: None,
+        }
+    }
+
+    fn all_failed(&self, limits: &[Limit], error: LedgerError) -> MultiDecision {
         self.log_failure(&error);
         let now = self.clock.now();
         let blocked = limits.iter().enumerate().find_map(|(i, limit)| {
@@ -501,7 +518,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 moved_to: None,
             };
         }
-        let outcome = match policy {
+        let outcome = match self.settings.failure_policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),
             FailurePolicy::Closed => Outcome::FailedClosed(error),
         };

@@ -492,10 +492,11 @@ async fn an_unknown_account_is_learnt_from_the_ledger_after_an_admission() {
     assert!(f.calls().is_empty());
 }
 
-/// A link's account is closed (a block, a move) and the read of why fails: failed closed under
-/// either policy (the ledger said no), not a 429 for the longest window.
+/// A link's account is closed (a block, a move) and the read of why fails: refused under either
+/// policy (the ledger said no; a failure would be let through by an Envoy that fails open), for
+/// a second, not the longest window.
 #[tokio::test]
-async fn a_closed_link_whose_read_fails_is_failed_closed_under_either_policy() {
+async fn a_closed_link_whose_read_fails_is_refused_for_a_second_under_either_policy() {
     let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::Closed));
@@ -503,6 +504,14 @@ async fn a_closed_link_whose_read_fails_is_failed_closed_under_either_policy() {
     });
     let limits = [limit(A, 5, 60, 1), limit(B, 10, 3600, 1)];
     let decision = f.limiter.check_all(&limits).await.unwrap();
-    assert_eq!(decision.outcome, Outcome::FailedClosed(timeout()));
+    let retry = match decision.outcome {
+        Outcome::Limited {
+            retry_after_seconds,
+            source: DecisionSource::Ledger,
+        } => retry_after_seconds,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((retry, decision.refused_by), (1, Some(1)));
+    assert_eq!(decision.limits[1].quota.remaining, 0);
     assert_eq!(f.calls(), ["chain", "view"]);
 }

@@ -790,21 +790,18 @@ async fn a_refund_whose_void_is_unanswered_makes_the_view_forget_the_caller() {
 }
 
 /// The ledger refuses the hold on a closed account, and the read that says why (a block, a
-/// move) fails: not admitted, whatever the policy, and not a 429 for a window (a moved caller
-/// follows at its next request).
+/// move) fails: refused whatever the policy (the ledger said no), but for a second, not the
+/// longest window (a moved caller follows at its next request).
 #[tokio::test]
-async fn a_closed_account_whose_read_fails_is_failed_closed_under_either_policy() {
+async fn a_closed_account_whose_read_fails_is_refused_for_a_second_under_either_policy() {
     let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
     f.script(|s| {
         s.holds.push_back(Ok(HoldReply::Blocked));
         s.views.push_back(Err(timeout()));
     });
     let decision = f.check(ONE).await;
-    assert!(
-        matches!(decision.outcome, Outcome::FailedClosed(_)),
-        "{:?}",
-        decision.outcome
-    );
+    assert_eq!(limited_by(&decision), Some((1, DecisionSource::Ledger)));
+    assert_eq!(decision.quota.remaining, 0);
     assert_eq!(f.calls(), ["hold", "view"]);
 }
 
