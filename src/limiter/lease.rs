@@ -338,8 +338,9 @@ impl LeaseBook {
         }
     }
 
-    /// Takes out the leases whose time is over and that nobody is renewing (at most a batch);
-    /// callers idle for two sweeps are forgotten.
+    /// Takes out the leases whose time is over and that nobody is renewing, and the leases
+    /// handed over by a renewal ([`CallerLease::handed_over`]), at most a batch; callers idle
+    /// for two sweeps (and with nothing handed over) are forgotten.
     fn due(&self, now: Instant, all: bool) -> Vec<(Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
@@ -369,7 +370,9 @@ impl LeaseBook {
                         caller.idle_sweeps += 1;
                         // Only the book holds it (checked under the shard lock, where `slot`
                         // clones it): no request is about to use a forgotten caller.
-                        caller.idle_sweeps < 2 || Arc::strong_count(slot) > 1
+                        caller.idle_sweeps < 2
+                            || Arc::strong_count(slot) > 1
+                            || caller.handed_over.is_some()
                     }
                 }
             });
@@ -878,7 +881,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// as long as the first ones had a batch due.
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
-        for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+        for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
             let count = self.settle_leases(false, self.deadline()).await;
             settled += count;
             if count < SETTLE_BATCH_MAX {
@@ -897,7 +900,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub async fn settle_all_leases(&self) -> usize {
         let deadline = self.clock.now() + self.settings.ledger_timeout.max(SETTLE_ALL_TIME_MIN);
         let mut settled = 0;
-        for _ in 0..=LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+        // A caller can have two leases to settle: its own, and one a renewal handed over.
+        for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
             match self.settle_leases(true, deadline).await {
                 0 => break,
                 count => settled += count,

@@ -95,6 +95,8 @@ impl Limiter {
                 Ok(Recharged::Done(_)) => true,
                 Ok(Recharged::Expired) => false,
                 Err(error) => {
+                    // Landed or not, unknown: the view forgets the caller (as for the chain).
+                    self.local.forget(recharge.account_id);
                     tracing::debug!(%error, "could not recharge a hold; its estimate stands");
                     false
                 }
