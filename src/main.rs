@@ -187,7 +187,7 @@ async fn run_probe(cli: &Cli, probe: &probe::Probe) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::try_parse().unwrap_or_else(|error| {
         // A health check's failure is 1, never 2 (reserved by Docker), bad flags included.
-        let probing = std::env::args().any(|arg| arg == "probe");
+        let probing = std::env::args_os().any(|arg| arg == "probe");
         if probing && error.use_stderr() {
             eprint!("{error}");
             std::process::exit(1);

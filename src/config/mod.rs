@@ -905,17 +905,18 @@ fn read_bounded(path: &Path, bytes_max: u64) -> Result<String, String> {
     use std::io::Read;
     let unreadable = |e: std::io::Error| format!("cannot read {}: {e}", path.display());
     let file = std::fs::File::open(path).map_err(unreadable)?;
-    let mut text = String::new();
+    let mut bytes = Vec::new();
     file.take(bytes_max + 1)
-        .read_to_string(&mut text)
+        .read_to_end(&mut bytes)
         .map_err(unreadable)?;
-    if text.len() as u64 > bytes_max {
+    // The size first: a cut inside a character would otherwise read as text that is not UTF-8.
+    if bytes.len() as u64 > bytes_max {
         return Err(format!(
             "{} is larger than {bytes_max} bytes",
             path.display()
         ));
     }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|_| format!("{} is not UTF-8 text", path.display()))
 }
 
 /// `[key_prefixes]`, each named in its error: the book's own errors would name `plans`.
