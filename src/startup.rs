@@ -225,7 +225,8 @@ impl Application {
         self.server.handle()
     }
 
-    /// Serves until SIGINT/SIGTERM (or a stop through the handle), then stops the embedded ledger.
+    /// Serves until stopped through [`Application::server_handle`] (the binary does so at
+    /// SIGINT/SIGTERM; the server's own signal handlers are off), then stops the embedded ledger.
     pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
         let result = self.server.await;
         // No request is decided any more: give leased units back now, not window + L later.

@@ -479,7 +479,6 @@ pub fn shared_ledger() -> &'static TestLedger {
     LEDGER.get_or_init(TestLedger::start)
 }
 
-/// A key no other test uses.
 /// Ledger calls a request could cost (holds, provisioning, listings), not counting the account
 /// reads the operator-epoch follower makes once a second in every application.
 pub fn request_calls(ledger: &ledger_limiter::ledger::Ledger) -> u64 {
@@ -494,6 +493,7 @@ pub fn request_calls(ledger: &ledger_limiter::ledger::Ledger) -> u64 {
     .sum()
 }
 
+/// A key no other test uses.
 pub fn fresh_key(prefix: &str) -> String {
     format!("{prefix}{:032x}", rand::random::<u128>())
 }
