@@ -771,26 +771,25 @@ async fn a_hold_answered_as_its_request_went_away_is_voided() {
     let mut chain = Box::pin(ledger.hold_chain(vec![link], far(), true));
     assert!(futures_util::poll!(hold.as_mut()).is_pending(), "sent");
     assert!(futures_util::poll!(chain.as_mut()).is_pending(), "sent");
+    // Within 5 s, the account has `available` free, or the test fails saying `otherwise`.
+    let becomes = |available: u64, otherwise: &'static str| {
+        let ledger = &ledger;
+        async move {
+            let by = Instant::now() + Duration::from_secs(5);
+            loop {
+                let view = ledger.account_view(account.id, 60, far()).await.unwrap();
+                if view.unwrap().available == available {
+                    return;
+                }
+                assert!(Instant::now() < by, "{otherwise}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
     // Not polled again while the ledger answers: the answers wait, unread.
-    let landed_by = Instant::now() + Duration::from_secs(5);
-    loop {
-        let held = ledger.account_view(account.id, 60, far()).await.unwrap();
-        if held.unwrap().available == 3 {
-            break;
-        }
-        assert!(Instant::now() < landed_by, "both holds landed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    becomes(3, "both holds landed").await;
     drop((hold, chain));
-    let voided_by = Instant::now() + Duration::from_secs(5);
-    loop {
-        let view = ledger.account_view(account.id, 60, far()).await.unwrap();
-        if view.unwrap().available == 5 {
-            break;
-        }
-        assert!(Instant::now() < voided_by, "a hold nobody read stayed held");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    becomes(5, "a hold nobody read stayed held").await;
 }
 
 /// A transfer whose deadline has passed is not sent: its caller has given up on it, and a void

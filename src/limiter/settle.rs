@@ -46,21 +46,11 @@ impl Limiter {
             })
             .collect();
         let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
-        let recharged = match live.is_empty() {
-            true => Ok(Vec::new()),
-            false => self.recharge_live(&live, now).await,
-        };
-        let mut live_done = match recharged {
-            Ok(done) => done.into_iter(),
-            Err(error) => {
-                // Landed or not, unknown: the view forgets these callers rather than count the
-                // old holds on (a recharge that landed may have left more free, or less).
-                for recharge in &live {
-                    self.local.forget(recharge.account_id);
-                }
-                return Err(error);
-            }
-        };
+        let mut live_done = match live.is_empty() {
+            true => Vec::new(),
+            false => self.recharge_live(&live, now).await?,
+        }
+        .into_iter();
         let done: Vec<bool> = recharges
             .iter()
             .map(|recharge| recharge.is_some() && live_done.next().expect("one per live hold"))
@@ -84,8 +74,17 @@ impl Limiter {
     ) -> Result<Vec<bool>, LedgerError> {
         let deadline = now + self.settings.ledger_timeout;
         let ledger: &Ledger = &self.store;
-        if let Recharged::Done(_) = ledger.recharge(live, deadline).await? {
-            return Ok(vec![true; live.len()]);
+        match ledger.recharge(live, deadline).await {
+            Ok(Recharged::Done(_)) => return Ok(vec![true; live.len()]),
+            Ok(Recharged::Expired) => {}
+            Err(error) => {
+                // Landed or not, unknown: the view forgets these callers rather than count the
+                // old holds on (a recharge that landed may have left more free, or less).
+                for recharge in live {
+                    self.local.forget(recharge.account_id);
+                }
+                return Err(error);
+            }
         }
         let alone = live.iter().map(|recharge| async move {
             match ledger
@@ -95,7 +94,7 @@ impl Limiter {
                 Ok(Recharged::Done(_)) => true,
                 Ok(Recharged::Expired) => false,
                 Err(error) => {
-                    // Landed or not, unknown: the view forgets the caller (as for the chain).
+                    // Landed or not, unknown: as for the chain above.
                     self.local.forget(recharge.account_id);
                     tracing::debug!(%error, "could not recharge a hold; its estimate stands");
                     false
