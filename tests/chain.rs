@@ -327,4 +327,11 @@ async fn an_over_charge_holds_what_remains_and_is_audited_apart() {
     assert_eq!(audit.debits_pending, 5);
     let kinds: Vec<&str> = audit.recent.iter().map(|t| t.kind.as_str()).collect();
     assert_eq!(kinds, ["grant", "hold", "over_charge"]);
+    // A refused charge that fits by now (holds expired since the ledger said no) is never held
+    // in full: a refused request does not pay its price.
+    let limit = fresh_limit(10, 30, 1);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let id = limit.account.id;
+    ledger.hold_what_remains(id, 4, 30, deadline).await.unwrap();
+    assert_eq!(available(&ledger, &limit).await, Some(7), "3 of the 4 held");
 }

@@ -423,7 +423,7 @@ async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_addend_precedence_and_costs_above_what_remains() {
     let rules = rules_dir();
-    let (_app, mut client) =
+    let (app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
     let costly = |request_hits: u32, descriptor_hits: Option<u64>| {
@@ -439,6 +439,8 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         call(&mut client, costly(3, None)).await.statuses[0].limit_remaining,
         7
     );
+    // Two seconds apart: the first 3 units come back two seconds before the next 4 do.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
         call(&mut client, costly(1, Some(4))).await.statuses[0].limit_remaining,
         3
@@ -460,6 +462,12 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         (overall(&over), over.statuses[0].limit_remaining),
         (Code::OverLimit, 0)
     );
+    // Not when the first 3 units are back (2 more than were free, about 58 s from now): the 3
+    // spent now are held a whole window, so 5 are free only once that hold has expired too.
+    let reset = over.statuses[0].duration_until_reset.unwrap().seconds;
+    assert!((60..=61).contains(&reset), "{reset}");
+    let retry: i64 = header(&over, "Retry-After").unwrap().parse().unwrap();
+    assert_eq!(retry, reset);
     // Then checks refuse on every instance, and so does a charge of 1.
     for client in [&mut client, &mut other] {
         let check = call(client, costly(0, Some(0))).await;
@@ -471,6 +479,12 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         overall(&call(&mut client, costly(1, None)).await),
         Code::OverLimit
     );
+    // Nothing free, as that refusal's listing said: a charge above it is refused from memory,
+    // with no hold of nothing written.
+    let calls = request_calls(app.limiter.ledger());
+    let again = call(&mut client, costly(5, None)).await;
+    assert_eq!(overall(&again), Code::OverLimit);
+    assert_eq!(request_calls(app.limiter.ledger()), calls, "no ledger call");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,7 @@ use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGT
 use super::metrics::RlsMetrics;
 use crate::ledger::model::{self, UserAccount};
 use crate::ledger::Ledger;
+use crate::limiter::multi::cost_on_account;
 use crate::limiter::{Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX};
 
 /// At most this many descriptors per request (each is one link of the ledger chain).
@@ -361,7 +362,9 @@ impl RateLimitServer {
     /// envoyproxy/ratelimit's counter is then over its limit. Without it, a charge reported
     /// after the response (`apply_on_stream_done`, tokens counted at the end) that did not fit
     /// was dropped, the budget never ran out, and checks (`hits_addend` 0) passed for good. One
-    /// more write, on this refusal only; best effort, by the decision's `deadline`.
+    /// more write, on a refusal that left something free only; best effort, by the decision's
+    /// `deadline`. It holds at most the charge less one (a refusal is never charged in full),
+    /// and the refusal then says to come back when that hold has expired.
     async fn hold_what_remains(
         &self,
         limits: &[Limit],
@@ -373,19 +376,39 @@ impl RateLimitServer {
             return;
         };
         let limit = &limits[refused];
+        let charge = cost_on_account(limits, limit.account.id);
         // A charge of 1 refused has nothing left to hold. A concurrency rule's holds are slots
         // that negative hits give back one request at a time: one that spent the rest would
         // hold them all until its window ended.
-        if limit.cost <= 1 || !limit.local_view {
+        if charge <= 1 || !limit.local_view {
+            return;
+        }
+        // Nothing free, as the listing of this refusal (or the view that refused) says: a hold
+        // of 0 would be a write for nothing, and the forget below would send every refusal
+        // after exhaustion to the ledger.
+        if self.limiter.known_free(limit.account.id) == Some(0) {
             return;
         }
         let window = limit.account.window_seconds.get();
         let held = self
             .ledger()
-            .hold_what_remains(limit.account.id, limit.cost, window, deadline)
+            .hold_what_remains(limit.account.id, charge, window, deadline)
             .await;
         if let Err(error) = held {
             tracing::debug!(%error, "could not hold what was left of a refused charge");
+        }
+        // What was free is held for a window now (or may be: an unanswered hold may land), so
+        // the charge fits only once older holds have freed all of it, not just what was missing
+        // when refused: a client told the latter and retrying then would be refused again, its
+        // over-charge spending what came back, for as long as it obeyed. All of it is free when
+        // this hold has expired.
+        let seconds = self.limiter.seconds_until_expired(window);
+        if let Outcome::Limited {
+            retry_after_seconds,
+            ..
+        } = &mut decision.outcome
+        {
+            *retry_after_seconds = (*retry_after_seconds).max(seconds);
         }
         // Remembered holds are short of it now; the next request asks the ledger.
         self.limiter.forget(limit.account.id);
@@ -545,8 +568,9 @@ impl RateLimitServer {
         }
         for (index, available) in &decided.released {
             let capacity = limit_of(&matched[*index]).map_or(0, |l| l.account.capacity.get());
-            statuses[*index] =
-                counted_status(&matched[*index], available.unwrap_or(capacity), 0, false);
+            // Unknown (a release or its read failed) claims nothing; at most the limit, as ever.
+            let free = available.map_or(0, |free| free.min(capacity));
+            statuses[*index] = counted_status(&matched[*index], free, 0, false);
         }
         let overall = if decision.refused_by.is_some() {
             Code::OverLimit

@@ -421,19 +421,23 @@ impl Ledger {
 
     /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
     /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
-    /// Holds as much of `amount` as the account has free (a balancing debit: all of what is
-    /// left when less), for `timeout_seconds`: a charge that does not fit, counted as far as
-    /// it goes (envoyproxy/ratelimit's counter goes past the limit; a ledger account cannot).
-    /// `Held` even when nothing was free (a hold of 0).
+    /// Holds what the account has free of a refused `charge` (a balancing debit), for
+    /// `timeout_seconds`, but never all of it: a charge that does not fit, counted as far as it
+    /// goes (envoyproxy/ratelimit's counter goes past the limit; a ledger account cannot).
+    /// `Held` even when nothing was free (a hold of 0). Why at most `charge − 1`: the request
+    /// was refused, yet by now the account may have the whole charge free (holds expired since
+    /// the ledger said no, or a top-up the local view has not seen); a refused request must not
+    /// pay its full price.
     pub async fn hold_what_remains(
         &self,
         account_id: u128,
-        amount: u64,
+        charge: u64,
         timeout_seconds: u32,
         deadline: Instant,
     ) -> Result<HoldReply, LedgerError> {
+        assert!(charge > 1, "a refused charge of 1 has nothing left to hold");
         let ledger = self.ledger_id;
-        let transfer = model::over_charge_transfer(account_id, ledger, amount, timeout_seconds);
+        let transfer = model::over_charge_transfer(account_id, ledger, charge, timeout_seconds);
         self.place_pending(transfer, deadline, false).await
     }
 

@@ -344,15 +344,17 @@ pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
 /// request's hold, and from a recharge's (balancing too, linked with the void it replaces).
 pub const OVER_CHARGE_USER_DATA_32: u32 = 1;
 
-/// The Envoy front end's over-charge: what remains of `amount` on the account, held.
+/// The Envoy front end's over-charge: what remains on the account of a refused `charge`, held,
+/// up to `charge − 1` (never the whole: [`super::Ledger::hold_what_remains`]).
 pub fn over_charge_transfer(
     user_account_id: u128,
     ledger: u32,
-    amount: u64,
+    charge: u64,
     timeout_seconds: u32,
 ) -> tb::Transfer {
-    balancing_hold_transfer(user_account_id, ledger, amount, timeout_seconds)
-        .with_user_data_64(amount)
+    assert!(charge > 1);
+    balancing_hold_transfer(user_account_id, ledger, charge - 1, timeout_seconds)
+        .with_user_data_64(charge)
         .with_user_data_32(OVER_CHARGE_USER_DATA_32)
 }
 

@@ -550,6 +550,15 @@ impl LocalView {
         }
     }
 
+    /// The credit a caller has free right now, when the ledger has verified what this view
+    /// knows of it (`None`: a guess, or not known).
+    pub fn verified_free(&self, account_id: u128, now: Instant) -> Option<u64> {
+        let mut shard = self.shard(account_id);
+        let holds = shard.get_mut(&account_id)?;
+        holds.prune(now);
+        holds.verified.then(|| holds.available())
+    }
+
     /// Whether this instance remembers anything of the caller (else its quota is a guess).
     pub fn knows(&self, account_id: u128) -> bool {
         self.shard(account_id).contains_key(&account_id)

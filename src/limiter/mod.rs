@@ -356,6 +356,19 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.clock.now() + self.settings.ledger_timeout
     }
 
+    /// The credit `account_id` has free as this instance verified it with the ledger (`None`:
+    /// not known, or a guess).
+    pub fn known_free(&self, account_id: u128) -> Option<u64> {
+        self.local.verified_free(account_id, self.clock.now())
+    }
+
+    /// Whole seconds until a hold placed now for `window_seconds` has expired (its timeout,
+    /// then `ledger.expiry_margin_ms`): a `Retry-After` that is never too early for it.
+    pub fn seconds_until_expired(&self, window_seconds: u32) -> u64 {
+        let window = Duration::from_secs(window_seconds.into());
+        whole_seconds_up(window + self.settings.expiry_margin)
+    }
+
     /// Whether the ledger answers within `timeout` (readiness).
     pub async fn ready(&self, timeout: Duration) -> Result<(), LedgerError> {
         self.store.ping(self.clock.now() + timeout).await

@@ -574,7 +574,9 @@ fn validate(limits: &[Limit]) -> Result<(), LimitsError> {
 /// The request's whole cost on one account (two limits of a request may share one).
 /// What the request costs on one account: its limits' costs, and at least 1, as a check (a
 /// cost of 0) asks for a unit to be free.
-fn cost_on_account(limits: &[Limit], account_id: u128) -> u64 {
+/// What one request charges `account_id` across its limits (at least 1): two limits may share
+/// an account (the same descriptor twice).
+pub fn cost_on_account(limits: &[Limit], account_id: u128) -> u64 {
     limits
         .iter()
         .filter(|l| l.account.id == account_id)
