@@ -335,3 +335,21 @@ async fn an_over_charge_holds_what_remains_and_is_audited_apart() {
     ledger.hold_what_remains(id, 4, 30, deadline).await.unwrap();
     assert_eq!(available(&ledger, &limit).await, Some(7), "3 of the 4 held");
 }
+
+/// A plan's window edited since its caller's account was made: the account id leaves the window
+/// out, so provisioning again finds the account with another `user_data_32` and takes it as
+/// made (the old window stays on it, for the audit). It was an unexpected error, which the
+/// failure policy then decided on every request of a caller whose credit was 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_made_under_another_window_counts_as_provisioned() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(5, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let edited = UserAccount {
+        window_seconds: NonZeroU32::new(30).unwrap(),
+        ..limit.account
+    };
+    ledger.provision(&edited, deadline).await.expect("exists");
+    assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
+}

@@ -532,8 +532,12 @@ impl Ledger {
                         for error in errors.as_slice() {
                             match error.kind() {
                                 // Differing flags: the account is closed (a block or a move).
+                                // Differing user_data_32: its plan's window was edited since
+                                // (the id leaves the window out; the account keeps the one it
+                                // was made with, for the audit).
                                 CreateAccountErrorKind::Exists
-                                | CreateAccountErrorKind::ExistsWithDifferentFlags => {}
+                                | CreateAccountErrorKind::ExistsWithDifferentFlags
+                                | CreateAccountErrorKind::ExistsWithDifferentUserData32 => {}
                                 kind => {
                                     return Err(LedgerError::Unexpected {
                                         operation: Operation::CreateAccounts,
