@@ -353,3 +353,34 @@ async fn an_account_made_under_another_window_counts_as_provisioned() {
     ledger.provision(&edited, deadline).await.expect("exists");
     assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
 }
+
+/// A recharge (a cost known after the response) whose caller an operator blocked meanwhile:
+/// the ledger voids the estimate's hold but places none on a closed account, so the chain
+/// fails; that is an operator's doing, not an unexpected answer of the ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recharge_on_a_blocked_account_changes_nothing_and_says_closed() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::settle::{Recharge, Recharged};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(5, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let id = limit.account.id;
+    let ledger_limiter::ledger::HoldReply::Held { transfer_id, .. } =
+        ledger.hold(id, 2, 60, deadline, false).await.unwrap()
+    else {
+        panic!("held");
+    };
+    let actor = Actor::from_reason(1, "test").unwrap();
+    ledger.block(id, 600, actor, deadline).await.unwrap();
+    let recharge = Recharge {
+        pending_id: transfer_id,
+        account_id: id,
+        amount: 1,
+        timeout_seconds: 50,
+    };
+    let recharged = ledger.recharge(&[recharge], deadline).await;
+    assert_eq!(recharged, Ok(Recharged::Closed));
+    let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
+    assert_eq!((audit.holds, audit.voids), (1, 0), "the estimate stands");
+}

@@ -28,6 +28,10 @@ pub enum Recharged {
     Done(Vec<Option<u128>>),
     /// A hold had expired (the request outlived its window): nothing changed, nothing is owed.
     Expired,
+    /// An account was closed meanwhile (an operator blocked or moved its caller): nothing
+    /// changed, the estimate stands (the ledger voids a hold on a closed account but places
+    /// none). An operator's doing, not a fault of the ledger.
+    Closed,
 }
 
 impl Ledger {
@@ -64,6 +68,7 @@ impl Ledger {
                 CreateTransferErrorKind::PendingTransferExpired
                 | CreateTransferErrorKind::PendingTransferAlreadyVoided,
             ) => Ok(Recharged::Expired),
+            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => Ok(Recharged::Closed),
             Some(kind) => Err(unexpected_transfer("recharge: ", kind)),
         }
     }

@@ -66,7 +66,8 @@ impl Limiter {
     }
 
     /// Recharges every hold of `live` in one linked chain; if one of them expired at the ledger
-    /// all the same (inside the expiry margin), each alone, so that the others still are.
+    /// all the same (inside the expiry margin), or its account was closed, each alone, so that
+    /// the others still are.
     async fn recharge_live(
         &self,
         live: &[Recharge],
@@ -76,7 +77,7 @@ impl Limiter {
         let ledger: &Ledger = &self.store;
         match ledger.recharge(live, deadline).await {
             Ok(Recharged::Done(_)) => return Ok(vec![true; live.len()]),
-            Ok(Recharged::Expired) => {}
+            Ok(Recharged::Expired | Recharged::Closed) => {}
             Err(error) => {
                 // Landed or not, unknown: the view forgets these callers rather than count the
                 // old holds on (a recharge that landed may have left more free, or less).
@@ -93,6 +94,11 @@ impl Limiter {
             {
                 Ok(Recharged::Done(_)) => true,
                 Ok(Recharged::Expired) => false,
+                Ok(Recharged::Closed) => {
+                    // Its next request finds out why (a block, or where it moved).
+                    self.local.forget(recharge.account_id);
+                    false
+                }
                 Err(error) => {
                     // Landed or not, unknown: as for the chain above.
                     self.local.forget(recharge.account_id);
