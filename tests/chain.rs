@@ -384,3 +384,40 @@ async fn a_recharge_on_a_blocked_account_changes_nothing_and_says_closed() {
     let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
     assert_eq!((audit.holds, audit.voids), (1, 0), "the estimate stands");
 }
+
+/// A block that lands between a new caller's account and its grant fails the grant for good
+/// (a transient refusal: TigerBeetle never lets that id succeed). Once unblocked, provisioning
+/// moves on to the next grant id, and the caller is credited once, not never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_refused_by_a_block_is_made_under_the_next_id_once_unblocked() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let limit = fresh_limit(5, 60, 1);
+    let id = limit.account.id;
+    let ledger_id = ledger.ledger_id();
+    // The accounts alone, as a provisioning cut short after its first call leaves them.
+    let accounts = vec![
+        model::operator_account(ledger_id),
+        model::user_account(&limit.account, ledger_id),
+    ];
+    let _ = raw.create_accounts(accounts).await; // the operator's may exist: either way
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    ledger.block(id, 600, actor, deadline).await.unwrap();
+    let refused = ledger.provision(&limit.account, deadline).await;
+    assert!(
+        refused.is_err(),
+        "a closed account takes no grant: {refused:?}"
+    );
+    ledger.unblock(id, actor, deadline).await.unwrap();
+    ledger
+        .provision(&limit.account, deadline)
+        .await
+        .expect("the next id");
+    ledger
+        .provision(&limit.account, deadline)
+        .await
+        .expect("again: exists");
+    assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
+}

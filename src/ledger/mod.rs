@@ -570,14 +570,27 @@ impl Ledger {
             model::user_account(account, self.ledger_id),
         ];
         self.create_accounts_idempotent(accounts, deadline).await?;
-
-        let grant = model::grant_transfer(account, self.ledger_id);
-        self.single_transfer(grant, deadline, None, |kind, _| match kind {
-            None => Ok(()),
-            Some(CreateTransferErrorKind::Exists) => Ok(()),
-            Some(kind) => Err(unexpected_transfer("grant: ", kind)),
+        // An id whose grant failed for good (a block or a move landed between the account and
+        // its grant: a transient refusal, which TigerBeetle never lets that id retry) moves on
+        // to the next; without it, such a caller was never credited, and every request of its
+        // failed as unexpected.
+        for attempt in 0..model::GRANT_IDS_MAX {
+            let grant = model::grant_transfer(account, self.ledger_id, attempt);
+            let granted = self
+                .single_transfer(grant, deadline, None, |kind, _| match kind {
+                    None | Some(CreateTransferErrorKind::Exists) => Ok(true),
+                    Some(CreateTransferErrorKind::IdAlreadyFailed) => Ok(false),
+                    Some(kind) => Err(unexpected_transfer("grant: ", kind)),
+                })
+                .await?;
+            if granted {
+                return Ok(());
+            }
+        }
+        Err(LedgerError::Unexpected {
+            operation: Operation::CreateTransfers,
+            message: "grant: every grant id failed".to_owned(),
         })
-        .await
     }
 
     /// Reads an account's available credit and its live holds (earliest expiry first), to tell a

@@ -307,7 +307,23 @@ pub fn user_account_id(ledger: u32, plan_name: &str, capacity: NonZeroU64, key: 
 /// The id of the one grant transfer that credits a user account: identical from every instance,
 /// so racing provisioners create it once and the others get `exists`.
 pub fn grant_transfer_id(user_account_id: u128) -> u128 {
-    derive_id("ledger-limiter/v1/grant", &[&user_account_id.to_le_bytes()])
+    grant_transfer_id_at(user_account_id, 0)
+}
+
+/// Grant ids a user account may go through ([`grant_transfer_id_at`]).
+pub const GRANT_IDS_MAX: u8 = 8;
+
+/// The grant's id at `attempt` of a fixed sequence: the next is tried only once the one before
+/// failed for good (`id_already_failed`: a transient refusal, its account closed between its
+/// creation and its grant), and a failed id never succeeds, so at most one grant lands. The
+/// first is [`grant_transfer_id`]'s, as ever.
+pub fn grant_transfer_id_at(user_account_id: u128, attempt: u8) -> u128 {
+    assert!(attempt < GRANT_IDS_MAX);
+    let account = user_account_id.to_le_bytes();
+    if attempt == 0 {
+        return derive_id("ledger-limiter/v1/grant", &[&account]);
+    }
+    derive_id("ledger-limiter/v1/grant", &[&account, &[attempt]])
 }
 
 pub fn operator_account(ledger: u32) -> tb::Account {
@@ -321,8 +337,8 @@ pub fn user_account(account: &UserAccount, ledger: u32) -> tb::Account {
         .with_user_data_32(account.window_seconds.get())
 }
 
-pub fn grant_transfer(account: &UserAccount, ledger: u32) -> tb::Transfer {
-    tb::Transfer::new(grant_transfer_id(account.id))
+pub fn grant_transfer(account: &UserAccount, ledger: u32, attempt: u8) -> tb::Transfer {
+    tb::Transfer::new(grant_transfer_id_at(account.id, attempt))
         .with_debit_account_id(operator_account_id(ledger))
         .with_credit_account_id(account.id)
         .with_amount(account.capacity.get().into())
@@ -415,6 +431,10 @@ mod tests {
         assert_ne!(id(1, "fre", 5, "ea"), id(1, "free", 5, "a"));
         assert_ne!(grant_transfer_id(a), a);
         assert_eq!(grant_transfer_id(a), grant_transfer_id(a));
+        let grants: std::collections::HashSet<u128> = (0..GRANT_IDS_MAX)
+            .map(|n| grant_transfer_id_at(a, n))
+            .collect();
+        assert_eq!(grants.len(), usize::from(GRANT_IDS_MAX));
     }
 
     proptest! {
