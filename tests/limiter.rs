@@ -726,6 +726,38 @@ async fn a_linger_lets_transfers_that_come_apart_share_one_call() {
     }
 }
 
+/// A transfer due before a lingering batch goes does not join it (it would be answered late, and
+/// sent for nothing): it goes in a batch of its own, which lingers at most half its time left.
+#[tokio::test]
+async fn a_transfer_due_before_a_lingering_batch_goes_opens_its_own() {
+    let ledger = ledger_client_with(vec![shared_ledger().address], 8, ledger::BATCH_LINGER_MAX);
+    let first = ledger.hold(
+        fresh_id(),
+        1,
+        30,
+        Instant::now() + Duration::from_secs(10),
+        true,
+    );
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let deadline = Instant::now() + Duration::from_millis(2);
+        ledger.hold(fresh_id(), 1, 30, deadline, true).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert!(
+        matches!(first, Ok(ledger::HoldReply::AccountNotFound)),
+        "{first:?}"
+    );
+    assert!(
+        matches!(
+            second,
+            Ok(ledger::HoldReply::AccountNotFound) | Err(ledger::LedgerError::Timeout { .. })
+        ),
+        "{second:?}"
+    );
+    assert_eq!(ledger.batches_sent(), 2, "a batch each");
+}
+
 /// A linger past the most is refused when the ledger handle is made, not when a batch waits.
 #[test]
 fn a_linger_past_the_most_is_refused_at_connect() {

@@ -10,7 +10,8 @@
 //! How: the first transfer a thread sends opens a batch and spawns one task for it. That task
 //! yields once (every request this thread has ready joins meanwhile), sends the batch and hands
 //! each transfer its own result. With a linger (`ledger.batch_linger_ms`, opt-in) the task waits
-//! that long instead, never past its first member's deadline, so that requests arriving apart
+//! that long instead (at most half its first member's time left; a member due sooner than the
+//! batch goes opens its own), so that requests arriving apart
 //! share a call too: at low rates, where each request would otherwise wake the client's thread
 //! on its own, that trades the linger's latency for fewer wake-ups (BENCHMARKS.md, run AA). A
 //! batch that fills meanwhile still waits its linger out (the next request opens another): at
@@ -96,6 +97,10 @@ struct Batch {
     in_flight: Option<InFlight>,
     /// Taken to be sent: nothing may join any more.
     sent: bool,
+    /// When a lingering batch goes (`None`: after one yield). A transfer whose deadline is
+    /// sooner opens a batch of its own: joined, it would be answered `Timeout` late, and sent
+    /// for nothing.
+    sends_at: Option<Instant>,
 }
 
 /// One transfer's caller, as the batch sees it.
@@ -152,14 +157,20 @@ pub(super) async fn create_transfer(
         };
         (void, connection.clone())
     });
-    let opened = join_or_open(&connection, transfer, member, leave.in_flight);
+    // At most half the time left: a batch that lingered to its first member's deadline would
+    // be sent to be answered `Timeout`.
+    let linger_until = (!batching.linger.is_zero()).then(|| {
+        let now = Instant::now();
+        now + batching
+            .linger
+            .min(deadline.saturating_duration_since(now) / 2)
+    });
+    let opened = join_or_open(&connection, transfer, member, leave.in_flight, linger_until);
     let mut answer = super::CallAnswer { receiver, late };
     if let Some(opened) = opened {
         // Counted here, not in the task: every batch opened is sent, and the task then needs no
         // handle on the count (an Arc's two shared writes per batch).
         batching.count_sent();
-        let linger_until =
-            (!batching.linger.is_zero()).then(|| deadline.min(Instant::now() + batching.linger));
         tokio::spawn(async move {
             match linger_until {
                 // Every request this thread has ready gets to join before the batch goes.
@@ -179,21 +190,23 @@ pub(super) async fn create_transfer(
     })
 }
 
-/// Joins this thread's open batch when it is for the same client and has room; else opens one
-/// (returned: the caller has it sent).
+/// Joins this thread's open batch when it is for the same client, has room and goes by the
+/// member's deadline; else opens one that goes at `sends_at` (returned: the caller has it sent).
 fn join_or_open(
     connection: &Arc<Connection>,
     transfer: tb::Transfer,
     member: Member,
     in_flight: InFlight,
+    sends_at: Option<Instant>,
 ) -> Option<Arc<Mutex<Batch>>> {
     FILLING.with(|filling| {
         let mut filling = filling.borrow_mut();
         if let Some(open) = filling.as_ref() {
             let mut batch = lock(open);
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
+            let in_time = batch.sends_at.is_none_or(|at| at <= member.deadline);
             let same = |open: &Arc<Connection>| Arc::ptr_eq(open, connection);
-            if fits && batch.connection.as_ref().is_some_and(same) {
+            if fits && in_time && batch.connection.as_ref().is_some_and(same) {
                 batch.transfers.push(transfer);
                 batch.members.push(member);
                 let merged = batch
@@ -210,6 +223,7 @@ fn join_or_open(
             members: vec![member],
             in_flight: Some(in_flight),
             sent: false,
+            sends_at,
         }));
         *filling = Some(opened.clone());
         Some(opened)
