@@ -8,6 +8,7 @@ use common::*;
 use futures_util::future::join_all;
 use ledger_limiter::config::{CallerFile, FileConfig, LedgerFile, RoutesFile};
 use ledger_limiter::ledger::{self, model};
+use ledger_limiter::limiter::Outcome;
 use tigerbeetle_unofficial as tb;
 
 fn header<'a>(response: &'a reqwest::Response, name: &str) -> &'a str {
@@ -530,30 +531,36 @@ async fn callers_by_peer_address_are_limited_on_the_default_plan() {
     app.stop().await;
 }
 
+/// A caller holding more than a listing reads: the listing says it is incomplete, and the
+/// refusal it makes stands for a second: the ledger's next refusal of that caller is one call
+/// (its hold), not a hold and a listing of up to 17 calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
-    use ledger_limiter::ledger::model::UserAccount;
+async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete_and_stands() {
     use ledger_limiter::ledger::HoldReply;
     use ledger_limiter::ledger::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
+    use ledger_limiter::limiter::plan::Plan;
     use std::num::{NonZeroU32, NonZeroU64};
 
-    let ledger = ledger_client(vec![shared_ledger().address]);
-    let capacity = NonZeroU64::new(10_000).unwrap();
-    let key = fresh_key("listing_");
-    let account = UserAccount {
-        id: model::user_account_id(1, "listing", capacity, key.as_bytes()),
+    let readable = TRANSFERS_PAGES_MAX * TRANSFERS_PAGE_LIMIT as usize;
+    let holds = readable + 10;
+    let capacity = NonZeroU64::new(holds as u64).unwrap();
+    let plan = Plan::new("listing", capacity, NonZeroU32::new(60).unwrap()).unwrap();
+    let limiter = one_plan_limiter(ledger_client(vec![shared_ledger().address]), plan);
+    let ledger = limiter.ledger();
+    let key = caller(&fresh_key("listing_"));
+    let account = limiter.account_of(&key).expect("the default plan");
+    let deadline = || Instant::now() + Duration::from_secs(20);
+    let user_account = model::UserAccount {
+        id: account,
         capacity,
         window_seconds: NonZeroU32::new(60).unwrap(),
     };
-    let deadline = || Instant::now() + Duration::from_secs(20);
-    ledger.provision(&account, deadline()).await.unwrap();
-    let readable = TRANSFERS_PAGES_MAX * TRANSFERS_PAGE_LIMIT as usize;
-    let holds = readable + 10;
+    ledger.provision(&user_account, deadline()).await.unwrap();
     for chunk in (0..holds).collect::<Vec<_>>().chunks(1024) {
         let placed = join_all(
             chunk
                 .iter()
-                .map(|_| ledger.hold(account.id, 1, 60, deadline(), false)),
+                .map(|_| ledger.hold(account, 1, 60, deadline(), false)),
         )
         .await;
         assert!(placed
@@ -561,7 +568,7 @@ async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
             .all(|p| matches!(p, Ok(HoldReply::Held { .. }))));
     }
     let view = ledger
-        .account_view(account.id, 60, deadline())
+        .account_view(account, 60, deadline())
         .await
         .unwrap()
         .expect("the account exists");
@@ -570,8 +577,23 @@ async fn a_listing_of_more_holds_than_it_reads_says_it_is_incomplete() {
         "{holds} holds cannot be listed in {readable}"
     );
     assert_eq!(view.holds.len(), readable);
-    assert_eq!(view.credit, capacity.get());
-    assert_eq!(view.available, capacity.get() - holds as u64);
+    assert_eq!((view.credit, view.available), (capacity.get(), 0));
+
+    let refused = |decision: &ledger_limiter::limiter::Decision<'_>| {
+        matches!(
+            decision.outcome,
+            Outcome::Limited {
+                retry_after_seconds: 1,
+                ..
+            }
+        )
+    };
+    let first = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+    assert!(refused(&first), "{:?}", first.outcome);
+    let calls = request_calls(ledger);
+    let again = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+    assert!(refused(&again), "{:?}", again.outcome);
+    assert_eq!(request_calls(ledger) - calls, 1, "the hold alone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

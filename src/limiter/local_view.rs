@@ -74,6 +74,8 @@ struct CallerHolds {
     /// When the ledger's listing of the account that these holds come from was stored
     /// ([`LocalView::replace`]): a hold answered by then is in it already.
     listed_at: Option<Instant>,
+    /// That listing missed holds (more than a listing reads: the oldest ones).
+    listed_incomplete: bool,
 }
 
 impl CallerHolds {
@@ -123,6 +125,7 @@ impl CallerHolds {
             verified: false,
             blocked_until: None,
             listed_at: None,
+            listed_incomplete: false,
         }
     }
 
@@ -484,6 +487,7 @@ impl LocalView {
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
         holds.listed_at = Some(now);
+        holds.listed_incomplete = !view.complete;
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
         let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
@@ -557,6 +561,25 @@ impl LocalView {
         let holds = shard.get_mut(&account_id)?;
         holds.prune(now);
         holds.verified.then(|| holds.available())
+    }
+
+    /// The quota of a caller whose last listing, stored after `since`, missed holds (it has
+    /// more than a listing reads); `None` otherwise. Why: listing it again within a moment costs
+    /// up to [`crate::ledger::TRANSFERS_PAGES_MAX`] more calls and says no more.
+    pub fn listed_incomplete_since(
+        &self,
+        account_id: u128,
+        since: Instant,
+        now: Instant,
+    ) -> Option<LocalQuota> {
+        let mut shard = self.shard(account_id);
+        let holds = shard.get_mut(&account_id)?;
+        let lately = holds.listed_at.is_some_and(|at| at >= since);
+        if !(holds.listed_incomplete && lately) {
+            return None;
+        }
+        holds.prune(now);
+        Some(holds.quota(now))
     }
 
     /// Whether this instance remembers anything of the caller (else its quota is a guess).

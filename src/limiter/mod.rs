@@ -237,6 +237,12 @@ struct Timing {
 /// read is tried again then (a moved caller follows the move).
 const CLOSED_UNREAD_RETRY: Duration = Duration::from_secs(1);
 
+/// How long a listing that missed holds (a caller holding more than a listing reads) stands in
+/// for another when the ledger refuses the caller again: that refusal is answered at once, as
+/// the listing would have had it (`Retry-After` 1: it cannot tell when), for one ledger call
+/// rather than up to 18. The ledger still decides every request.
+const INCOMPLETE_LISTING_STANDS: Duration = Duration::from_secs(1);
+
 /// Why a decision did not admit: a refusal, or the caller moved to another plan (follow it).
 enum NotAdmitted {
     Refused(Outcome, LocalQuota),
@@ -766,7 +772,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 answered_at,
                 transfer_id,
             } => return Ok(self.admitted(charge, answered_at, transfer_id)),
-            Placed::ExceedsCredits => {}
+            Placed::ExceedsCredits => {
+                if let Some(refusal) = self.refused_as_listed(charge) {
+                    return Err(refusal.into());
+                }
+            }
             Placed::Blocked => return Err(self.refused_closed(charge, deadline, read).await),
         }
         let view = self.view(charge, deadline).await;
@@ -790,6 +800,27 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 Err(self.limited_by_ledger(charge, view, read).into())
             }
         }
+    }
+
+    /// The ledger refused a caller whose account this instance listed in the last
+    /// [`INCOMPLETE_LISTING_STANDS`] and found holding more than a listing reads: the refusal
+    /// as that listing had it, without listing the account again.
+    fn refused_as_listed(&self, charge: &Charge<'_>) -> Option<(Outcome, LocalQuota)> {
+        let listed = self.listed_lately_incomplete(charge.account.id)?;
+        let quota = LocalQuota {
+            remaining: 0,
+            ..listed
+        };
+        let outcome = refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
+        Some((outcome, quota))
+    }
+
+    /// The quota of `account_id` if this instance listed it in the last
+    /// [`INCOMPLETE_LISTING_STANDS`] and that listing missed holds.
+    fn listed_lately_incomplete(&self, account_id: u128) -> Option<LocalQuota> {
+        let now = self.clock.now();
+        let since = now.checked_sub(INCOMPLETE_LISTING_STANDS)?;
+        self.local.listed_incomplete_since(account_id, since, now)
     }
 
     /// The ledger refused the hold on a closed account (a block, or a move away): read which.

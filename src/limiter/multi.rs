@@ -95,6 +95,9 @@ enum Chained {
     /// A link's account is closed (a block, a move) and the read that says why failed: the
     /// ledger said no, so refused, but for a second, not a window.
     ClosedUnread { limit: usize, error: LedgerError },
+    /// A link's account refused, and listed a moment ago with more holds than a listing reads:
+    /// refused for a second, as that listing had it, without listing it again.
+    RefusedAsListed { limit: usize },
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
@@ -156,6 +159,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             Ok(Chained::ClosedUnread { limit, error }) => {
                 self.refused_closed_unread(limits, limit, error)
+            }
+            Ok(Chained::RefusedAsListed { limit }) => {
+                let retry = super::INCOMPLETE_LISTING_STANDS;
+                let outcome = super::refused(retry, DecisionSource::Ledger, false);
+                self.refused_for_a_moment(limits, limit, outcome)
             }
             Err(error) => self.all_failed(limits, error),
         }
@@ -302,15 +310,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 ChainReply::Held {
                     answered_at,
                     transfer_ids,
-                } => {
-                    if transfer_ids.len() != links.len() {
-                        return Err(self.unexpected("a chain's ids do not match its links"));
-                    }
-                    return Ok(Chained::Held {
-                        answered_at,
-                        transfer_ids,
-                    });
-                }
+                } => return self.held_chain(answered_at, transfer_ids, links.len()),
                 ChainReply::Refused { index, refusal } => (index, refusal),
             };
             let Some(&limit) = links.get(index) else {
@@ -331,6 +331,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         view => Ok(Chained::Refused { limit, view }),
                     };
                 }
+                LinkRefusal::ExceedsCredits if self.listed_lately(&limits[limit]) => {
+                    return Ok(Chained::RefusedAsListed { limit });
+                }
                 LinkRefusal::ExceedsCredits => {
                     let view = self.account_view_of(account, deadline).await;
                     let cost = cost_on_account(limits, account.id);
@@ -350,6 +353,28 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
         }
         Err(self.unexpected("a chain not decided within its rounds"))
+    }
+
+    /// A chain the ledger held: one id per link, or the ledger answered what the model rules out.
+    fn held_chain(
+        &self,
+        answered_at: Instant,
+        transfer_ids: Vec<u128>,
+        links: usize,
+    ) -> Result<Chained, LedgerError> {
+        if transfer_ids.len() != links {
+            return Err(self.unexpected("a chain's ids do not match its links"));
+        }
+        Ok(Chained::Held {
+            answered_at,
+            transfer_ids,
+        })
+    }
+
+    /// Whether `limit`'s account was listed a moment ago and found holding more than a listing
+    /// reads ([`Chained::RefusedAsListed`]).
+    fn listed_lately(&self, limit: &Limit) -> bool {
+        limit.local_view && self.listed_lately_incomplete(limit.account.id).is_some()
     }
 
     /// Each limit's account's generation in the local view, read before its listing is asked for.
@@ -491,6 +516,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Some((outcome, _)) => outcome,
             None => super::refused(super::CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false),
         };
+        self.refused_for_a_moment(limits, refused, outcome)
+    }
+
+    /// A refusal by `limits[refused]` that this instance does not list the account for: the
+    /// others' quotas as remembered, the refuser's at 0.
+    fn refused_for_a_moment(
+        &self,
+        limits: &[Limit],
+        refused: usize,
+        outcome: Outcome,
+    ) -> MultiDecision {
+        let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);
         statuses[refused].quota.remaining = 0;
         MultiDecision {

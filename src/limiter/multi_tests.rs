@@ -515,3 +515,32 @@ async fn a_closed_link_whose_read_fails_is_refused_for_a_second_under_either_pol
     assert_eq!(decision.limits[1].quota.remaining, 0);
     assert_eq!(f.calls(), ["chain", "view"]);
 }
+
+/// A link whose account holds more than a listing reads, refused by the ledger again within a
+/// second of its last listing: refused for a second without listing it again.
+#[tokio::test]
+async fn a_link_listed_incomplete_a_moment_ago_is_not_listed_again() {
+    let f = Fixture::closed();
+    let limits = [limit(A, 5, 60, 1), limit(B, 5, 30, 1)];
+    let partial = f.view(5, &[20, 20], false);
+    f.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(partial)));
+    });
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["chain", "view"]);
+    f.clock.advance(Duration::from_millis(500));
+    f.script(|s| s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits)));
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(decision.refused_by, Some(1));
+    assert_eq!(decision.limits[1].quota.remaining, 0);
+    assert_eq!(f.calls(), ["chain"], "not listed again");
+}

@@ -688,6 +688,40 @@ async fn an_incomplete_listing_counts_only_the_listed_holds() {
     );
 }
 
+/// A caller holding more than a listing reads, refused by the ledger again within a second of
+/// its last listing: that listing stands (the same `Retry-After`, 1 s), and the account is
+/// not listed again: one ledger call for the refusal, not up to 18. A second later it is.
+#[tokio::test]
+async fn a_listing_that_missed_holds_stands_for_a_second() {
+    let f = Fixture::closed();
+    let partial = || f.view(CAPACITY, &[20, 20], false);
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(partial())));
+    });
+    assert_eq!(
+        limited_by(&f.check(ONE).await),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["hold", "view"]);
+    f.clock.advance(Duration::from_millis(900));
+    f.script(|s| s.holds.push_back(Ok(HoldReply::ExceedsCredits)));
+    let again = f.check(ONE).await;
+    assert_eq!(limited_by(&again), Some((1, DecisionSource::Ledger)));
+    assert_eq!(again.quota.remaining, 0, "{:?}", again.quota);
+    assert_eq!(f.calls(), ["hold"], "not listed again");
+    f.clock.advance(Duration::from_millis(200));
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(partial())));
+    });
+    assert_eq!(
+        limited_by(&f.check(ONE).await),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["hold", "view"], "listed again after a second");
+}
+
 #[tokio::test]
 async fn ledger_errors_follow_the_failure_policy() {
     for (policy, void) in [(FailurePolicy::Closed, true), (FailurePolicy::Open, false)] {
