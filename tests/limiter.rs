@@ -760,11 +760,15 @@ async fn a_transfer_due_before_a_lingering_batch_goes_opens_its_own() {
         Instant::now() + Duration::from_secs(10),
         true,
     );
-    let second = async {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let deadline = Instant::now() + Duration::from_millis(2);
-        ledger.hold(fresh_id(), 1, 30, deadline, true).await
-    };
+    // Polled right after the first opened its batch (one task, in order): due in 4 ms, it would
+    // go on its own within 2 ms, before that batch goes (5 ms).
+    let second = ledger.hold(
+        fresh_id(),
+        1,
+        30,
+        Instant::now() + Duration::from_millis(4),
+        true,
+    );
     let (first, second) = tokio::join!(first, second);
     assert!(
         matches!(first, Ok(ledger::HoldReply::AccountNotFound)),

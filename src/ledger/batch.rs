@@ -190,8 +190,9 @@ pub(super) async fn create_transfer(
     })
 }
 
-/// Joins this thread's open batch when it is for the same client, has room and goes by the
-/// member's deadline; else opens one that goes at `sends_at` (returned: the caller has it sent).
+/// Joins this thread's open batch when it is for the same client, has room and goes no later
+/// than `sends_at`, when the member would go on its own; else opens one that goes then
+/// (returned: the caller has it sent).
 fn join_or_open(
     connection: &Arc<Connection>,
     transfer: tb::Transfer,
@@ -204,7 +205,8 @@ fn join_or_open(
         if let Some(open) = filling.as_ref() {
             let mut batch = lock(open);
             let fits = !batch.sent && batch.transfers.len() < BATCH_TRANSFERS_MAX;
-            let in_time = batch.sends_at.is_none_or(|at| at <= member.deadline);
+            // No later than it would go on its own (half its time left, at most).
+            let in_time = batch.sends_at.is_none_or(|at| at <= sends_at.unwrap_or(at));
             let same = |open: &Arc<Connection>| Arc::ptr_eq(open, connection);
             if fits && in_time && batch.connection.as_ref().is_some_and(same) {
                 batch.transfers.push(transfer);
