@@ -51,6 +51,10 @@ descriptors:
     rate_limit:
       requests_per_unit: 1
       unit: minute
+  - key: costly_short
+    rate_limit:
+      requests_per_unit: 10
+      window_seconds: 10
   - key: counted
     rate_limit:
       requests_per_unit: 10
@@ -485,6 +489,34 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
     let again = call(&mut client, costly(5, None)).await;
     assert_eq!(overall(&again), Code::OverLimit);
     assert_eq!(request_calls(app.limiter.ledger()), calls, "no ledger call");
+}
+
+/// A charge refused with 3 free and 7 held, due back in 7 s: the 3 are spent for a window
+/// (10 s), and the charge of 5 fits once the 7 are back, in about 7 s. The refusal says so,
+/// counting the over-charge, rather than when the over-charge itself expires (10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_charge_is_counted_in_when_the_charge_fits() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    let charge = |hits: u32| RateLimitRequest {
+        hits_addend: hits,
+        ..request("extra", vec![descriptor(&[("costly_short", &value)])])
+    };
+    let first = call(&mut client, charge(7)).await;
+    assert_eq!(first.statuses[0].limit_remaining, 3);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let over = call(&mut client, charge(5)).await;
+    assert_eq!(
+        (overall(&over), over.statuses[0].limit_remaining),
+        (Code::OverLimit, 0)
+    );
+    let reset = over.statuses[0].duration_until_reset.unwrap().seconds;
+    assert!((6..=8).contains(&reset), "{reset}");
+    // Then it fits.
+    tokio::time::sleep(Duration::from_secs(reset as u64)).await;
+    assert_eq!(overall(&call(&mut client, charge(5)).await), Code::Ok);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,8 +31,9 @@ use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGT
 use super::metrics::RlsMetrics;
 use crate::ledger::model::{self, UserAccount};
 use crate::ledger::Ledger;
+use crate::ledger::{HoldReply, LedgerError};
 use crate::limiter::multi::cost_on_account;
-use crate::limiter::{Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX};
+use crate::limiter::{KnownFree, Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX};
 
 /// At most this many descriptors per request (each is one link of the ledger chain).
 pub const DESCRIPTORS_MAX: usize = LIMITS_PER_CHECK_MAX;
@@ -364,7 +365,7 @@ impl RateLimitServer {
     /// was dropped, the budget never ran out, and checks (`hits_addend` 0) passed for good. One
     /// more write, on a refusal that left something free only; best effort, by the decision's
     /// `deadline`. It holds at most the charge less one (a refusal is never charged in full),
-    /// and the refusal then says to come back when that hold has expired.
+    /// and the refusal then says when the charge fits with that hold counted.
     async fn hold_what_remains(
         &self,
         limits: &[Limit],
@@ -383,10 +384,10 @@ impl RateLimitServer {
         if charge <= 1 || !limit.local_view {
             return;
         }
+        let known = self.limiter.known_free(limit.account.id);
         // Nothing free, as the listing of this refusal (or the view that refused) says: a hold
-        // of 0 would be a write for nothing, and the forget below would send every refusal
-        // after exhaustion to the ledger.
-        if self.limiter.known_free(limit.account.id) == Some(0) {
+        // of 0 would be a write for nothing.
+        if known == KnownFree::Listed(0) {
             return;
         }
         let window = limit.account.window_seconds.get();
@@ -394,25 +395,70 @@ impl RateLimitServer {
             .ledger()
             .hold_what_remains(limit.account.id, charge, window, deadline)
             .await;
-        if let Err(error) = held {
-            tracing::debug!(%error, "could not hold what was left of a refused charge");
-        }
-        // What was free is held for a window now (or may be: an unanswered hold may land), so
-        // the charge fits only once older holds have freed all of it, not just what was missing
-        // when refused: a client told the latter and retrying then would be refused again, its
-        // over-charge spending what came back, for as long as it obeyed. All of it is free when
-        // this hold has expired.
-        let seconds = self.limiter.seconds_until_expired(window);
-        if let Outcome::Limited {
-            retry_after_seconds,
-            ..
-        } = &mut decision.outcome
+        let retry = self.retry_after_over_charge(&limit.account, charge, known, held);
+        if let (
+            Some(seconds),
+            Outcome::Limited {
+                retry_after_seconds,
+                ..
+            },
+        ) = (retry, &mut decision.outcome)
         {
             *retry_after_seconds = (*retry_after_seconds).max(seconds);
         }
-        // Remembered holds are short of it now; the next request asks the ledger.
-        self.limiter.forget(limit.account.id);
-        decision.limits[refused].quota.remaining = 0;
+        // Every descriptor on that account: a descriptor named twice is spent twice over.
+        for (limit, status) in limits.iter().zip(&mut decision.limits) {
+            if limit.account.id == limits[refused].account.id {
+                status.quota.remaining = 0;
+            }
+        }
+    }
+
+    /// When a charge refused and over-charged fits again, if later than the refusal said; and
+    /// what this instance remembers of the account after it. What was free is held for a window
+    /// now, so the charge fits only once older holds have freed all of it, not just what was
+    /// missing: a client told the latter and retrying then would be refused again, its
+    /// over-charge spending what came back, for as long as it obeyed.
+    fn retry_after_over_charge(
+        &self,
+        account: &UserAccount,
+        charge: u64,
+        known: KnownFree,
+        held: Result<HoldReply, LedgerError>,
+    ) -> Option<u64> {
+        let window = self
+            .limiter
+            .seconds_until_expired(account.window_seconds.get());
+        let held = match held {
+            Ok(HoldReply::Held { .. }) => true,
+            // Closed meanwhile (a block, a move: the refusal says so): nothing was held.
+            Ok(_) => {
+                self.limiter.forget(account.id);
+                return None;
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not hold what was left of a refused charge");
+                false
+            }
+        };
+        match known {
+            // Held what the listing said was free (all of it: less than the charge), counted
+            // in the view, which then says when the charge fits.
+            KnownFree::Listed(free) if held => {
+                let amount = free.min(charge - 1);
+                let fits = self.limiter.record_hold_placed(account, amount, charge);
+                Some(fits.map_or(window, |fits| whole_seconds_up(fits).max(1)))
+            }
+            // Its oldest holds are not listed and come back all the time: the listing's answer
+            // (a second) stands, and so does the view, so the next refusal costs no listing.
+            KnownFree::ListedIncomplete if held => None,
+            // Held an unknown amount; or unanswered, and it may land: all of it is free once
+            // this hold has expired.
+            _ => {
+                self.limiter.forget(account.id);
+                Some(window)
+            }
+        }
     }
 
     /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
@@ -711,6 +757,11 @@ fn rate_limit_headers(
         headers.push(header("Retry-After", seconds.to_string()));
     }
     headers
+}
+
+/// Whole seconds, rounded up.
+fn whole_seconds_up(duration: std::time::Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
 }
 
 /// The policy's name in the fields: the rule's `name`, else its last key (with its configured

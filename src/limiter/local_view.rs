@@ -555,12 +555,15 @@ impl LocalView {
     }
 
     /// The credit a caller has free right now, when the ledger has verified what this view
-    /// knows of it (`None`: a guess, or not known).
-    pub fn verified_free(&self, account_id: u128, now: Instant) -> Option<u64> {
+    /// knows of it (`None`: a guess, or not known), and whether its last listing missed holds
+    /// (then the free credit counts them as free: an upper bound, not the ledger's word).
+    pub fn verified_free(&self, account_id: u128, now: Instant) -> Option<(u64, bool)> {
         let mut shard = self.shard(account_id);
         let holds = shard.get_mut(&account_id)?;
         holds.prune(now);
-        holds.verified.then(|| holds.available())
+        holds
+            .verified
+            .then(|| (holds.available(), holds.listed_incomplete))
     }
 
     /// The quota of a caller whose last listing, stored after `since`, missed holds (it has

@@ -237,6 +237,17 @@ struct Timing {
 /// read is tried again then (a moved caller follows the move).
 const CLOSED_UNREAD_RETRY: Duration = Duration::from_secs(1);
 
+/// What an instance verified with the ledger of a caller's free credit ([`Limiter::known_free`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnownFree {
+    /// Not remembered, or a guess.
+    Unknown,
+    /// Listed whole: this much is free now, as far as this instance knows.
+    Listed(u64),
+    /// Listed lately, but the account holds more than a listing reads: free is unknown.
+    ListedIncomplete,
+}
+
 /// How long a listing that missed holds (a caller holding more than a listing reads) stands in
 /// for another when the ledger refuses the caller again: that refusal is answered at once, as
 /// the listing would have had it (`Retry-After` 1: it cannot tell when), for one ledger call
@@ -362,10 +373,32 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.clock.now() + self.settings.ledger_timeout
     }
 
-    /// The credit `account_id` has free as this instance verified it with the ledger (`None`:
-    /// not known, or a guess).
-    pub fn known_free(&self, account_id: u128) -> Option<u64> {
-        self.local.verified_free(account_id, self.clock.now())
+    /// What this instance verified with the ledger of the credit `account_id` has free.
+    pub fn known_free(&self, account_id: u128) -> KnownFree {
+        match self.local.verified_free(account_id, self.clock.now()) {
+            None => KnownFree::Unknown,
+            Some((_, true)) => KnownFree::ListedIncomplete,
+            Some((free, false)) => KnownFree::Listed(free),
+        }
+    }
+
+    /// Counts a hold of `amount` placed now outside a decision (the Envoy front end's
+    /// over-charge) in what this instance remembers of `account`, and says when `cost` fits
+    /// again; `None` if it cannot tell (it does not know the caller, verified).
+    pub fn record_hold_placed(
+        &self,
+        account: &UserAccount,
+        amount: u64,
+        cost: u64,
+    ) -> Option<Duration> {
+        let now = self.clock.now();
+        let window = Duration::from_secs(account.window_seconds.get().into());
+        if amount > 0 {
+            let credit = account.capacity.get();
+            self.local
+                .record_hold(account.id, credit, amount, now, window, now);
+        }
+        Some(self.local.check(account.id, cost, now)?.retry_after)
     }
 
     /// Whole seconds until a hold placed now for `window_seconds` has expired (its timeout,
