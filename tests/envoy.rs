@@ -451,13 +451,17 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
     );
     // A check (a descriptor's hits_addend of 0) holds nothing and reads the ledger: an instance
     // that never saw the caller says 3 left, not its capacity.
-    let (_other, mut other) =
+    let (other_app, mut other) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let calls = request_calls(other_app.limiter.ledger());
     let check = call(&mut other, costly(0, Some(0))).await;
     assert_eq!(
         (overall(&check), check.statuses[0].limit_remaining),
         (Code::Ok, 3)
     );
+    // One lookup (not counted here): a check that passes lists no holds.
+    let listed = request_calls(other_app.limiter.ledger()) - calls;
+    assert_eq!(listed, 0, "no listing");
     // 5 > 3 remaining: OVER_LIMIT, and the 3 are spent, as envoyproxy/ratelimit's counter goes
     // past its limit: a charge reported after the response (tokens counted at stream end) that
     // does not fit still exhausts the budget.

@@ -213,6 +213,24 @@ pub struct AccountView {
     pub blocked: Option<Blocked>,
 }
 
+/// What one lookup says of a user account, without listing its holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccountFree {
+    /// credits_posted − debits_posted − debits_pending.
+    pub available: u64,
+    /// An operator closed it: a block, or a move.
+    pub closed: bool,
+}
+
+impl From<&AccountView> for AccountFree {
+    fn from(view: &AccountView) -> Self {
+        AccountFree {
+            available: view.available,
+            closed: view.blocked.is_some(),
+        }
+    }
+}
+
 /// An operator closed the account: a block, or a move to another plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Blocked {
@@ -622,6 +640,27 @@ impl Ledger {
             holds,
             complete,
             blocked,
+        }))
+    }
+
+    /// An account's free credit and whether it is closed, from one lookup: `None` if it does
+    /// not exist. Why not [`Ledger::account_view`]: a listing is up to
+    /// [`TRANSFERS_PAGES_MAX`] more calls, and a check (Envoy's `hits_addend` 0) needs only this,
+    /// unless it is refused.
+    pub async fn account_free(
+        &self,
+        account_id: u128,
+        deadline: Instant,
+    ) -> Result<Option<AccountFree>, LedgerError> {
+        let Some(account) = self.lookup_account(account_id, deadline).await? else {
+            return Ok(None);
+        };
+        let available = (account.credits_posted())
+            .saturating_sub(account.debits_posted())
+            .saturating_sub(account.debits_pending());
+        Ok(Some(AccountFree {
+            available: u64::try_from(available).unwrap_or(u64::MAX),
+            closed: account.flags().contains(tb::account::Flags::CLOSED),
         }))
     }
 

@@ -20,7 +20,7 @@ use thiserror::Error;
 use super::store::{Clock, Store};
 use super::{
     refused, second_chance, whole_seconds_up, DecisionSource, FailurePolicy, HoldReceipt, Limiter,
-    Outcome, Quota, SecondChance,
+    Outcome, Quota, SecondChance, INCOMPLETE_LISTING_STANDS,
 };
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
@@ -161,8 +161,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 self.refused_closed_unread(limits, limit, error)
             }
             Ok(Chained::RefusedAsListed { limit }) => {
-                let retry = super::INCOMPLETE_LISTING_STANDS;
-                let outcome = super::refused(retry, DecisionSource::Ledger, false);
+                let retry = INCOMPLETE_LISTING_STANDS;
+                let outcome = refused(retry, DecisionSource::Ledger, false);
                 self.refused_for_a_moment(limits, limit, outcome)
             }
             Err(error) => self.all_failed(limits, error),
@@ -255,7 +255,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// "check only"). Nothing is held for them, so the ledger is read: refused when the account
     /// is closed (a block) or has nothing free, as a charge of 1 would be; a missing account is
     /// whole. Read each time (the local view refuses sooner, above, but may not know what other
-    /// instances charged). A failed read is the failure policy's.
+    /// instances charged), by one lookup: its holds are listed only for a refusal's
+    /// `Retry-After`. A failed read is the failure policy's.
     ///
     /// `Ok`: what each check found free (its index, its units).
     async fn refuse_checked(
@@ -268,22 +269,49 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let id = limits[*i].account.id;
             limits.iter().all(|l| l.account.id != id || l.cost == 0)
         });
-        let views = checked.map(|i| async move {
-            let view = self.account_view_of(&limits[i].account, deadline).await;
-            (i, view)
+        let lookups = checked.map(|i| async move {
+            let account = &limits[i].account;
+            let window_seconds_max = self.window_max_of(account).as_secs();
+            let window_seconds_max = u32::try_from(window_seconds_max).unwrap_or(u32::MAX);
+            let found = (self.store)
+                .account_free(account.id, window_seconds_max, deadline)
+                .await;
+            (i, found)
         });
         let mut free = Vec::new();
-        for (i, view) in futures_util::future::join_all(views).await {
-            match &view {
-                Ok(Some(v)) if v.blocked.is_some() || v.available == 0 => {
-                    return Err(self.refused_by_ledger(limits, i, (view, reads[i])));
+        for (i, found) in futures_util::future::join_all(lookups).await {
+            match found {
+                Ok(Some(f)) if f.closed || f.available == 0 => {
+                    return Err(self.refused_check(limits, i, reads[i], deadline).await);
                 }
-                Ok(Some(v)) => free.push((i, v.available)),
+                Ok(Some(f)) => free.push((i, f.available)),
                 Ok(None) => free.push((i, limits[i].account.capacity.get())),
-                Err(error) => return Err(self.all_failed(limits, error.clone())),
+                Err(error) => return Err(self.all_failed(limits, error)),
             }
         }
         Ok(free)
+    }
+
+    /// A check whose account has nothing free or is closed: refused, as the listing of its holds
+    /// says until when (read before, at `read`); for a second, without a listing, if the
+    /// account was listed a moment ago and holds more than a listing reads, or if the listing
+    /// fails (the lookup said no a moment ago: refused whatever the policy).
+    async fn refused_check(
+        &self,
+        limits: &[Limit],
+        i: usize,
+        read: Generation,
+        deadline: Instant,
+    ) -> MultiDecision {
+        if self.listed_lately(&limits[i]) {
+            let outcome = refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
+            return self.refused_for_a_moment(limits, i, outcome);
+        }
+        match self.account_view_of(&limits[i].account, deadline).await {
+            Err(error) => self.refused_closed_unread(limits, i, error),
+            // Freed since the lookup: refused all the same, as of the lookup (a second at least).
+            view => self.refused_by_ledger(limits, i, (view, read)),
+        }
     }
 
     /// Places the chain of `links` (indices into `limits`); provisions each new account once
@@ -500,15 +528,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// The refusal of a request whose link `refused` found its account closed (a block, a
-    /// move) when the read of why failed: the block this instance knows, else refused for a
-    /// second ([`CLOSED_UNREAD_RETRY`](super::CLOSED_UNREAD_RETRY)).
+    /// move), or a check that found nothing free, when the read of why (or until when) failed:
+    /// the block this instance knows, else refused for a second
+    /// ([`CLOSED_UNREAD_RETRY`](super::CLOSED_UNREAD_RETRY)).
     fn refused_closed_unread(
         &self,
         limits: &[Limit],
         refused: usize,
         error: LedgerError,
     ) -> MultiDecision {
-        tracing::debug!(%error, "a closed account could not be read; refused for a second");
+        tracing::debug!(%error, "an account the ledger refused could not be read; refused for a second");
         let now = self.clock.now();
         let id = limits[refused].account.id;
         let known = limits[refused].local_view;

@@ -70,7 +70,8 @@ async fn every_costing_limit_is_one_link_of_one_chain() {
 #[tokio::test]
 async fn a_check_holds_nothing_and_is_refused_when_nothing_is_free() {
     let f = Fixture::closed();
-    // A check (cost 0) beside a charge: the check's account is read, the charge is the chain.
+    // A check (cost 0) beside a charge: the check's account is looked up (its holds are not
+    // listed), the charge is the chain.
     let answer = held(&f, &[7]);
     let two_free = f.view(5, &[30, 30, 30], true);
     f.script(|s| {
@@ -83,7 +84,7 @@ async fn a_check_holds_nothing_and_is_refused_when_nothing_is_free() {
         .await
         .unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
-    assert_eq!(f.calls(), ["view", "chain"]);
+    assert_eq!(f.calls(), ["free", "chain"]);
     assert_eq!(chains(&f), [vec![(B, 1)]]);
     assert_eq!(decision.limits[0].hold, None);
     assert_eq!(decision.limits[0].quota.remaining, 2, "the ledger's word");
@@ -94,10 +95,14 @@ async fn a_check_holds_nothing_and_is_refused_when_nothing_is_free() {
     assert_eq!(decision.limits[0].quota.remaining, 5);
     let decision = f.limiter.check_all(&[]).await.unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
-    assert_eq!(f.calls(), ["view"]);
-    // Nothing free: refused, retry when the first hold ends; then from memory.
+    assert_eq!(f.calls(), ["free"]);
+    // Nothing free: refused, retry when the first hold ends (its holds listed for that); then
+    // from memory.
     let spent = f.view(3, &[20, 30, 30], true);
-    f.script(|s| s.views.push_back(Ok(Some(spent))));
+    f.script(|s| {
+        s.views.push_back(Ok(Some(spent.clone())));
+        s.views.push_back(Ok(Some(spent)));
+    });
     let checks = [limit(A, 5, 60, 0), limit(B, 5, 60, 1)];
     let decision = f.limiter.check_all(&checks).await.unwrap();
     assert_eq!(
@@ -105,7 +110,7 @@ async fn a_check_holds_nothing_and_is_refused_when_nothing_is_free() {
         Some((20, DecisionSource::Ledger))
     );
     assert_eq!(decision.refused_by, Some(0));
-    assert_eq!(f.calls(), ["view"], "nothing charged beside it");
+    assert_eq!(f.calls(), ["free", "view"], "nothing charged beside it");
     let decision = f.limiter.check_all(&checks).await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
@@ -543,4 +548,44 @@ async fn a_link_listed_incomplete_a_moment_ago_is_not_listed_again() {
     assert_eq!(decision.refused_by, Some(1));
     assert_eq!(decision.limits[1].quota.remaining, 0);
     assert_eq!(f.calls(), ["chain"], "not listed again");
+}
+
+/// A check whose lookup found nothing free, and whose listing (for `Retry-After`) then failed:
+/// the ledger said no a moment ago, so refused for a second whatever the policy, not admitted
+/// by an open one.
+#[tokio::test]
+async fn a_refused_check_whose_listing_fails_is_refused_for_a_second() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    let spent = f.view(3, &[20, 30, 30], true);
+    f.script(|s| {
+        s.views.push_back(Ok(Some(spent)));
+        s.views.push_back(Err(timeout()));
+    });
+    let decision = f.limiter.check_all(&[limit(A, 5, 60, 0)]).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["free", "view"]);
+}
+
+/// A check on an account listed a moment ago and found holding more than a listing reads: when
+/// its lookup finds nothing free, refused for a second without listing it again.
+#[tokio::test]
+async fn a_refused_check_on_an_account_listed_incomplete_lists_nothing() {
+    let f = Fixture::closed();
+    let partial = f.view(5, &[20, 20], false);
+    f.script(|s| {
+        s.chains.push_back(refused(0, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(partial.clone())));
+    });
+    f.limiter.check_all(&[limit(A, 5, 60, 1)]).await.unwrap();
+    assert_eq!(f.calls(), ["chain", "view"]);
+    f.script(|s| s.views.push_back(Ok(Some(partial))));
+    let decision = f.limiter.check_all(&[limit(A, 5, 60, 0)]).await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((1, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["free"], "no listing");
 }

@@ -9,7 +9,9 @@ use std::time::{Instant, SystemTime};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
-use crate::ledger::{AccountView, ChainLink, ChainReply, HoldReply, Ledger, LedgerError};
+use crate::ledger::{
+    AccountFree, AccountView, ChainLink, ChainReply, HoldReply, Ledger, LedgerError,
+};
 
 /// What a decision needs from the ledger. Every call ends by `deadline`.
 pub trait Store: Send + Sync + 'static {
@@ -58,6 +60,22 @@ pub trait Store: Send + Sync + 'static {
         window_seconds_max: u32,
         deadline: Instant,
     ) -> impl Future<Output = Result<Option<AccountView>, LedgerError>> + Send;
+
+    /// The account's free credit and whether it is closed, without listing its holds; `None` if
+    /// it does not exist. By default, from [`Store::account_view`].
+    fn account_free(
+        &self,
+        account_id: u128,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Option<AccountFree>, LedgerError>> + Send {
+        async move {
+            let view = self
+                .account_view(account_id, window_seconds_max, deadline)
+                .await?;
+            Ok(view.as_ref().map(AccountFree::from))
+        }
+    }
 
     /// Whether the ledger answers at all.
     fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send;
@@ -149,6 +167,15 @@ impl Store for Ledger {
         deadline: Instant,
     ) -> impl Future<Output = Result<Option<AccountView>, LedgerError>> + Send {
         Ledger::account_view(self, account_id, window_seconds_max, deadline)
+    }
+
+    fn account_free(
+        &self,
+        account_id: u128,
+        _window_seconds_max: u32,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Option<AccountFree>, LedgerError>> + Send {
+        Ledger::account_free(self, account_id, deadline)
     }
 
     fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send {

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use super::*;
 use crate::ledger::metrics::Operation;
-use crate::ledger::{Blocked, ChainLink, ChainReply, Hold};
+use crate::ledger::{AccountFree, Blocked, ChainLink, ChainReply, Hold};
 use plan::{test_plan, UnknownKeys};
 
 #[path = "multi_tests.rs"]
@@ -110,6 +110,12 @@ impl Store for FakeStore {
             go.await.unwrap();
         }
         self.next("view", |s| s.views.pop_front())
+    }
+
+    /// A lookup alone: the next scripted view, as a lookup has it.
+    async fn account_free(&self, _: u128, _: u32, _: Instant) -> Reply<Option<AccountFree>> {
+        let view = self.next("free", |s| s.views.pop_front())?;
+        Ok(view.as_ref().map(AccountFree::from))
     }
 
     async fn ping(&self, _: Instant) -> Reply<()> {
