@@ -554,3 +554,43 @@ async fn a_move_carries_a_lease_older_than_its_window() {
     let carried_for = moved.recent.iter().map(|t| t.timeout_seconds).max();
     assert!(carried_for.is_some_and(|s| s >= 3), "{:?}", moved.recent);
 }
+
+/// A sweep under a small in-flight bound: its settlements take at most a quarter of the places,
+/// a few at a time, and all of them land. Before, a sweep sent every settlement due at once:
+/// beyond the bound they failed `Overloaded` (their unused units held window + L, not L), and
+/// the decisions made meanwhile with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_under_a_small_in_flight_bound_settles_every_lease() {
+    let ledger = common::ledger_client_bounded(vec![common::shared_ledger().address], 8);
+    let terms = LeaseTerms {
+        units_max: NonZeroU64::new(10).unwrap(),
+        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    };
+    let plan = Plan::new(
+        "hot",
+        NonZeroU64::new(100).unwrap(),
+        NonZeroU32::new(WINDOW_SECONDS).unwrap(),
+    )
+    .unwrap()
+    .with_lease(terms)
+    .unwrap();
+    let limiter = &common::one_plan_limiter(ledger, plan);
+    let keys: Vec<String> = (0..40).map(|_| common::fresh_key("k_")).collect();
+    for chunk in keys.chunks(4) {
+        let checks = chunk.iter().map(|key| async move {
+            let decision = limiter.check(&caller(key), NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        });
+        futures_util::future::join_all(checks).await;
+    }
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 200)).await;
+    assert_eq!(limiter.settle_due_leases().await, 40, "every lease is due");
+    for key in &keys {
+        let audit = audit(limiter, key).await;
+        assert!(audit.leases >= 1, "{audit:?}");
+        assert_eq!(
+            audit.leases_settled, audit.leases,
+            "every lease settled: {audit:?}"
+        );
+    }
+}

@@ -819,6 +819,11 @@ impl Ledger {
         self.metrics.batches_set(self.batching.sent());
     }
 
+    /// The in-flight bound: calls at the ledger at once, at most (`ledger.in_flight_max`).
+    pub fn in_flight_max(&self) -> usize {
+        self.in_flight_max
+    }
+
     /// Calls holding a place under the in-flight bound now: sent, and not answered yet.
     pub fn calls_in_flight(&self) -> usize {
         self.in_flight_max - self.in_flight.available_permits()

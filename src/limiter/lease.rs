@@ -57,6 +57,10 @@ pub const SETTLE_TICK: Duration = Duration::from_millis(100);
 const SETTLE_ALL_TIME_MIN: Duration = Duration::from_secs(1);
 /// Leases settled at once by one sweep, so a sweep's ledger calls stay bounded.
 const SETTLE_BATCH_MAX: usize = 256;
+
+/// Settlements a sweep has at the ledger at once, at most ([`Limiter::settle_leases`]): a batch
+/// in four rounds, a few milliseconds, well within a tick; tens of thousands a second.
+const SETTLE_CONCURRENCY_MAX: usize = 64;
 const SHARD_COUNT: usize = 16;
 
 /// Units leased and requests admitted from them, by plan: `lease_transfers_total` over the
@@ -910,14 +914,21 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         settled
     }
 
+    /// Settles the leases due, [`SETTLE_CONCURRENCY_MAX`] at a time at most, and at most a
+    /// quarter of the ledger's in-flight bound. Why: each settlement is a call under that bound,
+    /// and a whole batch (256) at once took its places from the decisions (every place, under
+    /// a small `ledger.in_flight_max`: decisions then failed `Overloaded`, and so did the
+    /// settlements beyond the bound, their unused units held window + L instead of L).
     async fn settle_leases(&self, all: bool, deadline: Instant) -> usize {
         let due = self.leases.due(self.clock.now(), all);
-        let count = due.len();
-        let settlements = due
-            .iter()
-            .map(|(holder, lease)| self.settle(holder, *lease, deadline));
-        futures_util::future::join_all(settlements).await;
-        count
+        let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
+        for round in due.chunks(at_once) {
+            let settlements = round
+                .iter()
+                .map(|(holder, lease)| self.settle(holder, *lease, deadline));
+            futures_util::future::join_all(settlements).await;
+        }
+        due.len()
     }
 }
 

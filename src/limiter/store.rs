@@ -77,6 +77,11 @@ pub trait Store: Send + Sync + 'static {
         }
     }
 
+    /// Calls the store takes at once, at most (beyond them it answers `Overloaded`).
+    fn in_flight_max(&self) -> usize {
+        usize::MAX
+    }
+
     /// Whether the ledger answers at all.
     fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send;
 
@@ -176,6 +181,10 @@ impl Store for Ledger {
         deadline: Instant,
     ) -> impl Future<Output = Result<Option<AccountFree>, LedgerError>> + Send {
         Ledger::account_free(self, account_id, deadline)
+    }
+
+    fn in_flight_max(&self) -> usize {
+        Ledger::in_flight_max(self)
     }
 
     fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send {
