@@ -760,15 +760,13 @@ async fn a_transfer_due_before_a_lingering_batch_goes_opens_its_own() {
         Instant::now() + Duration::from_secs(10),
         true,
     );
-    // Polled right after the first opened its batch (one task, in order): due in 4 ms, it would
-    // go on its own within 2 ms, before that batch goes (5 ms).
-    let second = ledger.hold(
-        fresh_id(),
-        1,
-        30,
-        Instant::now() + Duration::from_millis(4),
-        true,
-    );
+    // Polled right after the first opened its batch (one task, in order), and due 2 ms from
+    // then: it would go on its own within 1 ms, before that batch goes (5 ms), unless this
+    // thread stalls 4 ms between the two polls.
+    let second = async {
+        let deadline = Instant::now() + Duration::from_millis(2);
+        ledger.hold(fresh_id(), 1, 30, deadline, true).await
+    };
     let (first, second) = tokio::join!(first, second);
     assert!(
         matches!(first, Ok(ledger::HoldReply::AccountNotFound)),

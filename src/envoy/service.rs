@@ -441,24 +441,24 @@ impl RateLimitServer {
                 false
             }
         };
-        match known {
-            // Held what the listing said was free (all of it: less than the charge), counted
-            // in the view, which then says when the charge fits.
-            KnownFree::Listed(free) if held => {
-                let amount = free.min(charge - 1);
-                let fits = self.limiter.record_hold_placed(account, amount, charge);
-                Some(fits.map_or(window, |fits| whole_seconds_up(fits).max(1)))
+        let retry = match known {
+            // When the charge fits with the most the over-charge can have held (the view's
+            // free credit may be short of the ledger's, by holds expired since it was listed).
+            KnownFree::Listed(_) if held => {
+                let fits = self.limiter.fits_after_hold(account, charge - 1, charge);
+                fits.map_or(window, |fits| whole_seconds_up(fits).max(1))
             }
-            // Its oldest holds are not listed and come back all the time: the listing's answer
-            // (a second) stands, and so does the view, so the next refusal costs no listing.
-            KnownFree::ListedIncomplete if held => None,
+            // Its oldest holds are not listed: when they come back is unknown, so the window;
+            // the view stays, and with it the listing's stand-in (the next refusal lists nothing).
+            KnownFree::ListedIncomplete if held => return Some(window),
             // Held an unknown amount; or unanswered, and it may land: all of it is free once
             // this hold has expired.
-            _ => {
-                self.limiter.forget(account.id);
-                Some(window)
-            }
-        }
+            _ => window,
+        };
+        // The view does not count the over-charge (the ledger held what was free, unknown to
+        // it): the next refusal lists the account, and the ones after it are refused from memory.
+        self.limiter.forget(account.id);
+        Some(retry)
     }
 
     /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes

@@ -56,7 +56,7 @@ struct LocalHold {
     expires_at: Instant,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct CallerHolds {
     /// The credit the account has when nothing is held (its grant, as the ledger last said).
     credit: u64,
@@ -583,6 +583,31 @@ impl LocalView {
         }
         holds.prune(now);
         Some(holds.quota(now))
+    }
+
+    /// When `cost` would fit in a verified caller's credit were `amount` more held now for
+    /// `timeout` (not recorded): `None` if it fits now, or the caller is not known verified.
+    pub fn fits_after_hold(
+        &self,
+        account_id: u128,
+        cost: u64,
+        (amount, timeout): (u64, Duration),
+        now: Instant,
+    ) -> Option<Duration> {
+        let mut holds = {
+            let mut shard = self.shard(account_id);
+            let holds = shard.get_mut(&account_id)?;
+            holds.prune(now);
+            if !holds.verified {
+                return None;
+            }
+            holds.clone()
+        };
+        holds.push(LocalHold {
+            amount,
+            expires_at: now + timeout + self.expiry_margin,
+        });
+        Some(holds.limit(cost, now)?.retry_after)
     }
 
     /// Whether this instance remembers anything of the caller (else its quota is a guess).

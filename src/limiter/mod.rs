@@ -382,23 +382,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// Counts a hold of `amount` placed now outside a decision (the Envoy front end's
-    /// over-charge) in what this instance remembers of `account`, and says when `cost` fits
-    /// again; `None` if it cannot tell (it does not know the caller, verified).
-    pub fn record_hold_placed(
+    /// When `cost` fits on `account` were `amount` more held now for its window (the Envoy
+    /// front end's over-charge, at the most it can hold), as this instance verified the
+    /// account; `None` if it cannot tell (it does not know the caller, verified). Nothing is
+    /// recorded: what the ledger held may be less.
+    pub fn fits_after_hold(
         &self,
         account: &UserAccount,
         amount: u64,
         cost: u64,
     ) -> Option<Duration> {
-        let now = self.clock.now();
         let window = Duration::from_secs(account.window_seconds.get().into());
-        if amount > 0 {
-            let credit = account.capacity.get();
-            self.local
-                .record_hold(account.id, credit, amount, now, window, now);
-        }
-        Some(self.local.check(account.id, cost, now)?.retry_after)
+        let now = self.clock.now();
+        self.local
+            .fits_after_hold(account.id, cost, (amount, window), now)
     }
 
     /// Whole seconds until a hold placed now for `window_seconds` has expired (its timeout,

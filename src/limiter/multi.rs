@@ -282,7 +282,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         for (i, found) in futures_util::future::join_all(lookups).await {
             match found {
                 Ok(Some(f)) if f.closed || f.available == 0 => {
-                    return Err(self.refused_check(limits, i, reads[i], deadline).await);
+                    let closed = f.closed;
+                    return Err(self
+                        .refused_check(limits, (i, closed), reads[i], deadline)
+                        .await);
                 }
                 Ok(Some(f)) => free.push((i, f.available)),
                 Ok(None) => free.push((i, limits[i].account.capacity.get())),
@@ -299,11 +302,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn refused_check(
         &self,
         limits: &[Limit],
-        i: usize,
+        (i, closed): (usize, bool),
         read: Generation,
         deadline: Instant,
     ) -> MultiDecision {
-        if self.listed_lately(&limits[i]) {
+        // A closed account is read for why (a block, or where the caller went).
+        if !closed && self.listed_lately(&limits[i]) {
             let outcome = refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
             return self.refused_for_a_moment(limits, i, outcome);
         }
