@@ -886,7 +886,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let count = self.settle_leases(false, self.deadline()).await;
+            let count = self.settle_leases(false, None).await;
             settled += count;
             if count < SETTLE_BATCH_MAX {
                 break;
@@ -906,7 +906,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut settled = 0;
         // A caller can have two leases to settle: its own, and one a renewal handed over.
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            match self.settle_leases(true, deadline).await {
+            match self.settle_leases(true, Some(deadline)).await {
                 0 => break,
                 count => settled += count,
             }
@@ -919,10 +919,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// and a whole batch (256) at once took its places from the decisions (every place, under
     /// a small `ledger.in_flight_max`: decisions then failed `Overloaded`, and so did the
     /// settlements beyond the bound, their unused units held window + L instead of L).
-    async fn settle_leases(&self, all: bool, deadline: Instant) -> usize {
+    ///
+    /// Each round has a deadline of its own (`ledger.timeout_ms` from its start), unless
+    /// `deadline` is given (a clean shutdown's one deadline for the whole pass): rounds one after
+    /// another under one deadline left the last ones none when the ledger was slow.
+    async fn settle_leases(&self, all: bool, deadline: Option<Instant>) -> usize {
         let due = self.leases.due(self.clock.now(), all);
         let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
         for round in due.chunks(at_once) {
+            let deadline = deadline.unwrap_or_else(|| self.deadline());
             let settlements = round
                 .iter()
                 .map(|(holder, lease)| self.settle(holder, *lease, deadline));
