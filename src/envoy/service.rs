@@ -446,7 +446,7 @@ impl RateLimitServer {
             // free credit may be short of the ledger's, by holds expired since it was listed).
             KnownFree::Listed(_) if held => {
                 let fits = self.limiter.fits_after_hold(account, charge - 1, charge);
-                fits.map_or(window, |fits| whole_seconds_up(fits).max(1))
+                fits.map_or(window, |fits| whole_seconds_up(fits).clamp(1, window))
             }
             // Its oldest holds are not listed: when they come back is unknown, so the window;
             // the view stays, and with it the listing's stand-in (the next refusal lists nothing).

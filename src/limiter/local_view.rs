@@ -585,8 +585,9 @@ impl LocalView {
         Some(holds.quota(now))
     }
 
-    /// When `cost` would fit in a verified caller's credit were `amount` more held now for
-    /// `timeout` (not recorded): `None` if it fits now, or the caller is not known verified.
+    /// How long until `cost` would fit in a verified caller's credit were `amount` more held now
+    /// for `timeout` (not recorded; zero if it fits now): `None` if the caller is not known
+    /// verified. A block is not asked about: the caller of a hold just placed is not blocked.
     pub fn fits_after_hold(
         &self,
         account_id: u128,
@@ -607,7 +608,7 @@ impl LocalView {
             amount,
             expires_at: now + timeout + self.expiry_margin,
         });
-        Some(holds.limit(cost, now)?.retry_after)
+        Some(holds.fits_at(cost, now).saturating_duration_since(now))
     }
 
     /// Whether this instance remembers anything of the caller (else its quota is a guess).
@@ -718,6 +719,29 @@ mod tests {
     /// A recharge above the old hold's units may record more than the ledger took (other
     /// instances' holds, unknown here, leave less free there): the caller is then not refused
     /// from memory until the ledger's word is read again.
+    /// Three of five held, expiring in 5, 10 and 20 s: were 2 more held for the window (30 s), a
+    /// cost of 2 would fit once two of the three are back (10 s, and the margin); nothing is
+    /// recorded by asking.
+    #[test]
+    fn fits_after_hold_counts_the_pretend_hold_without_recording_it() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let expiries = [5, 10, 20].map(Duration::from_secs);
+        list(&view, 7, &ledger_view(5, &expiries, wall), t0, wall);
+        let fits = view.fits_after_hold(7, 2, (2, WINDOW), t0);
+        assert_eq!(fits, Some(Duration::from_secs(10) + MARGIN));
+        assert_eq!(view.quota(7, 5, t0).remaining, 2, "not recorded");
+        // Above the credit, it never fits: then when everything known is back, a window on.
+        let never = view.fits_after_hold(7, 6, (2, WINDOW), t0);
+        assert_eq!(never, Some(WINDOW + MARGIN));
+        assert_eq!(
+            view.fits_after_hold(8, 1, (2, WINDOW), t0),
+            None,
+            "not known"
+        );
+    }
+
     #[test]
     fn a_recharge_above_the_estimate_is_not_refused_from_memory() {
         // Verified by a listing (nothing held), then one hold of 1 answered after it.
