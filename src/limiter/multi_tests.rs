@@ -588,4 +588,24 @@ async fn a_refused_check_on_an_account_listed_incomplete_lists_nothing() {
         Some((1, DecisionSource::Ledger))
     );
     assert_eq!(f.calls(), ["free"], "no listing");
+    // Closed since (a block): read for why, whatever the listing a moment ago; refused as
+    // blocked, until the block ends.
+    let blocked = AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + Duration::from_secs(600)),
+            moved_to: None,
+        }),
+        ..f.view(5, &[], true)
+    };
+    f.script(|s| {
+        s.views.push_back(Ok(Some(blocked.clone())));
+        s.views.push_back(Ok(Some(blocked)));
+    });
+    let decision = f.limiter.check_all(&[limit(A, 5, 60, 0)]).await.unwrap();
+    assert!(
+        matches!(decision.outcome, Outcome::Blocked { .. }),
+        "{:?}",
+        decision.outcome
+    );
+    assert_eq!(f.calls(), ["free", "view"]);
 }
