@@ -114,10 +114,7 @@ impl Ledger {
             account_id: format!("{account_id:032x}"),
             capacity: account.user_data_64(),
             window_seconds: account.user_data_32(),
-            available: account
-                .credits_posted()
-                .saturating_sub(account.debits_posted())
-                .saturating_sub(account.debits_pending()),
+            available: super::credit_and_available(&account).1,
             credits_posted: account.credits_posted(),
             debits_posted: account.debits_posted(),
             debits_pending: account.debits_pending(),

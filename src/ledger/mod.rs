@@ -213,6 +213,13 @@ pub struct AccountView {
     pub blocked: Option<Blocked>,
 }
 
+/// An account's credit when nothing is held (credits_posted − debits_posted), and what it has
+/// free now (less debits_pending): the one formula every read of an account uses.
+pub(crate) fn credit_and_available(account: &tb::Account) -> (u128, u128) {
+    let credit = (account.credits_posted()).saturating_sub(account.debits_posted());
+    (credit, credit.saturating_sub(account.debits_pending()))
+}
+
 /// What one lookup says of a user account, without listing its holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AccountFree {
@@ -622,10 +629,7 @@ impl Ledger {
         let Some(account) = self.lookup_account(account_id, deadline).await? else {
             return Ok(None);
         };
-        let credit = account
-            .credits_posted()
-            .saturating_sub(account.debits_posted());
-        let available = credit.saturating_sub(account.debits_pending());
+        let (credit, available) = credit_and_available(&account);
         let (holds, complete) = self
             .live_holds(account_id, window_seconds_max, deadline)
             .await?;
@@ -655,9 +659,7 @@ impl Ledger {
         let Some(account) = self.lookup_account(account_id, deadline).await? else {
             return Ok(None);
         };
-        let available = (account.credits_posted())
-            .saturating_sub(account.debits_posted())
-            .saturating_sub(account.debits_pending());
+        let (_, available) = credit_and_available(&account);
         Ok(Some(AccountFree {
             available: u64::try_from(available).unwrap_or(u64::MAX),
             closed: account.flags().contains(tb::account::Flags::CLOSED),
