@@ -445,8 +445,9 @@ impl RateLimitServer {
             // When the charge fits with the most the over-charge can have held (the view's
             // free credit may be short of the ledger's, by holds expired since it was listed).
             KnownFree::Listed(_) if held => {
-                let fits = self.limiter.fits_after_hold(account, charge - 1, charge);
-                fits.map_or(window, |fits| whole_seconds_up(fits).clamp(1, window))
+                let fits =
+                    (self.limiter).seconds_until_fits_after_hold(account, charge - 1, charge);
+                fits.map_or(window, |seconds| seconds.clamp(1, window))
             }
             // Its oldest holds are not listed: when they come back is unknown, so the window;
             // the view stays, and with it the listing's stand-in (the next refusal lists nothing).
@@ -757,11 +758,6 @@ fn rate_limit_headers(
         headers.push(header("Retry-After", seconds.to_string()));
     }
     headers
-}
-
-/// Whole seconds, rounded up.
-fn whole_seconds_up(duration: std::time::Duration) -> u64 {
-    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
 }
 
 /// The policy's name in the fields: the rule's `name`, else its last key (with its configured

@@ -382,20 +382,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// When `cost` fits on `account` were `amount` more held now for its window (the Envoy
-    /// front end's over-charge, at the most it can hold), as this instance verified the
-    /// account; `None` if it cannot tell (it does not know the caller, verified). Nothing is
-    /// recorded: what the ledger held may be less.
-    pub fn fits_after_hold(
+    /// Whole seconds until `cost` fits on `account` were `amount` more held now for its window
+    /// (the Envoy front end's over-charge, at the most it can hold), as this instance verified
+    /// the account; `None` if it cannot tell (it does not know the caller, verified). Nothing
+    /// is recorded: what the ledger held may be less.
+    pub fn seconds_until_fits_after_hold(
         &self,
         account: &UserAccount,
         amount: u64,
         cost: u64,
-    ) -> Option<Duration> {
+    ) -> Option<u64> {
         let window = Duration::from_secs(account.window_seconds.get().into());
         let now = self.clock.now();
-        self.local
-            .fits_after_hold(account.id, cost, (amount, window), now)
+        let fits = self
+            .local
+            .fits_after_hold(account.id, cost, (amount, window), now)?;
+        Some(whole_seconds_up(fits))
     }
 
     /// Whole seconds until a hold placed now for `window_seconds` has expired (its timeout,
