@@ -160,11 +160,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Chained::ClosedUnread { limit, error }) => {
                 self.refused_closed_unread(limits, limit, error)
             }
-            Ok(Chained::RefusedAsListed { limit }) => {
-                let retry = INCOMPLETE_LISTING_STANDS;
-                let outcome = refused(retry, DecisionSource::Ledger, false);
-                self.refused_for_a_moment(limits, limit, outcome)
-            }
+            Ok(Chained::RefusedAsListed { limit }) => self.link_refused_as_listed(limits, limit),
             Err(error) => self.all_failed(limits, error),
         }
     }
@@ -271,8 +267,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         });
         let lookups = checked.map(|i| async move {
             let account = &limits[i].account;
-            let window_seconds_max = self.window_max_of(account).as_secs();
-            let window_seconds_max = u32::try_from(window_seconds_max).unwrap_or(u32::MAX);
+            let window_seconds_max = self.window_seconds_max_of(account);
             let found = (self.store)
                 .account_free(account.id, window_seconds_max, deadline)
                 .await;
@@ -308,8 +303,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> MultiDecision {
         // A closed account is read for why (a block, or where the caller went).
         if !closed && self.listed_lately(&limits[i]) {
-            let outcome = refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
-            return self.refused_for_a_moment(limits, i, outcome);
+            return self.link_refused_as_listed(limits, i);
         }
         match self.account_view_of(&limits[i].account, deadline).await {
             Err(error) => self.refused_closed_unread(limits, i, error),
@@ -403,6 +397,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         })
     }
 
+    /// The refusal by `limits[refused]`, whose account [`Self::listed_lately`]: for a second,
+    /// as that listing had it, without listing it again.
+    fn link_refused_as_listed(&self, limits: &[Limit], refused: usize) -> MultiDecision {
+        let outcome = super::refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
+        self.refused_for_a_moment(limits, refused, outcome)
+    }
+
     /// Whether `limit`'s account was listed a moment ago and found holding more than a listing
     /// reads ([`Chained::RefusedAsListed`]).
     fn listed_lately(&self, limit: &Limit) -> bool {
@@ -423,11 +424,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         account: &UserAccount,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
-        let window_seconds_max = self.window_max_of(account).as_secs();
-        let window_seconds_max = u32::try_from(window_seconds_max).unwrap_or(u32::MAX);
+        let window_seconds_max = self.window_seconds_max_of(account);
         self.store
             .account_view(account.id, window_seconds_max, deadline)
             .await
+    }
+
+    /// [`Self::window_max_of`] in whole seconds, as a listing asks for it.
+    fn window_seconds_max_of(&self, account: &UserAccount) -> u32 {
+        let seconds = self.window_max_of(account).as_secs();
+        u32::try_from(seconds).unwrap_or(u32::MAX)
     }
 
     /// How long any hold of this account may last: its own window, or a plan's if longer.
