@@ -558,7 +558,7 @@ async fn a_move_carries_a_lease_older_than_its_window() {
 /// A sweep under a small in-flight bound: its settlements take at most a quarter of the places,
 /// a few at a time, and all of them land. Before, a sweep sent every settlement due at once:
 /// beyond the bound they failed `Overloaded` (their unused units held window + L, not L), and
-/// the decisions made meanwhile with them.
+/// the decisions made meanwhile with them: here four new callers', during the sweep.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_under_a_small_in_flight_bound_settles_every_lease() {
     let ledger = common::ledger_client_bounded(vec![common::shared_ledger().address], 8);
@@ -584,7 +584,18 @@ async fn a_sweep_under_a_small_in_flight_bound_settles_every_lease() {
         futures_util::future::join_all(checks).await;
     }
     tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 200)).await;
-    assert_eq!(limiter.settle_due_leases().await, 40, "every lease is due");
+    // Decisions made while the sweep runs keep the places it leaves them: new callers, each a
+    // lookup, a provisioning and a lease at the ledger.
+    let newcomers: Vec<String> = (0..4).map(|_| common::fresh_key("k_")).collect();
+    let decisions = newcomers.iter().map(|key| async move {
+        let decision = limiter.check(&caller(key), NonZeroU64::MIN).await;
+        assert_eq!(decision.unwrap().outcome, Outcome::Admitted, "meanwhile");
+    });
+    let (settled, _) = tokio::join!(
+        limiter.settle_due_leases(),
+        futures_util::future::join_all(decisions)
+    );
+    assert_eq!(settled, 40, "every lease is due");
     for key in &keys {
         let audit = audit(limiter, key).await;
         assert!(audit.leases >= 1, "{audit:?}");
