@@ -421,3 +421,43 @@ async fn a_grant_refused_by_a_block_is_made_under_the_next_id_once_unblocked() {
         .expect("again: exists");
     assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
 }
+
+/// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
+/// old account holds 2 units for 1 s and 8 for 30 s; the new plan allows 2. Each carry is a
+/// balancing debit, so the first in the chain takes what is free. Carried shortest first, the
+/// 1 s carry took both units and the 30 s one nothing: the new plan admitted 2 requests after a
+/// second, while the old plan's 8 still counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_to_a_smaller_plan_carries_the_longest_holds_first() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::{HoldReply, Moving};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let from = fresh_limit(10, 60, 1);
+    let to = fresh_limit(2, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&from.account, deadline).await.unwrap();
+    let id = from.account.id;
+    let short = ledger.hold(id, 2, 1, deadline, false).await.unwrap();
+    let long = ledger.hold(id, 8, 30, deadline, false).await.unwrap();
+    assert!(matches!(short, HoldReply::Held { .. }) && matches!(long, HoldReply::Held { .. }));
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let moved = ledger
+        .move_caller(id, &to.account, 7, actor, 60, deadline)
+        .await;
+    assert_eq!(
+        moved,
+        Ok(Moving::Done { carried: 2 }),
+        "no more than the new plan has"
+    );
+    assert_eq!(available(&ledger, &to).await, Some(0));
+    // The short hold's carry (2 s) is over; the long one's still holds the whole plan.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = ledger.hold(to.account.id, 1, 60, deadline, false).await;
+    assert_eq!(
+        after,
+        Ok(HoldReply::ExceedsCredits),
+        "refused while the 30 s hold lives"
+    );
+    assert_eq!(available(&ledger, &to).await, Some(0));
+}

@@ -23,7 +23,7 @@ pub const CARRIED_LINKS_MAX: usize = 200;
 /// What a move came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Moving {
-    /// Moved; `carried` units of live holds went along.
+    /// Moved; `carried` units of live holds went along (at most what the new account had free).
     Done {
         carried: u64,
     },
@@ -79,6 +79,19 @@ fn carried_from(
     carried
 }
 
+/// The carries of `carried` (sorted shortest first, as [`carried_holds`] gives them), longest
+/// first. Why: each is a balancing debit, so when the new plan is smaller than what is carried,
+/// the first carries take all it has free and the later ones hold nothing. Shortest first, the
+/// new plan would admit again as soon as the shortest holds ended, while the old plan's longer
+/// holds still counted: a move to a smaller plan handed out fresh credit within seconds.
+/// Longest first, what is held at any instant is the most of the capacity the old holds still
+/// alive can fill.
+fn carry_transfers(from: u128, to: u128, ledger: u32, carried: &[(u64, u32)]) -> Vec<tb::Transfer> {
+    (carried.iter().rev())
+        .map(|(amount, seconds)| model::carry_transfer(to, from, ledger, *amount, *seconds))
+        .collect()
+}
+
 /// The holds `after` lists that `before` did not: those placed between the two reads. Told
 /// apart by id, not by a difference of balances, in which a hold that expired between the reads
 /// would hide as much of the new ones. Both listings read newest first, so a hold placed after
@@ -118,10 +131,12 @@ impl Ledger {
         }
         self.provision(to, deadline).await?;
         let mut chain = Vec::new();
+        let mut to_free = u64::MAX;
         if let Some(closed) = self
             .account_view(to.id, window_seconds_max, deadline)
             .await?
         {
+            to_free = closed.available;
             match closed.blocked {
                 Some(b) if b.moved_to.is_some() => {
                     let Some(moved) = self.latest_block(to.id, deadline).await? else {
@@ -134,10 +149,7 @@ impl Ledger {
             }
         }
         let carried = carried_from(&view, SystemTime::now(), window_seconds_max);
-        for (amount, seconds) in &carried {
-            let carry = model::carry_transfer(to.id, from, self.ledger_id, *amount, *seconds);
-            chain.push(carry);
-        }
+        chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
         let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
         let created = self.create_chain(chain, deadline).await;
@@ -163,8 +175,10 @@ impl Ledger {
             tracing::warn!(%error, "moved, but the holds of requests in flight at the move were not carried: the new plan does not count them");
             0
         });
+        // What the carries held: as much as they asked for, and no more than the new account
+        // had free (each is a balancing debit).
         Ok(Moving::Done {
-            carried: carried_total + late,
+            carried: (carried_total + late).min(to_free),
         })
     }
 
@@ -189,12 +203,7 @@ impl Ledger {
         if late.is_empty() {
             return Ok(0);
         }
-        let chain = late
-            .iter()
-            .map(|(amount, seconds)| {
-                model::carry_transfer(to, from, self.ledger_id, *amount, *seconds)
-            })
-            .collect();
+        let chain = carry_transfers(from, to, self.ledger_id, &late);
         match self.create_chain(chain, deadline).await? {
             None => Ok(late.iter().map(|(amount, _)| amount).sum()),
             Some(kind) => Err(unexpected_transfer("move, late holds: ", kind)),
