@@ -136,15 +136,20 @@ fn bounded(message: &[u8]) -> Result<(), Status> {
     use super::service::DESCRIPTORS_MAX;
     let mut descriptors = 0;
     let too_many = |what: String| Err(Status::invalid_argument(what));
-    for (field, value) in fields(message) {
-        if field != 2 {
+    for field in fields(message) {
+        let Field::Delimited(2, value) = field? else {
             continue;
-        }
+        };
         descriptors += 1;
         if descriptors > DESCRIPTORS_MAX {
             return too_many(format!("at most {DESCRIPTORS_MAX} descriptors per request"));
         }
-        let entries = fields(value).filter(|(field, _)| *field == 1).count();
+        let mut entries = 0;
+        for field in fields(value) {
+            if let Field::Delimited(1, _) = field? {
+                entries += 1;
+            }
+        }
         if entries > ENTRIES_PER_DESCRIPTOR_MAX {
             return too_many(format!(
                 "at most {ENTRIES_PER_DESCRIPTOR_MAX} entries per descriptor"
@@ -154,11 +159,19 @@ fn bounded(message: &[u8]) -> Result<(), Status> {
     Ok(())
 }
 
-/// The length-delimited fields of a protobuf message, as (field number, bytes); other fields are
-/// skipped. Ends early at anything malformed.
-fn fields(mut message: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
+/// A field [`fields`] reads: length-delimited, as (field number, bytes), or numeric.
+enum Field<'a> {
+    Delimited(u64, &'a [u8]),
+    Numeric,
+}
+
+/// The fields of a protobuf message. Ends early at anything malformed, which the decoder
+/// refuses. A group (wire types 3 and 4) is refused here: proto3 has none, and the decoder would
+/// skip it and decode what follows, which this count would not have seen (descriptors or entries
+/// past any bound, behind two bytes).
+fn fields(mut message: &[u8]) -> impl Iterator<Item = Result<Field<'_>, Status>> {
     use prost::encoding::decode_varint;
-    std::iter::from_fn(move || loop {
+    std::iter::from_fn(move || {
         let tag = decode_varint(&mut message).ok()?;
         let skip = match tag & 7 {
             0 => {
@@ -170,12 +183,17 @@ fn fields(mut message: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
                 let length = usize::try_from(decode_varint(&mut message).ok()?).ok()?;
                 let value = message.get(..length)?;
                 message = &message[length..];
-                return Some((tag >> 3, value));
+                return Some(Ok(Field::Delimited(tag >> 3, value)));
             }
             5 => 4,
+            3 | 4 => {
+                let group = "a protobuf group: not a RateLimitRequest (proto3 has none)";
+                return Some(Err(Status::invalid_argument(group)));
+            }
             _ => return None,
         };
         message = message.get(skip..)?;
+        Some(Ok(Field::Numeric))
     })
 }
 
@@ -287,6 +305,27 @@ mod tests {
         // Not a protobuf: left to the decoder.
         assert!(bounded(&[0xff, 0xff, 0xff]).is_ok());
         assert!(bounded(&[]).is_ok());
+
+        // A group (field 15: start, end), which the decoder skips, hides nothing behind it:
+        // descriptors past the bound, or entries past the bound in a descriptor.
+        let group = [0x7b, 0x7c];
+        let hidden = [&group[..], &request(vec![descriptor(0); max + 1])].concat();
+        let decoded = WireRequest::decode(&hidden[..]).expect("the decoder skips groups");
+        assert_eq!(decoded.descriptors.len(), max + 1);
+        assert_eq!(
+            bounded(&hidden).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        let deep = descriptor(ENTRIES_PER_DESCRIPTOR_MAX + 1).encode_to_vec();
+        let mut hidden_deep = Vec::new();
+        prost::encoding::bytes::encode(2, &[&group[..], &deep].concat(), &mut hidden_deep);
+        let decoded = WireRequest::decode(&hidden_deep[..]).expect("the decoder skips groups");
+        assert_eq!(
+            decoded.descriptors[0].entries.len(),
+            ENTRIES_PER_DESCRIPTOR_MAX + 1
+        );
+        let refused = bounded(&hidden_deep).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     }
 
     #[test]
