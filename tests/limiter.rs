@@ -1022,3 +1022,54 @@ async fn an_account_under_a_window_of_decades_is_read() {
     let view = view.unwrap().expect("the account exists");
     assert_eq!((view.credit, view.available, view.holds.len()), (1, 0, 1));
 }
+
+/// A give-back (a void: a concurrency slot whose request is done, a refund) waits for a place
+/// under the in-flight bound, until its deadline. Refused at once while a burst, or a stalled
+/// ledger, held every place, it was lost: its units stayed held for the rest of their timeout
+/// (a concurrency slot for a minute, the caller refused "too many in flight" with none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let ledger = std::sync::Arc::new(ledger_client_bounded(vec![process.address], 1));
+    let account = model::UserAccount {
+        id: rand::random::<u128>() | 1 << 127,
+        capacity: std::num::NonZeroU64::new(5).unwrap(),
+        window_seconds: std::num::NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Two calls one after the other under a bound of 1: each gives its place back before its
+    // answer (else the grant found the accounts' place still taken, `Overloaded`).
+    ledger.provision(&account, deadline).await.unwrap();
+    let ledger::HoldReply::Held { transfer_id, .. } = ledger
+        .hold(account.id, 1, 60, deadline, false)
+        .await
+        .unwrap()
+    else {
+        panic!("held");
+    };
+    // Another hold takes the only place, and keeps it while the ledger is stopped.
+    process.pause(true);
+    let busy = ledger.clone();
+    let other = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.hold(account.id, 1, 60, deadline, false).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
+    let giver = ledger.clone();
+    let void = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        giver.void(transfer_id, deadline).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.pause(false);
+    assert!(matches!(
+        other.await.unwrap(),
+        Ok(ledger::HoldReply::Held { .. })
+    ));
+    assert_eq!(
+        void.await.unwrap(),
+        Ok(true),
+        "given back once a place was free"
+    );
+}

@@ -513,8 +513,19 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         }
+        // A void gives credit back (a concurrency slot, a refund): refused a place at once under
+        // a burst, it was lost, and its units stayed held for the rest of their timeout (a slot
+        // for a minute). It waits for one, until its deadline.
+        let gives_back = transfer
+            .flags()
+            .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
+        let in_flight = if gives_back {
+            self.in_flight_by(operation, deadline).await?
+        } else {
+            self.in_flight(operation)?
+        };
         let leave = batch::Leave {
-            in_flight: self.in_flight(operation)?,
+            in_flight,
             void_if_abandoned: void_code,
         };
         let connection = self.connection();
@@ -844,6 +855,28 @@ impl Ledger {
         Ok(InFlight { permit })
     }
 
+    /// A place under the in-flight bound for a call of `operation`, waited for until `deadline`,
+    /// or `Overloaded`.
+    async fn in_flight_by(
+        &self,
+        operation: Operation,
+        deadline: Instant,
+    ) -> Result<InFlight, LedgerError> {
+        self.calls_started[operation as usize].fetch_add(1, Ordering::Relaxed);
+        let place = self.in_flight.clone().acquire_owned();
+        match tokio::time::timeout_at(deadline.into(), place).await {
+            Ok(Ok(permit)) => Ok(InFlight { permit }),
+            // Timed out, or the bound closed (it never is).
+            Ok(Err(_)) | Err(_) => {
+                let error = LedgerError::Overloaded {
+                    in_flight_max: self.in_flight_max,
+                };
+                self.metrics.record_error(error.kind());
+                Err(error)
+            }
+        }
+    }
+
     /// Counts a finished call (its duration as its caller waited, and its error's kind) and
     /// names its outcome on its span.
     fn finish<T>(
@@ -914,9 +947,7 @@ impl Ledger {
                     }
                     answer
                 };
-                let answered = answer_or_leave(future, sender, connection).await;
-                // The ledger answered or the call was given up: the permit goes back either way.
-                drop(in_flight);
+                let answered = answer_or_leave(future, sender, connection, in_flight).await;
                 if let (Some(Err(result)), Some(on_abandoned)) = (answered, on_abandoned) {
                     on_abandoned(connection.clone(), &result);
                 }
@@ -987,6 +1018,7 @@ async fn answer_or_leave<T, F: Future<Output = T>>(
     call: F,
     mut sender: oneshot::Sender<T>,
     connection: &Connection,
+    in_flight: InFlight,
 ) -> Option<Result<(), T>> {
     tokio::pin!(call);
     let answer = tokio::select! {
@@ -994,6 +1026,10 @@ async fn answer_or_leave<T, F: Future<Output = T>>(
         answer = &mut call => answer,
         () = sender.closed() => connection.unless_given_up(&mut call).await?,
     };
+    // The ledger answered (or the call was given up, above): the place goes back before the
+    // answer does, as a batch's does. After it, a caller's next call (a provisioning's grant
+    // after its accounts) could find its own last place still taken, and fail `Overloaded`.
+    drop(in_flight);
     Some(sender.send(answer))
 }
 
