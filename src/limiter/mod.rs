@@ -573,7 +573,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         hold: HoldReceipt,
         deadline: Instant,
     ) -> Result<bool, LedgerError> {
+        let dropped = ForgetIfDropped::new(&self.local, vec![account_id]);
         let voided = self.store.void(hold.transfer_id, deadline).await;
+        dropped.disarm();
         match voided {
             Ok(true) => self.local.release(account_id, hold.amount, hold.expires_at),
             Ok(false) => {}
@@ -583,7 +585,37 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         voided
     }
+}
 
+/// Forgets callers in the local view when dropped, unless disarmed first. Why: a give-back or a
+/// recharge runs at the ledger in a task of its own, so it lands even when its request is dropped
+/// at the await (its client gone); the view, left counting the old holds, would then refuse from
+/// memory what the ledger admits, for up to a window.
+struct ForgetIfDropped<'a> {
+    local: &'a LocalView,
+    account_ids: Vec<u128>,
+}
+
+impl<'a> ForgetIfDropped<'a> {
+    fn new(local: &'a LocalView, account_ids: Vec<u128>) -> Self {
+        ForgetIfDropped { local, account_ids }
+    }
+
+    /// Done: the caller updates the view itself.
+    fn disarm(mut self) {
+        self.account_ids.clear();
+    }
+}
+
+impl Drop for ForgetIfDropped<'_> {
+    fn drop(&mut self) {
+        for &account_id in &self.account_ids {
+            self.local.forget(account_id);
+        }
+    }
+}
+
+impl<S: Store, C: Clock> Limiter<S, C> {
     /// Counts a refusal that a route in shadow mode lets through, and marks the request's span.
     pub fn pass_in_shadow(&self, decision: &Decision<'_>) {
         let label = DecisionLabel::of(&decision.outcome);

@@ -46,11 +46,14 @@ impl Limiter {
             })
             .collect();
         let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
+        let accounts = live.iter().map(|recharge| recharge.account_id).collect();
+        let dropped = super::ForgetIfDropped::new(&self.local, accounts);
         let mut live_done = match live.is_empty() {
             true => Vec::new(),
             false => self.recharge_live(&live, now).await?,
         }
         .into_iter();
+        dropped.disarm();
         let done: Vec<bool> = recharges
             .iter()
             .map(|recharge| recharge.is_some() && live_done.next().expect("one per live hold"))

@@ -57,6 +57,8 @@ struct Script {
     errors_recorded: usize,
     /// The deadline of every void asked for, in order.
     void_deadlines: Vec<Instant>,
+    /// When set, a void is sent and never answered.
+    void_stalls: bool,
     /// When set, the next account read says it is reading, then waits for the go-ahead: what
     /// happens meanwhile happens while the read is at the ledger.
     view_gate: Option<(
@@ -95,7 +97,15 @@ impl Store for FakeStore {
     }
 
     async fn void(&self, _: u128, deadline: Instant) -> Reply<bool> {
-        self.0.lock().unwrap().void_deadlines.push(deadline);
+        let stalls = {
+            let mut script = self.0.lock().unwrap();
+            script.void_deadlines.push(deadline);
+            script.void_stalls
+        };
+        if stalls {
+            self.0.lock().unwrap().calls.push("void");
+            return std::future::pending().await;
+        }
         self.next("void", |s| s.voids.pop_front())
     }
 
@@ -825,6 +835,27 @@ async fn a_refund_whose_void_is_unanswered_makes_the_view_forget_the_caller() {
     let mut decision = f.limiter.check(&key, ONE).await.unwrap();
     assert_eq!(f.limiter.local_callers(), 1);
     let _unknown = f.limiter.refund(&mut decision).await;
+    assert_eq!(f.calls(), ["hold", "void"]);
+    assert_eq!(f.limiter.local_callers(), 0, "forgotten");
+}
+
+/// A refund dropped while its void is out (its request's client gone): the void runs at the
+/// ledger in a task of its own and may land, so the view forgets the caller rather than count
+/// the hold on, as for a void whose answer is lost.
+#[tokio::test]
+async fn a_refund_dropped_while_its_void_is_out_makes_the_view_forget_the_caller() {
+    let f = Fixture::closed();
+    let held = f.held();
+    f.script(|s| {
+        s.holds.push_back(held);
+        s.void_stalls = true;
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let mut decision = f.limiter.check(&key, ONE).await.unwrap();
+    assert_eq!(f.limiter.local_callers(), 1);
+    let refund = f.limiter.refund(&mut decision);
+    let dropped = tokio::time::timeout(Duration::from_millis(10), refund).await;
+    assert!(dropped.is_err(), "the void is never answered");
     assert_eq!(f.calls(), ["hold", "void"]);
     assert_eq!(f.limiter.local_callers(), 0, "forgotten");
 }
