@@ -17,6 +17,7 @@ use crate::http::admin::AdminSecrets;
 use crate::http::{ForwardedHeader, RequestRules, RequestRulesBuilder, RulesError};
 use crate::ledger::{model, LedgerSettings, BATCH_LINGER_MAX};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::metrics::{CONCURRENCY_PLAN_PREFIX, PLAN_NONE};
 use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
 
@@ -778,6 +779,16 @@ fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, Co
         .ok_or_else(|| invalid(setting("capacity"), "must be at least 1"))?;
     let window = NonZeroU32::new(plan.window_seconds)
         .ok_or_else(|| invalid(setting("window_seconds"), "must be at least 1"))?;
+    // Names are the `plan` label of the decision metrics, where these two mean something else:
+    // a plan named `none` was counted nowhere (the label of keys refused before any plan), and
+    // one named `concurrency-…` was left out of the dashboard's request panels.
+    if name == PLAN_NONE || name.starts_with(CONCURRENCY_PLAN_PREFIX) {
+        let why = format!(
+            "the name is reserved: \"{PLAN_NONE}\" and names starting \"{CONCURRENCY_PLAN_PREFIX}\" \
+             are metric labels of their own"
+        );
+        return Err(invalid(format!("{section}.{name}"), why));
+    }
     Plan::new(name, capacity, window)
         .map_err(|e| invalid(format!("{section}.{name}"), e.to_string()))
 }
@@ -1037,6 +1048,24 @@ mod tests {
         assert!(err.message.contains("replace the built-in"), "{err}");
         let ok = with("default_plan = \"anon\"\n[plans.anon]\ncapacity = 2\nwindow_seconds = 60");
         assert_eq!(ok.unwrap().plans.plans().len(), 1);
+    }
+
+    /// A plan's name is its decisions' `plan` label, where `none` and `concurrency-…` mean
+    /// something else: such a plan's decisions were counted nowhere, or left off the dashboard.
+    #[test]
+    fn plan_and_limit_names_that_are_metric_labels_of_their_own_are_refused() {
+        for (section, name) in [
+            ("plans", "none"),
+            ("plans", "concurrency-x"),
+            ("limits", "concurrency-"),
+        ] {
+            let text = format!("default_plan = \"a\"\n[plans.a]\ncapacity = 2\nwindow_seconds = 60\n[{section}.{name}]\ncapacity = 2\nwindow_seconds = 60");
+            let err = with(&text).unwrap_err();
+            assert_eq!(err.setting, format!("{section}.{name}"));
+            assert!(err.message.contains("reserved"), "{err}");
+        }
+        let fine = "default_plan = \"nonea\"\n[plans.nonea]\ncapacity = 2\nwindow_seconds = 60";
+        assert!(with(fine).is_ok());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use super::problem::{self, ProblemKind};
 use super::rules::{is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
 use crate::limiter::caller::CallerKey;
-use crate::limiter::metrics::DecisionLabel;
+use crate::limiter::metrics::{DecisionLabel, CONCURRENCY_PLAN_PREFIX};
 use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
 use crate::limiter::{Decision, HoldReceipt, Limiter, LimiterSettings, Outcome};
 use crate::telemetry::span::fields;
@@ -28,7 +28,7 @@ use crate::telemetry::span::fields;
 pub fn plan_name(pattern: &str) -> String {
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(pattern.as_bytes());
-    format!("concurrency-{}", hex::encode(&digest[..4]))
+    format!("{CONCURRENCY_PLAN_PREFIX}{}", hex::encode(&digest[..4]))
 }
 
 /// The concurrency limits of a service, one per route pattern (exact path or `prefix*`).

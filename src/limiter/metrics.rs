@@ -25,6 +25,10 @@ pub const ROUTE_LIMIT_REFUSALS_TOTAL: &str = "ledger_limiter_route_limit_refusal
 /// The `plan` label of decisions made before a plan is known (a rejected key).
 pub const PLAN_NONE: &str = "none";
 
+/// The start of the `plan` label of a route's concurrency limit (`concurrency-<hash>`), which
+/// the dashboard's request panels leave out: a slot is not a request.
+pub const CONCURRENCY_PLAN_PREFIX: &str = "concurrency-";
+
 /// What the limiter decided for one request (the `decision` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DecisionLabel {
