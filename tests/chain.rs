@@ -461,3 +461,80 @@ async fn a_move_to_a_smaller_plan_carries_the_longest_holds_first() {
     );
     assert_eq!(available(&ledger, &to).await, Some(0));
 }
+
+/// A top-up whose answer is lost (the ledger stopped past the deadline) lands when the ledger
+/// goes on, and every instance must hear of it, as after a top-up answered: those that heard
+/// nothing kept refusing the caller from memory, for up to a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_whose_answer_is_lost_is_announced_all_the_same() {
+    use ledger_limiter::ledger::model::Actor;
+    let own = TestLedger::start(); // its own: stopped for a while below
+    let ledger = ledger_client(vec![own.address]);
+    let limit = fresh_limit(5, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    ledger
+        .top_up(limit.account.id, 1, (actor, None), deadline)
+        .await
+        .unwrap();
+    let epoch = ledger.operator_epoch(deadline).await.unwrap();
+    own.pause(true);
+    let id = limit.account.id;
+    let lost = ledger.top_up(
+        id,
+        3,
+        (actor, None),
+        Instant::now() + Duration::from_millis(200),
+    );
+    let go_on = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        own.pause(false);
+    };
+    let (lost, ()) = tokio::join!(lost, go_on);
+    assert!(lost.is_err(), "answered past its deadline: {lost:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    assert_eq!(available(&ledger, &limit).await, Some(9), "it landed");
+    let announced = ledger.operator_epoch(deadline).await.unwrap();
+    assert!(announced > epoch, "announced: {announced} after {epoch}");
+}
+
+/// A move back records its own operator and reason, not the first move's: TigerBeetle gives a
+/// void's zero fields the pending transfer's values, and the void that reopens the account set
+/// none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_back_records_who_moved_it_back_and_why() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use tigerbeetle_unofficial as tb;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (free, pro) = (fresh_limit(5, 60, 1), fresh_limit(10, 60, 1));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&free.account, deadline).await.unwrap();
+    let up = Actor::from_reason(1, "upgrade").unwrap();
+    let down = Actor::from_reason(2, "downgrade").unwrap();
+    let (from, to) = (free.account.id, pro.account.id);
+    ledger
+        .move_caller(from, &pro.account, 7, up, 60, deadline)
+        .await
+        .unwrap();
+    ledger
+        .move_caller(to, &free.account, 8, down, 60, deadline)
+        .await
+        .unwrap();
+    let client = tb::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let filter = tb::account::Filter::new(from, 100).with_flags(tb::account::FilterFlags::DEBITS);
+    let transfers = client
+        .get_account_transfers(Box::new(filter))
+        .await
+        .unwrap();
+    let moved_back = transfers
+        .iter()
+        .find(|t| {
+            t.code() == model::TRANSFER_CODE_MOVE
+                && t.flags()
+                    .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+        })
+        .expect("the move back's void");
+    assert_eq!(moved_back.user_data_32(), 2, "who moved it back");
+    assert_eq!(moved_back.user_data_128(), down.why, "and why");
+}

@@ -107,9 +107,15 @@ pub fn move_transfer(account_id: u128, ledger: u32, plan_tag: u64, actor: Actor)
         .with_user_data_128(actor.why)
 }
 
-/// Reopens an account a move closed (the caller moves back to its plan).
-pub fn unmove_transfer(move_id: u128, ledger: u32) -> tb::Transfer {
-    void_transfer(move_id, ledger).with_code(TRANSFER_CODE_MOVE)
+/// Reopens an account a move closed (the caller moves back to its plan), recording who moved it
+/// back and why, as the move does (`user_data_32`, `user_data_128`): TigerBeetle gives a void's
+/// zero fields the pending transfer's values, so left out, they named the first move's operator.
+pub fn unmove_transfer(move_id: u128, ledger: u32, actor: Actor) -> tb::Transfer {
+    let who = u32::try_from(actor.who).unwrap_or(u32::MAX);
+    void_transfer(move_id, ledger)
+        .with_code(TRANSFER_CODE_MOVE)
+        .with_user_data_32(who)
+        .with_user_data_128(actor.why)
 }
 
 /// A carried hold: as much of `amount` as the new account has free (balancing), pending for

@@ -142,7 +142,7 @@ impl Ledger {
                     let Some(moved) = self.latest_block(to.id, deadline).await? else {
                         return Ok(Moving::TargetBlocked);
                     };
-                    chain.push(model::unmove_transfer(moved.id(), self.ledger_id));
+                    chain.push(model::unmove_transfer(moved.id(), self.ledger_id, actor));
                 }
                 Some(_) => return Ok(Moving::TargetBlocked),
                 None => {}

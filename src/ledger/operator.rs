@@ -135,6 +135,22 @@ impl Ledger {
         self.single_transfer(transfer, deadline, None, answer).await
     }
 
+    /// [`Ledger::operator_transfer`] for a caller's credit or block, announced to every instance
+    /// when its answer is lost too: it may have landed after all, and instances that heard
+    /// nothing kept their local views (a top-up refused from memory for up to a window). A retry
+    /// with the same idempotency key would announce it, but none may come. A move does the same.
+    async fn operator_action(
+        &self,
+        transfer: tb::Transfer,
+        deadline: Instant,
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        let created = self.operator_transfer(transfer, deadline).await;
+        if created.is_err() {
+            self.bump_operator_epoch(deadline).await;
+        }
+        created
+    }
+
     /// An adjustment's answer, told to every instance when done, and a closed account's
     /// reason read (a block, or a move that closed it for good).
     async fn bumped_if(
@@ -180,7 +196,7 @@ impl Ledger {
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::reduction_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
-        let kind = self.operator_transfer(transfer, deadline).await?;
+        let kind = self.operator_action(transfer, deadline).await?;
         self.bumped_if(account_id, adjusted(kind, "reduction: "), deadline)
             .await
     }
@@ -196,7 +212,7 @@ impl Ledger {
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
-        let kind = self.operator_transfer(transfer, deadline).await?;
+        let kind = self.operator_action(transfer, deadline).await?;
         self.bumped_if(account_id, adjusted(kind, "top-up: "), deadline)
             .await
     }
@@ -213,7 +229,7 @@ impl Ledger {
         use CreateTransferErrorKind as K;
         let transfer = model::block_transfer(account_id, self.ledger_id, seconds, actor);
         let transfer_id = transfer.id();
-        match self.operator_transfer(transfer, deadline).await? {
+        match self.operator_action(transfer, deadline).await? {
             None => {
                 // Every instance must hear of it within a second (their leases and local views).
                 self.bump_operator_epoch(deadline).await;
@@ -264,7 +280,7 @@ impl Ledger {
             None => return Ok(Unblocking::NotBlocked),
         };
         let void = model::unblock_transfer(block.id(), self.ledger_id, actor);
-        match self.operator_transfer(void, deadline).await? {
+        match self.operator_action(void, deadline).await? {
             None => {
                 self.bump_operator_epoch(deadline).await;
                 Ok(Unblocking::Done)
