@@ -191,15 +191,25 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
 
 /// What [`is_route_pattern`] asks, for the errors that name a pattern.
 pub const ROUTE_PATTERN_RULE: &str = "must start with /, with a `*` only at its end, and \
-    no `{`, `}`, `?`, `#` or white space (paths are compared as written: no placeholders)";
+    no `{`, `}`, `?`, `#` or white space (paths are compared as written: no placeholders), and \
+    no percent-escape but `%2F`, `%25` and `%2B` (paths are compared decoded: write `/café`, \
+    not `/caf%C3%A9`)";
 
 /// A route pattern as the configuration writes it: starts with `/`, and `*` (a prefix) only at
 /// its end. Elsewhere a `*` would be compared literally and never match, silently; so would an
-/// actix placeholder (`/reports/{id}`), a query or fragment, or white space.
+/// actix placeholder (`/reports/{id}`), a query or fragment, or white space; and so would a
+/// percent-escape that actix decodes before rules see the path (all but `/`, `%` and `+`).
 pub fn is_route_pattern(pattern: &str) -> bool {
     let body = pattern.strip_suffix('*').unwrap_or(pattern);
     let never_in_a_path = |c: char| matches!(c, '*' | '{' | '}' | '?' | '#') || c.is_whitespace();
-    pattern.starts_with('/') && !body.contains(never_in_a_path)
+    let kept_encoded = |escape: &str| {
+        let code = escape.get(1..3).map(str::to_ascii_uppercase);
+        matches!(code.as_deref(), Some("2F" | "25" | "2B"))
+    };
+    let escapes_kept = body
+        .match_indices('%')
+        .all(|(at, _)| kept_encoded(&body[at..]));
+    pattern.starts_with('/') && !body.contains(never_in_a_path) && escapes_kept
 }
 
 /// Orders patterns so that the first that matches a path is the most specific: exact paths
@@ -764,6 +774,21 @@ mod tests {
         for never_matches in ["/reports/{id}", "/search?q=1", "/a#b", "/a b", "/a\t"] {
             assert!(!is_route_pattern(never_matches), "{never_matches}");
         }
+        // actix decodes a path's escapes before rules see it, all but `/`, `%` and `+`.
+        for decoded_first in ["/caf%C3%A9", "/a%20b", "/a%41*", "/a%", "/a%2", "/a%é1"] {
+            assert!(!is_route_pattern(decoded_first), "{decoded_first}");
+        }
+        for kept in ["/café", "/a%2Fb", "/a%2fb", "/100%25", "/c%2B%2B*"] {
+            assert!(is_route_pattern(kept), "{kept}");
+        }
+    }
+
+    /// What the rules compare a pattern with: the path as actix's router decodes it.
+    #[test]
+    fn route_patterns_are_compared_with_the_decoded_path() {
+        let url = |path: &str| actix_web::dev::Url::new(path.parse().unwrap());
+        assert_eq!(url("/caf%C3%A9").path(), "/café");
+        assert_eq!(url("/a%2Fb%25%2B").path(), "/a%2Fb%25%2B");
     }
 
     #[test]
