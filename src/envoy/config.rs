@@ -268,19 +268,21 @@ impl RlsConfig {
             return Err(invalid("config file cannot have empty domain".into()));
         }
         check_length(&root.domain).map_err(invalid)?;
-        if self.domains.contains_key(&root.domain) {
+        // As a request's domain is read (`wire::text`), like keys and values: a U+FFFD in it is
+        // two there, and a domain kept as written never matched.
+        let domain = super::wire::text(root.domain.into_bytes());
+        if self.domains.contains_key(&domain) {
             return Err(invalid(format!(
-                "duplicate domain '{}' in config file",
-                root.domain
+                "duplicate domain '{domain}' in config file"
             )));
         }
         let mut node = Node::default();
         let mut rules = self.rules;
-        let prefix = format!("{}.", root.domain);
+        let prefix = format!("{domain}.");
         let parents = (prefix.as_str(), prefix.as_str());
         load_level(&mut node, parents, &root.descriptors, 1, &mut rules).map_err(invalid)?;
         self.rules = rules;
-        self.domains.insert(root.domain, node);
+        self.domains.insert(domain, node);
         Ok(())
     }
 
@@ -763,6 +765,12 @@ mod tests {
         assert!(config
             .rule_for("d", [("k", raw.as_str())].into_iter())
             .is_none());
+        // So does a domain with it.
+        let text = "domain: \"d\\uFFFD\"\ndescriptors:\n  - key: k\n    rate_limit: {requests_per_unit: 2, unit: second}\n";
+        let config = load(&[("f", text)]).unwrap();
+        let sent = super::super::wire::text("d\u{FFFD}".as_bytes().to_vec());
+        assert!(config.has_domain(&sent));
+        assert!(config.rule_for(&sent, [("k", "v")].into_iter()).is_some());
     }
 
     #[test]
