@@ -327,6 +327,15 @@ async fn an_over_charge_holds_what_remains_and_is_audited_apart() {
     assert_eq!(audit.debits_pending, 5);
     let kinds: Vec<&str> = audit.recent.iter().map(|t| t.kind.as_str()).collect();
     assert_eq!(kinds, ["grant", "hold", "over_charge"]);
+    // A negative hit gives back what requests took, never an over-charge (a refusal): voided,
+    // it was counted as a request's void, and the audit's admitted requests came out 0.
+    let released = ledger.release_units(id, 2, 30, deadline).await.unwrap();
+    assert_eq!(released.units, 0, "the request's hold is 3: none of 2 fits");
+    let released = ledger.release_units(id, 3, 30, deadline).await.unwrap();
+    assert_eq!(released.units, 3);
+    let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
+    assert_eq!((audit.holds, audit.voids, audit.over_charges), (1, 1, 1));
+    assert_eq!(audit.debits_pending, 2, "the over-charge stands");
     // A refused charge that fits by now (holds expired since the ledger said no) is never held
     // in full: a refused request does not pay its price.
     let limit = fresh_limit(10, 30, 1);

@@ -119,10 +119,14 @@ impl Ledger {
         window_seconds: u32,
         deadline: Instant,
     ) -> Result<Vec<(u128, u64)>, LedgerError> {
-        // A request's hold: an operator's block is pending too, and not the caller's.
+        // A request's hold: an operator's block is pending too, and not the caller's; nor is an
+        // over-charge (what remained of a refused charge), which the audit counts apart: voided
+        // here, it was counted as a request's void, one admitted request short.
         let request_hold = |transfer: &tb::Transfer, now| {
             let (id, hold) = live_hold(transfer, now)?;
-            (transfer.code() == model::TRANSFER_CODE_REQUEST).then_some((id, hold.amount))
+            let request = transfer.code() == model::TRANSFER_CODE_REQUEST
+                && transfer.user_data_32() != model::OVER_CHARGE_USER_DATA_32;
+            request.then_some((id, hold.amount))
         };
         let (mut holds, _) = self
             .unresolved_holds(account_id, window_seconds, deadline, request_hold)
