@@ -547,3 +547,32 @@ async fn a_move_back_records_who_moved_it_back_and_why() {
     assert_eq!(moved_back.user_data_32(), 2, "who moved it back");
     assert_eq!(moved_back.user_data_128(), down.why, "and why");
 }
+
+/// A block sent just as the last one ends, before TigerBeetle has expired it (5 to 100 ms
+/// after), found the account still closed and was answered "blocked already"; the account then
+/// reopened, unblocked. It is sent again until the old block has expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_sent_as_the_last_one_ends_lands() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::operator::Blocking;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(5, 60, 1);
+    let id = limit.account.id;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let first = ledger.block(id, 1, actor, deadline).await.unwrap();
+    assert!(matches!(first, Blocking::Done { .. }));
+    let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
+    let block = audit.recent.iter().find(|t| t.kind == "block").unwrap();
+    let ends = std::time::UNIX_EPOCH + Duration::from_nanos(block.timestamp_ns + 1_000_000_000);
+    let until_then = ends
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    tokio::time::sleep(until_then + Duration::from_millis(1)).await;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let renewed = ledger.block(id, 600, actor, deadline).await.unwrap();
+    assert!(matches!(renewed, Blocking::Done { .. }), "{renewed:?}");
+    let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
+    assert_eq!(audit.blocks, 2);
+}

@@ -11,6 +11,10 @@ use super::model::{self, Actor, IdempotencyKey};
 use super::{unexpected_transfer, Ledger, LedgerError};
 use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 
+/// How often [`Ledger::block`] sends a block again while the last one has ended and TigerBeetle
+/// has not yet expired it.
+pub const BLOCK_RETRY_INTERVAL: Duration = Duration::from_millis(20);
+
 /// What an operator's credit change came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjusted {
@@ -219,6 +223,11 @@ impl Ledger {
 
     /// Closes the caller's account for `seconds`: every request of it is refused meanwhile, on
     /// every instance, and its holds still expire as usual.
+    ///
+    /// A block sent as the last one ends, before TigerBeetle has expired it (observed 5 to 100
+    /// ms after), finds the account still closed: it is sent again until the deadline, every
+    /// [`BLOCK_RETRY_INTERVAL`], rather than answered "blocked already" just before the account
+    /// reopens unblocked (a script renewing a block as it ends hit exactly that).
     pub async fn block(
         &self,
         account_id: u128,
@@ -226,32 +235,61 @@ impl Ledger {
         actor: Actor,
         deadline: Instant,
     ) -> Result<Blocking, LedgerError> {
+        loop {
+            if let Some(blocking) = self
+                .block_once(account_id, seconds, actor, deadline)
+                .await?
+            {
+                return Ok(blocking);
+            }
+            if Instant::now() + BLOCK_RETRY_INTERVAL >= deadline {
+                let operation = super::metrics::Operation::CreateTransfers;
+                return Err(LedgerError::Timeout { operation });
+            }
+            tokio::time::sleep(BLOCK_RETRY_INTERVAL).await;
+        }
+    }
+
+    /// One attempt of [`Ledger::block`]: `None` when the last block has ended but still closes
+    /// the account.
+    async fn block_once(
+        &self,
+        account_id: u128,
+        seconds: u32,
+        actor: Actor,
+        deadline: Instant,
+    ) -> Result<Option<Blocking>, LedgerError> {
         use CreateTransferErrorKind as K;
         let transfer = model::block_transfer(account_id, self.ledger_id, seconds, actor);
         let transfer_id = transfer.id();
-        match self.operator_action(transfer, deadline).await? {
+        let blocking = match self.operator_action(transfer, deadline).await? {
             None => {
                 // Every instance must hear of it within a second (their leases and local views).
                 self.bump_operator_epoch(deadline).await;
-                Ok(Blocking::Done { transfer_id })
+                Blocking::Done { transfer_id }
             }
             Some(K::DebitAccountAlreadyClosed) => {
-                if self.closed_by_move(account_id, deadline).await? {
-                    return Ok(Blocking::Moved);
+                let closed = self.closed_by(account_id, deadline).await?;
+                if closed.moved_to.is_some() {
+                    return Ok(Some(Blocking::Moved));
+                }
+                if closed.until.is_some_and(|until| until <= SystemTime::now()) {
+                    return Ok(None); // ended, not yet expired: it reopens in a moment
                 }
                 // Perhaps a retry of a block whose bump was missed: count it again, so that
                 // every instance hears of it (a bump is one transfer; blocks are rare).
                 self.bump_operator_epoch(deadline).await;
-                Ok(Blocking::AlreadyBlocked)
+                Blocking::AlreadyBlocked
             }
             // Not found, or not a caller of this ledger (a concurrency slot's account).
             Some(
                 K::DebitAccountNotFound
                 | K::CreditAccountNotFound
                 | K::AccountsMustHaveTheSameLedger,
-            ) => Ok(Blocking::NoSuchAccount),
-            Some(kind) => Err(unexpected_transfer("block: ", kind)),
-        }
+            ) => Blocking::NoSuchAccount,
+            Some(kind) => return Err(unexpected_transfer("block: ", kind)),
+        };
+        Ok(Some(blocking))
     }
 
     /// Ends the caller's block now (voids the closing transfer), recording who and why.
