@@ -576,3 +576,36 @@ async fn a_block_sent_as_the_last_one_ends_lands() {
     let audit = ledger.audit(id, deadline).await.unwrap().unwrap();
     assert_eq!(audit.blocks, 2);
 }
+
+/// A move of an account another operator moved first says so (a 409 to look the caller up
+/// again), where it said the caller was blocked, or failed as unexpected (a 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_of_an_account_moved_meanwhile_says_so() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::Moving;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (free, pro, team) = (
+        fresh_limit(5, 60, 1),
+        fresh_limit(10, 60, 1),
+        fresh_limit(20, 60, 1),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&free.account, deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let id = free.account.id;
+    let first = ledger
+        .move_caller(id, &pro.account, 7, actor, 60, deadline)
+        .await;
+    assert_eq!(first, Ok(Moving::Done { carried: 0 }));
+    let second = ledger
+        .move_caller(id, &team.account, 8, actor, 60, deadline)
+        .await;
+    assert_eq!(second, Ok(Moving::MovedMeanwhile));
+    // A blocked account still says blocked.
+    ledger
+        .block(pro.account.id, 60, actor, deadline)
+        .await
+        .unwrap();
+    let blocked = (ledger.move_caller(pro.account.id, &team.account, 8, actor, 60, deadline)).await;
+    assert_eq!(blocked, Ok(Moving::Closed));
+}

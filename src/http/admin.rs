@@ -581,9 +581,10 @@ async fn move_caller(
                 let status = match error {
                     MoveError::UnknownPlan(_) => StatusCode::BAD_REQUEST,
                     MoveError::UnknownKey | MoveError::NoSuchAccount => StatusCode::NOT_FOUND,
-                    MoveError::SamePlan(_) | MoveError::Blocked | MoveError::LostTrack => {
-                        StatusCode::CONFLICT
-                    }
+                    MoveError::SamePlan(_)
+                    | MoveError::Blocked
+                    | MoveError::MovedMeanwhile
+                    | MoveError::LostTrack => StatusCode::CONFLICT,
                     MoveError::Ledger(_) => StatusCode::SERVICE_UNAVAILABLE,
                 };
                 admin_problem(status, &error.to_string())

@@ -28,8 +28,10 @@ pub enum Moving {
         carried: u64,
     },
     NoSuchAccount,
-    /// The account it would leave is closed (blocked, or moved already).
+    /// The account it would leave is blocked.
     Closed,
+    /// The account it would leave was moved already (another operator's move, meanwhile).
+    MovedMeanwhile,
     /// The account it would go to is blocked.
     TargetBlocked,
 }
@@ -92,6 +94,14 @@ fn carry_transfers(from: u128, to: u128, ledger: u32, carried: &[(u64, u32)]) ->
         .collect()
 }
 
+/// Why the account a move would leave is closed: a block, or a move already made.
+fn closed_as(closed: super::Blocked) -> Moving {
+    match closed.moved_to {
+        Some(_) => Moving::MovedMeanwhile,
+        None => Moving::Closed,
+    }
+}
+
 /// The holds `after` lists that `before` did not: those placed between the two reads. Told
 /// apart by id, not by a difference of balances, in which a hold that expired between the reads
 /// would hide as much of the new ones. Both listings read newest first, so a hold placed after
@@ -126,8 +136,8 @@ impl Ledger {
         else {
             return Ok(Moving::NoSuchAccount);
         };
-        if view.blocked.is_some() {
-            return Ok(Moving::Closed);
+        if let Some(closed) = view.blocked {
+            return Ok(closed_as(closed));
         }
         self.provision(to, deadline).await?;
         let mut chain = Vec::new();
@@ -160,7 +170,17 @@ impl Ledger {
         }
         match created? {
             None => {}
-            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => return Ok(Moving::Closed),
+            // Closed since it was read: by a block, or another operator's move.
+            Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
+                let why = self
+                    .closed_by(from, super::follow_up_deadline(deadline))
+                    .await?;
+                return Ok(closed_as(why));
+            }
+            // Another operator moved the caller back to `to` first (its void of the same move).
+            Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => {
+                return Ok(Moving::MovedMeanwhile);
+            }
             Some(kind) => return Err(unexpected_transfer("move: ", kind)),
         }
         // Moved: the late pass has time of its own (the move's deadline may be spent by now, and

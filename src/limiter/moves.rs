@@ -69,6 +69,8 @@ pub enum MoveError {
     NoSuchAccount,
     #[error("the caller is blocked; unblock it first")]
     Blocked,
+    #[error("another move of the caller landed first; look it up, and move it again if need be")]
+    MovedMeanwhile,
     #[error("the caller was moved to a plan this configuration does not have")]
     LostTrack,
     #[error(transparent)]
@@ -124,6 +126,7 @@ impl super::Limiter {
             Moving::Done { carried } => carried,
             Moving::NoSuchAccount => return Err(MoveError::NoSuchAccount),
             Moving::Closed | Moving::TargetBlocked => return Err(MoveError::Blocked),
+            Moving::MovedMeanwhile => return Err(MoveError::MovedMeanwhile),
         };
         self.local.forget(from);
         self.moves.learn(home_account, target, home_plan);
