@@ -11,7 +11,6 @@ use ledger_limiter::config::{
 };
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 // mimalloc rather than glibc's allocator: a request allocates a few dozen small blocks (the
 // request head, header values, futures, the ledger call's channels), and glibc's malloc and
@@ -337,11 +336,7 @@ async fn stop_on_signals(mut signals: StopSignals, server: actix_web::dev::Serve
 
 /// The Prometheus recorder, installed, with its upkeep task.
 fn prometheus_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
-    let prometheus = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full(ledger_limiter::ledger::metrics::LEDGER_CALL_DURATION_SECONDS.to_owned()),
-            ledger_limiter::ledger::metrics::LEDGER_CALL_BUCKETS_SECONDS,
-        )?
+    let prometheus = ledger_limiter::telemetry::prometheus_builder()?
         .install_recorder()
         .context("installing the Prometheus recorder")?;
     // install_recorder() does not spawn the upkeep task that drains histogram buffers.

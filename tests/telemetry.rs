@@ -13,7 +13,7 @@ use fake_opentelemetry_collector::ExportedSpan;
 use ledger_limiter::http::concurrency;
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::layer::SubscriberExt;
@@ -58,7 +58,11 @@ fn set_up_telemetry() -> Telemetry {
         .with(tracing_subscriber::EnvFilter::new("info"))
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
     tracing::subscriber::set_global_default(subscriber).unwrap();
-    let prometheus = PrometheusBuilder::new().install_recorder().unwrap();
+    // The library's exporter settings, as the binary's and an app of one's own.
+    let prometheus = ledger_limiter::telemetry::prometheus_builder()
+        .unwrap()
+        .install_recorder()
+        .unwrap();
     Telemetry {
         spans,
         provider,
@@ -259,7 +263,8 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
         "# TYPE ledger_limiter_decisions_total counter",
         "# TYPE ledger_limiter_ledger_errors_total counter",
         "# TYPE ledger_limiter_ledger_in_flight gauge",
-        "ledger_limiter_ledger_call_duration_seconds",
+        "# TYPE ledger_limiter_ledger_call_duration_seconds histogram",
+        "ledger_limiter_ledger_call_duration_seconds_bucket{",
         "ledger_limiter_decisions_total{decision=\"rejected_key\",plan=\"none\",source=\"none\"}",
         "ledger_limiter_decisions_total{decision=\"failed_closed\",plan=\"free\",source=\"none\"}",
         "ledger_limiter_ledger_errors_total{kind=\"timeout\"}",
@@ -305,7 +310,8 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                     "get_account_transfers",
                 ],
                 "outcome" => &["ok", "error"],
-                "le" | "quantile" => continue,
+                // Histograms (the dashboard reads `_bucket`), never a summary's quantiles.
+                "le" => continue,
                 other => panic!("unexpected label {other} in {line}"),
             };
             assert!(allowed.contains(&value), "{name}={value} in {line}");

@@ -65,6 +65,20 @@ fn env_set(name: &str) -> bool {
 }
 
 /// Whether the environment asks for OTLP trace export.
+/// A Prometheus exporter set up for this crate's metrics: the ledger calls' latency as a
+/// histogram with [`LEDGER_CALL_BUCKETS_SECONDS`](crate::ledger::metrics::LEDGER_CALL_BUCKETS_SECONDS)
+/// (its `_bucket` series are what the dashboard's latency and headroom panels read; the
+/// exporter's default makes a summary, which they cannot). Install it, or add to it, in an app
+/// of your own.
+pub fn prometheus_builder(
+) -> Result<metrics_exporter_prometheus::PrometheusBuilder, metrics_exporter_prometheus::BuildError>
+{
+    use crate::ledger::metrics::{LEDGER_CALL_BUCKETS_SECONDS, LEDGER_CALL_DURATION_SECONDS};
+    let calls = metrics_exporter_prometheus::Matcher::Full(LEDGER_CALL_DURATION_SECONDS.to_owned());
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(calls, LEDGER_CALL_BUCKETS_SECONDS)
+}
+
 pub fn otlp_requested() -> bool {
     let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"))
         || std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v == "none");
