@@ -292,34 +292,57 @@ struct Decided {
     released: Vec<(usize, Option<u64>)>,
 }
 
-impl RateLimitServer {
-    async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
-        let mut enforced = (Vec::new(), Vec::new());
-        let mut shadow = Vec::new();
-        let mut negative = Vec::new();
-        for (index, m) in matched.iter().enumerate() {
-            if let Matched::Counted {
-                rule,
-                limit,
-                negative: n,
-                hits,
-                ..
-            } = m
-            {
-                if *n {
-                    negative.push((index, *limit, *hits));
-                } else if rule.shadow_mode {
-                    shadow.push((index, *limit));
-                } else {
-                    enforced.0.push(index);
-                    enforced.1.push(*limit);
-                }
+/// The counted descriptors of `matched`, by kind, each with its index: enforced (indices, and
+/// limits), in shadow mode, and negative hits (with their hits).
+#[allow(clippy::type_complexity)]
+fn by_kind(
+    matched: &[Matched],
+) -> (
+    (Vec<usize>, Vec<Limit>),
+    Vec<(usize, Limit)>,
+    Vec<(usize, Limit, u64)>,
+) {
+    let mut enforced = (Vec::new(), Vec::new());
+    let mut shadow = Vec::new();
+    let mut negative = Vec::new();
+    for (index, m) in matched.iter().enumerate() {
+        if let Matched::Counted {
+            rule,
+            limit,
+            negative: n,
+            hits,
+            ..
+        } = m
+        {
+            if *n {
+                negative.push((index, *limit, *hits));
+            } else if rule.shadow_mode {
+                shadow.push((index, *limit));
+            } else {
+                enforced.0.push(index);
+                enforced.1.push(*limit);
             }
         }
+    }
+    (enforced, shadow, negative)
+}
+
+impl RateLimitServer {
+    async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
+        let (enforced, shadow, negative) = by_kind(matched);
+        // Refused from memory, the request costs the ledger nothing, and its shadow descriptors
+        // are only read (checks, cost 0): charged, each was a hold and then its void, two writes
+        // per shadow descriptor per refused request of a spent caller, whom the local view is
+        // there to keep off the ledger.
+        let refused = self.limiter.refused_from_memory(&enforced.1);
+        let shadow_limits: Vec<Limit> = (shadow.iter())
+            .map(|&(_, limit)| match refused {
+                Some(_) => Limit { cost: 0, ..limit },
+                None => limit,
+            })
+            .collect();
         let shadows = join_all(
-            shadow
-                .iter()
-                .map(|(_, limit)| self.limiter.check_all(std::slice::from_ref(limit))),
+            (shadow_limits.iter()).map(|limit| self.limiter.check_all(std::slice::from_ref(limit))),
         );
         let releases = join_all(
             negative
@@ -328,8 +351,14 @@ impl RateLimitServer {
         );
         let unknown = self.limiter.unknown_limits(&enforced.1);
         let deadline = self.limiter.deadline();
+        let enforced_decision = async {
+            match refused {
+                Some(refused) => Ok(refused),
+                None => self.limiter.check_all(&enforced.1).await,
+            }
+        };
         let (decision, shadows, releases) =
-            futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
+            futures_util::join!(enforced_decision, shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
         let mut decision = decision.map_err(internal)?;
         // limit_remaining is the ledger's, not a guess, even right after a restart.

@@ -139,25 +139,13 @@ impl Ledger {
         if let Some(closed) = view.blocked {
             return Ok(closed_as(closed));
         }
-        self.provision(to, deadline).await?;
-        let mut chain = Vec::new();
-        let mut to_free = u64::MAX;
-        if let Some(closed) = self
-            .account_view(to.id, window_seconds_max, deadline)
+        let (mut chain, to_free) = match self
+            .open_target(to, actor, window_seconds_max, deadline)
             .await?
         {
-            to_free = closed.available;
-            match closed.blocked {
-                Some(b) if b.moved_to.is_some() => {
-                    let Some(moved) = self.latest_block(to.id, deadline).await? else {
-                        return Ok(Moving::TargetBlocked);
-                    };
-                    chain.push(model::unmove_transfer(moved.id(), self.ledger_id, actor));
-                }
-                Some(_) => return Ok(Moving::TargetBlocked),
-                None => {}
-            }
-        }
+            Ok(target) => target,
+            Err(moving) => return Ok(moving),
+        };
         let carried = carried_from(&view, SystemTime::now(), window_seconds_max);
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
@@ -200,6 +188,36 @@ impl Ledger {
         Ok(Moving::Done {
             carried: (carried_total + late).min(to_free),
         })
+    }
+
+    /// Provisions the account a move goes to and reads it: the start of the move's chain (the
+    /// void of the move that closed it, for a move back) and what it has free; or why the move
+    /// cannot go there (a block).
+    async fn open_target(
+        &self,
+        to: &UserAccount,
+        actor: Actor,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<Result<(Vec<tb::Transfer>, u64), Moving>, LedgerError> {
+        self.provision(to, deadline).await?;
+        let Some(target) = self
+            .account_view(to.id, window_seconds_max, deadline)
+            .await?
+        else {
+            return Ok(Ok((Vec::new(), u64::MAX)));
+        };
+        let chain = match target.blocked {
+            Some(b) if b.moved_to.is_some() => {
+                let Some(moved) = self.latest_block(to.id, deadline).await? else {
+                    return Ok(Err(Moving::TargetBlocked));
+                };
+                vec![model::unmove_transfer(moved.id(), self.ledger_id, actor)]
+            }
+            Some(_) => return Ok(Err(Moving::TargetBlocked)),
+            None => Vec::new(),
+        };
+        Ok(Ok((chain, target.available)))
     }
 
     /// Holds placed on the old account between the read and the close (requests in flight at
