@@ -1030,33 +1030,8 @@ async fn an_account_under_a_window_of_decades_is_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
     let process = TestLedger::start(); // its own: stopped for a while below
-    let ledger = std::sync::Arc::new(ledger_client_bounded(vec![process.address], 1));
-    let account = model::UserAccount {
-        id: rand::random::<u128>() | 1 << 127,
-        capacity: std::num::NonZeroU64::new(5).unwrap(),
-        window_seconds: std::num::NonZeroU32::new(60).unwrap(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    // Two calls one after the other under a bound of 1: each gives its place back before its
-    // answer (else the grant found the accounts' place still taken, `Overloaded`).
-    ledger.provision(&account, deadline).await.unwrap();
-    let ledger::HoldReply::Held { transfer_id, .. } = ledger
-        .hold(account.id, 1, 60, deadline, false)
-        .await
-        .unwrap()
-    else {
-        panic!("held");
-    };
-    // Another hold takes the only place, and keeps it while the ledger is stopped.
-    process.pause(true);
-    let busy = ledger.clone();
-    let other = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        busy.hold(account.id, 1, 60, deadline, false).await
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
-    let giver = ledger.clone();
+    let full = common::full_bound(&process).await;
+    let (giver, transfer_id) = (full.ledger.clone(), full.transfer_id);
     let void = tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(5);
         giver.void(transfer_id, deadline).await
@@ -1064,7 +1039,7 @@ async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     process.pause(false);
     assert!(matches!(
-        other.await.unwrap(),
+        full.other.await.unwrap(),
         Ok(ledger::HoldReply::Held { .. })
     ));
     assert_eq!(
@@ -1072,4 +1047,27 @@ async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
         Ok(true),
         "given back once a place was free"
     );
+}
+
+/// The same for a release by amount (Envoy's negative hits: a concurrency slot given back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_waits_for_a_place_under_a_full_in_flight_bound() {
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let full = common::full_bound(&process).await;
+    let (giver, id) = (full.ledger.clone(), full.account.id);
+    let release = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        giver.release_units(id, 1, 60, deadline).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.pause(false);
+    assert!(matches!(
+        full.other.await.unwrap(),
+        Ok(ledger::HoldReply::Held { .. })
+    ));
+    let released = release
+        .await
+        .unwrap()
+        .expect("given back once a place was free");
+    assert_eq!(released.units, 1);
 }

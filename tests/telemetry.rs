@@ -435,3 +435,42 @@ async fn burst(app: &TestApp, key: &str) -> Vec<reqwest::StatusCode> {
     let requests = (0..40).map(|_| async { app.get("/greeting", Some(key)).await.status() });
     futures_util::future::join_all(requests).await
 }
+
+/// A give-back waits for a place under a full in-flight bound, and the wait is part of the call:
+/// one that waits out its deadline is a call failed at its deadline, in the latency histogram
+/// and the errors alike, not a refusal at once that left no duration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() {
+    let prometheus = &telemetry().prometheus;
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let full = full_bound(&process).await;
+    let failed = ["operation=\"create_transfers\"", "outcome=\"error\""];
+    let histogram = |text: &str| {
+        let count = metric_sum(
+            text,
+            "ledger_limiter_ledger_call_duration_seconds_count",
+            &failed,
+        );
+        let sum = metric_sum(
+            text,
+            "ledger_limiter_ledger_call_duration_seconds_sum",
+            &failed,
+        );
+        (count, sum)
+    };
+    let (count, sum) = histogram(&prometheus.render());
+    let deadline = Instant::now() + Duration::from_millis(300);
+    let void = full.ledger.void(full.transfer_id, deadline).await;
+    assert!(matches!(
+        void,
+        Err(ledger_limiter::ledger::LedgerError::Overloaded { .. })
+    ));
+    let (count_after, sum_after) = histogram(&prometheus.render());
+    process.pause(false);
+    assert_eq!(count_after - count, 1.0, "one call failed");
+    assert!(
+        sum_after - sum >= 0.29,
+        "at its deadline: {}",
+        sum_after - sum
+    );
+}

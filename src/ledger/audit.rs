@@ -7,7 +7,7 @@ use std::time::{Instant, SystemTime};
 use serde::Serialize;
 use tigerbeetle_unofficial as tb;
 
-use super::{model, Ledger, LedgerError, TRANSFERS_PAGE_LIMIT};
+use super::{model, Ledger, LedgerError, Place, TRANSFERS_PAGE_LIMIT};
 
 /// How many pages an audit reads at most (about a million transfers); beyond, it says it is
 /// incomplete rather than reading without end.
@@ -155,7 +155,9 @@ impl Ledger {
         use tb::account::FilterFlags as F;
         let filter = tb::account::Filter::new(account_id, RECENT_TRANSFERS_MAX as u32)
             .with_flags(F::DEBITS | F::CREDITS | F::REVERSED);
-        let page = self.account_transfers(filter, deadline).await?;
+        let page = self
+            .account_transfers(filter, (Place::AtOnce, deadline))
+            .await?;
         Ok(page.iter().rev().map(summary).collect())
     }
 
@@ -173,7 +175,12 @@ impl Ledger {
         let both = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::CREDITS;
         let mut timestamp_min = SystemTime::UNIX_EPOCH;
         for _ in 0..AUDIT_PAGES_MAX {
-            let read = self.transfers_page(account_id, both, (timestamp_min, None), deadline);
+            let read = self.transfers_page(
+                account_id,
+                both,
+                (timestamp_min, None),
+                (Place::AtOnce, deadline),
+            );
             let page = match read.await {
                 Ok(page) => page,
                 Err(LedgerError::Timeout { .. }) => return Ok(()),

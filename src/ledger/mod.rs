@@ -2,7 +2,9 @@
 //!
 //! Every call here has a deadline (TigerBeetle requests never time out on their own, and dropping
 //! a request's future does not cancel it) and is bounded: at most `in_flight_max` calls are in
-//! flight, and a call beyond that is refused at once rather than queued. The task that talks to
+//! flight, and a call beyond that is refused at once rather than queued (but a give-back, a void
+//! or a release by amount, which refused would be lost, waits for a place until its deadline:
+//! `Place`). The task that talks to
 //! the ledger owns each call's in-flight permit until the ledger answers (a call's own task, or
 //! for single transfers the task of their batch, `batch.rs`), so a dead ledger fills the bound
 //! and further calls fail fast instead of piling up inside the client.
@@ -513,24 +515,19 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         }
-        // A void gives credit back (a concurrency slot, a refund): refused a place at once under
-        // a burst, it was lost, and its units stayed held for the rest of their timeout (a slot
-        // for a minute). It waits for one, until its deadline.
-        let gives_back = transfer
+        let place = match transfer
             .flags()
-            .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER);
-        let in_flight = if gives_back {
-            self.in_flight_by(operation, deadline).await?
-        } else {
-            self.in_flight(operation)?
+            .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
+        {
+            true => Place::Waited,
+            false => Place::AtOnce,
         };
+        let (in_flight, span, started) = self.place(operation, place, deadline).await?;
         let leave = batch::Leave {
             in_flight,
             void_if_abandoned: void_code,
         };
         let connection = self.connection();
-        let span = call_span(operation);
-        let started = Instant::now();
         let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
@@ -687,7 +684,12 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<(Vec<Hold>, bool), LedgerError> {
         let (holds, complete) = self
-            .unresolved_holds(account_id, window_seconds_max, deadline, live_hold)
+            .unresolved_holds(
+                account_id,
+                window_seconds_max,
+                (Place::AtOnce, deadline),
+                live_hold,
+            )
             .await?;
         let mut holds: Vec<Hold> = holds.into_iter().map(|(_, hold)| hold).collect();
         holds.sort_by_key(|h| h.expires_at);
@@ -704,7 +706,7 @@ impl Ledger {
         &self,
         account_id: u128,
         window_seconds_max: u32,
-        deadline: Instant,
+        placed: (Place, Instant),
         pick: impl Fn(&tb::Transfer, SystemTime) -> Option<(u128, T)>,
     ) -> Result<(Vec<(u128, T)>, bool), LedgerError> {
         // Every live hold was created within the longest window (plus clock slack) of now.
@@ -725,7 +727,7 @@ impl Ledger {
                 tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
             let range = (timestamp_min, timestamp_max);
             let page = self
-                .transfers_page(account_id, newest_first, range, deadline)
+                .transfers_page(account_id, newest_first, range, placed)
                 .await?;
             holds.extend(page.iter().filter_map(|transfer| pick(transfer, now)));
             resolved.extend(page.iter().filter_map(resolved_pending));
@@ -773,7 +775,7 @@ impl Ledger {
         account_id: u128,
         flags: tb::account::FilterFlags,
         (timestamp_min, timestamp_max): (SystemTime, Option<SystemTime>),
-        deadline: Instant,
+        placed: (Place, Instant),
     ) -> Result<Vec<tb::Transfer>, LedgerError> {
         let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
@@ -782,18 +784,18 @@ impl Ledger {
             Some(timestamp_max) => filter.with_timestamp_max(timestamp_max),
             None => filter,
         };
-        self.account_transfers(filter, deadline).await
+        self.account_transfers(filter, placed).await
     }
 
     /// The transfers `filter` selects (one `get_account_transfers` call).
     async fn account_transfers(
         &self,
         filter: tb::account::Filter,
-        deadline: Instant,
+        placed: (Place, Instant),
     ) -> Result<Vec<tb::Transfer>, LedgerError> {
-        self.call(
+        self.call_placed(
             Operation::GetAccountTransfers,
-            deadline,
+            placed,
             move |client| async move {
                 client
                     .get_account_transfers(Box::new(filter))
@@ -855,23 +857,30 @@ impl Ledger {
         Ok(InFlight { permit })
     }
 
-    /// A place under the in-flight bound for a call of `operation`, waited for until `deadline`,
-    /// or `Overloaded`.
-    async fn in_flight_by(
+    /// A call's place under the in-flight bound, as `place` says, with the call's span and start
+    /// (a wait for the place is part of the call: its duration, its span). A wait that reaches
+    /// `deadline` is the call's failure, `Overloaded`, counted as such.
+    async fn place(
         &self,
         operation: Operation,
+        place: Place,
         deadline: Instant,
-    ) -> Result<InFlight, LedgerError> {
+    ) -> Result<(InFlight, tracing::Span, Instant), LedgerError> {
+        if place == Place::AtOnce {
+            let in_flight = self.in_flight(operation)?;
+            return Ok((in_flight, call_span(operation), Instant::now()));
+        }
+        let (span, started) = (call_span(operation), Instant::now());
         self.calls_started[operation as usize].fetch_add(1, Ordering::Relaxed);
-        let place = self.in_flight.clone().acquire_owned();
-        match tokio::time::timeout_at(deadline.into(), place).await {
-            Ok(Ok(permit)) => Ok(InFlight { permit }),
+        let permit = self.in_flight.clone().acquire_owned();
+        match tokio::time::timeout_at(deadline.into(), permit).await {
+            Ok(Ok(permit)) => Ok((InFlight { permit }, span, started)),
             // Timed out, or the bound closed (it never is).
             Ok(Err(_)) | Err(_) => {
                 let error = LedgerError::Overloaded {
                     in_flight_max: self.in_flight_max,
                 };
-                self.metrics.record_error(error.kind());
+                self.finish::<()>(operation, started, &span, &Err(error.clone()));
                 Err(error)
             }
         }
@@ -899,14 +908,33 @@ impl Ledger {
         }
     }
 
-    /// Runs one ledger call in its own task under the in-flight bound, and waits for it until
-    /// `deadline`. `on_abandoned` sees the result if it arrives after the caller stopped waiting
-    /// (unless the call was given up on a replaced client: `connection.rs`). Every failure is
-    /// counted by kind.
+    /// [`Ledger::call_placed`], refused `Overloaded` at once when the bound is full.
     async fn call<T, F, Fut, A>(
         &self,
         operation: Operation,
         deadline: Instant,
+        make: F,
+        on_abandoned: Option<A>,
+    ) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<tb::Client>) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+        A: FnOnce(Arc<Connection>, &Result<T, LedgerError>) + Clone + Send + 'static,
+    {
+        let placed = (Place::AtOnce, deadline);
+        self.call_placed(operation, placed, make, on_abandoned)
+            .await
+    }
+
+    /// Runs one ledger call in its own task under the in-flight bound (its place got as `place`
+    /// says), and waits for it until `deadline`. `on_abandoned` sees the result if it arrives
+    /// after the caller stopped waiting (unless the call was given up on a replaced client:
+    /// `connection.rs`). Every failure is counted by kind.
+    async fn call_placed<T, F, Fut, A>(
+        &self,
+        operation: Operation,
+        (place, deadline): (Place, Instant),
         make: F,
         on_abandoned: Option<A>,
     ) -> Result<T, LedgerError>
@@ -923,14 +951,12 @@ impl Ledger {
             self.metrics.record_error(error.kind());
             return Err(error);
         }
-        let in_flight = self.in_flight(operation)?;
-        let span = call_span(operation);
+        let (in_flight, span, started) = self.place(operation, place, deadline).await?;
         let (sender, receiver) = oneshot::channel();
         let connection = self.connection();
         let future = make(connection.client.clone());
         let late = (on_abandoned.clone()).map(|late| (late, connection.clone()));
         let mut answer = CallAnswer { receiver, late };
-        let started = Instant::now();
         tokio::spawn(
             async move {
                 let connection = &connection;
@@ -1031,6 +1057,17 @@ async fn answer_or_leave<T, F: Future<Output = T>>(
     // after its accounts) could find its own last place still taken, and fail `Overloaded`.
     drop(in_flight);
     Some(sender.send(answer))
+}
+
+/// How a call gets its place under the in-flight bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// At once, or `Overloaded`: a decision fails fast rather than queue behind a burst.
+    AtOnce,
+    /// Waited for until the call's deadline: a give-back (a void, a release by amount), which
+    /// refused at once was lost, its units held for the rest of their timeout (a concurrency
+    /// slot for a minute, its caller refused "too many in flight" with none).
+    Waited,
 }
 
 /// A call's place under the in-flight bound; it ends when dropped, once the ledger has answered.

@@ -392,7 +392,8 @@ impl Ledger {
         let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
             .with_timestamp_max(timestamp_max);
-        self.account_transfers(filter, deadline).await
+        self.account_transfers(filter, (super::Place::AtOnce, deadline))
+            .await
     }
 }
 

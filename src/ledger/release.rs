@@ -17,6 +17,7 @@ use tigerbeetle_unofficial as tb;
 use super::metrics::Operation;
 use super::{
     client_error, live_hold, model, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError,
+    Place,
 };
 
 /// At most this many holds are voided by one release (one request's negative hits).
@@ -129,7 +130,12 @@ impl Ledger {
             request.then_some((id, hold.amount))
         };
         let (mut holds, _) = self
-            .unresolved_holds(account_id, window_seconds, deadline, request_hold)
+            .unresolved_holds(
+                account_id,
+                window_seconds,
+                (Place::Waited, deadline),
+                request_hold,
+            )
             .await?;
         holds.reverse();
         Ok(holds)
@@ -143,9 +149,9 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<u64, LedgerError> {
         let ledger_id = self.ledger_id;
-        self.call(
+        self.call_placed(
             Operation::CreateTransfers,
-            deadline,
+            (Place::Waited, deadline),
             move |client| async move {
                 let voids: Vec<tb::Transfer> = holds
                     .iter()

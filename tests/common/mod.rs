@@ -700,3 +700,49 @@ pub fn span_attribute(span: &ExportedSpan, key: &str) -> Option<String> {
     let inner = inner.split_once(')')?.0;
     Some(inner.trim_matches('"').to_owned())
 }
+
+/// A bound of one place, taken by a hold the stopped ledger keeps unanswered, on an account
+/// of 5 that holds 1 (`transfer_id`) besides.
+pub struct FullBound {
+    pub ledger: Arc<ledger_limiter::ledger::Ledger>,
+    pub account: ledger_limiter::ledger::model::UserAccount,
+    pub transfer_id: u128,
+    pub other: tokio::task::JoinHandle<
+        Result<ledger_limiter::ledger::HoldReply, ledger_limiter::ledger::LedgerError>,
+    >,
+}
+
+pub async fn full_bound(process: &TestLedger) -> FullBound {
+    let ledger = Arc::new(ledger_client_bounded(vec![process.address], 1));
+    let account = ledger_limiter::ledger::model::UserAccount {
+        id: rand::random::<u128>() | 1 << 127,
+        capacity: std::num::NonZeroU64::new(5).unwrap(),
+        window_seconds: std::num::NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Two calls one after the other under a bound of 1: each gives its place back before its
+    // answer (else the grant found the accounts' place still taken, `Overloaded`).
+    ledger.provision(&account, deadline).await.unwrap();
+    let ledger_limiter::ledger::HoldReply::Held { transfer_id, .. } = ledger
+        .hold(account.id, 1, 60, deadline, false)
+        .await
+        .unwrap()
+    else {
+        panic!("held");
+    };
+    // Another hold takes the only place, and keeps it while the ledger is stopped.
+    process.pause(true);
+    let busy = ledger.clone();
+    let other = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.hold(account.id, 1, 60, deadline, false).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
+    FullBound {
+        ledger,
+        account,
+        transfer_id,
+        other,
+    }
+}
