@@ -60,7 +60,7 @@ struct LocalHold {
 struct CallerHolds {
     /// The credit the account has when nothing is held (its grant, as the ledger last said).
     credit: u64,
-    /// Known holds, in the order they were learned (expiries nearly ascending).
+    /// Known holds, earliest expiry first.
     holds: VecDeque<LocalHold>,
     held: u64,
     /// The latest expiry of any known hold: exact while `holds` is not empty (a hold is only
@@ -130,8 +130,7 @@ impl CallerHolds {
     }
 
     fn prune(&mut self, now: Instant) {
-        // Only the front is pruned: a later-expiring hold in front keeps the ones behind it (this
-        // only happens after a merge or a window change, and errs on the side of holding).
+        // The holds are in expiry order ([`CallerHolds::push`]): what expired is at the front.
         while let Some(front) = self.holds.front() {
             if front.expires_at > now {
                 break;
@@ -164,7 +163,17 @@ impl CallerHolds {
             self.latest_expiry
                 .map_or(hold.expires_at, |latest| latest.max(hold.expires_at)),
         );
-        self.holds.push_back(hold);
+        // In expiry order, nearly always at the back. Why: a lease (window + L) is recorded
+        // before the requests' holds (a window) that expire ahead of it; appended behind it, they
+        // outlived their expiry here, and were refused on from memory while the ledger had them
+        // back, for up to L.
+        let at = match self.holds.back() {
+            Some(last) if last.expires_at > hold.expires_at => self
+                .holds
+                .partition_point(|h| h.expires_at <= hold.expires_at),
+            _ => self.holds.len(),
+        };
+        self.holds.insert(at, hold);
         debug_assert_eq!(self.held, self.holds.iter().map(|h| h.amount).sum::<u64>());
     }
 
@@ -714,6 +723,26 @@ mod tests {
         let quota = view.record_hold(7, 5, 1, after, WINDOW, after);
         assert_eq!(quota.remaining, 2);
         assert!(view.check(7, 2, after).is_none(), "2 of 5 are still free");
+    }
+
+    /// A request's hold recorded after a lease (window + L) that outlives it is still pruned
+    /// when it expires: recorded behind the lease, it was counted on until the lease's end, and
+    /// a request the ledger would admit was refused from memory.
+    #[test]
+    fn a_hold_that_expires_before_a_lease_recorded_ahead_of_it_is_pruned() {
+        let view = LocalView::new(100, Duration::ZERO);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        list(&view, 7, &ledger_view(10, &[], wall), t0, wall);
+        let ms = Duration::from_millis;
+        // A lease of 5 for a window of 1 s and L of 10 s, then five holds of 1 for the window.
+        view.record_hold(7, 10, 5, t0 + ms(1), Duration::from_secs(11), t0 + ms(1));
+        for _ in 0..5 {
+            view.record_hold(7, 10, 1, t0 + ms(2), Duration::from_secs(1), t0 + ms(2));
+        }
+        assert!(view.check(7, 1, t0 + ms(3)).is_some(), "all 10 held");
+        let later = t0 + Duration::from_secs(2);
+        assert_eq!(view.check(7, 1, later), None, "the five are back");
+        assert_eq!(view.quota(7, 10, later).remaining, 5);
     }
 
     /// A recharge above the old hold's units may record more than the ledger took (other
