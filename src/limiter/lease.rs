@@ -709,6 +709,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<Option<Lease>, LedgerError> {
         let sent_at = self.clock.now();
         let id = holder.account_id;
+        // What the local view refuses (a block it read, or no credit free) is the per-request
+        // path's to refuse from memory: a lease tried first was a ledger write per request of a
+        // blocked caller, each refused.
+        if self.local.check(id, cost, sent_at).is_some() {
+            return Ok(None);
+        }
         // The local view's remaining credit is an upper bound of the ledger's: a lease larger than
         // half of it would fail, or starve other instances.
         let remaining = self.local.quota(id, holder.capacity, sent_at).remaining;

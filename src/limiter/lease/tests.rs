@@ -13,7 +13,9 @@ use proptest::prelude::*;
 use super::super::caller::CallerKey;
 use super::super::plan::{LeaseTerms, Plan, PlanBook, UnknownKeys};
 use super::super::store::{Clock, Store};
-use super::super::{Decision, FailurePolicy, FromMemory, Limiter, LimiterSettings, Outcome};
+use super::super::{
+    Decision, DecisionSource, FailurePolicy, FromMemory, Limiter, LimiterSettings, Outcome,
+};
 use super::RenewalAhead;
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
@@ -199,12 +201,17 @@ impl Store for ModelStore {
             })
             .collect();
         holds.sort_by_key(|h| h.expires_at);
+        // A block lasts a minute here.
+        let blocked = (model.blocked).then(|| crate::ledger::Blocked {
+            until: Some(wall + Duration::from_secs(60)),
+            moved_to: None,
+        });
         Ok(Some(AccountView {
             credit: CAPACITY,
             available: CAPACITY - model.held(now),
             holds,
             complete: true,
-            blocked: None,
+            blocked,
         }))
     }
 
@@ -544,6 +551,48 @@ fn a_block_retires_the_lease_at_its_next_renewal() {
     let after = runtime.block_on(limiter.check(&key, one)).unwrap();
     assert!(after.leased.is_none(), "admitted from a retired lease");
     assert_ne!(after.outcome, Outcome::Admitted);
+}
+
+/// Once this instance has read a caller's block, its requests are refused from memory: on a
+/// lease plan, each first tried a lease (a ledger write, refused `Blocked`) before the view's 403,
+/// so a blocked caller drove a write per request where a per-request plan's drives none.
+#[test]
+fn a_blocked_caller_costs_no_lease_attempt_once_its_block_is_read() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    runtime.block_on(async {
+        limiter.check(&key, one).await.unwrap();
+        store.model.lock().unwrap().blocked = true;
+        // Until the block is read: the lease's renewal, then a refusal read for why.
+        let from_memory = |d: &Decision<'_>| {
+            matches!(
+                d.outcome,
+                Outcome::Blocked {
+                    source: DecisionSource::LocalView,
+                    ..
+                }
+            )
+        };
+        let mut read = false;
+        for _ in 0..20 {
+            if from_memory(&limiter.check(&key, one).await.unwrap()) {
+                read = true;
+                break;
+            }
+        }
+        assert!(read, "the block is read");
+        let calls = store.model.lock().unwrap().lease_calls;
+        for _ in 0..10 {
+            assert!(from_memory(&limiter.check(&key, one).await.unwrap()));
+        }
+        assert_eq!(
+            store.model.lock().unwrap().lease_calls,
+            calls,
+            "no lease tried"
+        );
+    });
 }
 
 /// An operator acts (here a block) while a renewal ahead is in flight, its lease placed just
