@@ -110,15 +110,20 @@ impl CallerKey {
             "validated by the rules"
         );
         match ip {
-            IpAddr::V6(v6) if ipv6_prefix_bits < 128 => {
-                let mask = u128::MAX << (128 - u32::from(ipv6_prefix_bits));
-                let network = std::net::Ipv6Addr::from(u128::from(v6) & mask);
-                CallerKey {
-                    secret: format!("ip {network}/{ipv6_prefix_bits}"),
-                    kind: KeyKind::Address,
-                }
-            }
+            IpAddr::V6(v6) if ipv6_prefix_bits < 128 => match embedded_ipv4(v6) {
+                Some(v4) => Self::from_ip(IpAddr::V4(v4)),
+                None => Self::from_ipv6_network(v6, ipv6_prefix_bits),
+            },
             _ => Self::from_ip(ip),
+        }
+    }
+
+    fn from_ipv6_network(v6: std::net::Ipv6Addr, ipv6_prefix_bits: u8) -> Self {
+        let mask = u128::MAX << (128 - u32::from(ipv6_prefix_bits));
+        let network = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+        CallerKey {
+            secret: format!("ip {network}/{ipv6_prefix_bits}"),
+            kind: KeyKind::Address,
         }
     }
 
@@ -156,6 +161,26 @@ impl fmt::Debug for KeyId {
     }
 }
 
+/// The IPv4 address an IPv6 one carries, where that IPv4 address is the caller: a stateless
+/// translator's (`64:ff9b::/96`, RFC 6052, before IPv6-only servers), 6to4's (`2002::/16`) and
+/// Teredo's (`2001::/32`, the client's address inverted in the last 32 bits). Why: counted by
+/// its network, every IPv4 client behind one translator, or of one Teredo server, was one
+/// caller (one could spend all their allowances), and one 6to4 host was 65,536 callers.
+fn embedded_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let bits = u128::from(v6);
+    let low = bits as u32; // the last 32 bits
+    if bits >> 32 == 0x0064_ff9b_0000_0000_0000_0000 {
+        return Some(low.into());
+    }
+    if bits >> 112 == 0x2002 {
+        return Some(((bits >> 80) as u32).into());
+    }
+    if bits >> 96 == 0x2001_0000 {
+        return Some((!low).into());
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,6 +210,25 @@ mod tests {
             Err(KeyError::Malformed { header: H.into() })
         );
         assert!(CallerKey::from_header_value(H, b"12345678", 8).is_ok());
+    }
+
+    /// An IPv6 address that carries an IPv4 caller is that caller, whatever the prefix length.
+    #[test]
+    fn an_ipv6_address_carrying_an_ipv4_caller_is_that_caller() {
+        let key = |ip: &str| {
+            let ip: IpAddr = ip.parse().unwrap();
+            CallerKey::from_network(ip, 64).expose_secret().to_owned()
+        };
+        // A stateless translator (SIIT-DC): one /64 for every IPv4 client, before.
+        assert_eq!(key("64:ff9b::c000:201"), "ip 192.0.2.1");
+        assert_eq!(key("64:ff9b::c633:6401"), "ip 198.51.100.1");
+        // 6to4: one IPv4 host's /48.
+        assert_eq!(key("2002:c000:201:1::5"), "ip 192.0.2.1");
+        assert_eq!(key("2002:c000:201:ffff::5"), "ip 192.0.2.1");
+        // Teredo: the client's address, inverted (192.0.2.45 behind server 65.54.227.120).
+        assert_eq!(key("2001:0:4136:e378:8000:63bf:3fff:fdd2"), "ip 192.0.2.45");
+        // Anything else is its network.
+        assert_eq!(key("2001:db8:1:2::5"), "ip 2001:db8:1:2::/64");
     }
 
     #[test]
@@ -221,9 +265,12 @@ mod tests {
             };
             let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
             let same_network = (v6 & mask) | (u128::from(host) & !mask);
+            let other_network = v6 ^ (1u128 << (128 - u32::from(bits)));
+            // Addresses that carry an IPv4 caller are that caller (below).
+            let embedding = |ip: u128| embedded_ipv4(ip.into()).is_some();
+            prop_assume!(![v6, same_network, other_network].into_iter().any(embedding));
             prop_assert_eq!(network(v6), network(same_network));
             // One bit inside the prefix apart: another caller.
-            let other_network = v6 ^ (1u128 << (128 - u32::from(bits)));
             prop_assert_ne!(network(v6), network(other_network));
             let v4 = IpAddr::V4(v4.into());
             let (by_network, alone) = (CallerKey::from_network(v4, bits), CallerKey::from_ip(v4));
