@@ -175,7 +175,7 @@ async fn a_missing_key_can_be_a_400() {
 }
 
 /// Callers keyed by their bearer token (`caller.header = "authorization"`): the token is the key,
-/// whatever the scheme's case; another scheme is a 400.
+/// whatever the scheme's case; another scheme is no key (401, with the challenge).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_keyed_by_their_bearer_token() {
     let mut config = config(2, RoutesFile::default(), ResponseFile::default());
@@ -193,7 +193,22 @@ async fn callers_keyed_by_their_bearer_token() {
     assert_eq!(get(format!("bearer {token}")).await, 200, "the same caller");
     assert_eq!(get(format!("Bearer {token}")).await, 429);
     assert_eq!(get(format!("Bearer {}", fresh_key("tok_"))).await, 200);
-    assert_eq!(get("Basic dXNlcjpwYXNz".into()).await, 400);
+    // Another scheme's credentials are no key: 401, with the challenge (RFC 6750 §3.1).
+    let basic = app.http.get(format!("{}/greeting", app.address));
+    let basic = basic
+        .header("Authorization", "Basic dXNlcjpwYXNz")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(basic.status(), 401);
+    let challenge = basic
+        .headers()
+        .get("www-authenticate")
+        .map(|v| v.to_str().unwrap());
+    assert!(
+        challenge.is_some_and(|c| c.starts_with("Bearer")),
+        "{challenge:?}"
+    );
     app.stop().await;
 }
 

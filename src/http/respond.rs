@@ -22,7 +22,11 @@ pub fn rejected(
     challenge: Option<&HeaderValue>,
 ) -> HttpResponse {
     let (kind, status) = match error {
-        KeyError::Missing { .. } => (ProblemKind::MissingKey, missing_status),
+        // Another scheme's credentials are no key: asked for one, with the challenge (a 400
+        // told a client sending Basic credentials nothing it could act on).
+        KeyError::Missing { .. } | KeyError::NotBearer { .. } => {
+            (ProblemKind::MissingKey, missing_status)
+        }
         // A key would name the caller (a key, else the address): ask for one.
         KeyError::NoPeerAddress if challenge.is_some() => (ProblemKind::MissingKey, missing_status),
         // Callers known by address alone: nothing the client could send would name it.
@@ -34,8 +38,7 @@ pub fn rejected(
         KeyError::Empty { .. }
         | KeyError::TooLong { .. }
         | KeyError::Malformed { .. }
-        | KeyError::Repeated { .. }
-        | KeyError::NotBearer { .. } => (ProblemKind::InvalidKey, ProblemKind::InvalidKey.status()),
+        | KeyError::Repeated { .. } => (ProblemKind::InvalidKey, ProblemKind::InvalidKey.status()),
     };
     let mut response = problem::with_status(kind, status, &error.to_string());
     if let Some(challenge) = challenge.filter(|_| status == StatusCode::UNAUTHORIZED) {

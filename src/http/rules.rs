@@ -158,11 +158,18 @@ impl RequestRules {
                     });
                 }
                 // Keyed by a bearer token: the key is the token, not the scheme before it.
-                let value = match *name == AUTHORIZATION {
-                    true => bearer_token(value.as_bytes()).ok_or_else(|| KeyError::NotBearer {
-                        header: header.to_owned(),
-                    })?,
-                    false => value.as_bytes(),
+                let value = match (*name == AUTHORIZATION, bearer_token(value.as_bytes())) {
+                    (false, _) => value.as_bytes(),
+                    (true, Some(token)) => token,
+                    // Another scheme's credentials are none of ours: a caller without a key
+                    // (RFC 6750 §3.1), its address where that names it (a browser's Basic).
+                    (true, None) if matches!(self.key_source, KeySource::HeaderOrPeerIp(_)) => {
+                        return self.address(req);
+                    }
+                    (true, None) => {
+                        let header = header.to_owned();
+                        return Err(KeyError::NotBearer { header });
+                    }
                 };
                 CallerKey::from_header_value(header, value, self.key_length_max)
             }
@@ -700,6 +707,19 @@ mod tests {
         ));
         assert!(matches!(key("Bearer "), Err(KeyError::NotBearer { .. })));
         assert!(matches!(key("Bearer a b"), Err(KeyError::Malformed { .. })));
+        // Where a keyless caller is its address, another scheme's credentials are no key.
+        let either = RequestRules::builder()
+            .key_header_or_peer_ip("authorization")
+            .build(&plans())
+            .unwrap();
+        let req = TestRequest::default()
+            .insert_header(("Authorization", "Basic dXNlcg=="))
+            .peer_addr("10.1.2.3:4000".parse().unwrap())
+            .to_srv_request();
+        let caller = either
+            .caller_key(&req)
+            .map(|k| k.expose_secret().to_owned());
+        assert_eq!(caller.unwrap(), "ip 10.1.2.3");
     }
 
     #[test]
