@@ -570,7 +570,7 @@ async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() {
     let rules = rules_dir();
-    let (app, mut client) =
+    let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
     for _ in 0..3 {
@@ -610,21 +610,6 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
         assert!(std::time::Instant::now() < voided_by, "never voided");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Refused from memory now ("costly" is spent, on the ledger's word): the shadow descriptor
-    // is read, not charged, so the request writes nothing (it was a hold and its void).
-    let ledger = app.limiter.ledger();
-    use ledger_limiter::ledger::metrics::Operation;
-    let writes = ledger.calls_started_of(Operation::CreateTransfers);
-    let both = request(
-        "extra",
-        vec![costly(), descriptor(&[("shadowed_pair", &pair)])],
-    );
-    let response = call(&mut client, both).await;
-    assert_eq!(overall(&response), Code::OverLimit);
-    assert_eq!(response.statuses[1].code, Code::Ok as i32, "shadow");
-    assert_eq!(response.statuses[1].limit_remaining, 2, "read, not charged");
-    let written = ledger.calls_started_of(Operation::CreateTransfers) - writes;
-    assert_eq!(written, 0, "no hold, no void");
     let alone = request("extra", vec![descriptor(&[("shadowed_pair", &pair)])]);
     let response = call(&mut client, alone).await;
     assert_eq!(

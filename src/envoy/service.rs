@@ -330,19 +330,10 @@ fn by_kind(
 impl RateLimitServer {
     async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
         let (enforced, shadow, negative) = by_kind(matched);
-        // Refused from memory, the request costs the ledger nothing, and its shadow descriptors
-        // are only read (checks, cost 0): charged, each was a hold and then its void, two writes
-        // per shadow descriptor per refused request of a spent caller, whom the local view is
-        // there to keep off the ledger.
-        let refused = self.limiter.refused_from_memory(&enforced.1);
-        let shadow_limits: Vec<Limit> = (shadow.iter())
-            .map(|&(_, limit)| match refused {
-                Some(_) => Limit { cost: 0, ..limit },
-                None => limit,
-            })
-            .collect();
         let shadows = join_all(
-            (shadow_limits.iter()).map(|limit| self.limiter.check_all(std::slice::from_ref(limit))),
+            shadow
+                .iter()
+                .map(|(_, limit)| self.limiter.check_all(std::slice::from_ref(limit))),
         );
         let releases = join_all(
             negative
@@ -351,14 +342,8 @@ impl RateLimitServer {
         );
         let unknown = self.limiter.unknown_limits(&enforced.1);
         let deadline = self.limiter.deadline();
-        let enforced_decision = async {
-            match refused {
-                Some(refused) => Ok(refused),
-                None => self.limiter.check_all(&enforced.1).await,
-            }
-        };
         let (decision, shadows, releases) =
-            futures_util::join!(enforced_decision, shadows, releases);
+            futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
         let mut decision = decision.map_err(internal)?;
         // limit_remaining is the ledger's, not a guess, even right after a restart.

@@ -165,13 +165,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// [`Limiter::check_all`]'s refusal when this instance's memory alone refuses `limits`
-    /// (no ledger call), else `None` (invalid limits included: `check_all` names the error).
-    pub fn refused_from_memory(&self, limits: &[Limit]) -> Option<MultiDecision> {
-        validate(limits).ok()?;
-        self.refuse_locally(limits, self.clock.now())
-    }
-
     /// Forgets what this instance remembers of an account (its holds were given back by amount,
     /// not by receipt): its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
