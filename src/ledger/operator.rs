@@ -15,6 +15,10 @@ use super::{TRANSFERS_PAGES_MAX, TRANSFERS_PAGE_LIMIT};
 /// has not yet expired it.
 pub const BLOCK_RETRY_INTERVAL: Duration = Duration::from_millis(20);
 
+/// How long after a block's end it may still close the account, before TigerBeetle expires it
+/// (observed 5 to 100 ms): only that long is a new block sent again.
+pub const BLOCK_EXPIRY_LAG_MAX: Duration = Duration::from_secs(1);
+
 /// What an operator's credit change came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjusted {
@@ -227,7 +231,8 @@ impl Ledger {
     /// A block sent as the last one ends, before TigerBeetle has expired it (observed 5 to 100
     /// ms after), finds the account still closed: it is sent again until the deadline, every
     /// [`BLOCK_RETRY_INTERVAL`], rather than answered "blocked already" just before the account
-    /// reopens unblocked (a script renewing a block as it ends hit exactly that).
+    /// reopens unblocked (a script renewing a block as it ends hit exactly that). Only within
+    /// [`BLOCK_EXPIRY_LAG_MAX`] of the old block's end.
     pub async fn block(
         &self,
         account_id: u128,
@@ -243,8 +248,12 @@ impl Ledger {
                 return Ok(blocking);
             }
             if Instant::now() + BLOCK_RETRY_INTERVAL >= deadline {
+                // The old block still closes the account: the new one is not made, and the
+                // operator is told to try again (a 503), not that the caller is blocked.
                 let operation = super::metrics::Operation::CreateTransfers;
-                return Err(LedgerError::Timeout { operation });
+                let error = LedgerError::Timeout { operation };
+                self.metrics.record_error(error.kind());
+                return Err(error);
             }
             tokio::time::sleep(BLOCK_RETRY_INTERVAL).await;
         }
@@ -273,8 +282,13 @@ impl Ledger {
                 if closed.moved_to.is_some() {
                     return Ok(Some(Blocking::Moved));
                 }
-                if closed.until.is_some_and(|until| until <= SystemTime::now()) {
-                    return Ok(None); // ended, not yet expired: it reopens in a moment
+                // Ended (by this instance's clock), not yet expired: it reopens in a moment. A
+                // block that ended over a second ago by this clock, or has not ended, is
+                // another's: this clock may be off the cluster's.
+                let now = SystemTime::now();
+                let ending = |until: SystemTime| until <= now && now < until + BLOCK_EXPIRY_LAG_MAX;
+                if closed.until.is_some_and(ending) {
+                    return Ok(None);
                 }
                 // Perhaps a retry of a block whose bump was missed: count it again, so that
                 // every instance hears of it (a bump is one transfer; blocks are rare).
