@@ -857,19 +857,39 @@ impl Ledger {
         Ok(InFlight { permit })
     }
 
-    /// A call's place under the in-flight bound, as `place` says, with the call's span and start
-    /// (a wait for the place is part of the call: its duration, its span). A wait that reaches
-    /// `deadline` is the call's failure, `Overloaded`, counted as such.
+    /// A call's place under the in-flight bound as `place` says, with the call's span and start.
     async fn place(
         &self,
         operation: Operation,
         place: Place,
         deadline: Instant,
     ) -> Result<(InFlight, tracing::Span, Instant), LedgerError> {
-        if place == Place::AtOnce {
-            let in_flight = self.in_flight(operation)?;
-            return Ok((in_flight, call_span(operation), Instant::now()));
+        match place {
+            Place::AtOnce => self.place_at_once(operation),
+            // Boxed: only a give-back waits, and the wait's state would weigh on every call's
+            // future (a hold's included) as a timer and a semaphore's acquire.
+            Place::Waited => Box::pin(self.place_waited(operation, deadline)).await,
         }
+    }
+
+    /// A call's place under the in-flight bound at once, with the call's span and start, or
+    /// `Overloaded` (counted by [`Ledger::in_flight`]).
+    fn place_at_once(
+        &self,
+        operation: Operation,
+    ) -> Result<(InFlight, tracing::Span, Instant), LedgerError> {
+        let in_flight = self.in_flight(operation)?;
+        Ok((in_flight, call_span(operation), Instant::now()))
+    }
+
+    /// A call's place under the in-flight bound, waited for until `deadline` ([`Place::Waited`]).
+    /// The wait is part of the call, in its span and its duration: one that reaches the deadline
+    /// is the call's failure, `Overloaded`, counted as a call failed at its deadline.
+    async fn place_waited(
+        &self,
+        operation: Operation,
+        deadline: Instant,
+    ) -> Result<(InFlight, tracing::Span, Instant), LedgerError> {
         let (span, started) = (call_span(operation), Instant::now());
         self.calls_started[operation as usize].fetch_add(1, Ordering::Relaxed);
         let permit = self.in_flight.clone().acquire_owned();

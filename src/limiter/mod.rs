@@ -573,7 +573,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         hold: HoldReceipt,
         deadline: Instant,
     ) -> Result<bool, LedgerError> {
-        let dropped = ForgetIfDropped::new(&self.local, vec![account_id]);
+        let dropped = ForgetIfDropped::new(&self.local, [account_id]);
         let voided = self.store.void(hold.transfer_id, deadline).await;
         dropped.disarm();
         match voided {
@@ -591,25 +591,33 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 /// recharge runs at the ledger in a task of its own, so it lands even when its request is dropped
 /// at the await (its client gone); the view, left counting the old holds, would then refuse from
 /// memory what the ledger admits, for up to a window.
-struct ForgetIfDropped<'a> {
+struct ForgetIfDropped<'a, A: AsRef<[u128]>> {
     local: &'a LocalView,
-    account_ids: Vec<u128>,
+    account_ids: A,
+    armed: bool,
 }
 
-impl<'a> ForgetIfDropped<'a> {
-    fn new(local: &'a LocalView, account_ids: Vec<u128>) -> Self {
-        ForgetIfDropped { local, account_ids }
+impl<'a, A: AsRef<[u128]>> ForgetIfDropped<'a, A> {
+    fn new(local: &'a LocalView, account_ids: A) -> Self {
+        ForgetIfDropped {
+            local,
+            account_ids,
+            armed: true,
+        }
     }
 
     /// Done: the caller updates the view itself.
     fn disarm(mut self) {
-        self.account_ids.clear();
+        self.armed = false;
     }
 }
 
-impl Drop for ForgetIfDropped<'_> {
+impl<A: AsRef<[u128]>> Drop for ForgetIfDropped<'_, A> {
     fn drop(&mut self) {
-        for &account_id in &self.account_ids {
+        if !self.armed {
+            return;
+        }
+        for &account_id in self.account_ids.as_ref() {
             self.local.forget(account_id);
         }
     }

@@ -46,7 +46,7 @@ impl Limiter {
             })
             .collect();
         let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
-        let accounts = live.iter().map(|recharge| recharge.account_id).collect();
+        let accounts: Vec<u128> = live.iter().map(|recharge| recharge.account_id).collect();
         let dropped = super::ForgetIfDropped::new(&self.local, accounts);
         let mut live_done = match live.is_empty() {
             true => Vec::new(),
