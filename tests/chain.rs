@@ -609,3 +609,57 @@ async fn a_move_of_an_account_moved_meanwhile_says_so() {
     let blocked = (ledger.move_caller(pro.account.id, &team.account, 8, actor, 60, deadline)).await;
     assert_eq!(blocked, Ok(Moving::Closed));
 }
+
+/// Two operators moving one caller at once, to two plans: one move lands, the other is told the
+/// caller moved meanwhile, whichever step it was at (its read, or its chain: the move transfer
+/// on a closed account), never that the caller is blocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_moves_at_once_land_one() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::Moving;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (free, pro, team) = (
+        fresh_limit(5, 60, 1),
+        fresh_limit(10, 60, 1),
+        fresh_limit(20, 60, 1),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&free.account, deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let id = free.account.id;
+    let (a, b) = tokio::join!(
+        ledger.move_caller(id, &pro.account, 7, actor, 60, deadline),
+        ledger.move_caller(id, &team.account, 8, actor, 60, deadline),
+    );
+    let mut answers = [a.unwrap(), b.unwrap()];
+    answers.sort_by_key(|m| matches!(m, Moving::MovedMeanwhile));
+    assert!(matches!(answers[0], Moving::Done { .. }), "{answers:?}");
+    assert_eq!(answers[1], Moving::MovedMeanwhile);
+}
+
+/// Two operators moving a caller back at once: both chains begin with the void of the same
+/// move; the one that loses was an unexpected ledger answer (a 503). It is told the caller
+/// moved meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_moves_back_at_once_land_one() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::Moving;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let (free, pro) = (fresh_limit(5, 60, 1), fresh_limit(10, 60, 1));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&free.account, deadline).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let (from, to) = (free.account.id, pro.account.id);
+    let up = ledger
+        .move_caller(from, &pro.account, 7, actor, 60, deadline)
+        .await;
+    assert!(matches!(up, Ok(Moving::Done { .. })));
+    let (a, b) = tokio::join!(
+        ledger.move_caller(to, &free.account, 8, actor, 60, deadline),
+        ledger.move_caller(to, &free.account, 8, actor, 60, deadline),
+    );
+    let mut answers = [a.unwrap(), b.unwrap()];
+    answers.sort_by_key(|m| matches!(m, Moving::MovedMeanwhile));
+    assert!(matches!(answers[0], Moving::Done { .. }), "{answers:?}");
+    assert_eq!(answers[1], Moving::MovedMeanwhile);
+}

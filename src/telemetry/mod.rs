@@ -64,7 +64,6 @@ fn env_set(name: &str) -> bool {
     std::env::var_os(name).is_some_and(|v| !v.is_empty())
 }
 
-/// Whether the environment asks for OTLP trace export.
 /// A Prometheus exporter set up for this crate's metrics: the ledger calls' latency as a
 /// histogram with [`LEDGER_CALL_BUCKETS_SECONDS`](crate::ledger::metrics::LEDGER_CALL_BUCKETS_SECONDS)
 /// (its `_bucket` series are what the dashboard's latency and headroom panels read; the
@@ -79,6 +78,7 @@ pub fn prometheus_builder(
         .set_buckets_for_metric(calls, LEDGER_CALL_BUCKETS_SECONDS)
 }
 
+/// Whether the environment asks for OTLP trace export.
 pub fn otlp_requested() -> bool {
     let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"))
         || std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v == "none");
