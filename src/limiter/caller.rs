@@ -212,7 +212,8 @@ mod tests {
         assert!(CallerKey::from_header_value(H, b"12345678", 8).is_ok());
     }
 
-    /// An IPv6 address that carries an IPv4 caller is that caller, whatever the prefix length.
+    /// An IPv6 address that carries an IPv4 caller is that caller, keyed by network (a prefix
+    /// below 128; at 128, every address is a caller of its own anyway).
     #[test]
     fn an_ipv6_address_carrying_an_ipv4_caller_is_that_caller() {
         let key = |ip: &str| {
