@@ -616,6 +616,18 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
         response.statuses[0].limit_remaining, 1,
         "charged once, not twice"
     );
+    // A charge of 3 on "shadowed_pair" (2/min) is refused in shadow, and spends what remains,
+    // as enforced it would: the next charge of 1 is refused in shadow too (enforced, it would
+    // be refused). Before, the refused charge spent nothing and the next one passed with 1 left.
+    let spent = fresh_key("v");
+    let mut three = descriptor(&[("shadowed_pair", &spent)]);
+    three.hits_addend = Some(UInt64Value { value: 3 });
+    let response = call(&mut client, request("extra", vec![three])).await;
+    assert_eq!(overall(&response), Code::Ok, "shadow mode never denies");
+    let one = request("extra", vec![descriptor(&[("shadowed_pair", &spent)])]);
+    let response = call(&mut client, one).await;
+    assert_eq!(overall(&response), Code::Ok);
+    assert_eq!(response.statuses[0].limit_remaining, 0, "spent in shadow");
     // "general" (3/min) is replaced by "specific" when both match: 5 requests pass.
     for _ in 0..5 {
         let both = request(

@@ -352,12 +352,16 @@ impl RateLimitServer {
             .await;
         self.hold_what_remains(&enforced.1, &mut decision, deadline)
             .await;
-        let shadows = shadows
+        let mut shadows = shadows
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
             .map_err(internal)?;
-        if !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_)) {
-            self.void_shadow_holds(&shadow, &shadows);
+        match decision.outcome {
+            Outcome::Admitted | Outcome::FailedOpen(_) => {
+                self.over_charge_shadows(&shadow, &mut shadows, deadline)
+                    .await;
+            }
+            _ => self.void_shadow_holds(&shadow, &shadows),
         }
         let shadow = shadow
             .iter()
@@ -482,6 +486,23 @@ impl RateLimitServer {
     /// of its own, with a deadline of its own: the answer does not wait for it (a slow ledger's
     /// answer waited twice), and a refusal that spent the decision's deadline (failed closed)
     /// still gets its voids sent. Best effort: a hold not voided expires with its window.
+    /// A shadow descriptor the request's charge did not fit spends what remains, as it would
+    /// enforced ([`RateLimitServer::hold_what_remains`]), on a request the enforced descriptors
+    /// admitted: shadow mode then predicts what enforcing would refuse next (envoyproxy's shadow
+    /// counter goes past its limit too). Without it, a charge of several hits refused in shadow
+    /// spent nothing, and the next charge of one passed where enforced it would be refused.
+    async fn over_charge_shadows(
+        &self,
+        shadow: &[(usize, Limit)],
+        decided: &mut [MultiDecision],
+        deadline: std::time::Instant,
+    ) {
+        let over = (shadow.iter().zip(decided.iter_mut())).map(|((_, limit), decision)| {
+            self.hold_what_remains(std::slice::from_ref(limit), decision, deadline)
+        });
+        join_all(over).await;
+    }
+
     fn void_shadow_holds(&self, shadow: &[(usize, Limit)], decided: &[MultiDecision]) {
         let holds: Vec<_> = (shadow.iter().zip(decided))
             .filter_map(|((_, limit), decision)| {
