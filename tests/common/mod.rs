@@ -245,6 +245,17 @@ impl TestLedger {
     }
 }
 
+/// A test's own server is killed with it, paused or not: a test that panicked while the server
+/// was stopped (SIGSTOP) left it holding its memory, unable to see its stdin close, until the
+/// whole run ended.
+impl Drop for TestLedger {
+    fn drop(&mut self) {
+        let child = self.child.get_mut().unwrap_or_else(|e| e.into_inner());
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 const RESTART_MARK: &str = "---- restarted by the test\n";
 /// How long replicas may take to recover their logs and listen: several times what was seen.
 pub const LISTEN_TIMEOUT: Duration = Duration::from_secs(90);
