@@ -195,8 +195,10 @@ async fn adjust(
 }
 
 fn actor(reason: &str) -> anyhow::Result<Actor> {
-    Actor::from_reason(COMMAND_LINE, reason)
-        .with_context(|| format!("--reason must be 1-{} bytes", model::REASON_LENGTH_MAX))
+    Actor::from_reason(COMMAND_LINE, reason).with_context(|| {
+        let max = model::REASON_LENGTH_MAX;
+        format!("--reason must be 1-{max} bytes, no control characters")
+    })
 }
 
 async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {

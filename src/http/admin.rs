@@ -338,7 +338,7 @@ impl FromRequest for UnblockReason {
 /// Who acts and why: the secret's number, and the reason's SHA-256 (truncated) for the ledger.
 fn actor(who: u64, reason: &str) -> Result<Actor, Box<HttpResponse>> {
     Actor::from_reason(who, reason).ok_or_else(|| {
-        let detail = format!("reason must be 1-{REASON_LENGTH_MAX} bytes");
+        let detail = format!("reason must be 1-{REASON_LENGTH_MAX} bytes, no control characters");
         Box::new(admin_problem(StatusCode::BAD_REQUEST, &detail))
     })
 }

@@ -143,11 +143,14 @@ pub struct Actor {
 pub const REASON_LENGTH_MAX: usize = 200;
 
 impl Actor {
-    /// `who` acting for `reason` (1 to [`REASON_LENGTH_MAX`] bytes; `None` otherwise): the
-    /// reason's SHA-256, truncated, is what the ledger records.
+    /// `who` acting for `reason` (1 to [`REASON_LENGTH_MAX`] bytes, no control characters;
+    /// `None` otherwise): the reason's SHA-256, truncated, is what the ledger records. Why no
+    /// control characters: the reason is logged as written, the service's record of why, and a
+    /// newline in it wrote a line of its own there (an action another secret never did).
     pub fn from_reason(who: u64, reason: &str) -> Option<Actor> {
         use sha2::{Digest, Sha256};
-        if reason.is_empty() || reason.len() > REASON_LENGTH_MAX {
+        let bounded = !reason.is_empty() && reason.len() <= REASON_LENGTH_MAX;
+        if !bounded || reason.chars().any(char::is_control) {
             return None;
         }
         let mut why = [0u8; 16];
@@ -423,6 +426,24 @@ mod tests {
             NonZeroU64::new(capacity).unwrap(),
             key.as_bytes(),
         )
+    }
+
+    /// A reason is logged as written: one with a line break (or any control character) could
+    /// forge a line of the log that records operators' actions.
+    #[test]
+    fn a_reason_is_bounded_and_has_no_control_characters() {
+        assert!(Actor::from_reason(1, "abuse report 7 — ticket 12").is_some());
+        let too_long = "x".repeat(REASON_LENGTH_MAX + 1);
+        for refused in [
+            "",
+            too_long.as_str(),
+            "ok\nINFO caller blocked secret=2",
+            "a\rb",
+            "\u{1b}[31m",
+            "a\tb",
+        ] {
+            assert!(Actor::from_reason(1, refused).is_none(), "{refused:?}");
+        }
     }
 
     #[test]
