@@ -405,7 +405,12 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
     // A reason is logged as written: a line break in it would forge a line of that log.
     let forged = json!({"amount": 1, "reason": "ok\nINFO caller blocked secret=2"});
     let (status, problem) = admin
-        .send("POST", &format!("{path}/credit"), Some(SECRET), Some(forged))
+        .send(
+            "POST",
+            &format!("{path}/credit"),
+            Some(SECRET),
+            Some(forged),
+        )
         .await;
     assert_eq!(status, 400, "{problem}");
     let unknown = json!({"amount": 1, "reason": "x", "extra": true});

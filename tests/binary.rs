@@ -445,6 +445,24 @@ fn bad_configuration_is_refused_naming_the_setting() {
     );
 }
 
+/// `--check-config` prints the settings with no secret: an Envoy rule's value may be a
+/// partner's API key, and the rules were printed whole.
+#[test]
+fn check_config_never_prints_an_envoy_rules_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "domain: edge\ndescriptors:\n  - key: api_key\n    value: sk_live_partner_0123\n    rate_limit: {requests_per_unit: 5, unit: minute}\n";
+    std::fs::write(dir.path().join("rules.yaml"), rules).unwrap();
+    let output = command(dir.path())
+        .args(["--rls-listen", "127.0.0.1:0", "--rls-config", "rules.yaml"])
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert!(printed.contains("edge"), "the domain is shown: {printed}");
+    assert!(!printed.contains("sk_live_partner"), "{printed}");
+}
+
 #[test]
 fn environment_variables_configure_like_flags() {
     let dir = tempfile::tempdir().unwrap();

@@ -153,10 +153,24 @@ struct Node {
 }
 
 /// Every domain's rules.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct RlsConfig {
     domains: HashMap<String, Node>,
     rules: usize,
+}
+
+/// The domains and how many rules, never the rules themselves: a rule's path holds its
+/// configured values, and a value may be a partner's API key (`--check-config` prints the
+/// settings, and said it printed no secret).
+impl std::fmt::Debug for RlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut domains: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        domains.sort_unstable();
+        (f.debug_struct("RlsConfig"))
+            .field("domains", &domains)
+            .field("rules", &self.rules)
+            .finish()
+    }
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
