@@ -173,7 +173,14 @@ fn overrides(cli: &Cli) -> anyhow::Result<FileConfig> {
 }
 
 fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
-    Ok(Settings::with_overrides(overrides(cli)?)?)
+    let mut file = overrides(cli)?;
+    // `audit` and `admin` talk to the ledger alone. The admin API's listener and secrets are the
+    // service's: with `[admin] listen` in the shared file and the secrets in the service's
+    // environment only, the operator's commands were refused for want of a secret they never use.
+    if matches!(cli.command, Some(Command::Audit(_) | Command::Admin(_))) {
+        file.admin = AdminFile::default();
+    }
+    Ok(Settings::with_overrides(file)?)
 }
 
 /// `ledger-limiter probe`, knowing only the listen address (of the file and the flags).

@@ -355,6 +355,15 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
     );
     let (status, _) = admin.send("DELETE", &path, Some(SECRET), None).await;
     assert_eq!(status, 409, "not blocked");
+    // A JSON type on no body is a bare DELETE too (curl -X DELETE -H 'Content-Type: …'), not
+    // a JSON body that ended too soon (a 400).
+    let typed = app.http.delete(admin.url(&path)).bearer_auth(SECRET);
+    let typed = typed
+        .header("Content-Type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(typed.status().as_u16(), 409, "judged as a bare DELETE");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     until_status(&other, &key, 200).await;
 
@@ -599,18 +608,22 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     let address = shared_ledger().address.to_string();
-    // The same plans as the app's, so that a key derives the same account.
+    // The same plans as the app's, so that a key derives the same account; and the service's
+    // admin listener, whose secrets live in the service's environment, not the operator's:
+    // the commands do not need them.
     let dir = tempfile::tempdir().unwrap();
     let plans = dir.path().join("plans.toml");
     std::fs::write(
         &plans,
-        "[plans.free]\ncapacity = 2\nwindow_seconds = 60\n[key_prefixes]\n",
+        "[plans.free]\ncapacity = 2\nwindow_seconds = 60\n[key_prefixes]\n\
+         [admin]\nlisten = \"127.0.0.1:0\"\n",
     )
     .unwrap();
     let plans = plans.to_str().unwrap().to_owned();
     let run = |args: &[&str], stdin: Option<&str>| {
         let mut command = binary_command();
         command
+            .env_remove("LEDGER_LIMITER_ADMIN_SECRETS")
             .args(["--config", &plans, "--ledger-addresses", &address])
             .args(args)
             .stdin(std::process::Stdio::piped())

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use actix_web::dev::Payload;
 use actix_web::error::{InternalError, JsonPayloadError};
 use actix_web::http::header::{
-    HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING, WWW_AUTHENTICATE,
+    HeaderValue, AUTHORIZATION, CONTENT_LENGTH, TRANSFER_ENCODING, WWW_AUTHENTICATE,
 };
 use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
@@ -322,9 +322,10 @@ impl FromRequest for UnblockReason {
     type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        // HTTP/1.1 without a length or a transfer coding has no body, whatever its type says
+        // (`curl -X DELETE -H 'Content-Type: application/json'` sends none): it was a 400.
         let length = req.headers().get(CONTENT_LENGTH);
-        let bodiless = req.headers().get(CONTENT_TYPE).is_none()
-            && req.headers().get(TRANSFER_ENCODING).is_none()
+        let bodiless = req.headers().get(TRANSFER_ENCODING).is_none()
             && length.is_none_or(|length| length.as_bytes() == b"0");
         if bodiless {
             let reason = UnblockReason(UNBLOCK_REASON_DEFAULT.to_owned());
