@@ -1071,3 +1071,60 @@ async fn a_release_waits_for_a_place_under_a_full_in_flight_bound() {
         .expect("given back once a place was free");
     assert_eq!(released.units, 1);
 }
+
+/// A recharge (a cost known after the response) waits for a place too: refused at once, one
+/// that gives back kept the estimate held, and one that charges more left the request held for
+/// less than it cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recharge_waits_for_a_place_under_a_full_in_flight_bound() {
+    use ledger_limiter::ledger::settle::{Recharge, Recharged};
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let full = common::full_bound(&process).await;
+    let recharge = Recharge {
+        pending_id: full.transfer_id,
+        account_id: full.account.id,
+        amount: 3,
+        timeout_seconds: 50,
+    };
+    let giver = full.ledger.clone();
+    let recharged = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        giver.recharge(&[recharge], deadline).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.pause(false);
+    assert!(matches!(
+        full.other.await.unwrap(),
+        Ok(ledger::HoldReply::Held { .. })
+    ));
+    let recharged = recharged.await.unwrap();
+    assert!(matches!(recharged, Ok(Recharged::Done(_))), "{recharged:?}");
+}
+
+/// A lease's settlement waits for a place too: refused at once, the lease's unused units stayed
+/// held for window + L, not L.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_settlement_waits_for_a_place_under_a_full_in_flight_bound() {
+    use ledger_limiter::ledger::lease::{Settled, Settlement};
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let full = common::full_bound_after(&process, true).await;
+    let settlement = Settlement {
+        account_id: full.account.id,
+        lease_id: full.transfer_id,
+        units_used: 1,
+        requests: 1,
+        window_seconds: 60,
+    };
+    let settler = full.ledger.clone();
+    let settled = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        settler.settle_lease(settlement, deadline).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    process.pause(false);
+    assert!(matches!(
+        full.other.await.unwrap(),
+        Ok(ledger::HoldReply::Held { .. })
+    ));
+    assert_eq!(settled.await.unwrap(), Ok(Settled::Done));
+}

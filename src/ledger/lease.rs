@@ -100,16 +100,18 @@ impl Ledger {
     }
 
     /// Settles a lease in one linked chain. An error leaves the outcome unknown, which is safe
-    /// either way: the lease, or the settlement, holds every admitted unit long enough.
+    /// either way: the lease, or the settlement, holds every admitted unit long enough. It waits
+    /// for a place under the in-flight bound (`Place::Waited`): it gives back the
+    /// lease's unused units, which refused at once stayed held for window + L, not L.
     pub async fn settle_lease(
         &self,
         settlement: Settlement,
         deadline: Instant,
     ) -> Result<Settled, LedgerError> {
         let transfers = settlement_transfers(&settlement, self.ledger_id);
-        self.call(
+        self.call_placed(
             Operation::CreateTransfers,
-            deadline,
+            (super::Place::Waited, deadline),
             move |client| async move {
                 match client.create_transfers(transfers).await {
                     Ok(()) => Ok(Settled::Done),

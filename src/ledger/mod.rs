@@ -2,9 +2,8 @@
 //!
 //! Every call here has a deadline (TigerBeetle requests never time out on their own, and dropping
 //! a request's future does not cancel it) and is bounded: at most `in_flight_max` calls are in
-//! flight, and a call beyond that is refused at once rather than queued (but a give-back, a void
-//! or a release by amount, which refused would be lost, waits for a place until its deadline:
-//! `Place`). The task that talks to
+//! flight, and a call beyond that is refused at once rather than queued (but a give-back, which
+//! refused would be lost, waits for a place until its deadline: `Place`). The task that talks to
 //! the ledger owns each call's in-flight permit until the ledger answers (a call's own task, or
 //! for single transfers the task of their batch, `batch.rs`), so a dead ledger fills the bound
 //! and further calls fail fast instead of piling up inside the client.
@@ -1084,9 +1083,10 @@ async fn answer_or_leave<T, F: Future<Output = T>>(
 pub(crate) enum Place {
     /// At once, or `Overloaded`: a decision fails fast rather than queue behind a burst.
     AtOnce,
-    /// Waited for until the call's deadline: a give-back (a void, a release by amount), which
-    /// refused at once was lost, its units held for the rest of their timeout (a concurrency
-    /// slot for a minute, its caller refused "too many in flight" with none).
+    /// Waited for until the call's deadline: a give-back (a void, a release by amount, a lease's
+    /// settlement, a recharge), which refused at once was lost, its units held for the rest of
+    /// their timeout (a concurrency slot for a minute, its caller refused "too many in flight"
+    /// with none).
     Waited,
 }
 

@@ -14,7 +14,7 @@ use tigerbeetle_unofficial as tb;
 
 use super::metrics::Operation;
 use super::model::{self, Actor, UserAccount};
-use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError};
+use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError, Place};
 
 /// At most this many carried holds per move (holds are grouped by the second they expire in,
 /// and the latest groups merged, which only holds longer): a chain fits one request.
@@ -150,7 +150,7 @@ impl Ledger {
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
         let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
-        let created = self.create_chain(chain, deadline).await;
+        let created = self.create_chain(chain, (Place::AtOnce, deadline)).await;
         if created.is_err() {
             // The move may have landed after all (a lost answer): every instance must look again
             // (their leases on the old account). The bump has time of its own if the move's is spent.
@@ -242,27 +242,28 @@ impl Ledger {
             return Ok(0);
         }
         let chain = carry_transfers(from, to, self.ledger_id, &late);
-        match self.create_chain(chain, deadline).await? {
+        match self.create_chain(chain, (Place::AtOnce, deadline)).await? {
             None => Ok(late.iter().map(|(amount, _)| amount).sum()),
             Some(kind) => Err(unexpected_transfer("move, late holds: ", kind)),
         }
     }
 
-    /// Creates `transfers` as one linked chain: `Ok(None)` when all were created, else the first
-    /// failure's own reason (not `linked_event_failed`).
+    /// Creates `transfers` as one linked chain (its place under the in-flight bound got as
+    /// `place` says): `Ok(None)` when all were created, else the first failure's own reason
+    /// (not `linked_event_failed`).
     pub(super) async fn create_chain(
         &self,
         mut transfers: Vec<tb::Transfer>,
-        deadline: Instant,
+        (place, deadline): (Place, Instant),
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
         let last = transfers.len() - 1;
         for transfer in &mut transfers[..last] {
             let flags = transfer.flags() | tb::transfer::Flags::LINKED;
             transfer.set_flags(flags);
         }
-        self.call(
+        self.call_placed(
             Operation::CreateTransfers,
-            deadline,
+            (place, deadline),
             move |client| async move {
                 match client.create_transfers(transfers).await {
                     Ok(()) => Ok(None),

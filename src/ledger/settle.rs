@@ -62,7 +62,13 @@ impl Ledger {
                 ids.push(None);
             }
         }
-        match self.create_chain(chain, deadline).await? {
+        // Waits for a place under the in-flight bound: refused at once, a recharge that gives
+        // back (a cost below the estimate) kept the estimate held, and one that charges more
+        // left the request held for less than it cost.
+        match self
+            .create_chain(chain, (super::Place::Waited, deadline))
+            .await?
+        {
             None => Ok(Recharged::Done(ids)),
             Some(
                 CreateTransferErrorKind::PendingTransferExpired
