@@ -615,6 +615,18 @@ async fn a_block_sent_as_the_last_one_ends_lands() {
     panic!("no renewal reached the ledger before the old block expired, in 5 tries");
 }
 
+/// Three plans' accounts for one caller (5, 10 and 20 a minute), the first provisioned.
+async fn plans_of_one_caller(ledger: &Ledger) -> (Limit, Limit, Limit) {
+    let plans = (
+        fresh_limit(5, 60, 1),
+        fresh_limit(10, 60, 1),
+        fresh_limit(20, 60, 1),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    ledger.provision(&plans.0.account, deadline).await.unwrap();
+    plans
+}
+
 /// A move of an account another operator moved first says so (a 409 to look the caller up
 /// again), where it said the caller was blocked, or failed as unexpected (a 503).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -622,13 +634,8 @@ async fn a_move_of_an_account_moved_meanwhile_says_so() {
     use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::Moving;
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let (free, pro, team) = (
-        fresh_limit(5, 60, 1),
-        fresh_limit(10, 60, 1),
-        fresh_limit(20, 60, 1),
-    );
+    let (free, pro, team) = plans_of_one_caller(&ledger).await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    ledger.provision(&free.account, deadline).await.unwrap();
     let actor = Actor::from_reason(1, "test").unwrap();
     let id = free.account.id;
     let first = ledger
@@ -656,13 +663,8 @@ async fn two_moves_at_once_land_one() {
     use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::Moving;
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let (free, pro, team) = (
-        fresh_limit(5, 60, 1),
-        fresh_limit(10, 60, 1),
-        fresh_limit(20, 60, 1),
-    );
+    let (free, pro, team) = plans_of_one_caller(&ledger).await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    ledger.provision(&free.account, deadline).await.unwrap();
     let actor = Actor::from_reason(1, "test").unwrap();
     let id = free.account.id;
     let (a, b) = tokio::join!(
