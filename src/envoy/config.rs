@@ -429,9 +429,11 @@ fn load_level(
                 value_digest(&descriptor.value)
             ),
         };
-        reject_unimplemented(descriptor, &path)?;
+        // Errors name a descriptor by its label, its values hashed: a value may be a partner's
+        // API key, and start-up errors go to the log.
+        reject_unimplemented(descriptor, &label)?;
         if node.children.contains_key(&final_key) {
-            return Err(format!("duplicate descriptor composite key '{path}'"));
+            return Err(format!("duplicate descriptor composite key '{label}'"));
         }
         let mut child = Node::default();
         if let Some(rate_limit) = &descriptor.rate_limit {
@@ -457,7 +459,7 @@ fn load_level(
     Ok(())
 }
 
-fn reject_unimplemented(descriptor: &YamlDescriptor, path: &str) -> Result<(), String> {
+fn reject_unimplemented(descriptor: &YamlDescriptor, label: &str) -> Result<(), String> {
     let unimplemented = [
         ("quota_mode", descriptor.quota_mode.is_some()),
         ("value_to_metric", descriptor.value_to_metric.is_some()),
@@ -466,7 +468,7 @@ fn reject_unimplemented(descriptor: &YamlDescriptor, path: &str) -> Result<(), S
     ];
     match unimplemented.iter().find(|(_, present)| *present) {
         Some((key, _)) => Err(format!(
-            "'{key}' (descriptor '{path}') is an envoyproxy/ratelimit key ledger-limiter does not implement yet"
+            "'{key}' (descriptor '{label}') is an envoyproxy/ratelimit key ledger-limiter does not implement yet"
         )),
         None => Ok(()),
     }
@@ -499,16 +501,16 @@ fn rule(
             // Two windows for one rule: which one was meant is not ours to guess.
             (Some(_), Some(_)) => {
                 return Err(format!(
-                    "'{path}': give either unit or window_seconds, not both"
+                    "'{label}': give either unit or window_seconds, not both"
                 ))
             }
             (None, Some(seconds)) => NonZeroU32::new(seconds)
-                .ok_or_else(|| format!("'{path}': window_seconds must be at least 1"))?,
+                .ok_or_else(|| format!("'{label}': window_seconds must be at least 1"))?,
             (Some(unit), None) => NonZeroU32::new(unit.seconds()).expect("units are not empty"),
             (None, None) => return Err(format!("invalid rate limit unit '{}'", yaml.unit)),
         };
         let requests_per_unit = NonZeroU64::new(yaml.requests_per_unit.into()).ok_or_else(|| {
-            format!("'{path}': requests_per_unit must be at least 1 (0, refusing everything, is not implemented)")
+            format!("'{label}': requests_per_unit must be at least 1 (0, refusing everything, is not implemented)")
         })?;
         RuleLimit::Counted {
             requests_per_unit,
@@ -687,9 +689,11 @@ mod tests {
                 "empty_domain: config file cannot have empty domain",
             ),
             (file!("empty_key"), "empty_key: descriptor has empty key"),
+            // envoyproxy/ratelimit names `key1_value1`; here the value is hashed, as in metrics:
+            // a value may be a partner's API key, and start-up errors go to the log.
             (
                 file!("duplicate_key"),
-                "duplicate descriptor composite key 'test-domain.key1_value1'",
+                "duplicate descriptor composite key 'test-domain.key1_3c968301'",
             ),
             (file!("bad_limit_unit"), "invalid rate limit unit 'foo'"),
             (
