@@ -1128,3 +1128,46 @@ async fn a_lease_settlement_waits_for_a_place_under_a_full_in_flight_bound() {
     ));
     assert_eq!(settled.await.unwrap(), Ok(Settled::Done));
 }
+
+/// A caller whose credit an operator reduced to 0 is spent, not new: its refusal read a credit
+/// of 0 as a grant that had not landed, and provisioned it again (its accounts, its grant, a
+/// second hold and listing) at its first request after each operator action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_reduced_to_nothing_is_refused_not_provisioned_again() {
+    use ledger::metrics::Operation;
+    use ledger_limiter::limiter::plan::Plan;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let plan = Plan::new(
+        "free",
+        std::num::NonZeroU64::new(5).unwrap(),
+        std::num::NonZeroU32::new(60).unwrap(),
+    );
+    let limiter = common::one_plan_limiter(ledger, plan.unwrap());
+    let key = fresh_key("k_");
+    let id = limiter.account_of(&caller(&key)).unwrap();
+    let account = model::UserAccount {
+        id,
+        capacity: std::num::NonZeroU64::new(5).unwrap(),
+        window_seconds: std::num::NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ledger = limiter.ledger();
+    ledger.provision(&account, deadline).await.unwrap();
+    let actor = model::Actor::from_reason(1, "test").unwrap();
+    ledger
+        .reduce_credit(id, 5, (actor, None), deadline)
+        .await
+        .unwrap();
+    let accounts = ledger.calls_started_of(Operation::CreateAccounts);
+    let decision = limiter
+        .check(&caller(&key), std::num::NonZeroU64::MIN)
+        .await
+        .unwrap();
+    assert!(
+        matches!(decision.outcome, Outcome::Limited { .. }),
+        "{:?}",
+        decision.outcome
+    );
+    let provisioned = ledger.calls_started_of(Operation::CreateAccounts) - accounts;
+    assert_eq!(provisioned, 0, "not provisioned again");
+}

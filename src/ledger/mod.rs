@@ -205,6 +205,9 @@ pub struct Hold {
 pub struct AccountView {
     /// credits_posted − debits_posted: the credit when nothing is held.
     pub credit: u64,
+    /// Whether the account was ever credited (credits_posted > 0): its grant landed. A credit of
+    /// 0 alone does not say so: an operator may have reduced it all.
+    pub granted: bool,
     /// credits_posted − debits_posted − debits_pending.
     pub available: u64,
     /// Live holds, earliest expiry first. `complete` is false when there were too many to read.
@@ -647,6 +650,7 @@ impl Ledger {
         };
         Ok(Some(AccountView {
             credit: u64::try_from(credit).unwrap_or(u64::MAX),
+            granted: account.credits_posted() > 0,
             available: u64::try_from(available).unwrap_or(u64::MAX),
             holds,
             complete,

@@ -663,6 +663,7 @@ mod tests {
             .collect();
         AccountView {
             credit,
+            granted: credit > 0,
             available: credit.saturating_sub(holds.len() as u64),
             holds,
             complete: true,
@@ -972,6 +973,7 @@ mod tests {
         let wall = SystemTime::now();
         let ledger = AccountView {
             credit: 5,
+            granted: 5 > 0,
             available: 0,
             holds: (1..=5)
                 .map(|s| Hold {
@@ -1194,6 +1196,7 @@ mod tests {
                 .collect();
             let account = AccountView {
                 credit: capacity,
+                granted: capacity > 0,
                 available: capacity - held(Duration::ZERO),
                 holds,
                 complete: true,

@@ -1219,7 +1219,10 @@ fn second_chance(
     cost: u64,
 ) -> Option<SecondChance> {
     match view {
-        Ok(Some(v)) if v.credit == 0 => Some(SecondChance::FinishProvisioning),
+        // Never credited: the grant did not land (another instance's provisioning in flight,
+        // or its grant failed). An account reduced to 0 by an operator is spent, not new: it
+        // was provisioned again, for nothing, at its first request after each operator action.
+        Ok(Some(v)) if !v.granted => Some(SecondChance::FinishProvisioning),
         Ok(Some(v)) if v.available >= cost => Some(SecondChance::CreditIsBack),
         _ => None,
     }

@@ -202,6 +202,7 @@ impl Fixture {
             .collect();
         AccountView {
             credit,
+            granted: credit > 0,
             available: credit.saturating_sub(if complete { holds.len() as u64 } else { credit }),
             holds,
             complete,

@@ -208,6 +208,7 @@ impl Store for ModelStore {
         });
         Ok(Some(AccountView {
             credit: CAPACITY,
+            granted: CAPACITY > 0,
             available: CAPACITY - model.held(now),
             holds,
             complete: true,
@@ -941,6 +942,7 @@ fn leases_end_at_their_settlement_for_retry_after() {
     let lease_timeout = WINDOW + Duration::from_secs(LEASE_SECONDS.into());
     let view = AccountView {
         credit: CAPACITY,
+        granted: CAPACITY > 0,
         available: 0,
         holds: vec![
             Hold {
