@@ -179,6 +179,7 @@ fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
     // environment only, the operator's commands were refused for want of a secret they never use.
     if matches!(cli.command, Some(Command::Audit(_) | Command::Admin(_))) {
         file.admin = AdminFile::default();
+        file.rls = RlsFile::default(); // likewise the Envoy front end's rules file
     }
     Ok(Settings::with_overrides(file)?)
 }

@@ -609,14 +609,15 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     let address = shared_ledger().address.to_string();
     // The same plans as the app's, so that a key derives the same account; and the service's
-    // admin listener, whose secrets live in the service's environment, not the operator's:
-    // the commands do not need them.
+    // admin listener, whose secrets live in the service's environment, not the operator's,
+    // and its Envoy rules, on the service's host: the commands need neither.
     let dir = tempfile::tempdir().unwrap();
     let plans = dir.path().join("plans.toml");
     std::fs::write(
         &plans,
         "[plans.free]\ncapacity = 2\nwindow_seconds = 60\n[key_prefixes]\n\
-         [admin]\nlisten = \"127.0.0.1:0\"\n",
+         [admin]\nlisten = \"127.0.0.1:0\"\n[rls]\nlisten = \"127.0.0.1:0\"\n\
+         config = \"/nonexistent/rules\"\n",
     )
     .unwrap();
     let plans = plans.to_str().unwrap().to_owned();

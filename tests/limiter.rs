@@ -1101,34 +1101,6 @@ async fn a_recharge_waits_for_a_place_under_a_full_in_flight_bound() {
     assert!(matches!(recharged, Ok(Recharged::Done(_))), "{recharged:?}");
 }
 
-/// A lease's settlement waits for a place too: refused at once, the lease's unused units stayed
-/// held for window + L, not L.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_settlement_waits_for_a_place_under_a_full_in_flight_bound() {
-    use ledger_limiter::ledger::lease::{Settled, Settlement};
-    let process = TestLedger::start(); // its own: stopped for a while below
-    let full = common::full_bound_after(&process, true).await;
-    let settlement = Settlement {
-        account_id: full.account.id,
-        lease_id: full.transfer_id,
-        units_used: 1,
-        requests: 1,
-        window_seconds: 60,
-    };
-    let settler = full.ledger.clone();
-    let settled = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        settler.settle_lease(settlement, deadline).await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    process.pause(false);
-    assert!(matches!(
-        full.other.await.unwrap(),
-        Ok(ledger::HoldReply::Held { .. })
-    ));
-    assert_eq!(settled.await.unwrap(), Ok(Settled::Done));
-}
-
 /// A caller whose credit an operator reduced to 0 is spent, not new: its refusal read a credit
 /// of 0 as a grant that had not landed, and provisioned it again (its accounts, its grant, a
 /// second hold and listing) at its first request after each operator action.

@@ -281,7 +281,7 @@ impl RlsConfig {
         if root.domain.is_empty() {
             return Err(invalid("config file cannot have empty domain".into()));
         }
-        check_length(&root.domain).map_err(invalid)?;
+        check_length(&root.domain, "the domain").map_err(invalid)?;
         // As a request's domain is read (`wire::text`), like keys and values: a U+FFFD in it is
         // two there, and a domain kept as written never matched.
         let domain = super::wire::text(root.domain.into_bytes());
@@ -383,11 +383,13 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, RlsConfigError> {
     Ok(files)
 }
 
-fn check_length(text: &str) -> Result<(), String> {
+/// `what` names the text in the error, never the text itself: a descriptor's value may be a
+/// partner's API key, and start-up errors go to the log.
+fn check_length(text: &str, what: &str) -> Result<(), String> {
     if text.len() > KEY_VALUE_LENGTH_MAX {
         return Err(format!(
-            "'{}...' is longer than {KEY_VALUE_LENGTH_MAX} bytes",
-            text.chars().take(32).collect::<String>()
+            "{what} is {} bytes, longer than {KEY_VALUE_LENGTH_MAX}",
+            text.len()
         ));
     }
     Ok(())
@@ -403,15 +405,19 @@ fn load_level(
 ) -> Result<(), String> {
     if depth > DEPTH_MAX && !descriptors.is_empty() {
         return Err(format!(
-            "descriptors nest deeper than {DEPTH_MAX} under '{parent}'"
+            "descriptors nest deeper than {DEPTH_MAX} under '{parent_label}'"
         ));
     }
     for descriptor in descriptors {
         if descriptor.key.is_empty() {
             return Err("descriptor has empty key".into());
         }
-        check_length(&descriptor.key)?;
-        check_length(&descriptor.value)?;
+        let under = format!("under '{parent_label}'");
+        check_length(&descriptor.key, &format!("a descriptor's key {under}"))?;
+        check_length(
+            &descriptor.value,
+            &format!("the value of key '{}' {under}", descriptor.key),
+        )?;
         // As a request's key and value are read (`wire::text`): a U+FFFD in one is two there.
         let key = super::wire::text(descriptor.key.clone().into_bytes());
         let value = super::wire::text(descriptor.value.clone().into_bytes());
@@ -789,6 +795,32 @@ mod tests {
         let sent = super::super::wire::text("d\u{FFFD}".as_bytes().to_vec());
         assert!(config.has_domain(&sent));
         assert!(config.rule_for(&sent, [("k", "v")].into_iter()).is_some());
+    }
+
+    /// An error about a rule never quotes a value (a value may be a partner's API key): a
+    /// value too long, or a rule nested too deep under one, names its key and the hashed label.
+    #[test]
+    fn errors_about_a_rule_never_quote_its_values() {
+        let long = format!("sk_live_{}", "x".repeat(300));
+        let text = format!("domain: d\ndescriptors:\n  - key: k\n    value: {long}\n");
+        let error = load(&[("f", &text)]).unwrap_err().to_string();
+        assert!(error.contains("the value of key 'k'"), "{error}");
+        assert!(!error.contains("sk_live"), "{error}");
+        let mut deep = String::from("domain: d\ndescriptors:\n");
+        for level in 0..=DEPTH_MAX {
+            let indent = "  ".repeat(2 * level);
+            deep.push_str(&format!(
+                "{indent}  - key: k\n{indent}    value: sk_live_{level}\n"
+            ));
+            deep.push_str(&format!("{indent}    descriptors:\n"));
+        }
+        deep.push_str(&format!(
+            "{}  - key: last\n",
+            "  ".repeat(2 * (DEPTH_MAX + 1))
+        ));
+        let error = load(&[("f", &deep)]).unwrap_err().to_string();
+        assert!(error.contains("nest deeper"), "{error}");
+        assert!(!error.contains("sk_live"), "{error}");
     }
 
     #[test]

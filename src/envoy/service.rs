@@ -480,12 +480,6 @@ impl RateLimitServer {
         Some(retry)
     }
 
-    /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
-    /// nothing on any descriptor, as it would if those rules were enforced (their holds are
-    /// placed beside the enforced chain, not after it, to cost no second round trip). In a task
-    /// of its own, with a deadline of its own: the answer does not wait for it (a slow ledger's
-    /// answer waited twice), and a refusal that spent the decision's deadline (failed closed)
-    /// still gets its voids sent. Best effort: a hold not voided expires with its window.
     /// A shadow descriptor the request's charge did not fit spends what remains, as it would
     /// enforced ([`RateLimitServer::hold_what_remains`]), on a request the enforced descriptors
     /// admitted: shadow mode then predicts what enforcing would refuse next (envoyproxy's shadow
@@ -503,6 +497,12 @@ impl RateLimitServer {
         join_all(over).await;
     }
 
+    /// Voids what shadow descriptors held for a request the enforced ones refused: it consumes
+    /// nothing on any descriptor, as it would if those rules were enforced (their holds are
+    /// placed beside the enforced chain, not after it, to cost no second round trip). In a task
+    /// of its own, with a deadline of its own: the answer does not wait for it (a slow ledger's
+    /// answer waited twice), and a refusal that spent the decision's deadline (failed closed)
+    /// still gets its voids sent. Best effort: a hold not voided expires with its window.
     fn void_shadow_holds(&self, shadow: &[(usize, Limit)], decided: &[MultiDecision]) {
         let holds: Vec<_> = (shadow.iter().zip(decided))
             .filter_map(|((_, limit), decision)| {

@@ -100,18 +100,19 @@ impl Ledger {
     }
 
     /// Settles a lease in one linked chain. An error leaves the outcome unknown, which is safe
-    /// either way: the lease, or the settlement, holds every admitted unit long enough. It waits
-    /// for a place under the in-flight bound (`Place::Waited`): it gives back the
-    /// lease's unused units, which refused at once stayed held for window + L, not L.
+    /// either way: the lease, or the settlement, holds every admitted unit long enough. Refused
+    /// at once under a full in-flight bound, as decisions are: a renewal settles on its
+    /// request's path, which must fail fast (a refused settlement leaves the lease to expire,
+    /// window + L: more held, never less).
     pub async fn settle_lease(
         &self,
         settlement: Settlement,
         deadline: Instant,
     ) -> Result<Settled, LedgerError> {
         let transfers = settlement_transfers(&settlement, self.ledger_id);
-        self.call_placed(
+        self.call(
             Operation::CreateTransfers,
-            (super::Place::Waited, deadline),
+            deadline,
             move |client| async move {
                 match client.create_transfers(transfers).await {
                     Ok(()) => Ok(Settled::Done),

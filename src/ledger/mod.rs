@@ -1087,10 +1087,9 @@ async fn answer_or_leave<T, F: Future<Output = T>>(
 pub(crate) enum Place {
     /// At once, or `Overloaded`: a decision fails fast rather than queue behind a burst.
     AtOnce,
-    /// Waited for until the call's deadline: a give-back (a void, a release by amount, a lease's
-    /// settlement, a recharge), which refused at once was lost, its units held for the rest of
-    /// their timeout (a concurrency slot for a minute, its caller refused "too many in flight"
-    /// with none).
+    /// Waited for until the call's deadline: a give-back (a void, a release by amount, a
+    /// recharge), which refused at once was lost, its units held for the rest of their timeout
+    /// (a concurrency slot for a minute, its caller refused "too many in flight" with none).
     Waited,
 }
 

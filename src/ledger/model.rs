@@ -150,7 +150,13 @@ impl Actor {
     pub fn from_reason(who: u64, reason: &str) -> Option<Actor> {
         use sha2::{Digest, Sha256};
         let bounded = !reason.is_empty() && reason.len() <= REASON_LENGTH_MAX;
-        if !bounded || reason.chars().any(char::is_control) {
+        // Line and paragraph separators break lines in many log viewers; bidirectional
+        // overrides reorder a line as shown.
+        let misleading = |c: char| {
+            c.is_control()
+                || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        };
+        if !bounded || reason.chars().any(misleading) {
             return None;
         }
         let mut why = [0u8; 16];
@@ -441,6 +447,8 @@ mod tests {
             "a\rb",
             "\u{1b}[31m",
             "a\tb",
+            "a\u{2028}b",
+            "\u{202e}dekcolb",
         ] {
             assert!(Actor::from_reason(1, refused).is_none(), "{refused:?}");
         }

@@ -724,11 +724,6 @@ pub struct FullBound {
 }
 
 pub async fn full_bound(process: &TestLedger) -> FullBound {
-    full_bound_after(process, false).await
-}
-
-/// [`full_bound`], its first transfer a lease of 2 (window + 10 s) when `lease` is set.
-pub async fn full_bound_after(process: &TestLedger, lease: bool) -> FullBound {
     let ledger = Arc::new(ledger_client_bounded(vec![process.address], 1));
     let account = ledger_limiter::ledger::model::UserAccount {
         id: rand::random::<u128>() | 1 << 127,
@@ -739,10 +734,7 @@ pub async fn full_bound_after(process: &TestLedger, lease: bool) -> FullBound {
     // Two calls one after the other under a bound of 1: each gives its place back before its
     // answer (else the grant found the accounts' place still taken, `Overloaded`).
     ledger.provision(&account, deadline).await.unwrap();
-    let first = match lease {
-        true => ledger.take_lease(account.id, 2, 70, deadline).await,
-        false => ledger.hold(account.id, 1, 60, deadline, false).await,
-    };
+    let first = ledger.hold(account.id, 1, 60, deadline, false).await;
     let ledger_limiter::ledger::HoldReply::Held { transfer_id, .. } = first.unwrap() else {
         panic!("held");
     };
