@@ -345,7 +345,7 @@ impl LeaseBook {
     /// Takes out the leases whose time is over and that nobody is renewing, and the leases
     /// handed over by a renewal ([`CallerLease::handed_over`]), at most a batch; callers idle
     /// for two sweeps (and with nothing handed over) are forgotten.
-    fn due(&self, now: Instant, all: bool) -> Vec<(Holder, Lease)> {
+    fn due(&self, now: Instant, all: bool) -> Vec<(Arc<Slot>, Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
@@ -353,7 +353,7 @@ impl LeaseBook {
                 let mut caller = slot.lock();
                 if due.len() < SETTLE_BATCH_MAX {
                     if let Some(lease) = caller.handed_over.take() {
-                        due.push((caller.holder, lease));
+                        due.push((slot.clone(), caller.holder, lease));
                     }
                 }
                 if caller.renewing && !all {
@@ -366,7 +366,7 @@ impl LeaseBook {
                         if (all || now >= lease.admit_until) && due.len() < SETTLE_BATCH_MAX =>
                     {
                         caller.lease = None;
-                        due.push((caller.holder, lease));
+                        due.push((slot.clone(), caller.holder, lease));
                         true
                     }
                     Some(_) => true,
@@ -683,8 +683,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         deadline: Instant,
     ) {
         if self.clock.now() < deadline {
-            return self.settle(holder, lease, deadline).await;
+            if let Some(unsent) = self.settle(holder, lease, deadline).await {
+                self.hand_over(slot, holder, unsent);
+            }
+            return;
         }
+        self.hand_over(slot, holder, lease);
+    }
+
+    /// Leaves `lease` to the sweeper's next tick ([`CallerLease::handed_over`]), if the caller
+    /// has no other waiting there.
+    fn hand_over(&self, slot: &Slot, holder: &Holder, lease: Lease) {
         let mut caller = slot.lock();
         match caller.handed_over {
             None => caller.handed_over = Some(lease),
@@ -812,7 +821,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// Settles `lease`, which no longer admits. On an error the outcome is unknown and both are
     /// safe: the lease is left to expire, which holds every unit it admitted long enough.
-    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) {
+    /// Settles `lease` by `deadline`. `Some(lease)` when the settlement was never sent (refused
+    /// a place under the in-flight bound, `Overloaded`): it can be sent again later, and the
+    /// lease, untouched, is still counted whole in the ledger as in the local view.
+    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Lease> {
         assert!(lease.units_used <= lease.units);
         let settlement = holder.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
@@ -825,7 +837,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let result = self.store.settle_lease(settlement, deadline).await;
         unanswered.local = None;
-        self.leases.count_transfers(holder.plan_id, transfers);
+        if !matches!(result, Err(LedgerError::Overloaded { .. })) {
+            self.leases.count_transfers(holder.plan_id, transfers);
+        }
         match result {
             Ok(Settled::Done) => {
                 let id = holder.account_id;
@@ -845,6 +859,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             Ok(Settled::AccountClosed) => {
                 tracing::debug!("a lease of a closed account is left to expire");
             }
+            // Never sent: the sweeper sends it again (else its unused units held window + L).
+            Err(LedgerError::Overloaded { .. }) => return Some(lease),
             Err(error) => {
                 // Landed or not, unknown: the view forgets the caller rather than count the
                 // whole lease on (a settled one holds only the units used: a local 429 could
@@ -853,6 +869,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
             }
         }
+        None
     }
 
     /// The decision and receipt for `cost` units just admitted from the caller's lease.
@@ -934,9 +951,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
         for round in due.chunks(at_once) {
             let deadline = deadline.unwrap_or_else(|| self.deadline());
-            let settlements = round
-                .iter()
-                .map(|(holder, lease)| self.settle(holder, *lease, deadline));
+            let settlements = round.iter().map(|(slot, holder, lease)| async move {
+                if let Some(unsent) = self.settle(holder, *lease, deadline).await {
+                    self.hand_over(slot, holder, unsent);
+                }
+            });
             futures_util::future::join_all(settlements).await;
         }
         due.len()

@@ -71,6 +71,8 @@ struct Model {
     hang_next_lease: bool,
     /// The next settlement is applied, and never answered.
     hang_next_settlement: bool,
+    /// The next settlement is refused a place under the in-flight bound (never sent).
+    overload_next_settlement: bool,
     /// The next lease call takes this long (on the test clock) before it is applied.
     slow_next_lease: Duration,
     /// The next lease call is applied at once, but answered only when this is sent.
@@ -265,6 +267,9 @@ impl Store for ModelStore {
         // As the ledger's client: a call with no time left is not sent.
         if self.clock.now() >= deadline {
             return Err(timeout());
+        }
+        if std::mem::take(&mut self.model.lock().unwrap().overload_next_settlement) {
+            return Err(LedgerError::Overloaded { in_flight_max: 1 });
         }
         let settled = self.apply_settlement(settlement);
         let hang = std::mem::take(&mut self.model.lock().unwrap().hang_next_settlement);
@@ -845,6 +850,30 @@ fn a_renewal_dropped_midway_does_not_block_the_callers_other_requests() {
         assert_eq!(decision.outcome, Outcome::Admitted);
     });
     assert_eq!(store.model.lock().unwrap().leases, 1);
+}
+
+/// A settlement refused a place under the in-flight bound was never sent: the sweeper sends it
+/// again at its next tick. It was forgotten, the lease's unused units held for window + L.
+#[test]
+fn a_settlement_refused_a_place_is_sent_again_by_the_sweeper() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    runtime.block_on(async {
+        let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    });
+    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
+    store.clock.advance_to(after_l);
+    store.model.lock().unwrap().overload_next_settlement = true;
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(
+        store.model.lock().unwrap().settlements,
+        0,
+        "refused a place"
+    );
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(store.model.lock().unwrap().settlements, 1, "sent again");
 }
 
 /// A renewing request whose client goes away while its lease's settlement is at the ledger: the
