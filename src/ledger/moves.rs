@@ -322,7 +322,7 @@ mod tests {
         let spent =
             |available, holds: Vec<super::super::Hold>, complete| super::super::AccountView {
                 credit: 5_000,
-                granted: 5_000 > 0,
+                granted: true,
                 available,
                 holds,
                 complete,
@@ -355,7 +355,7 @@ mod tests {
         let hold = |ms, amount| hold_at(now, ms, amount);
         let view = |holds: Vec<super::super::Hold>| super::super::AccountView {
             credit: 5,
-            granted: 5 > 0,
+            granted: true,
             available: 5 - holds.iter().map(|hold| hold.amount).sum::<u64>(),
             holds,
             complete: true,

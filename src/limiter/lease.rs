@@ -37,7 +37,7 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use super::counts::ThreadCounts;
-use super::local_view::{LocalQuota, LocalView};
+use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
 use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached, Timing};
@@ -391,20 +391,6 @@ impl LeaseBook {
 struct Renewal<'a> {
     slot: &'a Slot,
     ending: bool,
-}
-
-/// Makes the local view forget `account_id` when dropped with `local` set.
-struct Forget<'a> {
-    local: Option<&'a LocalView>,
-    account_id: u128,
-}
-
-impl Drop for Forget<'_> {
-    fn drop(&mut self) {
-        if let Some(local) = self.local {
-            local.forget(self.account_id);
-        }
-    }
 }
 
 impl Drop for Renewal<'_> {
@@ -831,12 +817,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         // Dropped before the answer (a renewing request's client went away): the settlement
         // may land all the same (the call runs in a task of its own) and nothing below runs, so
         // the view forgets the caller, as on an error, rather than count the whole lease on.
-        let mut unanswered = Forget {
-            local: Some(&self.local),
-            account_id: holder.account_id,
-        };
+        let unanswered = super::ForgetIfDropped::new(&self.local, [holder.account_id]);
         let result = self.store.settle_lease(settlement, deadline).await;
-        unanswered.local = None;
+        unanswered.disarm();
         if !matches!(result, Err(LedgerError::Overloaded { .. })) {
             self.leases.count_transfers(holder.plan_id, transfers);
         }

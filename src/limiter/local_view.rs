@@ -973,7 +973,7 @@ mod tests {
         let wall = SystemTime::now();
         let ledger = AccountView {
             credit: 5,
-            granted: 5 > 0,
+            granted: true,
             available: 0,
             holds: (1..=5)
                 .map(|s| Hold {

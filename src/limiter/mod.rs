@@ -587,10 +587,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 }
 
-/// Forgets callers in the local view when dropped, unless disarmed first. Why: a give-back or a
-/// recharge runs at the ledger in a task of its own, so it lands even when its request is dropped
-/// at the await (its client gone); the view, left counting the old holds, would then refuse from
-/// memory what the ledger admits, for up to a window.
+/// Forgets callers in the local view when dropped, unless disarmed first. Why: a give-back, a
+/// recharge or a lease's settlement runs at the ledger in a task of its own, so it lands even
+/// when its request is dropped at the await (its client gone); the view, left counting the old
+/// holds, would then refuse from memory what the ledger admits, for up to a window.
 struct ForgetIfDropped<'a, A: AsRef<[u128]>> {
     local: &'a LocalView,
     account_ids: A,

@@ -210,7 +210,7 @@ impl Store for ModelStore {
         });
         Ok(Some(AccountView {
             credit: CAPACITY,
-            granted: CAPACITY > 0,
+            granted: true,
             available: CAPACITY - model.held(now),
             holds,
             complete: true,
@@ -971,7 +971,7 @@ fn leases_end_at_their_settlement_for_retry_after() {
     let lease_timeout = WINDOW + Duration::from_secs(LEASE_SECONDS.into());
     let view = AccountView {
         credit: CAPACITY,
-        granted: CAPACITY > 0,
+        granted: true,
         available: 0,
         holds: vec![
             Hold {
