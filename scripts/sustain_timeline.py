@@ -69,15 +69,28 @@ def main():
     print("| s | answered/s | p50 ms | p99 ms | ledger create_transfers p99 ms |", flush=True)
     print("|--:|--:|--:|--:|--:|", flush=True)
     start = time.monotonic()
-    last = (buckets(*requests) or {}, buckets(*ledger) or {})
+    # The first interval's baseline: read, not assumed empty (the service's counts include
+    # every earlier step's), bounded by 10 tries.
+    last = (None, None)
+    for _ in range(10):
+        last = (buckets(*requests), buckets(*ledger))
+        if last[0] is not None and last[1] is not None:
+            break
+        time.sleep(0.5)
+    else:
+        sys.exit("no baseline read of the service's histograms")
     last_at = start
     stopped = False
     last_tries = 10  # reads of the last interval, once stopped: it is not dropped for one failure
+    parent = os.getppid()
     while not stopped or last_tries > 0:
         due = last_at + interval
         while time.monotonic() < due and not stopped:
             time.sleep(0.5)
             stopped = os.path.exists(stop_file)
+            # scripts/sustain gone (killed: no trap ran, no stop file comes): end with it.
+            if os.getppid() != parent:
+                sys.exit(1)
         now = (buckets(*requests), buckets(*ledger))
         at = time.monotonic()
         if now[0] is None or now[1] is None:
