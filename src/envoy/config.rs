@@ -145,11 +145,31 @@ pub struct Rule {
 /// One level of a domain's descriptor tree.
 #[derive(Debug, Default)]
 struct Node {
-    /// By `key` or `key_value`.
+    /// By `key` or `key_value`, as envoyproxy/ratelimit names them (and as the rules' paths, so
+    /// the accounts, are named), each child saying which it was configured with.
     children: HashMap<String, Node>,
-    /// The children whose `key_value` has a `*`, with the pattern split on it, in file order.
-    wildcards: Vec<(String, Vec<String>)>,
+    /// The children whose value has a `*`: the name they are stored by, their key and their
+    /// value split on the `*`s, in file order.
+    wildcards: Vec<(String, String, Vec<String>)>,
+    /// What a request's entry must carry to reach this node.
+    entry: Entry,
     rule: Option<Arc<Rule>>,
+}
+
+/// How a node was configured: a key alone (any value), or a key and a value.
+///
+/// Why both: envoyproxy/ratelimit joins a key and a value with `_` and looks the join up among
+/// names configured either way, so an entry (`api_key`, `daily`) reached a rule configured as the
+/// key `api_key_daily` alone: a caller choosing its own value picked another rule (in the demo's
+/// configuration, a day's limit instead of a minute's). Here a name reached by `key_value`
+/// matches only a node configured with that very key and value.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    #[default]
+    Key,
+    KeyValue {
+        key_length: usize,
+    },
 }
 
 /// Every domain's rules.
@@ -325,17 +345,20 @@ impl RlsConfig {
         let mut found = None;
         for (index, (key, value)) in entries.enumerate() {
             let key_value = format!("{key}_{value}");
+            let with_value = Entry::KeyValue {
+                key_length: key.len(),
+            };
             let next = node
                 .children
                 .get(&key_value)
+                .filter(|child| child.entry == with_value)
                 .or_else(|| {
-                    let (pattern, _) = node
-                        .wildcards
-                        .iter()
-                        .find(|(_, parts)| wildcard_match(parts, &key_value))?;
-                    node.children.get(pattern)
+                    let (name, _, _) = node.wildcards.iter().find(|(_, wild_key, parts)| {
+                        wild_key == key && wildcard_match(parts, value)
+                    })?;
+                    node.children.get(name)
                 })
-                .or_else(|| node.children.get(key))?;
+                .or_else(|| node.children.get(key).filter(|c| c.entry == Entry::Key))?;
             if index == last {
                 found = next.rule.clone();
             }
@@ -421,10 +444,15 @@ fn load_level(
         // As a request's key and value are read (`wire::text`): a U+FFFD in one is two there.
         let key = super::wire::text(descriptor.key.clone().into_bytes());
         let value = super::wire::text(descriptor.value.clone().into_bytes());
-        let final_key = if value.is_empty() {
-            key
-        } else {
-            format!("{key}_{value}")
+        let entry = match value.is_empty() {
+            true => Entry::Key,
+            false => Entry::KeyValue {
+                key_length: key.len(),
+            },
+        };
+        let final_key = match entry {
+            Entry::Key => key.clone(),
+            Entry::KeyValue { .. } => format!("{key}_{value}"),
         };
         let path = format!("{parent}{final_key}");
         let label = match descriptor.value.is_empty() {
@@ -441,7 +469,10 @@ fn load_level(
         if node.children.contains_key(&final_key) {
             return Err(format!("duplicate descriptor composite key '{label}'"));
         }
-        let mut child = Node::default();
+        let mut child = Node {
+            entry,
+            ..Node::default()
+        };
         if let Some(rate_limit) = &descriptor.rate_limit {
             *rules += 1;
             if *rules > RULES_MAX {
@@ -456,9 +487,9 @@ fn load_level(
             depth + 1,
             rules,
         )?;
-        if final_key.contains('*') {
-            let parts = final_key.split('*').map(str::to_owned).collect();
-            node.wildcards.push((final_key.clone(), parts));
+        if value.contains('*') {
+            let parts = value.split('*').map(str::to_owned).collect();
+            node.wildcards.push((final_key.clone(), key.clone(), parts));
         }
         node.children.insert(final_key, child);
     }
@@ -671,6 +702,26 @@ mod tests {
         assert!(rule(&[("multiWild", "foo1bar2baz")]).is_some());
         assert!(rule(&[("multiWild", "foobarbaz")]).is_some());
         assert_eq!(rule(&[("multiWild", "foobaz")]), None);
+    }
+
+    #[test]
+    fn an_entry_reaches_only_a_rule_configured_with_its_own_key_and_value() {
+        let demo = ("demo.yaml", include_str!("../../envoy/ratelimit/demo.yaml"));
+        let config = load(&[demo]).unwrap();
+        let path = |entries: &[(&str, &str)]| {
+            let rule = config.rule_for("demo", entries.iter().copied());
+            rule.map(|r| r.path.to_string())
+        };
+        // A caller whose X-Api-Key is `daily` stays on the minute's limit.
+        assert_eq!(path(&[("api_key", "daily")]), Some("demo.api_key".into()));
+        assert_eq!(path(&[("api_key_daily", "x")]), Some("demo.api_key_daily".into()));
+        let yaml = "domain: d\ndescriptors:\n  - key: a\n    value: b_c\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: w\n    value: x*\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
+        let config = load(&[("kv.yaml", yaml)]).unwrap();
+        let rule = |entries: &[(&str, &str)]| config.rule_for("d", entries.iter().copied());
+        assert!(rule(&[("a", "b_c")]).is_some());
+        assert_eq!(rule(&[("a_b", "c")]), None, "another key and value, the same join");
+        assert!(rule(&[("w", "x1")]).is_some());
+        assert_eq!(rule(&[("w_x", "1")]), None, "a wildcard matches its own key only");
     }
 
     #[test]
