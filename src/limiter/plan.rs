@@ -136,8 +136,8 @@ impl PlanId {
     }
 }
 
-/// Every plan, and the rules that map a key to one. Its `Debug` shows how many keys are listed,
-/// never the keys.
+/// Every plan, and the rules that map a key to one. Its `Debug` shows how many keys are listed
+/// and each key prefix's plan, never the keys nor the prefixes.
 #[derive(Clone)]
 pub struct PlanBook {
     plans: Vec<Plan>,
@@ -163,7 +163,14 @@ impl std::fmt::Debug for PlanBook {
                 &self.plans[self.default_plan.index()].name(),
             )
             .field("listed_keys", &self.keys.len())
-            .field("prefixes", &self.prefixes)
+            // Each prefix's plan, never its text: under `unknown_keys = "reject"` a prefix is
+            // a shared credential (any key that starts with it is admitted on its plan).
+            .field(
+                "prefixes",
+                &(self.prefixes.iter())
+                    .map(|(_, plan)| self.plans[plan.index()].name())
+                    .collect::<Vec<_>>(),
+            )
             .field("unknown_keys", &self.unknown_keys)
             .finish()
     }
@@ -404,6 +411,9 @@ mod tests {
         let shown = format!("{:?}", book(UnknownKeys::Reject));
         assert!(!shown.contains("special"), "{shown}");
         assert!(shown.contains("listed_keys: 1"), "{shown}");
+        // Under `unknown_keys = "reject"` a prefix admits whoever knows it: its plan only.
+        assert!(!shown.contains("pro_"), "{shown}");
+        assert!(shown.contains("prefixes: [\"basic\", \"pro\"]"), "{shown}");
     }
 
     #[test]
