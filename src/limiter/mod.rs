@@ -920,9 +920,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return blocked.into();
         }
         let capacity = charge.account.capacity.get();
+        let known = self.local.quota(charge.account.id, capacity, now);
         let local = LocalQuota {
             remaining: 0,
-            ..self.local.quota(charge.account.id, capacity, now)
+            reset_after: known.reset_after.max(CLOSED_UNREAD_RETRY),
         };
         let outcome = refused(CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false);
         (outcome, local).into()
@@ -1045,11 +1046,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 true => local.remaining,
                 false => 0,
             },
-            // A block's end is when the caller's quota is back, not its holds' expiry.
-            reset_after: match blocked {
-                true => local.reset_after.max(retry_after),
-                false => local.reset_after,
-            },
+            // Never sooner than the retry: a block's end is when the caller's quota is back,
+            // not its holds' expiry; and without a listing (the read failed, or found no
+            // account) the local view may know nothing (a reset of 0, "whole now").
+            reset_after: local.reset_after.max(retry_after),
         };
         (refused(retry_after, DecisionSource::Ledger, blocked), quota)
     }
