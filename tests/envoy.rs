@@ -916,14 +916,28 @@ async fn decisions_are_counted_with_the_envoy_frontend_label() {
     for _ in 0..2 {
         call(&mut client, one()).await;
     }
+    // A call the enforced descriptors refuse counts nothing admitted for its shadow one (its
+    // hold is voided): "counted" (10/min) spent, then beside a fresh value's shadow descriptor.
+    let counted = || descriptor(&[("counted", &value)]);
+    for _ in 0..8 {
+        call(&mut client, request("extra", vec![counted()])).await;
+    }
+    let fresh = fresh_key("secret_");
+    let refused = request(
+        "extra",
+        vec![descriptor(&[("counted_shadow", &fresh)]), counted()],
+    );
+    assert_eq!(overall(&call(&mut client, refused).await), Code::OverLimit);
     let text = recorder.render();
     let line = |needle: &str| text.lines().find(|l| l.contains(needle)).map(str::to_owned);
     let admitted =
         line(r#"decision="admitted",plan="extra.counted",source="ledger""#).expect(&text);
     assert!(
-        admitted.contains(r#"frontend="envoy""#) && admitted.ends_with(" 2"),
+        admitted.contains(r#"frontend="envoy""#) && admitted.ends_with(" 10"),
         "{admitted}"
     );
+    let shadow_admitted = line(r#"decision="admitted",plan="extra.counted_shadow""#);
+    assert!(shadow_admitted.is_some_and(|l| l.ends_with(" 1")), "{text}");
     let shadow = line(
         r#"ledger_limiter_shadow_passed_total{frontend="envoy",decision="limited",plan="extra.counted_shadow"}"#,
     );

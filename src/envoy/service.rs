@@ -604,8 +604,12 @@ impl RateLimitServer {
         assert_eq!(indices.len(), decision.limits.len());
         assert!(decided.shadow.iter().all(|(_, d)| d.limits.len() == 1));
         self.record(matched, indices, decision);
-        // Before a failed-closed answer: shadow rules were decided all the same.
-        for (index, shadow) in &decided.shadow {
+        // Only on a call answered OK: on one the enforced descriptors refused (or could not
+        // decide), a shadow descriptor's hold is voided, so it admitted nothing (and let nothing
+        // through), and counting it would weigh a refused call as admitted too.
+        let answered_ok = decision.refused_by.is_none()
+            && !matches!(decision.outcome, Outcome::FailedClosed(_));
+        for (index, shadow) in decided.shadow.iter().filter(|_| answered_ok) {
             if let Some(rule) = rule_of(&matched[*index]) {
                 self.metrics.record_shadow(rule, &shadow.outcome);
             }
