@@ -500,6 +500,53 @@ async fn a_sweep_settles_every_lease_that_is_due() {
     assert_eq!(limiter.settle_due_leases().await, 300, "every lease is due");
 }
 
+/// A sweep under a full in-flight bound tries each due lease once: a settlement refused a place
+/// ends it. Before, the next batch was the very leases just handed over, refused again at once,
+/// pass after pass (129 of 256 each per tick), a burst with no await that waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_under_a_full_bound_tries_each_lease_once() {
+    use ledger_limiter::ledger::metrics::Operation;
+    let process = common::TestLedger::start();
+    let ledger = common::ledger_client_bounded(vec![process.address], 1);
+    let terms = LeaseTerms {
+        units_max: NonZeroU64::new(10).unwrap(),
+        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+    };
+    let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    let plan = Plan::new("hot", NonZeroU64::new(100).unwrap(), window).unwrap();
+    let limiter = common::one_plan_limiter(ledger.clone(), plan.with_lease(terms).unwrap());
+    // One at a time: the bound is 1.
+    for _ in 0..300 {
+        let who = caller(&common::fresh_key("k_"));
+        let decision = limiter.check(&who, NonZeroU64::MIN).await;
+        assert_eq!(decision.unwrap().outcome, Outcome::Admitted);
+    }
+    // A hold takes the only place, and keeps it while the ledger is stopped.
+    process.pause(true);
+    let busy = ledger.clone();
+    let stuck = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.hold(1 << 127 | 7, 1, 60, deadline, false).await
+    });
+    tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 200)).await;
+    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
+    let before = ledger.calls_started_of(Operation::CreateTransfers);
+    assert_eq!(limiter.settle_due_leases().await, 0, "none could be sent");
+    let tried = ledger.calls_started_of(Operation::CreateTransfers) - before;
+    assert!((1..=300).contains(&tried), "{tried} settlements tried");
+    // Once the ledger answers again, every lease is settled.
+    process.pause(false);
+    let _ = stuck.await;
+    let mut settled = 0;
+    for _ in 0..10 {
+        settled += limiter.settle_due_leases().await;
+        if settled == 300 {
+            break;
+        }
+    }
+    assert_eq!(settled, 300, "handed over, then sent");
+}
+
 /// A lease lasts window + L. One its instance never settled (it died), older than a window,
 /// is still held, and what it admitted still counts: a move carries it, for the rest of its own
 /// time. Before, a move read back one window (and 5 s), did not see it, and the new plan

@@ -889,12 +889,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Batch after batch while they come back full, each with a deadline of its own: one batch
     /// a tick, taken from the shards in order, left the callers of the last shards waiting for
     /// as long as the first ones had a batch due.
+    ///
+    /// A batch with a settlement refused a place ends the sweep: the in-flight bound is full,
+    /// and the next batch would be those very leases again (handed over leases come first),
+    /// refused at once, pass after pass with no await that waits, until the loop's bound.
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let count = self.settle_leases(false, None).await;
-            settled += count;
-            if count < SETTLE_BATCH_MAX {
+            let swept = self.settle_leases(false, None).await;
+            settled += swept.sent;
+            if swept.due < SETTLE_BATCH_MAX || swept.sent < swept.due {
                 break;
             }
         }
@@ -912,9 +916,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut settled = 0;
         // A caller can have two leases to settle: its own, and one a renewal handed over.
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            match self.settle_leases(true, Some(deadline)).await {
-                0 => break,
-                count => settled += count,
+            let swept = self.settle_leases(true, Some(deadline)).await;
+            settled += swept.sent;
+            if swept.due == 0 || self.clock.now() >= deadline {
+                break;
+            }
+            if swept.sent < swept.due {
+                // The bound is full: its places come back as calls end (or time out).
+                tokio::time::sleep(SETTLE_RETRY_WAIT).await;
             }
         }
         settled
@@ -929,21 +938,39 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Each round has a deadline of its own (`ledger.timeout_ms` from its start), unless
     /// `deadline` is given (a clean shutdown's one deadline for the whole pass): rounds one after
     /// another under one deadline left the last ones none when the ledger was slow.
-    async fn settle_leases(&self, all: bool, deadline: Option<Instant>) -> usize {
+    async fn settle_leases(&self, all: bool, deadline: Option<Instant>) -> Swept {
         let due = self.leases.due(self.clock.now(), all);
         let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
+        let mut sent = 0;
         for round in due.chunks(at_once) {
             let deadline = deadline.unwrap_or_else(|| self.deadline());
             let settlements = round.iter().map(|(slot, holder, lease)| async move {
-                if let Some(unsent) = self.settle(holder, *lease, deadline).await {
+                let unsent = self.settle(holder, *lease, deadline).await;
+                let refused = unsent.is_some();
+                if let Some(unsent) = unsent {
                     self.hand_over(slot, holder, unsent);
                 }
+                refused
             });
-            futures_util::future::join_all(settlements).await;
+            let refused = futures_util::future::join_all(settlements).await;
+            sent += refused.iter().filter(|refused| !**refused).count();
         }
-        due.len()
+        Swept {
+            due: due.len(),
+            sent,
+        }
     }
 }
+
+/// What one batch of [`Limiter::settle_leases`] came to: leases due, and settlements sent
+/// (the rest were refused a place, and handed over to be sent again).
+struct Swept {
+    due: usize,
+    sent: usize,
+}
+
+/// How long a clean shutdown's settling waits for a place under a full in-flight bound.
+const SETTLE_RETRY_WAIT: Duration = Duration::from_millis(10);
 
 /// Starts the sweeper that settles leases whose time is over, if any plan has leases. It holds
 /// the limiter weakly: dropping the limiter ends it (and leaves leases to expire on their own).
