@@ -320,7 +320,7 @@ async fn serve_exporting(
         }
         None => {
             tracing::info!("stop signal while waiting for the ledger: stopping");
-            // Queued for the server, which takes it as it first runs, below.
+            // The server serves already (from the build on): it drains as on any stop.
             drop(server.stop(true));
         }
     }

@@ -67,11 +67,46 @@ pub struct Exporters {
 
 /// A built, not yet running, service.
 pub struct Application {
-    server: Server,
+    server: Serving,
     port: u16,
     limiter: Arc<Limiter>,
     embedded: Option<EmbeddedLedger>,
     companions: Companions,
+}
+
+/// The HTTP server, serving from the build on: while the binary waits for the ledger (up to
+/// 30 s), its listener would otherwise take connections and answer none, `/healthz` included
+/// (a liveness probe could kill the instance in a ledger outage), where the failure policy
+/// answers. Stopped on drop, as the companions are, if never run to its end.
+struct Serving {
+    task: Option<JoinHandle<std::io::Result<()>>>,
+    handle: actix_web::dev::ServerHandle,
+}
+
+impl Serving {
+    fn start(server: Server) -> Self {
+        let handle = server.handle();
+        Serving {
+            task: Some(tokio::spawn(server)),
+            handle,
+        }
+    }
+
+    /// Until the server stops (through its handle).
+    async fn finished(&mut self) -> std::io::Result<()> {
+        let task = self.task.take().expect("run once");
+        task.await.unwrap_or_else(|error| Err(std::io::Error::other(error)))
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            // The stop is sent as it is called; its future only waits for the end.
+            drop(self.handle.stop(false));
+            task.abort();
+        }
+    }
 }
 
 /// What runs beside the HTTP server from the start. Stopped when the service stops, and on drop:
@@ -177,7 +212,7 @@ impl Application {
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
         companions.epoch_follower = Some(tokio::spawn(epoch));
         Ok(Application {
-            server,
+            server: Serving::start(server),
             port,
             limiter,
             embedded,
@@ -203,8 +238,10 @@ impl Application {
         self.limiter.clone()
     }
 
-    /// Waits until the ledger answers (the TigerBeetle client's first request takes ~0.6 s),
-    /// so the first callers are not failed by the decision deadline. False if it never answers.
+    /// Waits until the ledger answers (the TigerBeetle client's first request takes ~0.6 s).
+    /// The server answers meanwhile (the failure policy's answers, `/readyz` 503); the binary
+    /// says it listens once this returns, so whoever waits for that line sends its first
+    /// requests to a ledger that answers. False if it never answers.
     pub async fn wait_for_ledger(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -222,13 +259,15 @@ impl Application {
 
     /// A handle to stop the server gracefully (what SIGINT/SIGTERM do).
     pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
-        self.server.handle()
+        self.server.handle.clone()
     }
 
-    /// Serves until stopped through [`Application::server_handle`] (the binary does so at
-    /// SIGINT/SIGTERM; the server's own signal handlers are off), then stops the embedded ledger.
+    /// Until the server (serving since the build) is stopped through
+    /// [`Application::server_handle`] (the binary does so at SIGINT/SIGTERM; the server's own
+    /// signal handlers are off); then settles leases, stops the companions and the embedded
+    /// ledger.
     pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
-        let result = self.server.await;
+        let result = self.server.finished().await;
         // No request is decided any more: give leased units back now, not window + L later.
         let settled = self.limiter.settle_all_leases().await;
         if settled > 0 {

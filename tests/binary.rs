@@ -350,6 +350,44 @@ fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
     assert!(!log.contains("ledger-limiter listening on port"), "{log}");
 }
 
+/// While the binary waits for a ledger that does not answer (up to 30 s), its HTTP port answers:
+/// `/healthz` (liveness) 200, `/readyz` 503, a keyed request the failure policy's 503 within its
+/// deadline. Before, the listener took connections and answered none until the wait ended.
+#[tokio::test]
+async fn the_http_port_answers_while_the_ledger_is_awaited() {
+    let unreachable = common::dead_address();
+    let listen = common::dead_address();
+    let mut command = binary_command();
+    command
+        .env(
+            "LEDGER_LIMITER_ADMIN_SECRETS",
+            "admin-secret-for-tests-0001",
+        )
+        .args(["--admin-listen", "127.0.0.1:0", "--ledger-timeout-ms", "500"])
+        .arg(format!("--listen={listen}"))
+        .arg(format!("--ledger-addresses={unreachable}"));
+    // The admin API is up at the end of the build, the HTTP server before it.
+    let (running, _, log) = start_binary_logged(command, "admin API listening on port ");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let get = |path: &str| http.get(format!("http://{listen}{path}")).send();
+    assert_eq!(get("/healthz").await.expect("answered").status(), 200);
+    assert_eq!(get("/readyz").await.expect("answered").status(), 503);
+    let keyed = get("/greeting").await.expect("answered");
+    assert_eq!(keyed.status(), 401, "no key: refused before the ledger");
+    let keyed = http
+        .get(format!("http://{listen}/greeting"))
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .send()
+        .await
+        .expect("answered within the deadline");
+    assert_eq!(keyed.status(), 503, "the failure policy (closed)");
+    assert!(!log.lock().unwrap().contains("ledger-limiter listening on port"));
+    assert!(sigterm_and_wait(running).success());
+}
+
 /// A stop while the binary formats and starts its embedded TigerBeetle: a clean exit, and no
 /// TigerBeetle process (format or server) left behind on the data folder.
 #[test]
