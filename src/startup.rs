@@ -95,7 +95,8 @@ impl Serving {
     /// Until the server stops (through its handle).
     async fn finished(&mut self) -> std::io::Result<()> {
         let task = self.task.take().expect("run once");
-        task.await.unwrap_or_else(|error| Err(std::io::Error::other(error)))
+        task.await
+            .unwrap_or_else(|error| Err(std::io::Error::other(error)))
     }
 }
 

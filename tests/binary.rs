@@ -363,7 +363,12 @@ async fn the_http_port_answers_while_the_ledger_is_awaited() {
             "LEDGER_LIMITER_ADMIN_SECRETS",
             "admin-secret-for-tests-0001",
         )
-        .args(["--admin-listen", "127.0.0.1:0", "--ledger-timeout-ms", "500"])
+        .args([
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--ledger-timeout-ms",
+            "500",
+        ])
         .arg(format!("--listen={listen}"))
         .arg(format!("--ledger-addresses={unreachable}"));
     // The admin API is up at the end of the build, the HTTP server before it.
@@ -384,7 +389,10 @@ async fn the_http_port_answers_while_the_ledger_is_awaited() {
         .await
         .expect("answered within the deadline");
     assert_eq!(keyed.status(), 503, "the failure policy (closed)");
-    assert!(!log.lock().unwrap().contains("ledger-limiter listening on port"));
+    assert!(!log
+        .lock()
+        .unwrap()
+        .contains("ledger-limiter listening on port"));
     assert!(sigterm_and_wait(running).success());
 }
 

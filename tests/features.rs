@@ -563,6 +563,89 @@ async fn slow_instance(
     (port, handle, limiter)
 }
 
+/// A library user's timeout: the request's future is dropped after 2 s.
+async fn two_seconds_at_most(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    let inner = next.call(req);
+    match tokio::time::timeout(Duration::from_secs(2), inner).await {
+        Ok(served) => served,
+        Err(_) => Err(actix_web::error::ErrorGatewayTimeout("timed out")),
+    }
+}
+
+/// A request dropped while its concurrency slot is decided is never served: its rate hold is
+/// given back, as a slot refusal's is. Before, it stayed held for the window. (actix itself runs
+/// a request's future on when its client goes away; a library user's timeout around the
+/// middleware, as here, drops it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_while_its_slot_is_decided_gives_its_rate_back() {
+    use actix_web::{App, HttpServer};
+    use ledger_limiter::http::{ConcurrencyLimits, RateLimit};
+    use ledger_limiter::limiter::plan::{Plan, PlanBook, UnknownKeys};
+    use ledger_limiter::limiter::Limiter;
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::time::Instant;
+
+    // Slots on a ledger of their own, stopped below: the slot's decision waits (5 s deadline).
+    let slots_process = common::TestLedger::start();
+    let slots_ledger = ledger_client(vec![slots_process.address]);
+    let settings = library_settings();
+    let routes = [("/slow".to_owned(), NonZeroU64::new(2).unwrap())];
+    let timeout = NonZeroU32::new(30).unwrap();
+    let limits = ConcurrencyLimits::new(&slots_ledger, &routes, timeout, &settings).unwrap();
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let big = Plan::new("big", NonZeroU64::new(1000).unwrap(), timeout).unwrap();
+    let plans = PlanBook::new(vec![big], "big", [], [], UnknownKeys::DefaultPlan).unwrap();
+    let limiter = Arc::new(Limiter::new(ledger, Arc::new(plans), settings));
+    let rules = Arc::new(RequestRules::builder().build(limiter.plans()).unwrap());
+    let rate_limit = RateLimit::new(limiter.clone(), rules).with_concurrency(limits);
+    let server = HttpServer::new(move || {
+        App::new()
+            .wrap(rate_limit.clone())
+            .wrap(actix_web::middleware::from_fn(two_seconds_at_most))
+            .route(
+                "/slow",
+                web::get().to(|| async { HttpResponse::Ok().finish() }),
+            )
+    })
+    .workers(1)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let port = server.addrs()[0].port();
+    let server = server.run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    let key = fresh_key("k_");
+    // The slot's account exists first (provisioned), so the stopped ledger holds the slot's hold.
+    let url = format!("http://127.0.0.1:{port}/slow");
+    let http = reqwest::Client::new();
+    let send = || http.get(&url).header("X-Api-Key", &key).send();
+    assert_eq!(send().await.unwrap().status(), 200);
+    slots_process.pause(true);
+    let timed_out = send().await.unwrap();
+    assert_eq!(
+        timed_out.status(),
+        504,
+        "dropped before its slot was decided"
+    );
+    let account_id = limiter.account_of(&caller(&key)).unwrap();
+    let given_back_by = Instant::now() + Duration::from_secs(4);
+    let pending = loop {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let audit = limiter.ledger().audit(account_id, deadline).await.unwrap();
+        let pending = audit.unwrap().debits_pending;
+        if pending == 1 || Instant::now() > given_back_by {
+            break pending;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(pending, 1, "the served request's hold alone");
+    slots_process.pause(false);
+    handle.stop(true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() {
     use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};

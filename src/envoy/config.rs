@@ -714,14 +714,25 @@ mod tests {
         };
         // A caller whose X-Api-Key is `daily` stays on the minute's limit.
         assert_eq!(path(&[("api_key", "daily")]), Some("demo.api_key".into()));
-        assert_eq!(path(&[("api_key_daily", "x")]), Some("demo.api_key_daily".into()));
+        assert_eq!(
+            path(&[("api_key_daily", "x")]),
+            Some("demo.api_key_daily".into())
+        );
         let yaml = "domain: d\ndescriptors:\n  - key: a\n    value: b_c\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: w\n    value: x*\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
         let config = load(&[("kv.yaml", yaml)]).unwrap();
         let rule = |entries: &[(&str, &str)]| config.rule_for("d", entries.iter().copied());
         assert!(rule(&[("a", "b_c")]).is_some());
-        assert_eq!(rule(&[("a_b", "c")]), None, "another key and value, the same join");
+        assert_eq!(
+            rule(&[("a_b", "c")]),
+            None,
+            "another key and value, the same join"
+        );
         assert!(rule(&[("w", "x1")]).is_some());
-        assert_eq!(rule(&[("w_x", "1")]), None, "a wildcard matches its own key only");
+        assert_eq!(
+            rule(&[("w_x", "1")]),
+            None,
+            "a wildcard matches its own key only"
+        );
     }
 
     #[test]

@@ -607,8 +607,8 @@ impl RateLimitServer {
         // Only on a call answered OK: on one the enforced descriptors refused (or could not
         // decide), a shadow descriptor's hold is voided, so it admitted nothing (and let nothing
         // through), and counting it would weigh a refused call as admitted too.
-        let answered_ok = decision.refused_by.is_none()
-            && !matches!(decision.outcome, Outcome::FailedClosed(_));
+        let answered_ok =
+            decision.refused_by.is_none() && !matches!(decision.outcome, Outcome::FailedClosed(_));
         for (index, shadow) in decided.shadow.iter().filter(|_| answered_ok) {
             if let Some(rule) = rule_of(&matched[*index]) {
                 self.metrics.record_shadow(rule, &shadow.outcome);

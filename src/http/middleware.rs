@@ -241,11 +241,13 @@ where
         }
         inner.limiter.pass_in_shadow(&decision);
     }
-    let slot = match inner
+    let unserved = GiveBackIfDropped::new(&inner.limiter, &mut decision);
+    let taken = inner
         .concurrency
         .take(req.match_info().as_str(), &key, shadow, deadline)
-        .await
-    {
+        .await;
+    unserved.disarm();
+    let slot = match taken {
         Ok(slot) => slot,
         Err(response) => {
             let response = inner.slot_refused(&mut decision, response);
@@ -266,6 +268,45 @@ where
     // The slot is given back when the body is sent (or the client goes away).
     let response = response.map_body(|_, body| SlotBody::new(body, slot));
     Ok(response.map_into_left_body())
+}
+
+/// Gives an admitted request's holds back when dropped, unless disarmed first: a request whose
+/// client goes away while its concurrency slot is decided is never served, and was left charged
+/// for the window (a slot refused gives them back; the slot's own late hold is voided).
+struct GiveBackIfDropped<'d, 'a> {
+    limiter: &'d Arc<Limiter>,
+    decision: Option<&'d mut Decision<'a>>,
+}
+
+impl<'d, 'a> GiveBackIfDropped<'d, 'a> {
+    fn new(limiter: &'d Arc<Limiter>, decision: &'d mut Decision<'a>) -> Self {
+        GiveBackIfDropped {
+            limiter,
+            decision: Some(decision),
+        }
+    }
+
+    /// The request goes on: its holds are its own to settle.
+    fn disarm(mut self) {
+        self.decision = None;
+    }
+}
+
+impl Drop for GiveBackIfDropped<'_, '_> {
+    fn drop(&mut self) {
+        let Some(decision) = self.decision.take() else {
+            return;
+        };
+        // A leased unit goes back to its lease here and now; holds from a task of their own
+        // (without a runtime, their window ends them).
+        let Some(holds) = self.limiter.give_back_later(decision) else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let limiter = self.limiter.clone();
+            runtime.spawn(async move { limiter.void_holds(holds).await });
+        }
+    }
 }
 
 pin_project_lite::pin_project! {

@@ -680,7 +680,10 @@ async fn without_a_view_retry_after_is_the_longest_window() {
         assert_eq!(f.calls(), ["hold", "view"]);
         // The quota's reset is no sooner than the retry: `t=0` beside `Retry-After` of a
         // window would tell the caller its quota is whole now.
-        assert!(decision.quota.reset_seconds >= WINDOW.as_secs(), "{decision:?}");
+        assert!(
+            decision.quota.reset_seconds >= WINDOW.as_secs(),
+            "{decision:?}"
+        );
     }
 }
 
