@@ -817,6 +817,46 @@ async fn several_limits_per_request_admit_exactly_the_tightest_and_name_it() {
     b.stop().await;
 }
 
+/// A request refused while two of its limits are spent is told to wait for the later one: the
+/// plan (2 per 3 s) comes back first, the route's "hour" (2 per 60 s) later. Before, Retry-After
+/// was the first spent limit's (the plan's, about 3 s), and waiting it out met another 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_waits_for_every_spent_limit() {
+    use ledger_limiter::config::PlanFile;
+    let routes = RoutesFile {
+        limits: Some([("/greeting".to_owned(), vec!["hour".into()])].into()),
+        ..RoutesFile::default()
+    };
+    let mut config = config(2, routes, ResponseFile::default());
+    config.plans = Some([("free".to_owned(), plan(2, 3))].into());
+    let limits: [(String, PlanFile); 1] = [("hour".into(), plan(2, 60))];
+    config.limits = Some(limits.into());
+    let app = spawn_app(config).await;
+    let key = fresh_key("k_");
+    for _ in 0..2 {
+        assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    }
+    // The ledger's refusal (the chain stops at the plan's link), then memory's (both listed).
+    for source in ["ledger", "local view"] {
+        let refused = app.get("/greeting", Some(&key)).await;
+        assert_eq!(refused.status(), 429, "{source}");
+        let retry = refused.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let ratelimit = refused.headers()["ratelimit"].to_str().unwrap().to_owned();
+        let body = refused.text().await.unwrap();
+        let retry: u64 = retry.parse().unwrap();
+        assert!(retry >= 55, "{source}: Retry-After {retry} {body}");
+        assert!(
+            body.contains("limit hour allows 2 units per 60 s"),
+            "{source}: {body}"
+        );
+        assert!(ratelimit.contains("\"hour\";r=0;"), "{source}: {ratelimit}");
+    }
+    app.stop().await;
+}
+
 /// Route limits must exist, be distinct, and afford the route's cost.
 #[test]
 fn bad_route_limits_are_refused_with_the_setting_named() {

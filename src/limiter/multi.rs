@@ -155,7 +155,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 transfer_ids,
             }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
             Ok(Chained::Refused { limit, view }) => {
-                self.refused_by_ledger(limits, limit, (view, reads[limit]))
+                let decision = self.refused_by_ledger(limits, limit, (view, reads[limit]));
+                self.wait_for_every_spent_limit(decision, limits, reads, deadline)
+                    .await
             }
             Ok(Chained::ClosedUnread { limit, error }) => {
                 self.refused_closed_unread(limits, limit, error)
@@ -227,15 +229,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
     }
 
-    /// The first limit this instance knows to be exhausted for the request's cost on its account.
+    /// The limits this instance knows to be exhausted for the request's cost on their accounts:
+    /// refused by the one that comes back last (a block first), so that waiting out its
+    /// Retry-After finds every limit with room. The first one's, sooner, met another 429.
     fn refuse_locally(&self, limits: &[Limit], now: Instant) -> Option<MultiDecision> {
-        let (index, local) = limits.iter().enumerate().find_map(|(index, limit)| {
+        let spent = limits.iter().enumerate().filter_map(|(index, limit)| {
             if !limit.local_view {
                 return None;
             }
             let cost = cost_on_account(limits, limit.account.id);
             let local = self.local.check(limit.account.id, cost, now)?;
             Some((index, local))
+        });
+        // The first of equals: the order the limits are configured in.
+        let (index, local) = spent.max_by(|(a, x), (b, y)| {
+            let later = (x.blocked, x.retry_after).cmp(&(y.blocked, y.retry_after));
+            later.then(b.cmp(a))
         })?;
         let mut statuses = self.local_statuses(limits, now);
         statuses[index].quota = quota(&limits[index].account, local.quota);
@@ -498,6 +507,61 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             limits: statuses,
             moved_to: None,
         }
+    }
+
+    /// A chain stops at its first link without credit, and says nothing of the links after it:
+    /// a request refused by a limit that comes back soon was told to retry then, and met the
+    /// next spent limit's 429. The other limits are read too (at once, by the decision's
+    /// deadline; their listings teach the local view, which then refuses by the latest of
+    /// them), and the refusal is the one that comes back last. A block stays the answer.
+    async fn wait_for_every_spent_limit(
+        &self,
+        mut decision: MultiDecision,
+        limits: &[Limit],
+        reads: &[Generation],
+        deadline: Instant,
+    ) -> MultiDecision {
+        let (Some(refused), Outcome::Limited { .. }) = (decision.refused_by, &decision.outcome)
+        else {
+            return decision;
+        };
+        let others: Vec<usize> = (0..limits.len())
+            .filter(|i| *i != refused && limits[*i].local_view && limits[*i].cost > 0)
+            .filter(|i| limits[*i].account.id != limits[refused].account.id)
+            .collect();
+        let views = others.iter().map(|i| async move {
+            (
+                *i,
+                self.account_view_of(&limits[*i].account, deadline).await,
+            )
+        });
+        for (i, view) in futures_util::future::join_all(views).await {
+            // Only what a listing says: an unread limit lengthens nothing.
+            let Ok(Some(view)) = view else { continue };
+            let limit = &limits[i];
+            let cost = cost_on_account(limits, limit.account.id);
+            let window_max = self.window_max_of(&limit.account);
+            let view = listing_settling_soon(Ok(Some(view)), limit.lease);
+            let (retry_after, spent) =
+                self.retry_after_for(limit.account.id, cost, window_max, (view, reads[i]));
+            let Some(spent) = spent else { continue };
+            let later = match decision.outcome {
+                Outcome::Limited {
+                    retry_after_seconds,
+                    ..
+                } => whole_seconds_up(retry_after).max(1) > retry_after_seconds,
+                _ => false,
+            };
+            if later {
+                decision.outcome = super::refused(retry_after, DecisionSource::Ledger, false);
+                decision.refused_by = Some(i);
+                let status = &mut decision.limits[i].quota;
+                *status = quota(&limit.account, spent);
+                status.remaining = 0;
+                status.reset_seconds = status.reset_seconds.max(whole_seconds_up(retry_after));
+            }
+        }
+        decision
     }
 
     /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds, as

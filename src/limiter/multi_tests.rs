@@ -135,9 +135,11 @@ async fn an_exhausted_limit_is_refused_locally_and_the_others_are_untouched() {
     f.calls();
     // The ledger refuses first (the local view refuses only on its recent word).
     let full = f.view(2, &[30, 30], true);
+    // The other limit is read too (it has room).
+    let room = f.view(5, &[60, 60], true);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
-        s.views.push_back(Ok(Some(full)));
+        s.views.extend([Ok(Some(full)), Ok(Some(room))]);
     });
     let limits = [limit(A, 5, 60, 1), limit(B, 2, 30, 1)];
     let decision = f.limiter.check_all(&limits).await.unwrap();
@@ -145,7 +147,7 @@ async fn an_exhausted_limit_is_refused_locally_and_the_others_are_untouched() {
         limited_by_outcome(&decision.outcome),
         Some((30, DecisionSource::Ledger))
     );
-    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.calls(), ["chain", "view", "view"]);
     let decision = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
@@ -225,9 +227,10 @@ async fn an_account_missing_after_provisioning_follows_the_failure_policy() {
 async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
     let f = Fixture::closed();
     let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
+    let untouched = f.view(20, &[], true);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
-        s.views.push_back(Ok(Some(full)));
+        s.views.extend([Ok(Some(full)), Ok(Some(untouched))]);
     });
     let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
     let decision = f.limiter.check_all(&limits).await.unwrap();
@@ -239,11 +242,33 @@ async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
     assert_eq!(decision.limits[1].quota.remaining, 0);
     assert_eq!(decision.limits[0].quota.remaining, 20, "nothing held on A");
     assert!(decision.limits.iter().all(|l| l.hold.is_none()));
-    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.calls(), ["chain", "view", "view"]);
     // Remembered: the next request is refused by B without a call.
     let again = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(again.refused_by, Some(1));
     assert!(f.calls().is_empty());
+}
+
+/// The chain stops at its first link without credit; the limits after it are read too, and the
+/// refusal is the one that comes back last (then from memory too).
+#[tokio::test]
+async fn a_refusal_waits_for_the_limit_that_comes_back_last() {
+    let f = Fixture::closed();
+    let soon = f.view(2, &[2, 3], true);
+    let late = f.view(2, &[40, 50], true);
+    f.script(|s| {
+        s.chains.push_back(refused(0, LinkRefusal::ExceedsCredits));
+        s.views.extend([Ok(Some(soon)), Ok(Some(late))]);
+    });
+    let limits = [limit(A, 2, 3, 1), limit(B, 2, 60, 1)];
+    for source in [DecisionSource::Ledger, DecisionSource::LocalView] {
+        let decision = f.limiter.check_all(&limits).await.unwrap();
+        assert_eq!(limited_by_outcome(&decision.outcome), Some((40, source)));
+        assert_eq!(decision.refused_by, Some(1));
+        assert_eq!(decision.limits[1].quota.remaining, 0);
+        assert!(decision.limits[1].quota.reset_seconds >= 40);
+    }
+    assert_eq!(f.calls(), ["chain", "view", "view"]);
 }
 
 #[tokio::test]
@@ -266,9 +291,10 @@ async fn a_lease_plans_refusal_waits_for_other_instances_leases_to_settle_not_to
         available: 0,
         ..f.view(CAPACITY, &[], true)
     };
+    let other = f.view(20, &[], true);
     f.script(|s| {
         s.chains.push_back(refused(0, LinkRefusal::ExceedsCredits));
-        s.views.push_back(Ok(Some(leased)));
+        s.views.extend([Ok(Some(leased)), Ok(Some(other))]);
     });
     let plan = Limit {
         lease: Some(terms),
@@ -281,7 +307,7 @@ async fn a_lease_plans_refusal_waits_for_other_instances_leases_to_settle_not_to
         retry_after_seconds <= 3,
         "L and a sweep, not 62 s: {retry_after_seconds}"
     );
-    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.calls(), ["chain", "view", "view"]);
     // Past that, the local view does not refuse the caller from memory.
     f.clock.advance(Duration::from_secs(4));
     let held = held(&f, &[1, 2]);
@@ -332,14 +358,16 @@ async fn the_second_look_places_the_chain_once_more() {
             refused(1, LinkRefusal::ExceedsCredits),
             refused(1, LinkRefusal::ExceedsCredits),
         ]);
-        s.views.extend([Ok(Some(back)), Ok(Some(full))]);
+        // The other limit's read fails: it lengthens nothing.
+        s.views
+            .extend([Ok(Some(back)), Ok(Some(full)), Err(timeout())]);
     });
     let decision = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
         Some((3, DecisionSource::Ledger))
     );
-    assert_eq!(f.calls(), ["chain", "view", "chain", "view"]);
+    assert_eq!(f.calls(), ["chain", "view", "chain", "view", "view"]);
 }
 
 #[tokio::test]
@@ -528,16 +556,17 @@ async fn a_link_listed_incomplete_a_moment_ago_is_not_listed_again() {
     let f = Fixture::closed();
     let limits = [limit(A, 5, 60, 1), limit(B, 5, 30, 1)];
     let partial = f.view(5, &[20, 20], false);
+    let room = f.view(5, &[], true);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
-        s.views.push_back(Ok(Some(partial)));
+        s.views.extend([Ok(Some(partial)), Ok(Some(room))]);
     });
     let decision = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
         Some((1, DecisionSource::Ledger))
     );
-    assert_eq!(f.calls(), ["chain", "view"]);
+    assert_eq!(f.calls(), ["chain", "view", "view"]);
     f.clock.advance(Duration::from_millis(500));
     f.script(|s| s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits)));
     let decision = f.limiter.check_all(&limits).await.unwrap();
