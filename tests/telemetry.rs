@@ -217,10 +217,58 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(server.name, "_OTHER /greeting");
     assert_eq!(attribute(server, "http.method").as_deref(), Some("_OTHER"));
 
-    // The raw key is a secret: it is in no attribute or event of any span received.
+    // A query string is no span's (a token in it would be exported), nor an address a client
+    // claims: the target is the path, the client the connection's peer.
+    let queried_trace = format!("{:032x}", rand::random::<u128>());
+    let queried = app
+        .http
+        .get(format!(
+            "{}/greeting?access_token=s3cr3t-token",
+            app.address
+        ))
+        .header("X-Api-Key", &key)
+        .header("X-Forwarded-For", "203.0.113.9")
+        .header(
+            "traceparent",
+            format!("00-{queried_trace}-00f067aa0ba902b7-01"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(queried.status(), 429);
+    let spans = server_spans_of_trace(&queried_trace).await;
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(
+        attribute(server, "http.target").as_deref(),
+        Some("/greeting")
+    );
+    assert_eq!(
+        attribute(server, "http.client_ip").as_deref(),
+        Some("127.0.0.1")
+    );
+    assert_eq!(
+        attribute(server, "http.route").as_deref(),
+        Some("/greeting")
+    );
+    assert_eq!(
+        attribute(server, "trace_id").as_deref(),
+        Some(&*queried_trace)
+    );
+
+    // The raw key is a secret: it is in no attribute or event of any span received; nor is a
+    // query's token, nor a claimed address.
     for span in telemetry().spans.lock().unwrap().iter() {
         let shown = format!("{:?} {:?}", span.attributes, span.events);
         assert!(!shown.contains(&key), "key leaked into {}", span.name);
+        assert!(!shown.contains("s3cr3t-token"), "a query in {}", span.name);
+        assert!(
+            !shown.contains("203.0.113.9"),
+            "a claimed address in {}",
+            span.name
+        );
     }
     app.stop().await;
 }

@@ -6,9 +6,10 @@ use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::Method;
 use actix_web::Error;
+use actix_web::HttpMessage;
 use opentelemetry::trace::TraceContextExt;
 use tracing::Span;
-use tracing_actix_web::{DefaultRootSpanBuilder, RootSpanBuilder};
+use tracing_actix_web::{DefaultRootSpanBuilder, RequestId, RootSpanBuilder};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Span fields the limiter records. `user.id` is the caller's account id, never the raw key.
@@ -41,6 +42,31 @@ pub fn limited_event(retry_after_seconds: u64, source: &'static str) {
     );
 }
 
+/// A request's headers, as OpenTelemetry's propagators read them.
+struct HeaderCarrier<'a>(&'a actix_web::http::header::HeaderMap);
+
+impl opentelemetry::propagation::Extractor for HeaderCarrier<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|name| name.as_str()).collect()
+    }
+}
+
+fn http_flavor(version: actix_web::http::Version) -> &'static str {
+    use actix_web::http::Version;
+    match version {
+        Version::HTTP_09 => "0.9",
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_11 => "1.1",
+        Version::HTTP_2 => "2.0",
+        Version::HTTP_3 => "3.0",
+        _ => "other",
+    }
+}
+
 /// Bounded method label: the standard methods, everything else `_OTHER`, for metric
 /// labels and span names alike (a client may send any token as its method).
 pub fn method_label(method: &Method) -> &'static str {
@@ -59,12 +85,42 @@ pub fn method_label(method: &Method) -> &'static str {
 }
 
 /// The server span of every request, with the limiter's fields declared (empty until recorded).
+///
+/// tracing-actix-web's fields, made here rather than by its `root_span!`: that macro records the
+/// path with its query string (`?access_token=…` would be exported in every trace) and the
+/// client address from `X-Forwarded-For` or `Forwarded`, which any client writes (a trace would
+/// name whoever the client claimed to be). Here `http.target` is the path alone and
+/// `http.client_ip` the connection's peer; the method is bounded (`_OTHER`), so that a client's
+/// invented method names no span (Tempo's span metrics label by the name).
 pub struct LimiterRootSpan;
 
 impl RootSpanBuilder for LimiterRootSpan {
     fn on_request_start(request: &ServiceRequest) -> Span {
-        let span = tracing_actix_web::root_span!(
-            request,
+        let method = method_label(request.method());
+        let route = request.match_pattern();
+        let route = route.as_deref().unwrap_or("default");
+        let user_agent = request.headers().get("User-Agent");
+        let user_agent = user_agent.and_then(|v| v.to_str().ok()).unwrap_or("");
+        let peer = request.peer_addr().map(|peer| peer.ip().to_string());
+        let connection = request.connection_info();
+        let span = tracing::info_span!(
+            "HTTP request",
+            http.method = method,
+            http.route = route,
+            http.flavor = http_flavor(request.version()),
+            http.scheme = %connection.scheme(),
+            http.host = %connection.host(),
+            http.client_ip = peer.as_deref().unwrap_or(""),
+            http.user_agent = user_agent,
+            http.target = request.path(),
+            http.status_code = tracing::field::Empty,
+            otel.name = %format_args!("{method} {route}"),
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            request_id = tracing::field::Empty,
+            exception.message = tracing::field::Empty,
+            exception.details = tracing::field::Empty,
             user.id = tracing::field::Empty,
             ratelimit.key_id = tracing::field::Empty,
             ratelimit.plan = tracing::field::Empty,
@@ -75,20 +131,18 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.shadow = tracing::field::Empty,
             ratelimit.limit = tracing::field::Empty,
         );
-        // The macro names the span after any method a client sends; span metrics (Tempo's)
-        // label by that name, so each invented method would be series of their own.
-        let method = method_label(request.method());
-        if method == METHOD_OTHER {
-            let route = request
-                .match_pattern()
-                .unwrap_or_else(|| "default".to_owned());
-            span.record("http.method", method);
-            // Its OpenTelemetry span is built by now (a `traceparent` is read as the span is
-            // made), and a recorded `otel.name` renames only a span not yet built.
-            span.context()
-                .span()
-                .update_name(format!("{method} {route}"));
+        drop(connection);
+        // TracingLogger makes one before it calls this.
+        if let Some(request_id) = request.extensions().get::<RequestId>() {
+            span.record("request_id", tracing::field::display(request_id));
         }
+        // A `traceparent` makes this span its caller's child, in its trace.
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&HeaderCarrier(request.headers()))
+        });
+        let _ = span.set_parent(parent);
+        let trace_id = span.context().span().span_context().trace_id();
+        span.record("trace_id", tracing::field::display(trace_id));
         span
     }
 
