@@ -13,7 +13,8 @@ use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{
-    resolve_addresses, AdminSettings, ConfigError, LedgerLocation, RlsSettings, Settings,
+    resolve_addresses, resolve_addresses_or_stand_ins, AdminSettings, ConfigError, LedgerLocation,
+    RlsSettings, Settings,
 };
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
@@ -413,7 +414,9 @@ async fn connect_ledger(
     settings: &Settings,
 ) -> Result<(Ledger, Option<EmbeddedLedger>, JoinHandle<()>), StartupError> {
     let (addresses, embedded) = match &settings.ledger {
-        LedgerLocation::Cluster { addresses } => (resolve_addresses(addresses).await?, None),
+        LedgerLocation::Cluster { addresses } => {
+            (resolve_addresses_or_stand_ins(addresses).await, None)
+        }
         LedgerLocation::Embedded {
             data_dir,
             tigerbeetle_bin,

@@ -396,6 +396,38 @@ async fn the_http_port_answers_while_the_ledger_is_awaited() {
     assert!(sigterm_and_wait(running).success());
 }
 
+/// A replica whose name does not resolve (Docker's and Kubernetes' DNS drop a stopped one's)
+/// stands in as an address nothing answers at: the service starts and answers with its failure
+/// policy. Before, it exited ("cannot resolve"), restarted, and exited again.
+#[tokio::test]
+async fn a_replica_name_that_does_not_resolve_does_not_stop_the_start() {
+    let listen = common::dead_address();
+    let mut command = binary_command();
+    command
+        .args(["--ledger-timeout-ms", "500"])
+        .arg(format!("--listen={listen}"))
+        .arg("--ledger-addresses=replica-down.invalid:3000");
+    let (mut running, _, log) = start_binary_logged(command, "listening on: 127.0.0.1:");
+    assert!(log.lock().unwrap().contains("stand_in=127.0.0.1:1"));
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let keyed = http
+        .get(format!("http://{listen}/greeting"))
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .send()
+        .await
+        .expect("answered within the deadline");
+    assert_eq!(keyed.status(), 503, "the failure policy (closed)");
+    assert!(
+        running.wait_exit(Duration::from_millis(100)).is_none(),
+        "{}",
+        log.lock().unwrap()
+    );
+    assert!(sigterm_and_wait(running).success());
+}
+
 /// A stop while the binary formats and starts its embedded TigerBeetle: a clean exit, and no
 /// TigerBeetle process (format or server) left behind on the data folder.
 #[test]

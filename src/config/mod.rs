@@ -951,36 +951,68 @@ fn check_prefixes(prefixes: &BTreeMap<String, String>, plans: &[Plan]) -> Result
 pub const RESOLVE_TIME_MAX: Duration = Duration::from_secs(10);
 
 /// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only),
-/// each within [`RESOLVE_TIME_MAX`].
+/// each within [`RESOLVE_TIME_MAX`], all at once.
 pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, ConfigError> {
-    let mut resolved = Vec::new();
-    for address in addresses {
-        let lookup = tokio::time::timeout(RESOLVE_TIME_MAX, tokio::net::lookup_host(address))
-            .await
-            .unwrap_or_else(|_| {
-                let late = format!("no answer within {RESOLVE_TIME_MAX:?}");
-                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, late))
-            });
-        let found = lookup
-            .map_err(|e| {
-                invalid(
-                    "ledger.addresses",
-                    format!("cannot resolve {address:?}: {e}"),
-                )
-            })?
-            // The lowest of several records, not the first: the order DNS gives them in changes,
-            // and each change of address would reconnect the ledger client.
-            .filter(|a| a.is_ipv4())
-            .min()
-            .ok_or_else(|| {
-                invalid(
-                    "ledger.addresses",
-                    format!("{address:?} has no IPv4 address"),
-                )
-            })?;
-        resolved.push(found);
-    }
-    Ok(resolved)
+    let lookups = addresses.iter().map(|address| resolve_one(address));
+    futures_util::future::join_all(lookups)
+        .await
+        .into_iter()
+        .collect()
+}
+
+/// [`resolve_addresses`] for a service that starts: a name that does not resolve stands in as
+/// an address nothing answers at (loopback, port 1 up: one per replica, in its place, since the
+/// client takes the replicas in order), with a warning, and the service starts. Why: Docker's
+/// and Kubernetes' DNS drop a stopped replica's name, and a service restarted then exited,
+/// restarted and exited, while the other replicas served (or, with the whole cluster down, never
+/// answered with its failure policy). The addresses are followed: once every name resolves,
+/// the client is pointed at them.
+pub async fn resolve_addresses_or_stand_ins(addresses: &[String]) -> Vec<SocketAddr> {
+    let lookups = addresses.iter().map(|address| resolve_one(address));
+    let resolved = futures_util::future::join_all(lookups).await;
+    (resolved.into_iter().enumerate())
+        .map(|(replica, resolved)| {
+            resolved.unwrap_or_else(|error| {
+                let stand_in = stand_in_address(replica);
+                tracing::warn!(%error, %stand_in, "a replica's address does not resolve; it stands in until it does");
+                stand_in
+            })
+        })
+        .collect()
+}
+
+/// Where an unresolved replica `replica` is looked for meanwhile: a loopback port below 1024
+/// nothing listens at (a connection is refused at once), one per replica (the client refuses
+/// two replicas at one address).
+pub fn stand_in_address(replica: usize) -> SocketAddr {
+    let port = u16::try_from(replica + 1).expect("fewer replicas than ports");
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+async fn resolve_one(address: &str) -> Result<SocketAddr, ConfigError> {
+    let lookup = tokio::time::timeout(RESOLVE_TIME_MAX, tokio::net::lookup_host(address))
+        .await
+        .unwrap_or_else(|_| {
+            let late = format!("no answer within {RESOLVE_TIME_MAX:?}");
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, late))
+        });
+    lookup
+        .map_err(|e| {
+            invalid(
+                "ledger.addresses",
+                format!("cannot resolve {address:?}: {e}"),
+            )
+        })?
+        // The lowest of several records, not the first: the order DNS gives them in changes,
+        // and each change of address would reconnect the ledger client.
+        .filter(|a| a.is_ipv4())
+        .min()
+        .ok_or_else(|| {
+            invalid(
+                "ledger.addresses",
+                format!("{address:?} has no IPv4 address"),
+            )
+        })
 }
 
 #[cfg(test)]
