@@ -68,7 +68,7 @@ def main():
               ['operation="create_transfers"'])
     print("| s | answered/s | p50 ms | p99 ms | ledger create_transfers p99 ms |", flush=True)
     print("|--:|--:|--:|--:|--:|", flush=True)
-    start = time.monotonic()
+    parent = os.getppid()
     # The first interval's baseline: read, not assumed empty (the service's counts include
     # every earlier step's), bounded by 10 tries.
     last = (None, None)
@@ -79,10 +79,10 @@ def main():
         time.sleep(0.5)
     else:
         sys.exit("no baseline read of the service's histograms")
+    start = time.monotonic()
     last_at = start
     stopped = False
     last_tries = 10  # reads of the last interval, once stopped: it is not dropped for one failure
-    parent = os.getppid()
     while not stopped or last_tries > 0:
         due = last_at + interval
         while time.monotonic() < due and not stopped:

@@ -890,15 +890,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// a tick, taken from the shards in order, left the callers of the last shards waiting for
     /// as long as the first ones had a batch due.
     ///
-    /// A batch with a settlement refused a place ends the sweep: the in-flight bound is full,
-    /// and the next batch would be those very leases again (handed over leases come first),
-    /// refused at once, pass after pass with no await that waits, until the loop's bound.
+    /// A batch that sent nothing ends the sweep: the in-flight bound is full, and the next
+    /// batch would be those very leases again (handed over leases come first), refused at once,
+    /// pass after pass with no await that waits, until the loop's bound.
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
             let swept = self.settle_leases(false, None).await;
             settled += swept.sent;
-            if swept.due < SETTLE_BATCH_MAX || swept.sent < swept.due {
+            if swept.due < SETTLE_BATCH_MAX || swept.sent == 0 {
                 break;
             }
         }

@@ -511,9 +511,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// A chain stops at its first link without credit, and says nothing of the links after it:
     /// a request refused by a limit that comes back soon was told to retry then, and met the
-    /// next spent limit's 429. The other limits are read too (at once, by the decision's
-    /// deadline; their listings teach the local view, which then refuses by the latest of
-    /// them), and the refusal is the one that comes back last. A block stays the answer.
+    /// next spent limit's 429. The links after the refused one are looked up too (one lookup
+    /// each, at once, by the decision's deadline), and those without room for the request are
+    /// listed (their listings teach the local view, which then refuses by the latest of them);
+    /// the refusal is by the one that comes back last. A block stays the answer.
     async fn wait_for_every_spent_limit(
         &self,
         mut decision: MultiDecision,
@@ -525,43 +526,68 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         else {
             return decision;
         };
-        let others: Vec<usize> = (0..limits.len())
-            .filter(|i| *i != refused && limits[*i].local_view && limits[*i].cost > 0)
-            .filter(|i| limits[*i].account.id != limits[refused].account.id)
-            .collect();
-        let views = others.iter().map(|i| async move {
-            (
-                *i,
-                self.account_view_of(&limits[*i].account, deadline).await,
-            )
-        });
-        for (i, view) in futures_util::future::join_all(views).await {
-            // Only what a listing says: an unread limit lengthens nothing.
-            let Ok(Some(view)) = view else { continue };
+        let later = (refused + 1..limits.len())
+            .filter(|i| limits[*i].local_view && limits[*i].cost > 0)
+            .filter(|i| {
+                limits[..=refused]
+                    .iter()
+                    .all(|l| l.account.id != limits[*i].account.id)
+            });
+        let spent = later.map(|i| async move {
             let limit = &limits[i];
             let cost = cost_on_account(limits, limit.account.id);
-            let window_max = self.window_max_of(&limit.account);
-            let view = listing_settling_soon(Ok(Some(view)), limit.lease);
-            let (retry_after, spent) =
-                self.retry_after_for(limit.account.id, cost, window_max, (view, reads[i]));
-            let Some(spent) = spent else { continue };
-            let later = match decision.outcome {
-                Outcome::Limited {
-                    retry_after_seconds,
-                    ..
-                } => whole_seconds_up(retry_after).max(1) > retry_after_seconds,
-                _ => false,
-            };
-            if later {
-                decision.outcome = super::refused(retry_after, DecisionSource::Ledger, false);
-                decision.refused_by = Some(i);
-                let status = &mut decision.limits[i].quota;
-                *status = quota(&limit.account, spent);
-                status.remaining = 0;
-                status.reset_seconds = status.reset_seconds.max(whole_seconds_up(retry_after));
+            let window_seconds_max = self.window_seconds_max_of(&limit.account);
+            let free = (self.store)
+                .account_free(limit.account.id, window_seconds_max, deadline)
+                .await;
+            // Only what the ledger says: an unread limit lengthens nothing.
+            match free {
+                Ok(Some(free)) if !free.closed && free.available < cost => {
+                    Some((i, self.account_view_of(&limit.account, deadline).await))
+                }
+                _ => None,
             }
+        });
+        let spent = futures_util::future::join_all(spent).await;
+        for (i, view) in spent.into_iter().flatten() {
+            self.refuse_by_later_limit(&mut decision, limits, i, (view, reads[i]));
         }
         decision
+    }
+
+    /// Makes limit `i` (its listing `view`) the refusal's, if it comes back later than the one
+    /// that refused.
+    fn refuse_by_later_limit(
+        &self,
+        decision: &mut MultiDecision,
+        limits: &[Limit],
+        i: usize,
+        (view, read): (Result<Option<AccountView>, LedgerError>, Generation),
+    ) {
+        let Ok(Some(view)) = view else { return };
+        let limit = &limits[i];
+        let cost = cost_on_account(limits, limit.account.id);
+        let window_max = self.window_max_of(&limit.account);
+        let view = listing_settling_soon(Ok(Some(view)), limit.lease);
+        let (retry_after, spent) =
+            self.retry_after_for(limit.account.id, cost, window_max, (view, read));
+        let Some(spent) = spent else { return };
+        let Outcome::Limited {
+            retry_after_seconds,
+            ..
+        } = decision.outcome
+        else {
+            return;
+        };
+        if whole_seconds_up(retry_after).max(1) <= retry_after_seconds {
+            return;
+        }
+        decision.outcome = super::refused(retry_after, DecisionSource::Ledger, false);
+        decision.refused_by = Some(i);
+        let status = &mut decision.limits[i].quota;
+        *status = quota(&limit.account, spent);
+        status.remaining = 0;
+        status.reset_seconds = status.reset_seconds.max(whole_seconds_up(retry_after));
     }
 
     /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds, as
@@ -633,6 +659,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);
         statuses[refused].quota.remaining = 0;
+        // Never sooner than the retry: the view may know nothing of the account (a reset of 0,
+        // "whole now").
+        if let Outcome::Limited {
+            retry_after_seconds,
+            ..
+        }
+        | Outcome::Blocked {
+            retry_after_seconds,
+            ..
+        } = outcome
+        {
+            let reset = &mut statuses[refused].quota.reset_seconds;
+            *reset = (*reset).max(retry_after_seconds);
+        }
         MultiDecision {
             outcome,
             refused_by: Some(refused),
