@@ -332,6 +332,10 @@ fn admin_server(
     // The main server handles SIGINT/SIGTERM and stops this one on its way out; two servers
     // listening for signals lose one that arrives during start-up.
     .disable_signals()
+    // An action's deadline (5 s) and its follow-ups' (1 s each) at most, not actix's default
+    // 30 s: the stop comes after the HTTP drain and the leases' settling, and a container's
+    // stop grace is often 10 s in all.
+    .shutdown_timeout(ADMIN_DRAIN_SECONDS)
     .listen(listener)
     .map_err(listen_error)?
     .run();
@@ -340,6 +344,9 @@ fn admin_server(
     tracing::info!(port, "admin API listening on port {port}");
     Ok((handle, port))
 }
+
+/// How long a stopping admin API waits for the actions in flight, at most.
+const ADMIN_DRAIN_SECONDS: u64 = 8;
 
 /// Envoy's rate-limit service on its own listener and its own multi-threaded runtime (the binary's
 /// main runtime is actix's single thread), on the HTTP front end's limiter.
