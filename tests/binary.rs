@@ -350,6 +350,15 @@ fn a_stop_signal_while_the_ledger_is_awaited_stops_cleanly() {
     assert!(!log.contains("ledger-limiter listening on port"), "{log}");
 }
 
+/// A keyed `GET /greeting` (a new caller), answered within the client's timeout.
+async fn keyed_greeting(http: &reqwest::Client, listen: std::net::SocketAddr) -> reqwest::Response {
+    http.get(format!("http://{listen}/greeting"))
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .send()
+        .await
+        .expect("answered within the deadline")
+}
+
 /// While the binary waits for a ledger that does not answer (up to 30 s), its HTTP port answers:
 /// `/healthz` (liveness) 200, `/readyz` 503, a keyed request the failure policy's 503 within its
 /// deadline. Before, the listener took connections and answered none until the wait ended.
@@ -382,12 +391,7 @@ async fn the_http_port_answers_while_the_ledger_is_awaited() {
     assert_eq!(get("/readyz").await.expect("answered").status(), 503);
     let keyed = get("/greeting").await.expect("answered");
     assert_eq!(keyed.status(), 401, "no key: refused before the ledger");
-    let keyed = http
-        .get(format!("http://{listen}/greeting"))
-        .header("X-Api-Key", common::fresh_key("k_"))
-        .send()
-        .await
-        .expect("answered within the deadline");
+    let keyed = keyed_greeting(&http, listen).await;
     assert_eq!(keyed.status(), 503, "the failure policy (closed)");
     assert!(!log
         .lock()
@@ -413,12 +417,7 @@ async fn a_replica_name_that_does_not_resolve_does_not_stop_the_start() {
         .timeout(Duration::from_secs(3))
         .build()
         .unwrap();
-    let keyed = http
-        .get(format!("http://{listen}/greeting"))
-        .header("X-Api-Key", common::fresh_key("k_"))
-        .send()
-        .await
-        .expect("answered within the deadline");
+    let keyed = keyed_greeting(&http, listen).await;
     assert_eq!(keyed.status(), 503, "the failure policy (closed)");
     assert!(
         running.wait_exit(Duration::from_millis(100)).is_none(),

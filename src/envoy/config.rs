@@ -172,6 +172,19 @@ enum Entry {
     },
 }
 
+impl Entry {
+    /// A configured descriptor's kind, and the name it is stored by (`key` or `key_value`).
+    fn named(key: &str, value: &str) -> (Entry, String) {
+        match value.is_empty() {
+            true => (Entry::Key, key.to_owned()),
+            false => {
+                let key_length = key.len();
+                (Entry::KeyValue { key_length }, format!("{key}_{value}"))
+            }
+        }
+    }
+}
+
 /// Every domain's rules.
 #[derive(Default)]
 pub struct RlsConfig {
@@ -444,16 +457,7 @@ fn load_level(
         // As a request's key and value are read (`wire::text`): a U+FFFD in one is two there.
         let key = super::wire::text(descriptor.key.clone().into_bytes());
         let value = super::wire::text(descriptor.value.clone().into_bytes());
-        let entry = match value.is_empty() {
-            true => Entry::Key,
-            false => Entry::KeyValue {
-                key_length: key.len(),
-            },
-        };
-        let final_key = match entry {
-            Entry::Key => key.clone(),
-            Entry::KeyValue { .. } => format!("{key}_{value}"),
-        };
+        let (entry, final_key) = Entry::named(&key, &value);
         let path = format!("{parent}{final_key}");
         let label = match descriptor.value.is_empty() {
             true => format!("{parent_label}{key}", key = descriptor.key),

@@ -597,6 +597,24 @@ impl RateLimitService for RateLimitServer {
 }
 
 impl RateLimitServer {
+    /// Counts the shadow descriptors' decisions, on a call answered OK only: on one the enforced
+    /// descriptors refused (or could not decide), a shadow descriptor's hold is voided, so it
+    /// admitted nothing (and let nothing through), and counting it would weigh a refused call
+    /// as admitted too.
+    fn record_shadows(&self, matched: &[Matched], decided: &Decided) {
+        let decision = &decided.enforced.1;
+        let answered_ok =
+            decision.refused_by.is_none() && !matches!(decision.outcome, Outcome::FailedClosed(_));
+        if !answered_ok {
+            return;
+        }
+        for (index, shadow) in &decided.shadow {
+            if let Some(rule) = rule_of(&matched[*index]) {
+                self.metrics.record_shadow(rule, &shadow.outcome);
+            }
+        }
+    }
+
     /// One status per descriptor; OVER_LIMIT overall when an enforced descriptor refused;
     /// `UNAVAILABLE` when the ledger could not decide and the failure policy is closed.
     fn respond(&self, matched: &[Matched], decided: Decided) -> Result<RateLimitResponse, Status> {
@@ -604,16 +622,7 @@ impl RateLimitServer {
         assert_eq!(indices.len(), decision.limits.len());
         assert!(decided.shadow.iter().all(|(_, d)| d.limits.len() == 1));
         self.record(matched, indices, decision);
-        // Only on a call answered OK: on one the enforced descriptors refused (or could not
-        // decide), a shadow descriptor's hold is voided, so it admitted nothing (and let nothing
-        // through), and counting it would weigh a refused call as admitted too.
-        let answered_ok =
-            decision.refused_by.is_none() && !matches!(decision.outcome, Outcome::FailedClosed(_));
-        for (index, shadow) in decided.shadow.iter().filter(|_| answered_ok) {
-            if let Some(rule) = rule_of(&matched[*index]) {
-                self.metrics.record_shadow(rule, &shadow.outcome);
-            }
-        }
+        self.record_shadows(matched, &decided);
         if let Outcome::FailedClosed(error) = &decision.outcome {
             return Err(Status::unavailable(format!(
                 "the ledger could not decide in time: {error}"
