@@ -422,7 +422,7 @@ async fn connect_ledger(
 ) -> Result<(Ledger, Option<EmbeddedLedger>, JoinHandle<()>), StartupError> {
     let (addresses, embedded) = match &settings.ledger {
         LedgerLocation::Cluster { addresses } => {
-            (resolve_addresses_or_stand_ins(addresses).await, None)
+            (resolve_addresses_or_stand_ins(addresses).await?, None)
         }
         LedgerLocation::Embedded {
             data_dir,

@@ -14,6 +14,7 @@ use thiserror::Error;
 
 use crate::envoy::config::RlsConfig;
 use crate::http::admin::AdminSecrets;
+use crate::http::concurrency::CONCURRENCY_LIMIT_NAME;
 use crate::http::{ForwardedHeader, RequestRules, RequestRulesBuilder, RulesError};
 use crate::ledger::{model, LedgerSettings, BATCH_LINGER_MAX};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
@@ -430,7 +431,7 @@ impl Settings {
         let plans = plan_book(
             file.plans,
             file.default_plan,
-            file.key_prefixes,
+            (file.key_prefixes, key_length_max),
             keys,
             caller.unknown_keys,
         )?;
@@ -782,10 +783,13 @@ fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, Co
     // Names are the `plan` label of the decision metrics, where these two mean something else:
     // a plan named `none` was counted nowhere (the label of keys refused before any plan), and
     // one named `concurrency-…` was left out of the dashboard's request panels.
-    if name == PLAN_NONE || name.starts_with(CONCURRENCY_PLAN_PREFIX) {
+    // And a route limit's name is the `ratelimit.limit` of its refusals, where `concurrency`
+    // says a concurrency slot refused.
+    let slot_label = section == "limits" && name == CONCURRENCY_LIMIT_NAME;
+    if name == PLAN_NONE || name.starts_with(CONCURRENCY_PLAN_PREFIX) || slot_label {
         let why = format!(
-            "the name is reserved: \"{PLAN_NONE}\" and names starting \"{CONCURRENCY_PLAN_PREFIX}\" \
-             are metric labels of their own"
+            "the name is reserved: \"{PLAN_NONE}\", names starting \"{CONCURRENCY_PLAN_PREFIX}\" \
+             and a limit named \"{CONCURRENCY_LIMIT_NAME}\" are labels of their own"
         );
         return Err(invalid(format!("{section}.{name}"), why));
     }
@@ -806,16 +810,32 @@ fn ledger_location(
             development: embedded.development.unwrap_or(true),
         });
     }
-    for address in &addresses {
-        let port = address.rsplit_once(':').map(|(_, p)| p.parse::<u16>());
-        if !matches!(port, Some(Ok(_))) {
-            return Err(invalid(
-                "ledger.addresses",
-                format!("{address:?} is not host:port"),
-            ));
+    check_addresses(&addresses)?;
+    Ok(LedgerLocation::Cluster { addresses })
+}
+
+/// Each `host:port` (an IPv4 address or a name: the TigerBeetle client takes IPv4), once, at
+/// most one per replica of the largest cluster.
+fn check_addresses(addresses: &[String]) -> Result<(), ConfigError> {
+    let error = |message: String| invalid("ledger.addresses", message);
+    if addresses.len() > REPLICAS_MAX {
+        let count = addresses.len();
+        return Err(error(format!(
+            "{count} addresses: a TigerBeetle cluster has {REPLICAS_MAX} replicas at most"
+        )));
+    }
+    for (i, address) in addresses.iter().enumerate() {
+        let (host, port) = address.rsplit_once(':').unwrap_or(("", ""));
+        if host.is_empty() || host.contains(':') || port.parse::<u16>().is_err() {
+            return Err(error(format!(
+                "{address:?} is not host:port (an IPv4 address or a name: TigerBeetle's client takes IPv4)"
+            )));
+        }
+        if addresses[..i].contains(address) {
+            return Err(error(format!("{address:?} is given twice")));
         }
     }
-    Ok(LedgerLocation::Cluster { addresses })
+    Ok(())
 }
 
 fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError> {
@@ -873,7 +893,7 @@ fn batch_linger(ledger: &LedgerFile, ledger_timeout: Duration) -> Result<Duratio
 fn plan_book(
     plans: Option<BTreeMap<String, PlanFile>>,
     default_plan: Option<String>,
-    prefixes: Option<BTreeMap<String, String>>,
+    (prefixes, key_length_max): (Option<BTreeMap<String, String>>, usize),
     keys: Vec<(String, String)>,
     unknown_keys: Option<String>,
 ) -> Result<PlanBook, ConfigError> {
@@ -901,7 +921,7 @@ fn plan_book(
         return Err(invalid("default_plan", message));
     }
     let prefixes = prefixes.unwrap_or_default();
-    check_prefixes(&prefixes, &list)?;
+    check_prefixes(&prefixes, &list, key_length_max)?;
     PlanBook::new(list, &default_plan, prefixes, keys, unknown_keys)
         .map_err(|e| invalid("plans", e.to_string()))
 }
@@ -930,17 +950,38 @@ fn read_bounded(path: &Path, bytes_max: u64) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|_| format!("{} is not UTF-8 text", path.display()))
 }
 
-/// `[key_prefixes]`, each named in its error: the book's own errors would name `plans`.
-fn check_prefixes(prefixes: &BTreeMap<String, String>, plans: &[Plan]) -> Result<(), ConfigError> {
-    for (prefix, plan) in prefixes {
-        let setting = || format!("key_prefixes.{prefix:?}");
+/// `[key_prefixes]`, each named in its error by its place and its plan, never by its text: under
+/// `unknown_keys = "reject"` a prefix admits whoever knows it (the book's own errors would name
+/// `plans`). A prefix no key could start with (a key is visible ASCII, at most
+/// `key_length_max` bytes) would match nothing, silently.
+fn check_prefixes(
+    prefixes: &BTreeMap<String, String>,
+    plans: &[Plan],
+    key_length_max: usize,
+) -> Result<(), ConfigError> {
+    for (n, (prefix, plan)) in prefixes.iter().enumerate() {
+        let fail = |why: &str| {
+            let message = format!(
+                "the prefix for plan {plan:?} (entry {} of the table) {why}",
+                n + 1
+            );
+            Err(invalid("key_prefixes", message))
+        };
         if prefix.is_empty() {
-            return Err(invalid(setting(), "a key prefix must not be empty"));
+            return fail("must not be empty");
+        }
+        if !crate::limiter::caller::is_valid_key(prefix.as_bytes(), key_length_max) {
+            return fail(&format!(
+                "can start no key: keys are visible ASCII (no spaces), at most \
+                 caller.key_length_max ({key_length_max}) bytes"
+            ));
         }
         if !plans.iter().any(|p| p.name() == plan) {
             let names: Vec<&str> = plans.iter().map(|p| p.name()).collect();
-            let message = format!("{plan:?} is not among the plans ({})", names.join(", "));
-            return Err(invalid(setting(), message));
+            return fail(&format!(
+                "names a plan not among the plans ({})",
+                names.join(", ")
+            ));
         }
     }
     Ok(())
@@ -953,7 +994,10 @@ pub const RESOLVE_TIME_MAX: Duration = Duration::from_secs(10);
 /// Resolves `host:port` strings to socket addresses (the TigerBeetle client takes IPs only),
 /// each within [`RESOLVE_TIME_MAX`], all at once.
 pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, ConfigError> {
-    let lookups = addresses.iter().map(|address| resolve_one(address));
+    let lookups = addresses.iter().map(|address| async move {
+        let found = lookup(address).await.map_err(|e| unresolved(address, &e))?;
+        lowest_ipv4(address, found)
+    });
     futures_util::future::join_all(lookups)
         .await
         .into_iter()
@@ -966,45 +1010,62 @@ pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, 
 /// and Kubernetes' DNS drop a stopped replica's name, and a service restarted then exited,
 /// restarted and exited, while the other replicas served (or, with the whole cluster down, never
 /// answered with its failure policy). The addresses are followed: once every name resolves,
-/// the client is pointed at them.
-pub async fn resolve_addresses_or_stand_ins(addresses: &[String]) -> Vec<SocketAddr> {
-    let lookups = addresses.iter().map(|address| resolve_one(address));
-    let resolved = futures_util::future::join_all(lookups).await;
-    (resolved.into_iter().enumerate())
-        .map(|(replica, resolved)| {
-            resolved.unwrap_or_else(|error| {
+/// the client is pointed at them. A name that resolves to no IPv4 address is an error still.
+pub async fn resolve_addresses_or_stand_ins(
+    addresses: &[String],
+) -> Result<Vec<SocketAddr>, ConfigError> {
+    let lookups = addresses.iter().map(|address| lookup(address));
+    let found = futures_util::future::join_all(lookups).await;
+    let mut resolved = Vec::with_capacity(addresses.len());
+    for (replica, (address, found)) in addresses.iter().zip(found).enumerate() {
+        match found {
+            Ok(found) => resolved.push(lowest_ipv4(address, found)?),
+            Err(error) => {
                 let stand_in = stand_in_address(replica);
+                let error = unresolved(address, &error);
                 tracing::warn!(%error, %stand_in, "a replica's address does not resolve; it stands in until it does");
-                stand_in
-            })
-        })
-        .collect()
+                resolved.push(stand_in);
+            }
+        }
+    }
+    Ok(resolved)
 }
 
 /// Where an unresolved replica `replica` is looked for meanwhile: a loopback port below 1024
 /// nothing listens at (a connection is refused at once), one per replica (the client refuses
 /// two replicas at one address).
 pub fn stand_in_address(replica: usize) -> SocketAddr {
-    let port = u16::try_from(replica + 1).expect("fewer replicas than ports");
+    assert!(replica < REPLICAS_MAX, "ledger.addresses is validated");
+    let port = u16::try_from(replica + 1).expect("at most REPLICAS_MAX");
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
-async fn resolve_one(address: &str) -> Result<SocketAddr, ConfigError> {
-    let lookup = tokio::time::timeout(RESOLVE_TIME_MAX, tokio::net::lookup_host(address))
-        .await
-        .unwrap_or_else(|_| {
+/// TigerBeetle's largest cluster (active replicas; a client is given those).
+pub const REPLICAS_MAX: usize = 6;
+
+async fn lookup(address: &str) -> std::io::Result<Vec<SocketAddr>> {
+    let lookup = tokio::time::timeout(RESOLVE_TIME_MAX, tokio::net::lookup_host(address)).await;
+    match lookup {
+        Ok(found) => Ok(found?.collect()),
+        Err(_) => {
             let late = format!("no answer within {RESOLVE_TIME_MAX:?}");
             Err(std::io::Error::new(std::io::ErrorKind::TimedOut, late))
-        });
-    lookup
-        .map_err(|e| {
-            invalid(
-                "ledger.addresses",
-                format!("cannot resolve {address:?}: {e}"),
-            )
-        })?
-        // The lowest of several records, not the first: the order DNS gives them in changes,
-        // and each change of address would reconnect the ledger client.
+        }
+    }
+}
+
+fn unresolved(address: &str, error: &std::io::Error) -> ConfigError {
+    invalid(
+        "ledger.addresses",
+        format!("cannot resolve {address:?}: {error}"),
+    )
+}
+
+/// The lowest of several records, not the first: the order DNS gives them in changes, and each
+/// change of address would reconnect the ledger client.
+fn lowest_ipv4(address: &str, found: Vec<SocketAddr>) -> Result<SocketAddr, ConfigError> {
+    found
+        .into_iter()
         .filter(|a| a.is_ipv4())
         .min()
         .ok_or_else(|| {
@@ -1090,6 +1151,8 @@ mod tests {
             ("plans", "none"),
             ("plans", "concurrency-x"),
             ("limits", "concurrency-"),
+            // A route limit's refusals are `ratelimit.limit = <name>`, a slot's `concurrency`.
+            ("limits", "concurrency"),
         ] {
             let text = format!("default_plan = \"a\"\n[plans.a]\ncapacity = 2\nwindow_seconds = 60\n[{section}.{name}]\ncapacity = 2\nwindow_seconds = 60");
             let err = with(&text).unwrap_err();
@@ -1098,6 +1161,8 @@ mod tests {
         }
         let fine = "default_plan = \"nonea\"\n[plans.nonea]\ncapacity = 2\nwindow_seconds = 60";
         assert!(with(fine).is_ok());
+        let plan = "default_plan = \"concurrency\"\n[plans.concurrency]\ncapacity = 2\nwindow_seconds = 60";
+        assert!(with(plan).is_ok(), "a plan's name is no limit's label");
     }
 
     #[test]
@@ -1118,18 +1183,26 @@ mod tests {
     }
 
     #[test]
-    fn a_key_prefix_error_names_the_prefix_not_the_plans() {
-        let err = with("[key_prefixes]\n\"gold_\" = \"gold\"").unwrap_err();
-        assert_eq!(err.setting, "key_prefixes.\"gold_\"");
+    fn a_key_prefix_error_names_the_entry_and_its_plan_never_the_prefix() {
+        let err = with("[key_prefixes]\n\"sk_secret_\" = \"gold\"").unwrap_err();
+        assert_eq!(err.setting, "key_prefixes");
         assert!(
-            err.message
-                .contains("\"gold\" is not among the plans (basic"),
+            err.message.contains(
+                "for plan \"gold\" (entry 1 of the table) names a plan not among the plans (basic"
+            ),
             "{err}"
         );
+        assert!(!err.to_string().contains("sk_secret_"), "{err}");
         let err = with("[key_prefixes]\n\"\" = \"free\"").unwrap_err();
-        assert_eq!(err.setting, "key_prefixes.\"\"");
         assert!(err.message.contains("must not be empty"), "{err}");
         assert!(with("[key_prefixes]\n\"gold_\" = \"pro\"").is_ok());
+        // A prefix no key can start with matched nothing, silently.
+        for never in ["\"pro key_\"", "\"clé_\"", "\"0123456789\""] {
+            let text = format!("[caller]\nkey_length_max = 8\n[key_prefixes]\n{never} = \"pro\"");
+            let err = with(&text).unwrap_err();
+            assert_eq!(err.setting, "key_prefixes", "{never}");
+            assert!(err.message.contains("can start no key"), "{err}");
+        }
     }
 
     #[test]
@@ -1201,6 +1274,26 @@ mod tests {
         assert_eq!(ok.batch_linger, Duration::from_millis(5));
         let err = with("[ledger]\naddresses = [\"nope\"]").unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");
+        // None of these can reach a replica: refused here, not stood in for at the start.
+        let seven = (1..=7)
+            .map(|i| format!("\"r{i}:3000\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        for bad in [
+            "\"[::1]:3000\"",
+            "\":3000\"",
+            "\"a:1\", \"a:1\"",
+            "\"a::1\"",
+            &seven,
+        ] {
+            let err = with(&format!("[ledger]\naddresses = [{bad}]")).unwrap_err();
+            assert_eq!(err.setting, "ledger.addresses", "{bad}");
+        }
+        let six = (1..=6)
+            .map(|i| format!("\"r{i}:3000\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        assert!(with(&format!("[ledger]\naddresses = [{six}]")).is_ok());
         let err = with("default_plan = \"gold\"").unwrap_err();
         assert_eq!(err.setting, "default_plan");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();

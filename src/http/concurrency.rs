@@ -156,8 +156,9 @@ fn record_refusal(refused: &Outcome) {
     }
 }
 
-/// The `ratelimit.limit` of a request refused a concurrency slot.
-const CONCURRENCY_LIMIT_NAME: &str = "concurrency";
+/// The `ratelimit.limit` of a request refused a concurrency slot (so no route limit may be
+/// named so).
+pub const CONCURRENCY_LIMIT_NAME: &str = "concurrency";
 
 pub struct Slot {
     limiter: Arc<Limiter>,

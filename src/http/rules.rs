@@ -190,10 +190,30 @@ impl RequestRules {
 
 /// Whether `path` is on the route `pattern` (an exact path, or a `prefix*`).
 pub fn path_matches(pattern: &str, path: &str) -> bool {
-    match pattern.strip_suffix('*') {
-        Some(prefix) => path.starts_with(prefix),
-        None => pattern == path,
+    let (fixed, head) = match pattern.strip_suffix('*') {
+        Some(prefix) => (prefix, path.as_bytes().get(..prefix.len())),
+        None => (pattern, Some(path.as_bytes())),
+    };
+    let Some(head) = head else { return false };
+    if !fixed.contains('%') {
+        return fixed.as_bytes() == head;
     }
+    // actix keeps `%2F`, `%25` and `%2B` as the client wrote them, and either case of their hex
+    // digits means the same (RFC 3986 §2.1): `/a%2fb` must not dodge a rule on `/a%2Fb`.
+    let mut hex_left: u8 = 0;
+    fixed.len() == head.len()
+        && fixed.bytes().zip(head).all(|(a, b)| {
+            let same = match hex_left > 0 {
+                true => a.eq_ignore_ascii_case(b),
+                false => a == *b,
+            };
+            hex_left = if a == b'%' {
+                2
+            } else {
+                hex_left.saturating_sub(1)
+            };
+            same
+        })
 }
 
 /// What [`is_route_pattern`] asks, for the errors that name a pattern.
@@ -809,6 +829,20 @@ mod tests {
         let url = |path: &str| actix_web::dev::Url::new(path.parse().unwrap());
         assert_eq!(url("/caf%C3%A9").path(), "/café");
         assert_eq!(url("/a%2Fb%25%2B").path(), "/a%2Fb%25%2B");
+        // Kept as the client wrote it, in either case: a rule matches both.
+        assert_eq!(url("/a%2fb").path(), "/a%2fb");
+        assert!(path_matches("/a%2Fb", url("/a%2fb").path()));
+        assert!(path_matches("/a%2fb", url("/a%2Fb").path()));
+        assert!(path_matches("/files/a%2F*", url("/files/a%2fb/x").path()));
+        assert!(path_matches("/c%2B%2B*", "/c%2b%2B/x"));
+        assert!(!path_matches("/a%2Fb", "/a%2Fc"));
+        assert!(
+            !path_matches("/a%2Fb", "/A%2Fb"),
+            "only the escapes' digits"
+        );
+        assert!(!path_matches("/a%2Fb", "/a%2Fbc"));
+        assert!(!path_matches("/a%2Fb*", "/a%2F"));
+        assert!(path_matches("/é*", "/éa") && !path_matches("/é", "/e"));
     }
 
     #[test]
