@@ -1253,6 +1253,30 @@ mod tests {
         assert_eq!(s.batch_linger, Duration::ZERO, "a linger is opt-in");
     }
 
+    /// None of these can reach a replica: refused here, not stood in for at the start.
+    #[test]
+    fn ledger_addresses_are_ipv4_or_names_each_once_six_at_most() {
+        let seven = (1..=7)
+            .map(|i| format!("\"r{i}:3000\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        for bad in [
+            "\"[::1]:3000\"",
+            "\":3000\"",
+            "\"a:1\", \"a:1\"",
+            "\"a::1\"",
+            &seven,
+        ] {
+            let err = with(&format!("[ledger]\naddresses = [{bad}]")).unwrap_err();
+            assert_eq!(err.setting, "ledger.addresses", "{bad}");
+        }
+        let six = (1..=6)
+            .map(|i| format!("\"r{i}:3000\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        assert!(with(&format!("[ledger]\naddresses = [{six}]")).is_ok());
+    }
+
     #[test]
     fn errors_name_the_setting() {
         let err = with("[plans.free]\ncapacity = 0\nwindow_seconds = 30").unwrap_err();
@@ -1274,26 +1298,6 @@ mod tests {
         assert_eq!(ok.batch_linger, Duration::from_millis(5));
         let err = with("[ledger]\naddresses = [\"nope\"]").unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");
-        // None of these can reach a replica: refused here, not stood in for at the start.
-        let seven = (1..=7)
-            .map(|i| format!("\"r{i}:3000\""))
-            .collect::<Vec<_>>()
-            .join(", ");
-        for bad in [
-            "\"[::1]:3000\"",
-            "\":3000\"",
-            "\"a:1\", \"a:1\"",
-            "\"a::1\"",
-            &seven,
-        ] {
-            let err = with(&format!("[ledger]\naddresses = [{bad}]")).unwrap_err();
-            assert_eq!(err.setting, "ledger.addresses", "{bad}");
-        }
-        let six = (1..=6)
-            .map(|i| format!("\"r{i}:3000\""))
-            .collect::<Vec<_>>()
-            .join(", ");
-        assert!(with(&format!("[ledger]\naddresses = [{six}]")).is_ok());
         let err = with("default_plan = \"gold\"").unwrap_err();
         assert_eq!(err.setting, "default_plan");
         let err = with("[caller]\nheader = \"bad header\"").unwrap_err();
