@@ -485,12 +485,13 @@ impl Settings {
     /// that lists its keys (a keys file, or unknown keys rejected) has only prefixes of its own.
     pub fn with_overrides(overrides: FileConfig) -> Result<Self, ConfigError> {
         let own_prefixes = overrides.key_prefixes.is_some();
-        let own_caller = overrides.caller.clone();
+        let defaults = FileConfig::defaults()?;
+        let own_caller = beside_defaults(overrides.caller.clone(), &defaults.caller);
         let listed_prefixes = overrides
             .key_prefixes
             .as_ref()
             .is_some_and(|p| !p.is_empty());
-        let mut merged = FileConfig::defaults()?.merge(overrides);
+        let mut merged = defaults.merge(overrides);
         if let Some(source) = &merged.caller.source {
             unread_caller_settings(&own_caller, listed_prefixes, source)?;
         }
@@ -628,11 +629,35 @@ fn concurrency_limits(
         if !crate::http::rules::is_route_pattern(&route) {
             return Err(invalid(setting, crate::http::rules::ROUTE_PATTERN_RULE));
         }
+        let exempt = routes.exempt.as_deref().unwrap_or_default();
+        if let Some(exempt) = crate::http::rules::exempt_over(exempt, &route) {
+            let why =
+                format!("the route is exempt (routes.exempt {exempt:?}): no slot would be taken");
+            return Err(invalid(setting, why));
+        }
         let in_flight_max = NonZeroU64::new(in_flight_max)
             .ok_or_else(|| invalid(&setting, "must be at least 1"))?;
         limits.push((route, in_flight_max));
     }
     Ok((limits, timeout))
+}
+
+/// What `own` sets otherwise than the built-in defaults: a copy of `config/default.toml`, the
+/// starting point the README gives, sets `forwarded_header` and `ipv6_prefix_length` to their
+/// defaults, and was refused for settings `caller.source = "header"` never reads.
+fn beside_defaults(mut own: CallerFile, defaults: &CallerFile) -> CallerFile {
+    fn unless_default<T: PartialEq>(own: &mut Option<T>, default: &Option<T>) {
+        if own.is_some() && own == default {
+            *own = None;
+        }
+    }
+    unless_default(&mut own.anonymous_plan, &defaults.anonymous_plan);
+    unless_default(&mut own.forwarded_header, &defaults.forwarded_header);
+    unless_default(&mut own.ipv6_prefix_length, &defaults.ipv6_prefix_length);
+    unless_default(&mut own.keys_file, &defaults.keys_file);
+    unless_default(&mut own.unknown_keys, &defaults.unknown_keys);
+    unless_default(&mut own.header, &defaults.header);
+    own
 }
 
 /// A setting given (in the file or by a flag) that `source` never reads is an error: an
@@ -1251,6 +1276,57 @@ mod tests {
         assert!(matches!(s.ledger, LedgerLocation::Embedded { .. }));
         assert_eq!(s.limiter.failure_policy, FailurePolicy::Closed);
         assert_eq!(s.batch_linger, Duration::ZERO, "a linger is opt-in");
+    }
+
+    /// The README's starting point, `config/default.toml` copied as one's own file, is valid as
+    /// it is (it spells out defaults the key source does not read, which alone are no error).
+    #[test]
+    fn the_built_in_file_is_a_valid_file_of_ones_own() {
+        let built_in = include_str!("../../config/default.toml");
+        assert!(with(built_in).is_ok(), "{:?}", with(built_in).err());
+        let peer = built_in.replace("source = \"header\"", "source = \"peer-ip\"");
+        assert_ne!(peer, built_in);
+        let err = with(&peer).unwrap_err();
+        assert!(err.message.contains("is never read"), "{err}");
+        // Not for the defaults it spells out: for the prefixes, which name plans by keys.
+        assert_eq!(err.setting, "key_prefixes", "{err}");
+    }
+
+    /// An exempt request is neither charged nor looked at further: a rule on exempt paths would
+    /// silently never apply, so it is refused, naming the rule.
+    #[test]
+    fn rules_on_exempt_paths_are_refused() {
+        let exempt = "[routes]\nexempt = [\"/public/*\", \"/ping\"]\n";
+        let limit = "[limits.per_day]\ncapacity = 100\nwindow_seconds = 86400\n";
+        for (rule, setting) in [
+            (
+                "[routes.costs]\n\"/public/export\" = 3",
+                "routes.costs.\"/public/export\"",
+            ),
+            (
+                "[routes.costs]\n\"/public/*\" = 3",
+                "routes.costs.\"/public/*\"",
+            ),
+            (
+                "[routes.concurrency]\n\"/ping\" = 2",
+                "routes.concurrency.\"/ping\"",
+            ),
+            (
+                "[routes.limits]\n\"/public/a\" = [\"per_day\"]",
+                "routes.limits.\"/public/a\"",
+            ),
+        ] {
+            let err = with(&format!("{limit}{exempt}{rule}")).unwrap_err();
+            assert_eq!(err.setting, setting, "{err}");
+            assert!(err.message.contains("exempt"), "{err}");
+        }
+        let shadow = format!("{exempt}shadow = [\"/public/x\"]");
+        assert_eq!(with(&shadow).unwrap_err().setting, "routes.shadow");
+        // A pattern reaching past the exempt paths still applies somewhere: accepted.
+        assert!(with(&format!(
+            "{exempt}[routes.costs]\n\"/pub*\" = 3\n\"/ping*\" = 2"
+        ))
+        .is_ok());
     }
 
     /// None of these can reach a replica: refused here, not stood in for at the start.

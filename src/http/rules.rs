@@ -216,6 +216,19 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
         })
 }
 
+/// The exempt pattern that takes every path `pattern` matches, if one does: an exact exempt
+/// path the same exact pattern, or an exempt prefix the pattern's own text starts with.
+pub fn exempt_over<'e>(exempt: &'e [String], pattern: &str) -> Option<&'e str> {
+    let body = pattern.strip_suffix('*');
+    exempt.iter().map(String::as_str).find(|exempt| {
+        match exempt.ends_with('*') {
+            // Every path a prefix pattern matches starts with its own text.
+            true => path_matches(exempt, body.unwrap_or(pattern)),
+            false => body.is_none() && path_matches(exempt, pattern),
+        }
+    })
+}
+
 /// What [`is_route_pattern`] asks, for the errors that name a pattern.
 pub const ROUTE_PATTERN_RULE: &str = "must start with /, with a `*` only at its end, and \
     no `{`, `}`, `?`, `#` or white space (paths are compared as written: no placeholders), and \
@@ -338,6 +351,13 @@ pub enum RulesError {
         cost: u64,
         capacity: u64,
     },
+    /// A rule on paths that `routes.exempt` takes first: it would never apply.
+    #[error("{route:?} is exempt (routes.exempt {exempt:?}): the rule would never apply")]
+    UnderExempt {
+        setting: &'static str,
+        route: String,
+        exempt: String,
+    },
 }
 
 impl RulesError {
@@ -358,6 +378,10 @@ impl RulesError {
             RulesError::CostRoute(route)
             | RulesError::CostZero(route)
             | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
+            RulesError::UnderExempt { setting, route, .. } => match *setting {
+                "routes.costs" | "routes.limits" => format!("{setting}.\"{route}\""),
+                _ => (*setting).to_owned(),
+            },
         }
     }
 }
@@ -503,7 +527,42 @@ impl RequestRulesBuilder {
         self
     }
 
+    /// Every path pattern is one that can match, and none is on paths `routes.exempt` takes
+    /// first (an exempt request is neither charged nor looked at further: a cost, a shadow, a
+    /// refund or a route limit there would silently never apply).
+    fn check_paths(&self) -> Result<(), RulesError> {
+        if let Some(bad) = self.exempt_paths.iter().find(|p| !is_route_pattern(p)) {
+            return Err(RulesError::ExemptPath(bad.clone()));
+        }
+        if let Some(bad) = self.shadow_paths.iter().find(|p| !is_route_pattern(p)) {
+            return Err(RulesError::ShadowPath(bad.clone()));
+        }
+        if let Some(bad) = self.refund_paths.iter().find(|p| !is_route_pattern(p)) {
+            return Err(RulesError::RefundPath(bad.clone()));
+        }
+        let rules = (self.costs.iter().map(|(route, _)| ("routes.costs", route)))
+            .chain(self.shadow_paths.iter().map(|p| ("routes.shadow", p)))
+            .chain((self.refund_paths.iter()).map(|p| ("routes.refund_server_errors", p)))
+            .chain(
+                self.route_limits
+                    .iter()
+                    .map(|(route, _)| ("routes.limits", route)),
+            );
+        for (setting, route) in rules {
+            if let Some(exempt) = exempt_over(&self.exempt_paths, route) {
+                let (route, exempt) = (route.clone(), exempt.to_owned());
+                return Err(RulesError::UnderExempt {
+                    setting,
+                    route,
+                    exempt,
+                });
+            }
+        }
+        Ok(())
+    }
+
     pub fn build(self, plans: &PlanBook) -> Result<RequestRules, RulesError> {
+        self.check_paths()?;
         let key_source = match self.key_header {
             Some(header) => {
                 let name = HeaderName::try_from(header.as_str())
@@ -525,15 +584,6 @@ impl RequestRulesBuilder {
         }
         if !(1..=128).contains(&self.ipv6_prefix_bits) {
             return Err(RulesError::Ipv6PrefixBits(self.ipv6_prefix_bits));
-        }
-        if let Some(bad) = self.exempt_paths.iter().find(|p| !is_route_pattern(p)) {
-            return Err(RulesError::ExemptPath(bad.clone()));
-        }
-        if let Some(bad) = self.shadow_paths.iter().find(|p| !is_route_pattern(p)) {
-            return Err(RulesError::ShadowPath(bad.clone()));
-        }
-        if let Some(bad) = self.refund_paths.iter().find(|p| !is_route_pattern(p)) {
-            return Err(RulesError::RefundPath(bad.clone()));
         }
         let header_styles = match &self.header_styles {
             Some(names) => HeaderStyles::parse(names).map_err(RulesError::HeaderStyle)?,
