@@ -570,6 +570,7 @@ fn admin_secrets_from_the_environment_are_checked_as_written() {
     let (code, stderr) = check("admin-secret-for-tests-0001,,x".as_ref());
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("secret #2 is shorter"), "{stderr}");
+    assert!(stderr.contains("LEDGER_LIMITER_ADMIN_SECRETS"), "{stderr}");
     assert!(!stderr.contains("admin-secret-for-tests"), "{stderr}");
     let (code, stderr) = check(std::ffi::OsStr::from_bytes(b"admin-secret-\xff-tests-0001"));
     assert_eq!(code, Some(2), "{stderr}");

@@ -595,8 +595,9 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
 
 /// The admin API is off without a listener, and off without a secret.
 fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError> {
+    // Named both ways: the variable wins over the file, and often the file has no secrets.
     let secrets = AdminSecrets::new(&admin.secrets.unwrap_or_default())
-        .map_err(|message| invalid("admin.secrets", message))?;
+        .map_err(|message| invalid("LEDGER_LIMITER_ADMIN_SECRETS (or admin.secrets)", message))?;
     match admin.listen {
         Some(listen) if !secrets.is_empty() => {
             let listen = listen_address(listen, "admin.listen")?;
