@@ -117,9 +117,10 @@ struct CallerLease {
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
     idle_sweeps: u8,
-    /// The ledger refused the last lease asked for (credit held elsewhere): no renewal ahead of
-    /// need until a lease is taken again, or each admission from the current lease's second
-    /// half would ask again, a ledger call per request.
+    /// The ledger refused the last lease asked for (credit held elsewhere), or it was refused a
+    /// place under a full in-flight bound: no renewal ahead of need until a lease is taken
+    /// again, or each admission from the current lease's second half would ask again, a ledger
+    /// call per request.
     refused: bool,
     /// A lease that no longer admits, whose settlement a renewal could not send by its
     /// request's deadline: the sweeper settles it with a deadline of its own, rather than leave
@@ -720,9 +721,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         assert!(units >= cost && units <= holder.terms.units_max.get());
         let lease_seconds = holder.terms.seconds.get();
         let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
-        let reply = self
+        let placed = self
             .place_lease(holder, units, timeout_seconds, deadline)
-            .await?;
+            .await;
+        if let Err(LedgerError::Overloaded { .. }) = placed {
+            // The bound is full: each admission from this lease's second half would send one
+            // more, refused at once. The next lease is taken when this one runs out.
+            slot.lock().refused = true;
+        }
+        let reply = placed?;
         let (answered_at, transfer_id) = match reply {
             HoldReply::Held {
                 answered_at,

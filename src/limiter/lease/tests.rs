@@ -73,6 +73,8 @@ struct Model {
     hang_next_settlement: bool,
     /// The next settlement is refused a place under the in-flight bound (never sent).
     overload_next_settlement: bool,
+    /// Lease calls from now are refused a place under the in-flight bound (never sent).
+    overload_leases: bool,
     /// The next lease call takes this long (on the test clock) before it is applied.
     slow_next_lease: Duration,
     /// The next lease call is applied at once, but answered only when this is sent.
@@ -244,6 +246,9 @@ impl Store for ModelStore {
         let (hang, answer_on) = {
             let mut model = self.model.lock().unwrap();
             model.lease_calls += 1;
+            if model.overload_leases {
+                return Err(LedgerError::Overloaded { in_flight_max: 1 });
+            }
             let slow = std::mem::take(&mut model.slow_next_lease);
             self.clock.advance_to(self.clock.now() + slow);
             let answer_on = model.answer_next_lease_on.take();
@@ -535,6 +540,25 @@ fn a_refused_renewal_ahead_is_not_asked_again_from_the_same_lease() {
         assert!(decision.leased.is_some(), "admitted from the lease");
     }
     // The first lease, and the one renewal ahead (at 4 of 8 used), which the ledger refused.
+    assert_eq!(store.model.lock().unwrap().lease_calls, 2);
+}
+
+/// A renewal ahead refused a place under a full in-flight bound is not tried again from the same
+/// lease: each admission from its second half sent one more, each refused at once.
+#[test]
+fn a_renewal_ahead_refused_a_place_is_not_tried_again_from_the_same_lease() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance(&store);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    let first = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(first.leased.is_some(), "the first lease: 8 units");
+    store.model.lock().unwrap().overload_leases = true;
+    for _ in 2..=8 {
+        let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert!(decision.leased.is_some(), "admitted from the lease");
+    }
+    // The first lease, and the one renewal ahead (at 4 of 8 used), refused a place.
     assert_eq!(store.model.lock().unwrap().lease_calls, 2);
 }
 
