@@ -201,6 +201,9 @@ pub struct CallerFile {
     /// How many leading bits of an IPv6 address name a caller known by address (64; 128: each
     /// address alone).
     pub ipv6_prefix_length: Option<u8>,
+    /// The /96 prefixes of the deployment's own stateless translators (NAT64, SIIT), beside
+    /// the well-known `64:ff9b::/96`: an address in one is the IPv4 client it carries.
+    pub ipv4_translation_prefixes: Option<Vec<String>>,
     pub header: Option<String>,
     pub key_length_max: Option<usize>,
     pub unknown_keys: Option<String>,
@@ -302,6 +305,7 @@ impl FileConfig {
         take!(caller.trusted_proxies);
         take!(caller.forwarded_header);
         take!(caller.ipv6_prefix_length);
+        take!(caller.ipv4_translation_prefixes);
         take!(caller.header);
         take!(caller.key_length_max);
         take!(caller.unknown_keys);
@@ -445,7 +449,8 @@ impl Settings {
         let admin = admin_settings(file.admin)?;
         let rls = rls_settings(file.rls)?;
         distinct_listeners(&listen, admin.as_ref(), rls.as_ref())?;
-        let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?;
+        let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?
+            .ipv4_translation_prefixes(caller.ipv4_translation_prefixes.unwrap_or_default());
         let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
         let rules = match caller.ipv6_prefix_length {
@@ -682,6 +687,10 @@ fn unread_caller_settings(
                 (
                     "caller.ipv6_prefix_length",
                     own.ipv6_prefix_length.is_some(),
+                ),
+                (
+                    "caller.ipv4_translation_prefixes",
+                    (own.ipv4_translation_prefixes.as_ref()).is_some_and(|p| !p.is_empty()),
                 ),
             ],
             "callers are known by their key alone (caller.source = \"header\")",
@@ -1277,6 +1286,24 @@ mod tests {
         assert!(matches!(s.ledger, LedgerLocation::Embedded { .. }));
         assert_eq!(s.limiter.failure_policy, FailurePolicy::Closed);
         assert_eq!(s.batch_linger, Duration::ZERO, "a linger is opt-in");
+    }
+
+    /// A translator prefix of one's own is an IPv6 /96, read where callers may be known by
+    /// their address only.
+    #[test]
+    fn translation_prefixes_are_ipv6_96s_read_only_for_addresses() {
+        let prefixes = "ipv4_translation_prefixes = [\"64:ff9b:1::/96\"]";
+        let peer = format!("[caller]\nsource = \"peer-ip\"\n{prefixes}");
+        assert!(with(&peer).is_ok());
+        let err = with(&format!("[caller]\n{prefixes}")).unwrap_err();
+        assert_eq!(err.setting, "caller.ipv4_translation_prefixes");
+        assert!(err.message.contains("never read"), "{err}");
+        let bad =
+            "[caller]\nsource = \"peer-ip\"\nipv4_translation_prefixes = [\"64:ff9b:1::/64\"]";
+        assert_eq!(
+            with(bad).unwrap_err().setting,
+            "caller.ipv4_translation_prefixes"
+        );
     }
 
     /// The README's starting point, `config/default.toml` copied as one's own file, is valid as

@@ -14,7 +14,9 @@ use thiserror::Error;
 use super::client_ip::{client_ip, Cidr, ForwardedHeader};
 use super::headers::{bearer_token, HeaderStyles};
 
-use crate::limiter::caller::{CallerKey, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::caller::{
+    CallerKey, Ipv6Prefix96, KeyError, KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT,
+};
 use crate::limiter::extra::ROUTE_LIMITS_MAX;
 use crate::limiter::plan::{Plan, PlanBook};
 
@@ -76,6 +78,8 @@ pub struct RequestRules {
     forwarded_header: ForwardedHeader,
     /// How many leading bits of an IPv6 address name its caller (an IPv4 address is one).
     ipv6_prefix_bits: u8,
+    /// The deployment's own stateless translators: their addresses are the IPv4 clients they carry.
+    translators: Box<[Ipv6Prefix96]>,
     /// Routes (exact, or prefixes ending in `*`) charged against further limits; first match.
     route_limits: Vec<(String, Arc<[Plan]>)>,
     /// A response header in which handlers report what a request actually cost.
@@ -179,7 +183,7 @@ impl RequestRules {
 
     fn address(&self, req: &ServiceRequest) -> Result<CallerKey, KeyError> {
         client_ip(req, &self.trusted_proxies, self.forwarded_header)
-            .map(|ip| CallerKey::from_network(ip, self.ipv6_prefix_bits))
+            .map(|ip| CallerKey::from_network(ip, self.ipv6_prefix_bits, &self.translators))
             .ok_or(KeyError::NoPeerAddress)
     }
 
@@ -325,6 +329,8 @@ pub enum RulesError {
     KeyLengthMax,
     #[error("{0} is not between 1 and 128")]
     Ipv6PrefixBits(u8),
+    #[error("{0:?} is not an IPv6 /96 prefix such as \"64:ff9b:1::/96\"")]
+    Translator(String),
     #[error("{0:?} {ROUTE_PATTERN_RULE}")]
     ExemptPath(String),
     #[error("{0:?} {ROUTE_PATTERN_RULE}")]
@@ -367,6 +373,7 @@ impl RulesError {
             RulesError::KeyHeader(_) => "caller.header".to_owned(),
             RulesError::KeyLengthMax => "caller.key_length_max".to_owned(),
             RulesError::Ipv6PrefixBits(_) => "caller.ipv6_prefix_length".to_owned(),
+            RulesError::Translator(_) => "caller.ipv4_translation_prefixes".to_owned(),
             RulesError::ExemptPath(_) => "routes.exempt".to_owned(),
             RulesError::ShadowPath(_) => "routes.shadow".to_owned(),
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
@@ -395,6 +402,7 @@ pub struct RequestRulesBuilder {
     trusted_proxies: Vec<String>,
     forwarded_header: ForwardedHeader,
     ipv6_prefix_bits: u8,
+    translators: Vec<String>,
     key_length_max: usize,
     exempt_paths: Vec<String>,
     costs: Vec<(String, u64)>,
@@ -414,6 +422,7 @@ impl Default for RequestRulesBuilder {
             trusted_proxies: Vec::new(),
             forwarded_header: ForwardedHeader::default(),
             ipv6_prefix_bits: IPV6_PREFIX_BITS_DEFAULT,
+            translators: Vec::new(),
             key_length_max: KEY_LENGTH_MAX_DEFAULT,
             exempt_paths: Vec::new(),
             costs: Vec::new(),
@@ -463,6 +472,13 @@ impl RequestRulesBuilder {
 
     /// How many leading bits of an IPv6 address name a caller known by its address (64 unless
     /// set: a subscriber's usual allocation; 128: each address alone).
+    /// The /96 prefixes (`64:ff9b:1::/96`) of the deployment's own stateless translators,
+    /// beside the well-known `64:ff9b::/96`: an address in one is the IPv4 client it carries.
+    pub fn ipv4_translation_prefixes(mut self, prefixes: Vec<String>) -> Self {
+        self.translators = prefixes;
+        self
+    }
+
     pub fn ipv6_prefix_bits(mut self, bits: u8) -> Self {
         self.ipv6_prefix_bits = bits;
         self
@@ -585,6 +601,9 @@ impl RequestRulesBuilder {
         if !(1..=128).contains(&self.ipv6_prefix_bits) {
             return Err(RulesError::Ipv6PrefixBits(self.ipv6_prefix_bits));
         }
+        let translators = (self.translators.iter())
+            .map(|p| Ipv6Prefix96::parse(p).ok_or_else(|| RulesError::Translator(p.clone())))
+            .collect::<Result<Box<[_]>, _>>()?;
         let header_styles = match &self.header_styles {
             Some(names) => HeaderStyles::parse(names).map_err(RulesError::HeaderStyle)?,
             None => HeaderStyles::default(),
@@ -624,6 +643,7 @@ impl RequestRulesBuilder {
             trusted_proxies,
             forwarded_header: self.forwarded_header,
             ipv6_prefix_bits: self.ipv6_prefix_bits,
+            translators,
             route_limits,
             cost_header,
             challenge,
@@ -790,6 +810,28 @@ mod tests {
             .caller_key(&req)
             .map(|k| k.expose_secret().to_owned());
         assert_eq!(caller.unwrap(), "ip 10.1.2.3");
+    }
+
+    /// A deployment's own translator prefix makes its addresses the IPv4 clients they carry; a
+    /// prefix that is not an IPv6 /96 is refused, naming the setting.
+    #[test]
+    fn an_own_translator_prefix_keys_its_clients_by_ipv4() {
+        let peer = |rules: &RequestRules| {
+            let req = TestRequest::default()
+                .peer_addr("[64:ff9b:1::c000:201]:4000".parse().unwrap())
+                .to_srv_request();
+            rules.caller_key(&req).unwrap().expose_secret().to_owned()
+        };
+        let builder = || RequestRules::builder().peer_ip();
+        assert_eq!(
+            peer(&builder().build(&plans()).unwrap()),
+            "ip 64:ff9b:1::/64"
+        );
+        let own = builder().ipv4_translation_prefixes(vec!["64:ff9b:1::/96".into()]);
+        assert_eq!(peer(&own.build(&plans()).unwrap()), "ip 192.0.2.1");
+        let bad = builder().ipv4_translation_prefixes(vec!["64:ff9b:1::/48".into()]);
+        let err = bad.build(&plans()).unwrap_err();
+        assert_eq!(err.setting(), "caller.ipv4_translation_prefixes");
     }
 
     #[test]

@@ -104,13 +104,17 @@ impl CallerKey {
     /// first `ipv6_prefix_bits` bits (`ip 2001:db8:1:2::/64`; 128 is [`CallerKey::from_ip`]).
     /// Why: one IPv6 subscriber is given a /64 (or more), and picks any address in it at will;
     /// counted per address, each one was a fresh allowance.
-    pub fn from_network(ip: IpAddr, ipv6_prefix_bits: u8) -> Self {
+    ///
+    /// `translators`: the /96 prefixes of the deployment's own stateless translators (NAT64,
+    /// SIIT), beside the well-known `64:ff9b::/96`: each carries an IPv4 client in its last 32
+    /// bits ([`Ipv6Prefix96`]).
+    pub fn from_network(ip: IpAddr, ipv6_prefix_bits: u8, translators: &[Ipv6Prefix96]) -> Self {
         assert!(
             (1..=128).contains(&ipv6_prefix_bits),
             "validated by the rules"
         );
         match ip {
-            IpAddr::V6(v6) if ipv6_prefix_bits < 128 => match embedded_ipv4(v6) {
+            IpAddr::V6(v6) if ipv6_prefix_bits < 128 => match embedded_ipv4(v6, translators) {
                 Some(v4) => Self::from_ip(IpAddr::V4(v4)),
                 None => Self::from_ipv6_network(v6, ipv6_prefix_bits),
             },
@@ -161,15 +165,35 @@ impl fmt::Debug for KeyId {
     }
 }
 
+/// A stateless translator's /96 prefix (RFC 6052: the IPv4 address in the last 32 bits), as
+/// `caller.ipv4_translation_prefixes` gives it (`64:ff9b:1::/96`, an operator's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv6Prefix96(u128);
+
+impl Ipv6Prefix96 {
+    /// `address/96`, with the last 32 bits 0; `None` otherwise (another length would put the
+    /// IPv4 address elsewhere, which this does not read).
+    pub fn parse(text: &str) -> Option<Self> {
+        let (address, length) = text.split_once('/')?;
+        let address: std::net::Ipv6Addr = address.parse().ok()?;
+        let bits = u128::from(address);
+        (length == "96" && bits as u32 == 0).then_some(Ipv6Prefix96(bits >> 32))
+    }
+}
+
 /// The IPv4 address an IPv6 one carries, where that IPv4 address is the caller: a stateless
 /// translator's (`64:ff9b::/96`, RFC 6052, before IPv6-only servers), 6to4's (`2002::/16`) and
 /// Teredo's (`2001::/32`, the client's address inverted in the last 32 bits). Why: counted by
 /// its network, every IPv4 client behind one translator, or of one Teredo server, was one
 /// caller (one could spend all their allowances), and one 6to4 host was 65,536 callers.
-fn embedded_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+fn embedded_ipv4(
+    v6: std::net::Ipv6Addr,
+    translators: &[Ipv6Prefix96],
+) -> Option<std::net::Ipv4Addr> {
     let bits = u128::from(v6);
     let low = bits as u32; // the last 32 bits
-    if bits >> 32 == 0x0064_ff9b_0000_0000_0000_0000 {
+    let prefix = bits >> 32;
+    if prefix == 0x0064_ff9b_0000_0000_0000_0000 || translators.iter().any(|t| t.0 == prefix) {
         return Some(low.into());
     }
     if bits >> 112 == 0x2002 {
@@ -218,7 +242,9 @@ mod tests {
     fn an_ipv6_address_carrying_an_ipv4_caller_is_that_caller() {
         let key = |ip: &str| {
             let ip: IpAddr = ip.parse().unwrap();
-            CallerKey::from_network(ip, 64).expose_secret().to_owned()
+            CallerKey::from_network(ip, 64, &[])
+                .expose_secret()
+                .to_owned()
         };
         // A stateless translator (SIIT-DC): one /64 for every IPv4 client, before.
         assert_eq!(key("64:ff9b::c000:201"), "ip 192.0.2.1");
@@ -230,6 +256,33 @@ mod tests {
         assert_eq!(key("2001:0:4136:e378:8000:63bf:3fff:fdd2"), "ip 192.0.2.45");
         // Anything else is its network.
         assert_eq!(key("2001:db8:1:2::5"), "ip 2001:db8:1:2::/64");
+        // A deployment's own translator (RFC 8215's local-use prefix, here), when configured.
+        let own = Ipv6Prefix96::parse("64:ff9b:1::/96").unwrap();
+        let translated = |ip: &str| {
+            let key = CallerKey::from_network(ip.parse().unwrap(), 64, &[own]);
+            key.expose_secret().to_owned()
+        };
+        assert_eq!(
+            key("64:ff9b:1::c000:201"),
+            "ip 64:ff9b:1::/64",
+            "not configured"
+        );
+        assert_eq!(translated("64:ff9b:1::c000:201"), "ip 192.0.2.1");
+        assert_eq!(translated("64:ff9b:1::c633:6401"), "ip 198.51.100.1");
+        assert_eq!(
+            translated("64:ff9b:1:0:1::5"),
+            "ip 64:ff9b:1::/64",
+            "outside the /96"
+        );
+        for bad in [
+            "64:ff9b:1::/64",
+            "64:ff9b:1::1/96",
+            "10.0.0.0/96",
+            "64:ff9b:1::",
+            "x/96",
+        ] {
+            assert_eq!(Ipv6Prefix96::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]
@@ -261,20 +314,21 @@ mod tests {
             bits in 1u8..=128,
         ) {
             let network = |ip: u128| {
-                let key = CallerKey::from_network(IpAddr::V6(ip.into()), bits);
+                let key = CallerKey::from_network(IpAddr::V6(ip.into()), bits, &[]);
                 key.expose_secret().to_owned()
             };
             let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
             let same_network = (v6 & mask) | (u128::from(host) & !mask);
             let other_network = v6 ^ (1u128 << (128 - u32::from(bits)));
             // Addresses that carry an IPv4 caller are that caller (below).
-            let embedding = |ip: u128| embedded_ipv4(ip.into()).is_some();
+            let embedding = |ip: u128| embedded_ipv4(ip.into(), &[]).is_some();
             prop_assume!(![v6, same_network, other_network].into_iter().any(embedding));
             prop_assert_eq!(network(v6), network(same_network));
             // One bit inside the prefix apart: another caller.
             prop_assert_ne!(network(v6), network(other_network));
             let v4 = IpAddr::V4(v4.into());
-            let (by_network, alone) = (CallerKey::from_network(v4, bits), CallerKey::from_ip(v4));
+            let by_network = CallerKey::from_network(v4, bits, &[]);
+            let alone = CallerKey::from_ip(v4);
             prop_assert_eq!(by_network.expose_secret(), alone.expose_secret());
         }
 
