@@ -437,7 +437,7 @@ impl Settings {
             file.default_plan,
             (file.key_prefixes, key_length_max),
             keys,
-            caller.unknown_keys,
+            caller.unknown_keys.clone(),
         )?;
         let plans = match &caller.anonymous_plan {
             Some(name) => plans
@@ -449,8 +449,7 @@ impl Settings {
         let admin = admin_settings(file.admin)?;
         let rls = rls_settings(file.rls)?;
         distinct_listeners(&listen, admin.as_ref(), rls.as_ref())?;
-        let rules = key_rules(caller.source, caller.header, caller.trusted_proxies)?
-            .ipv4_translation_prefixes(caller.ipv4_translation_prefixes.unwrap_or_default());
+        let rules = key_rules(&caller)?;
         let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
         let rules = match caller.ipv6_prefix_length {
@@ -713,16 +712,11 @@ fn unread_caller_settings(
 }
 
 /// Where callers' keys come from, and which proxies may name a caller's address.
-fn key_rules(
-    source: Option<String>,
-    header: Option<String>,
-    trusted_proxies: Option<Vec<String>>,
-) -> Result<RequestRulesBuilder, ConfigError> {
-    let rules = match require(source, "caller.source")?.as_str() {
-        "header" => RequestRules::builder().key_header(require(header, "caller.header")?),
-        "header-or-peer-ip" => {
-            RequestRules::builder().key_header_or_peer_ip(require(header, "caller.header")?)
-        }
+fn key_rules(caller: &CallerFile) -> Result<RequestRulesBuilder, ConfigError> {
+    let header = || require(caller.header.clone(), "caller.header");
+    let rules = match require(caller.source.clone(), "caller.source")?.as_str() {
+        "header" => RequestRules::builder().key_header(header()?),
+        "header-or-peer-ip" => RequestRules::builder().key_header_or_peer_ip(header()?),
         "peer-ip" => RequestRules::builder().peer_ip(),
         other => {
             return Err(invalid(
@@ -731,10 +725,12 @@ fn key_rules(
             ))
         }
     };
-    let proxies = trusted_proxies.unwrap_or_default();
+    let translators = caller.ipv4_translation_prefixes.clone().unwrap_or_default();
+    let proxies = caller.trusted_proxies.clone().unwrap_or_default();
     Ok(proxies
         .into_iter()
-        .fold(rules, RequestRulesBuilder::trusted_proxy))
+        .fold(rules, RequestRulesBuilder::trusted_proxy)
+        .ipv4_translation_prefixes(translators))
 }
 
 /// The header trusted proxies name callers in; `X-Forwarded-For` unless set.

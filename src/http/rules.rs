@@ -579,17 +579,7 @@ impl RequestRulesBuilder {
 
     pub fn build(self, plans: &PlanBook) -> Result<RequestRules, RulesError> {
         self.check_paths()?;
-        let key_source = match self.key_header {
-            Some(header) => {
-                let name = HeaderName::try_from(header.as_str())
-                    .map_err(|_| RulesError::KeyHeader(header))?;
-                match self.anonymous {
-                    true => KeySource::HeaderOrPeerIp(name),
-                    false => KeySource::Header(name),
-                }
-            }
-            None => KeySource::PeerIp,
-        };
+        let key_source = key_source(self.key_header, self.anonymous)?;
         let trusted_proxies = self
             .trusted_proxies
             .iter()
@@ -649,6 +639,18 @@ impl RequestRulesBuilder {
             challenge,
         })
     }
+}
+
+/// Where keys come from: a header (`anonymous`: or, without it, the address), else the address.
+fn key_source(header: Option<String>, anonymous: bool) -> Result<KeySource, RulesError> {
+    let Some(header) = header else {
+        return Ok(KeySource::PeerIp);
+    };
+    let name = HeaderName::try_from(header.as_str()).map_err(|_| RulesError::KeyHeader(header))?;
+    Ok(match anonymous {
+        true => KeySource::HeaderOrPeerIp(name),
+        false => KeySource::Header(name),
+    })
 }
 
 /// A route's limits: a path, 1 to [`ROUTE_LIMITS_MAX`] distinct limits, each able to afford

@@ -705,20 +705,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<Option<Lease>, LedgerError> {
         let sent_at = self.clock.now();
         let id = holder.account_id;
-        // What the local view refuses (a block it read, or no credit free) is the per-request
-        // path's to refuse from memory: a lease tried first was a ledger write per request of a
-        // blocked caller, each refused.
-        if self.local.check(id, cost, sent_at).is_some() {
+        let Some(units) = self.lease_units(slot, holder, cost, sent_at) else {
             return Ok(None);
-        }
-        // The local view's remaining credit is an upper bound of the ledger's: a lease larger than
-        // half of it would fail, or starve other instances.
-        let remaining = self.local.quota(id, holder.capacity, sent_at).remaining;
-        if remaining < cost {
-            return Ok(None);
-        }
-        let units = slot.lock().next_units.min(remaining / 2).max(cost);
-        assert!(units >= cost && units <= holder.terms.units_max.get());
+        };
         let lease_seconds = holder.terms.seconds.get();
         let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
         let placed = self
@@ -771,6 +760,27 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
         }))
+    }
+
+    /// The units of the lease `holder` takes next, for a request of `cost`: `None` when it should
+    /// be decided per request.
+    fn lease_units(&self, slot: &Slot, holder: &Holder, cost: u64, now: Instant) -> Option<u64> {
+        let id = holder.account_id;
+        // What the local view refuses (a block it read, or no credit free) is the per-request
+        // path's to refuse from memory: a lease tried first was a ledger write per request of a
+        // blocked caller, each refused.
+        if self.local.check(id, cost, now).is_some() {
+            return None;
+        }
+        // The local view's remaining credit is an upper bound of the ledger's: a lease larger than
+        // half of it would fail, or starve other instances.
+        let remaining = self.local.quota(id, holder.capacity, now).remaining;
+        if remaining < cost {
+            return None;
+        }
+        let units = slot.lock().next_units.min(remaining / 2).max(cost);
+        assert!(units >= cost && units <= holder.terms.units_max.get());
+        Some(units)
     }
 
     /// The caller's account was closed by an operator (a block, a move) while a lease admits from
