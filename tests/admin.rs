@@ -367,8 +367,9 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     until_status(&other, &key, 200).await;
 
-    // A short block ends by itself (TigerBeetle expires the closing transfer).
-    let short = json!({"seconds": 1, "reason": "cool down"});
+    // A short block ends by itself (TigerBeetle expires the closing transfer). Long enough (3 s)
+    // for the 403 to be seen first on a loaded machine.
+    let short = json!({"seconds": 3, "reason": "cool down"});
     let (status, _) = admin.send("POST", &path, Some(SECRET), Some(short)).await;
     assert_eq!(status, 200);
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 403);

@@ -119,8 +119,13 @@ async fn only_shadow_routes_let_refusals_through() {
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
-    // A shadow path is decided (and refused) the same, then let through: here to a 404.
-    assert_eq!(app.get("/beta/x", Some(&key)).await.status(), 404);
+    // A shadow path is decided (and refused) the same, then let through: here to a 404, with
+    // the fields of a refusal (nothing left) but no Retry-After.
+    let shadowed = app.get("/beta/x", Some(&key)).await;
+    assert_eq!(shadowed.status(), 404);
+    let ratelimit = shadowed.headers()["ratelimit"].to_str().unwrap();
+    assert!(ratelimit.starts_with("\"free\";r=0;"), "{ratelimit}");
+    assert!(shadowed.headers().get("retry-after").is_none());
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
     app.stop().await;
 }
@@ -632,16 +637,18 @@ async fn a_request_dropped_while_its_slot_is_decided_gives_its_rate_back() {
     );
     let account_id = limiter.account_of(&caller(&key)).unwrap();
     let given_back_by = Instant::now() + Duration::from_secs(4);
-    let pending = loop {
+    let audit = loop {
         let deadline = Instant::now() + Duration::from_secs(5);
         let audit = limiter.ledger().audit(account_id, deadline).await.unwrap();
-        let pending = audit.unwrap().debits_pending;
-        if pending == 1 || Instant::now() > given_back_by {
-            break pending;
+        let audit = audit.unwrap();
+        if audit.debits_pending == 1 || Instant::now() > given_back_by {
+            break audit;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(pending, 1, "the served request's hold alone");
+    // Two rate holds placed (the dropped request's was, before its slot), one voided.
+    assert_eq!((audit.holds, audit.voids), (2, 1), "{audit:?}");
+    assert_eq!(audit.debits_pending, 1, "the served request's hold alone");
     slots_process.pause(false);
     handle.stop(true).await;
 }
@@ -901,21 +908,28 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
     assert_eq!(second.text().await.unwrap().len(), 12);
     // Every body ended, so both slots come back (each by a void at the ledger: soon, not at once,
     // and long before the slots' 30 s timeout).
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let mut admitted = 0;
-    while admitted < 2 {
-        let answer = send().await.unwrap();
-        if answer.status() == 200 {
-            assert_eq!(answer.text().await.unwrap().len(), 12);
-            admitted += 1;
-        } else {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "a slot did not come back"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    let slots = model::user_account_id(
+        LEDGER_CONCURRENCY,
+        &ledger_limiter::http::concurrency::plan_name("/stream"),
+        std::num::NonZeroU64::new(2).unwrap(),
+        key.as_bytes(),
+    );
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let given_back_by = std::time::Instant::now() + Duration::from_secs(5);
+    let audit = loop {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let audit = ledger.audit(slots, deadline).await.unwrap().unwrap();
+        if audit.debits_pending == 0 || std::time::Instant::now() > given_back_by {
+            break audit;
         }
-    }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (audit.holds, audit.voids),
+        (2, 2),
+        "both slots given back: {audit:?}"
+    );
     stop.stop(true).await;
 }
 

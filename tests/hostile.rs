@@ -63,29 +63,43 @@ async fn a_client_trickling_its_headers_is_cut_off_and_others_are_served() {
 async fn oversized_headers_are_refused_before_the_limiter() {
     let app = app().await;
     let calls = request_calls(app.limiter.ledger());
-    // A 64 KiB key header, and a request with thousands of headers.
-    // Refused with 431 (or 400), or the connection is reset before the answer can be read.
-    let refused = |status: &Result<u16, reqwest::Error>| match status {
-        Ok(status) => [400, 431].contains(status),
+    // A head past actix's limit (128 KiB) beside a valid key, and a request with thousands of
+    // headers: each would be admitted (200) if it reached the limiter. Refused by the server
+    // with 431 (or 400), or the connection is reset before the answer can be read; either way
+    // not by the limiter (whose refusals are problem+json).
+    let refused = |answer: &Result<(u16, String), reqwest::Error>| match answer {
+        Ok((status, content_type)) => {
+            [400, 431].contains(status) && !content_type.contains("problem+json")
+        }
         Err(error) => error.is_request(),
+    };
+    let answer = |response: reqwest::Response| {
+        let content_type = response.headers().get("content-type");
+        let content_type = content_type.map(|v| v.to_str().unwrap_or("").to_owned());
+        (response.status().as_u16(), content_type.unwrap_or_default())
     };
     // The refused requests go on a client of their own: the server closes their connections,
     // and the shared client could take one from its pool for the next request before it sees
     // the close (one CI run failed so, `IncompleteMessage`).
     let hostile = reqwest::Client::new();
-    let huge = "k".repeat(64 * 1024);
+    let filler = "f".repeat(160 * 1024);
     let status = hostile
         .get(format!("{}/greeting", app.address))
-        .header("X-Api-Key", &huge)
+        .header("X-Api-Key", fresh_key("k_"))
+        .header("x-filler", &filler)
         .send()
         .await
-        .map(|r| r.status().as_u16());
+        .map(answer);
     assert!(refused(&status), "{status:?}");
     let mut request = hostile.get(format!("{}/greeting", app.address));
     for i in 0..2000 {
         request = request.header(format!("x-filler-{i}"), "1");
     }
-    let status = request.send().await.map(|r| r.status().as_u16());
+    let status = request
+        .header("X-Api-Key", fresh_key("k_"))
+        .send()
+        .await
+        .map(answer);
     assert!(refused(&status), "{status:?}");
     assert_eq!(request_calls(app.limiter.ledger()), calls, "no ledger call");
     assert_eq!(
@@ -121,20 +135,25 @@ async fn a_burst_far_beyond_the_in_flight_bound_is_answered_in_time() {
     let started = Instant::now();
     let answers = join_all((0..500).map(|_| async {
         let sent = Instant::now();
-        let status = app.get("/greeting", Some(&fresh_key("k_"))).await.status();
-        (status.as_u16(), sent.elapsed())
+        let response = app.get("/greeting", Some(&fresh_key("k_"))).await;
+        let status = response.status().as_u16();
+        (status, response.text().await.unwrap(), sent.elapsed())
     }))
     .await;
-    for (status, took) in &answers {
-        assert!([200, 503].contains(status), "{status}");
+    for (status, body, took) in &answers {
+        // Admitted, or refused at once for want of a place (not queued for one: a queue would
+        // answer each past the deadline, as a 503 of the timeout).
+        let overloaded = *status == 503 && body.contains("(overloaded)");
+        assert!(*status == 200 || overloaded, "{status} {body}");
         assert!(*took < Duration::from_secs(5), "took {took:?}");
     }
-    let admitted = answers.iter().filter(|(s, _)| *s == 200).count();
+    let admitted = answers.iter().filter(|(s, ..)| *s == 200).count();
     eprintln!(
         "500 new callers at once, in_flight_max 4: {admitted} admitted, the rest refused as overloaded, in {:?}",
         started.elapsed()
     );
-    assert!(admitted > 0);
+    // Both: the bound admits some and refuses the rest (each new caller takes three calls).
+    assert!(admitted > 0 && admitted < 500, "{admitted} admitted");
     app.stop().await;
 }
 

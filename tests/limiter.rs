@@ -398,8 +398,15 @@ async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
     let app = spawn_app(config).await;
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
-    ledger.kill();
-    burst_answered(&app, 20, 503, deadline).await;
+    // Calls at the ledger when it dies: it is stopped, a burst sent, and killed while those
+    // wait (a burst sent after the kill met a ledger already gone).
+    ledger.pause(true);
+    let burst = burst_answered(&app, 20, 503, deadline);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ledger.kill();
+    };
+    futures_util::join!(burst, kill);
     app.stop().await;
 }
 
@@ -914,12 +921,19 @@ async fn an_evicted_client_is_replaced_and_its_stranded_calls_give_their_places_
     }
     // Our next call learns of the eviction; soon a new client answers.
     let replaced_by = within(30_000);
+    let mut unanswered = 0;
     while !answered(&ledger.hold(fresh_id(), 1, 30, within(1_000), true).await) {
+        unanswered += 1;
         assert!(
             Instant::now() < replaced_by,
             "the evicted client was never replaced"
         );
     }
+    // Else our session was not evicted, and nothing here was tested.
+    assert!(
+        unanswered > 0,
+        "the first call after 64 registrations was answered"
+    );
     places_given_back(
         &ledger,
         "calls stranded on the evicted client kept their places",
