@@ -394,6 +394,39 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
     answer.map(tonic::Response::into_inner)
 }
 
+/// A call whose body never ends (headers, then nothing: no grpc-timeout either) is ended within
+/// the decision's deadline and a second. Before, it held its stream and buffer for as long as
+/// its peer kept the connection alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_body_never_ends_is_ended_in_time() {
+    use ledger_limiter::envoy::wire::WireRequest;
+    let rules = rules_dir();
+    let config = rls_config(shared_ledger().address, &rules, "closed", 500);
+    let (_app, port) = spawn_rls_port(config).await;
+    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("the RLS listener accepts");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("connected");
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    );
+    let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
+    let never = futures_util::stream::pending::<WireRequest>();
+    let started = std::time::Instant::now();
+    let call = grpc.client_streaming(tonic::Request::new(never), path, codec);
+    let answer = tokio::time::timeout(Duration::from_secs(10), call).await;
+    let answer = answer.expect("ended by the server, not by this test");
+    assert!(answer.is_err(), "no decision without a request: {answer:?}");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(500 + 1_000 + 700),
+        "took {took:?}"
+    );
+}
+
 /// A descriptor value that is not UTF-8 (a client's header bytes, which Envoy forwards as they
 /// are) is limited like any other, on an account of its own. The call used to fail (`INTERNAL`),
 /// and Envoy then lets the request through with none of its limits.

@@ -26,6 +26,10 @@ pub const REQUEST_BYTES_MAX: usize = 1 << 20;
 /// calls and their buffers.
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
+/// What a call may take beyond the decision's deadline (`ledger.timeout_ms`): its body's arrival
+/// and the answer's encoding.
+const CALL_SLACK: Duration = Duration::from_secs(1);
+
 /// How often an idle connection is pinged, and how long the answer may take before the
 /// connection is closed: a peer that went away (half-open) frees its calls.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
@@ -41,8 +45,13 @@ pub async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(KEEPALIVE_INTERVAL));
+    // A call ends within the decision's deadline and a little more (its body's arrival
+    // included): a stream whose body never ends otherwise held its place (and its buffer) for
+    // as long as its peer kept the connection alive.
+    let call_max = server.decision_timeout() + CALL_SLACK;
     let service = wire::WireServer::new(server, REQUEST_BYTES_MAX);
     tonic::transport::Server::builder()
+        .timeout(call_max)
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))

@@ -328,6 +328,11 @@ fn by_kind(
 }
 
 impl RateLimitServer {
+    /// The deadline of one call's decision (`ledger.timeout_ms`).
+    pub fn decision_timeout(&self) -> std::time::Duration {
+        self.limiter.settings().ledger_timeout
+    }
+
     async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
         let (enforced, shadow, negative) = by_kind(matched);
         let shadows = join_all(

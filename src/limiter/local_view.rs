@@ -15,6 +15,8 @@
 //! Bounded: at most `callers_max` callers, and at most [`HOLDS_PER_CALLER_MAX`] holds each (the
 //! oldest two are merged, keeping the *earlier* expiry: the view may then count too little held,
 //! which sends a request to the ledger, never too much, which would refuse one the ledger admits).
+//! A full shard forgets callers with nothing live (no hold, no block), at most once until the
+//! first of its callers' holds or blocks ends; a caller that finds no room is not remembered.
 //!
 //! Most requests are from callers the ledger has never refused, whom the view does not refuse:
 //! a filter of bits by account id ([`VERIFIED_FILTER_BITS`]) answers their `check` without the
@@ -127,6 +129,14 @@ impl CallerHolds {
             listed_at: None,
             listed_incomplete: false,
         }
+    }
+
+    /// Until when this caller has something live to remember (a hold, or a block); `None` when
+    /// nothing (pruned first).
+    fn live_until(&self, now: Instant) -> Option<Instant> {
+        let held = self.latest_expiry.filter(|_| !self.holds.is_empty());
+        let blocked = self.blocked_until.filter(|until| *until > now);
+        held.max(blocked)
     }
 
     fn prune(&mut self, now: Instant) {
@@ -269,6 +279,11 @@ pub struct LocalView {
     /// safe).
     verified_filter: Box<[AtomicU64]>,
     callers_per_shard_max: usize,
+    /// Per shard, locked under the shard's lock: when a full shard that its last sweep could not
+    /// thin has something to forget (its first entry to end). Until then a caller that finds no
+    /// room is not remembered, without a sweep: each miss swept the whole shard, under its
+    /// lock, while nothing could go.
+    sweep_not_before: Box<[Mutex<Option<Instant>>]>,
     /// Added to every expiry: TigerBeetle releases a hold up to ~100 ms after it is due.
     expiry_margin: Duration,
 }
@@ -288,6 +303,7 @@ impl LocalView {
                 .collect(),
             generations: (0..SHARD_COUNT).map(|_| AtomicU64::new(0)).collect(),
             callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT),
+            sweep_not_before: (0..SHARD_COUNT).map(|_| Mutex::new(None)).collect(),
             expiry_margin,
         }
     }
@@ -400,7 +416,7 @@ impl LocalView {
         let holds = match shard.entry(account_id) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(_) => {
-                if !self.has_room(&mut shard, now) {
+                if !self.has_room(&mut shard, account_id, now) {
                     // Full of active callers: skip remembering this one. The ledger stays exact;
                     // only the headers are less precise for it.
                     let mut alone = CallerHolds::new(credit);
@@ -527,7 +543,7 @@ impl LocalView {
         if self.generation(account_id) != read {
             return limit; // the next refusal by the ledger lists the account again
         }
-        if !shard.contains_key(&account_id) && !self.has_room(&mut shard, now) {
+        if !shard.contains_key(&account_id) && !self.has_room(&mut shard, account_id, now) {
             return limit; // full of active callers: the ledger goes on refusing this one
         }
         let (word, bit) = self.verified_bit(account_id);
@@ -536,16 +552,35 @@ impl LocalView {
         limit
     }
 
-    /// Whether `shard` has room for one more caller, once callers without live holds are
-    /// forgotten (a blocked caller among them is refused by the ledger from then on).
-    fn has_room(&self, shard: &mut HashMap<u128, CallerHolds>, now: Instant) -> bool {
-        if shard.len() >= self.callers_per_shard_max {
-            shard.retain(|_, h| {
-                h.prune(now);
-                !h.holds.is_empty()
-            });
+    /// Whether `shard` (`account_id`'s) has room for one more caller, once callers with nothing
+    /// live are forgotten: no hold, and no block. A block is kept while it lasts: a blocked
+    /// caller places no holds, so it went first, and then a ledger failure under the open
+    /// policy admitted it ([`LocalView::known_block`] is what refuses it then).
+    fn has_room(
+        &self,
+        shard: &mut HashMap<u128, CallerHolds>,
+        account_id: u128,
+        now: Instant,
+    ) -> bool {
+        if shard.len() < self.callers_per_shard_max {
+            return true;
         }
-        shard.len() < self.callers_per_shard_max
+        let mut not_before = lock(&self.sweep_not_before[Self::shard_index(account_id)]);
+        if not_before.is_some_and(|at| now < at) {
+            return false;
+        }
+        let mut first_end: Option<Instant> = None;
+        shard.retain(|_, h| {
+            h.prune(now);
+            let end = h.live_until(now);
+            if let Some(end) = end {
+                first_end = Some(first_end.map_or(end, |first| first.min(end)));
+            }
+            end.is_some()
+        });
+        let room = shard.len() < self.callers_per_shard_max;
+        *not_before = if room { None } else { first_end };
+        room
     }
 
     /// The quota this instance knows for a caller (`credit` if it knows nothing).
@@ -1011,6 +1046,47 @@ mod tests {
         let (full, empty) = (1 + SHARD_COUNT as u128, 2);
         assert!(!view.has_room_for(full), "its shard is full");
         assert!(view.has_room_for(empty));
+    }
+
+    /// A full shard forgets callers with nothing live, but not a block while it lasts: a blocked
+    /// caller places no holds, so it went first, and a ledger failure under the open policy
+    /// then admitted it (the known block is what refuses it then).
+    #[test]
+    fn a_full_shard_keeps_a_block_while_it_lasts() {
+        let view = LocalView::new(SHARD_COUNT, MARGIN);
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let blocked = blocked_view(Some(wall + Duration::from_secs(3600)), wall);
+        list(&view, 1, &blocked, now, wall);
+        assert!(view.known_block(1, now).is_some());
+        // Another caller of the same shard, a window later: no room (the block is live).
+        let later = now + WINDOW + Duration::from_secs(1);
+        view.record_hold(1 + SHARD_COUNT as u128, 5, 1, later, WINDOW, later);
+        assert!(view.known_block(1, later).is_some(), "kept");
+        assert!(!view.has_room_for(1 + SHARD_COUNT as u128));
+    }
+
+    /// A full shard whose sweep frees nothing is not swept again until its first entry ends:
+    /// each new caller that found no room swept it all, under its lock.
+    #[test]
+    fn a_full_shard_is_swept_again_only_once_something_can_go() {
+        let view = LocalView::new(SHARD_COUNT, MARGIN);
+        let now = Instant::now();
+        view.record_hold(1, 5, 1, now, WINDOW, now);
+        let other = 1 + SHARD_COUNT as u128;
+        view.record_hold(other, 5, 1, now, WINDOW, now);
+        let shard = LocalView::shard_index(1);
+        let not_before = *lock(&view.sweep_not_before[shard]);
+        assert_eq!(
+            not_before,
+            Some(now + WINDOW + MARGIN),
+            "the first entry's end"
+        );
+        assert!(!view.has_room_for(other));
+        // Once it ends, the next caller finds room.
+        let later = now + WINDOW + MARGIN + Duration::from_millis(1);
+        view.record_hold(other, 5, 1, later, WINDOW, later);
+        assert!(view.has_room_for(other), "stored");
+        assert_eq!(*lock(&view.sweep_not_before[shard]), None);
     }
 
     #[test]
