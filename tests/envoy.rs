@@ -582,6 +582,20 @@ async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
         Code::OverLimit,
         "2 in flight"
     );
+    // A negative hit of nothing (a refund of what was all used) gives back nothing, and is no
+    // check: before, it was one, refused on the full slots.
+    let mut nothing = descriptor(&[("slot", &value)]);
+    nothing.is_negative_hits = true;
+    nothing.hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(
+        overall(&call(&mut b, request("extra", vec![nothing])).await),
+        Code::Ok
+    );
+    assert_eq!(
+        overall(&call(&mut a, acquire()).await),
+        Code::OverLimit,
+        "still 2"
+    );
     // Released through the other instance: a slot is free again on both.
     let released = call(&mut b, release()).await;
     assert_eq!(overall(&released), Code::Ok);

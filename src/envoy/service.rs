@@ -178,7 +178,7 @@ impl RateLimitServer {
             rule,
             limit,
             unit,
-            negative: negative && hits > 0,
+            negative,
             hits,
         })
     }
@@ -534,6 +534,11 @@ impl RateLimitServer {
     /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
     /// nothing: the holds expire by themselves after their window.
     async fn release(&self, limit: &Limit, hits: u64) -> Option<u64> {
+        // Nothing to give back (a refund of what was all used): no call, and no check either. As
+        // a check it could refuse, and refuse the call's other descriptors their charges.
+        if hits == 0 {
+            return None;
+        }
         let deadline = self.limiter.deadline();
         let window = limit.account.window_seconds.get();
         let released = self
