@@ -227,6 +227,10 @@ pub(crate) fn credit_and_available(account: &tb::Account) -> (u128, u128) {
 /// What one lookup says of a user account, without listing its holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AccountFree {
+    /// credits_posted − debits_posted: the credit when nothing is held.
+    pub credit: u64,
+    /// Whether the account was ever credited (its grant landed).
+    pub granted: bool,
     /// credits_posted − debits_posted − debits_pending.
     pub available: u64,
     /// An operator closed it: a block, or a move.
@@ -236,6 +240,8 @@ pub struct AccountFree {
 impl From<&AccountView> for AccountFree {
     fn from(view: &AccountView) -> Self {
         AccountFree {
+            credit: view.credit,
+            granted: view.granted,
             available: view.available,
             closed: view.blocked.is_some(),
         }
@@ -670,8 +676,10 @@ impl Ledger {
         let Some(account) = self.lookup_account(account_id, deadline).await? else {
             return Ok(None);
         };
-        let (_, available) = credit_and_available(&account);
+        let (credit, available) = credit_and_available(&account);
         Ok(Some(AccountFree {
+            credit: u64::try_from(credit).unwrap_or(u64::MAX),
+            granted: account.credits_posted() > 0,
             available: u64::try_from(available).unwrap_or(u64::MAX),
             closed: account.flags().contains(tb::account::Flags::CLOSED),
         }))

@@ -370,7 +370,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     return Ok(Chained::RefusedAsListed { limit });
                 }
                 LinkRefusal::ExceedsCredits => {
-                    let view = self.account_view_of(account, deadline).await;
+                    let window_seconds_max = self.window_seconds_max_of(account);
+                    let view = (self.refusal_read(account.id, window_seconds_max, deadline)).await;
                     let cost = cost_on_account(limits, account.id);
                     match second_chance(&view, cost) {
                         Some(SecondChance::FinishProvisioning)
@@ -533,6 +534,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     .iter()
                     .all(|l| l.account.id != limits[*i].account.id)
             });
+        // A limit whose listing this view could not keep has no `Retry-After` to give.
+        let later = later.filter(|i| self.local.has_room_for(limits[*i].account.id));
         let spent = later.map(|i| async move {
             let limit = &limits[i];
             let cost = cost_on_account(limits, limit.account.id);
@@ -543,7 +546,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Only what the ledger says: an unread limit lengthens nothing.
             match free {
                 Ok(Some(free)) if !free.closed && free.available < cost => {
-                    Some((i, self.account_view_of(&limit.account, deadline).await))
+                    let read = self.refusal_read(limit.account.id, window_seconds_max, deadline);
+                    Some((i, read.await))
                 }
                 _ => None,
             }

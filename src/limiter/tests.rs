@@ -172,6 +172,19 @@ impl Fixture {
         Self::new(FailurePolicy::Closed, UnknownKeys::DefaultPlan)
     }
 
+    /// [`Fixture::closed`] with a local view of `callers_max` callers (0: off).
+    fn with_view(callers_max: usize) -> Self {
+        let mut f = Self::closed();
+        let settings = LimiterSettings {
+            local_callers_max: callers_max,
+            ..f.limiter.settings().clone()
+        };
+        let plans = Arc::new(f.limiter.plans().clone());
+        let store = FakeStore(Mutex::new(Script::default()));
+        f.limiter = Limiter::with_seams(store, f.clock.clone(), plans, settings);
+        f
+    }
+
     fn script(&self, edit: impl FnOnce(&mut Script)) {
         edit(&mut self.limiter.store.0.lock().unwrap());
     }
@@ -682,6 +695,25 @@ async fn without_a_view_retry_after_is_the_longest_window() {
             decision.quota.reset_seconds >= WINDOW.as_secs(),
             "{decision:?}"
         );
+    }
+}
+
+/// A refusal that this instance's view could not keep (it is full, or off) reads the account
+/// with one lookup, not a listing of its holds (up to 16 pages more), which was paid again on
+/// every refused request: refused for the shortest `Retry-After`, nothing remembered.
+#[tokio::test]
+async fn a_refusal_the_view_cannot_keep_is_read_with_one_lookup() {
+    let f = Fixture::with_view(0);
+    for _ in 0..2 {
+        let spent = f.view(2, &[20, 30], true);
+        f.script(|s| {
+            s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+            s.views.push_back(Ok(Some(spent)));
+        });
+        let decision = f.check(ONE).await;
+        assert_eq!(limited_by(&decision), Some((1, DecisionSource::Ledger)));
+        assert_eq!(decision.quota.remaining, 0);
+        assert_eq!(f.calls(), ["hold", "free"], "a lookup, no listing");
     }
 }
 
