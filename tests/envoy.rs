@@ -394,6 +394,30 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
     answer.map(tonic::Response::into_inner)
 }
 
+/// A refused call marks each descriptor with no room for its hits over its limit, not only the
+/// one the refusal names (as envoyproxy/ratelimit marks each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_spent_descriptor_of_a_refused_call_is_over_its_limit() {
+    let rules = rules_dir();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    let counted = || descriptor(&[("counted", &value)]);
+    // "counted" is 10 per minute: spent, then asked for twice in one call.
+    for _ in 0..10 {
+        assert_eq!(
+            overall(&call(&mut client, request("extra", vec![counted()])).await),
+            Code::Ok
+        );
+    }
+    for _ in 0..2 {
+        let twice = call(&mut client, request("extra", vec![counted(), counted()])).await;
+        assert_eq!(overall(&twice), Code::OverLimit);
+        let codes: Vec<i32> = twice.statuses.iter().map(|s| s.code).collect();
+        assert_eq!(codes, [Code::OverLimit as i32; 2], "{twice:?}");
+    }
+}
+
 /// A call whose body never ends (headers, then nothing: no grpc-timeout either) is ended within
 /// the decision's deadline and a second. Before, it held its stream and buffer for as long as
 /// its peer kept the connection alive.
@@ -492,6 +516,9 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         (overall(&check), check.statuses[0].limit_remaining),
         (Code::Ok, 3)
     );
+    // 7 of 10 held: not whole now (a reset of 0 said so), at the latest a window on.
+    let reset = check.statuses[0].duration_until_reset.clone().unwrap();
+    assert!(reset.seconds >= 1, "{reset:?}");
     // One lookup (not counted here): a check that passes lists no holds.
     let listed = request_calls(other_app.limiter.ledger()) - calls;
     assert_eq!(listed, 0, "no listing");

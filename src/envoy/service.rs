@@ -655,11 +655,15 @@ impl RateLimitServer {
             let refused = decision.refused_by == Some(k);
             let quota = &decision.limits[k].quota;
             let reset = if refused { retry_after } else { None };
+            // Another descriptor of a refused call that has no room for its hits either is
+            // over its limit too, as envoyproxy/ratelimit marks each.
+            let cost = limit_of(&matched[*index]).map_or(0, |l| l.cost);
+            let spent = decision.refused_by.is_some() && quota.remaining < cost;
             statuses[*index] = counted_status(
                 &matched[*index],
                 quota.remaining,
                 reset.unwrap_or(quota.reset_seconds),
-                refused,
+                refused || spent,
             );
         }
         for (index, shadow) in &decided.shadow {
@@ -752,6 +756,12 @@ fn counted_status(
         return plain_status(matched);
     };
     let saturate = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+    // Something held and no known end (a check, a negative hit, an instance that never listed
+    // the account): at the latest a window on, never 0, which says "whole now".
+    let reset_seconds = match remaining < limit.account.capacity.get() && reset_seconds == 0 {
+        true => u64::from(limit.account.window_seconds.get()),
+        false => reset_seconds,
+    };
     DescriptorStatus {
         code: if refused { Code::OverLimit } else { Code::Ok } as i32,
         current_limit: Some(RateLimit {
