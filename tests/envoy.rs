@@ -517,7 +517,7 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
         (Code::Ok, 3)
     );
     // 7 of 10 held: not whole now (a reset of 0 said so), at the latest a window on.
-    let reset = check.statuses[0].duration_until_reset.clone().unwrap();
+    let reset = check.statuses[0].duration_until_reset.unwrap();
     assert!(reset.seconds >= 1, "{reset:?}");
     // One lookup (not counted here): a check that passes lists no holds.
     let listed = request_calls(other_app.limiter.ledger()) - calls;
