@@ -369,6 +369,18 @@ async fn three_instances_admit_exactly_the_limit_in_every_window() {
     }
 }
 
+/// The gRPC path of `ShouldRateLimit`, for calls made without the generated client.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// A connection to the RLS listener on `port`.
+async fn connect(port: u16) -> Channel {
+    Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("the RLS listener accepts")
+}
+
 /// `request` with `value` as raw bytes (what Envoy forwards of a client's header, UTF-8 or not),
 /// sent as the generated client would, and its answer.
 async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, tonic::Status> {
@@ -386,9 +398,7 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
     };
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.expect("connected");
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-    );
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(SHOULD_RATE_LIMIT);
     let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
     let answer = grpc.unary(tonic::Request::new(request), path, codec).await;
     answer.map(tonic::Response::into_inner)
@@ -427,16 +437,9 @@ async fn a_call_whose_body_never_ends_is_ended_in_time() {
     let rules = rules_dir();
     let config = rls_config(shared_ledger().address, &rules, "closed", 500);
     let (_app, port) = spawn_rls_port(config).await;
-    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .expect("the RLS listener accepts");
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut grpc = tonic::client::Grpc::new(connect(port).await);
     grpc.ready().await.expect("connected");
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-    );
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(SHOULD_RATE_LIMIT);
     let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
     let never = futures_util::stream::pending::<WireRequest>();
     let started = std::time::Instant::now();
@@ -459,11 +462,7 @@ async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
     let rules = rules_dir();
     let config = rls_config(shared_ledger().address, &rules, "closed", 5_000);
     let (app, port) = spawn_rls_port(config).await;
-    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .expect("the RLS listener accepts");
+    let channel = connect(port).await;
     let mut value = b"\xff".to_vec();
     value.extend(fresh_key("v").as_bytes());
     // "short": 5 per 2-second window.

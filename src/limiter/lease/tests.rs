@@ -519,14 +519,20 @@ fn a_request_after_the_lease_time_is_not_admitted_from_the_old_lease() {
 
 /// A renewal ahead of need that the ledger refused (credit held elsewhere) is not asked again
 /// by every later admission from the same lease: one ledger call, not one per request.
-#[test]
-fn a_refused_renewal_ahead_is_not_asked_again_from_the_same_lease() {
+/// A hot caller whose first request took its first lease (8 units).
+fn with_a_first_lease() -> (tokio::runtime::Runtime, ModelStore, Instance, CallerKey) {
     let (runtime, store) = runtime_and_store();
     let limiter = instance(&store);
     let key = hot_key();
+    let first = runtime.block_on(limiter.check(&key, NonZeroU64::MIN));
+    assert!(first.unwrap().leased.is_some(), "the first lease: 8 units");
+    (runtime, store, limiter, key)
+}
+
+#[test]
+fn a_refused_renewal_ahead_is_not_asked_again_from_the_same_lease() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
     let one = NonZeroU64::MIN;
-    let first = runtime.block_on(limiter.check(&key, one)).unwrap();
-    assert!(first.leased.is_some(), "the first lease: 8 units");
     // Everything else is held elsewhere.
     let now = store.clock.now();
     let rest = CAPACITY - store.model.lock().unwrap().held(now);
@@ -547,12 +553,8 @@ fn a_refused_renewal_ahead_is_not_asked_again_from_the_same_lease() {
 /// lease: each admission from its second half sent one more, each refused at once.
 #[test]
 fn a_renewal_ahead_refused_a_place_is_not_tried_again_from_the_same_lease() {
-    let (runtime, store) = runtime_and_store();
-    let limiter = instance(&store);
-    let key = hot_key();
+    let (runtime, store, limiter, key) = with_a_first_lease();
     let one = NonZeroU64::MIN;
-    let first = runtime.block_on(limiter.check(&key, one)).unwrap();
-    assert!(first.leased.is_some(), "the first lease: 8 units");
     store.model.lock().unwrap().overload_leases = true;
     for _ in 2..=8 {
         let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
