@@ -497,7 +497,7 @@ fn bad_configuration_is_refused_naming_the_setting() {
         (
             vec![],
             Some("[key_prefixes]\n\"gold_\" = \"gold\"\n"),
-            "`key_prefixes`: the prefix for plan \"gold\" (entry 1 of the table)",
+            "`key_prefixes`: a prefix for plan \"gold\"",
         ),
         (vec!["--rls-config", "rules.yaml"], None, "rls.config"),
     ];

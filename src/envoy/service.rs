@@ -315,7 +315,11 @@ fn by_kind(
         } = m
         {
             if *n {
-                negative.push((index, *limit, *hits));
+                // A negative hit of nothing gives back nothing, reads nothing, and claims
+                // nothing (its status stays plain).
+                if *hits > 0 {
+                    negative.push((index, *limit, *hits));
+                }
             } else if rule.shadow_mode {
                 shadow.push((index, *limit));
             } else {
@@ -688,7 +692,10 @@ impl RateLimitServer {
         };
         // One status per descriptor, in order: Envoy pairs them by position.
         assert_eq!(statuses.len(), matched.len());
-        let headers = rate_limit_headers(matched, indices, &statuses, retry_after);
+        // The refusing descriptor's fields, when one refused: others may be spent too, but its
+        // reset is the Retry-After (the limit that comes back last).
+        let refusing = decision.refused_by.map(|k| indices[k]);
+        let headers = rate_limit_headers(matched, (indices, refusing), &statuses, retry_after);
         Ok(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
@@ -782,20 +789,21 @@ fn counted_status(
 /// that refused, if any), and `Retry-After` on OVER_LIMIT: the middleware's 429 fields.
 fn rate_limit_headers(
     matched: &[Matched],
-    enforced: &[usize],
+    (enforced, refusing): (&[usize], Option<usize>),
     statuses: &[DescriptorStatus],
     retry_after: Option<u64>,
 ) -> Vec<HeaderValue> {
     let closest = enforced
         .iter()
-        .filter(|i| statuses[**i].current_limit.is_some())
+        .copied()
+        .filter(|i| statuses[*i].current_limit.is_some())
         .min_by_key(|i| {
             (
-                statuses[**i].code != Code::OverLimit as i32,
-                statuses[**i].limit_remaining,
+                statuses[*i].code != Code::OverLimit as i32,
+                statuses[*i].limit_remaining,
             )
         });
-    let Some(&index) = closest else {
+    let Some(index) = refusing.or(closest) else {
         return Vec::new();
     };
     let (Some(rule), Some(limit)) = (rule_of(&matched[index]), limit_of(&matched[index])) else {

@@ -220,6 +220,25 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
         })
 }
 
+/// `text` with the hex digits of its percent-escapes in upper case (`%2f` → `%2F`): a path's
+/// kept escapes (`%2F`, `%25`, `%2B`) mean the same in either case. Borrowed when there is no
+/// `%` (nearly every path).
+fn upper_escapes(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('%') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut bytes = text.as_bytes().to_vec();
+    for at in 0..bytes.len() {
+        if bytes[at] == b'%' {
+            for digit in bytes.iter_mut().skip(at + 1).take(2) {
+                digit.make_ascii_uppercase();
+            }
+        }
+    }
+    // Only ASCII letters changed: still UTF-8.
+    std::borrow::Cow::Owned(String::from_utf8(bytes).expect("ASCII changed only"))
+}
+
 /// The exempt pattern that takes every path `pattern` matches, if one does: an exact exempt
 /// path the same exact pattern, or an exempt prefix the pattern's own text starts with.
 pub fn exempt_over<'e>(exempt: &'e [String], pattern: &str) -> Option<&'e str> {
@@ -281,6 +300,8 @@ impl RouteCosts {
         let mut exact = HashMap::default();
         let mut prefixes = Vec::new();
         for (pattern, cost) in costs {
+            // Kept escapes in one case, as the request's path is looked up (`cost`).
+            let pattern = upper_escapes(&pattern).into_owned();
             match pattern.strip_suffix('*') {
                 Some(prefix) => prefixes.push((prefix.to_owned(), cost)),
                 None => {
@@ -295,6 +316,7 @@ impl RouteCosts {
     /// The highest cost of any path `pattern` matches: the cost that applies to the pattern as a
     /// whole, and for a prefix, every exact path and narrower prefix with a cost of its own.
     fn cost_max_under(&self, pattern: &str) -> NonZeroU64 {
+        let pattern = &*upper_escapes(pattern);
         let own = self.cost(pattern);
         let Some(prefix) = pattern.strip_suffix('*') else {
             return own;
@@ -309,6 +331,7 @@ impl RouteCosts {
     }
 
     fn cost(&self, path: &str) -> NonZeroU64 {
+        let path = &*upper_escapes(path);
         if let Some(cost) = self.exact.get(path) {
             return *cost;
         }
@@ -937,6 +960,15 @@ mod tests {
         assert!(!path_matches("/a%2Fb", "/a%2Fbc"));
         assert!(!path_matches("/a%2Fb*", "/a%2F"));
         assert!(path_matches("/é*", "/éa") && !path_matches("/é", "/e"));
+        // Costs too, exact and prefix.
+        let costs = RouteCosts::new([
+            ("/a%2fb".to_owned(), NonZeroU64::new(50).unwrap()),
+            ("/c%2B*".to_owned(), NonZeroU64::new(7).unwrap()),
+        ]);
+        assert_eq!(costs.cost(url("/a%2Fb").path()).get(), 50);
+        assert_eq!(costs.cost(url("/a%2fb").path()).get(), 50);
+        assert_eq!(costs.cost(url("/c%2bx").path()).get(), 7);
+        assert_eq!(costs.cost("/a/b").get(), 1);
     }
 
     #[test]

@@ -562,10 +562,12 @@ impl LocalView {
         account_id: u128,
         now: Instant,
     ) -> bool {
+        let mut not_before = lock(&self.sweep_not_before[Self::shard_index(account_id)]);
         if shard.len() < self.callers_per_shard_max {
+            // Thinned since (a forget, a clear): what the last sweep found is stale.
+            *not_before = None;
             return true;
         }
-        let mut not_before = lock(&self.sweep_not_before[Self::shard_index(account_id)]);
         if not_before.is_some_and(|at| now < at) {
             return false;
         }
@@ -658,6 +660,18 @@ impl LocalView {
     /// Whether this instance remembers anything of the caller (else its quota is a guess).
     pub fn knows(&self, account_id: u128) -> bool {
         self.shard(account_id).contains_key(&account_id)
+    }
+
+    /// Whether this view would keep what the ledger says of `account_id` now: it is on, and
+    /// knows the caller or has room for it, once callers with nothing live are forgotten (as
+    /// [`LocalView::replace`] would make room). A listing it would not keep is paid again on every
+    /// refused request.
+    pub fn can_keep(&self, account_id: u128, now: Instant) -> bool {
+        if self.callers_per_shard_max == 0 {
+            return false;
+        }
+        let mut shard = self.shard(account_id);
+        shard.contains_key(&account_id) || self.has_room(&mut shard, account_id, now)
     }
 
     /// Whether this view could take in what the ledger says of `account_id` now: it is on, and
@@ -1087,6 +1101,28 @@ mod tests {
         view.record_hold(other, 5, 1, later, WINDOW, later);
         assert!(view.has_room_for(other), "stored");
         assert_eq!(*lock(&view.sweep_not_before[shard]), None);
+    }
+
+    /// Whether a listing would be kept: room once callers with nothing live are forgotten (not
+    /// only room now), and a shard thinned by a forget is not held to its last sweep's time.
+    #[test]
+    fn a_listing_is_kept_where_room_can_be_made() {
+        let view = LocalView::new(SHARD_COUNT, MARGIN);
+        let now = Instant::now();
+        let other = 1 + SHARD_COUNT as u128;
+        view.record_hold(1, 5, 1, now, WINDOW, now);
+        assert!(view.can_keep(1, now), "known");
+        assert!(
+            !view.can_keep(other, now),
+            "its shard is full of a live hold"
+        );
+        let later = now + WINDOW + MARGIN + Duration::from_millis(1);
+        assert!(view.can_keep(other, later), "the hold ended: room is made");
+        // A full shard, swept (its first end remembered), then thinned by a forget: room at once.
+        view.record_hold(1, 5, 1, later, WINDOW, later);
+        assert!(!view.can_keep(other, later));
+        view.forget(1);
+        assert!(view.can_keep(other, later), "thinned since the sweep");
     }
 
     #[test]

@@ -1006,7 +1006,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
         let window_seconds_max = self.plans.window_seconds_max().get();
-        (self.refusal_read(charge.account.id, window_seconds_max, deadline)).await
+        let account = (charge.account.id, true);
+        (self.refusal_read(account, window_seconds_max, deadline)).await
     }
 
     /// What a refusal for want of credit reads of `account_id`: its holds listed (a lookup and
@@ -1016,11 +1017,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// concurrency limit's) was paid again on every refused request, up to 18 ledger calls each.
     pub(crate) async fn refusal_read(
         &self,
-        account_id: u128,
+        (account_id, local_view): (u128, bool),
         window_seconds_max: u32,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
-        if self.local.has_room_for(account_id) {
+        if local_view && self.local.can_keep(account_id, self.clock.now()) {
             return (self.store)
                 .account_view(account_id, window_seconds_max, deadline)
                 .await;
@@ -1096,7 +1097,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Never sooner than the retry: a block's end is when the caller's quota is back,
             // not its holds' expiry; and without a listing (the read failed, or found no
             // account) the local view may know nothing (a reset of 0, "whole now").
-            reset_after: local.reset_after.max(retry_after),
+            reset_after: local.reset_after.max(retry_after.max(RETRY_AFTER_MIN)),
         };
         (refused(retry_after, DecisionSource::Ledger, blocked), quota)
     }
@@ -1227,6 +1228,9 @@ fn decision<'a>(
         refused_by: None,
     }
 }
+
+/// The shortest `Retry-After` a refusal says (`refused` rounds up to it).
+const RETRY_AFTER_MIN: Duration = Duration::from_secs(1);
 
 fn refused(retry_after: Duration, source: DecisionSource, blocked: bool) -> Outcome {
     let retry_after_seconds = whole_seconds_up(retry_after).max(1);

@@ -371,7 +371,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 }
                 LinkRefusal::ExceedsCredits => {
                     let window_seconds_max = self.window_seconds_max_of(account);
-                    let view = (self.refusal_read(account.id, window_seconds_max, deadline)).await;
+                    let read = (account.id, limits[limit].local_view);
+                    let view = (self.refusal_read(read, window_seconds_max, deadline)).await;
                     let cost = cost_on_account(limits, account.id);
                     match second_chance(&view, cost) {
                         Some(SecondChance::FinishProvisioning)
@@ -534,8 +535,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     .iter()
                     .all(|l| l.account.id != limits[*i].account.id)
             });
-        // A limit whose listing this view could not keep has no `Retry-After` to give.
-        let later = later.filter(|i| self.local.has_room_for(limits[*i].account.id));
+        // Listed only where this view would keep the listing: else each refusal would pay it
+        // again (the refusal then names the refusing link, as before).
+        let now = self.clock.now();
+        let later = later.filter(|i| self.local.can_keep(limits[*i].account.id, now));
         let spent = later.map(|i| async move {
             let limit = &limits[i];
             let cost = cost_on_account(limits, limit.account.id);
@@ -546,7 +549,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Only what the ledger says: an unread limit lengthens nothing.
             match free {
                 Ok(Some(free)) if !free.closed && free.available < cost => {
-                    let read = self.refusal_read(limit.account.id, window_seconds_max, deadline);
+                    let read = (limit.account.id, true);
+                    let read = self.refusal_read(read, window_seconds_max, deadline);
                     Some((i, read.await))
                 }
                 _ => None,
