@@ -679,12 +679,7 @@ impl RateLimitServer {
                 false,
             );
         }
-        for (index, available) in &decided.released {
-            let capacity = limit_of(&matched[*index]).map_or(0, |l| l.account.capacity.get());
-            // Unknown (a release or its read failed) claims nothing; at most the limit, as ever.
-            let free = available.map_or(0, |free| free.min(capacity));
-            statuses[*index] = counted_status(&matched[*index], free, 0, false);
-        }
+        released_statuses(matched, &decided.released, &mut statuses);
         let overall = if decision.refused_by.is_some() {
             Code::OverLimit
         } else {
@@ -787,6 +782,20 @@ fn counted_status(
 
 /// IETF `RateLimit-Policy` / `RateLimit` for the enforced descriptor closest to its limit (the one
 /// that refused, if any), and `Retry-After` on OVER_LIMIT: the middleware's 429 fields.
+/// The statuses of negative hits: what each left free, as its release read it.
+fn released_statuses(
+    matched: &[Matched],
+    released: &[(usize, Option<u64>)],
+    statuses: &mut [DescriptorStatus],
+) {
+    for (index, available) in released {
+        let capacity = limit_of(&matched[*index]).map_or(0, |l| l.account.capacity.get());
+        // Unknown (a release or its read failed) claims nothing; at most the limit, as ever.
+        let free = available.map_or(0, |free| free.min(capacity));
+        statuses[*index] = counted_status(&matched[*index], free, 0, false);
+    }
+}
+
 fn rate_limit_headers(
     matched: &[Matched],
     (enforced, refusing): (&[usize], Option<usize>),
