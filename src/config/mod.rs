@@ -1212,7 +1212,7 @@ mod tests {
     }
 
     #[test]
-    fn a_key_prefix_error_names_the_entry_and_its_plan_never_the_prefix() {
+    fn a_key_prefix_error_names_its_plan_never_the_prefix() {
         let err = with("[key_prefixes]\n\"sk_secret_\" = \"gold\"").unwrap_err();
         assert_eq!(err.setting, "key_prefixes");
         assert!(
