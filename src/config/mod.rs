@@ -505,6 +505,7 @@ impl Settings {
         if lists_keys && !own_prefixes {
             merged.key_prefixes = Some(BTreeMap::new());
         }
+        refuses_every_key(&merged)?;
         Self::from_file_config(merged)
     }
 
@@ -645,6 +646,24 @@ fn concurrency_limits(
         limits.push((route, in_flight_max));
     }
     Ok((limits, timeout))
+}
+
+/// Callers known by their key alone, unknown keys rejected, and no key listed (no keys file, no
+/// prefix): every request would be a 401, which no one means (as an Envoy rule of 0 requests is
+/// refused). A keys file that lists nothing is not caught here: it is read later.
+fn refuses_every_key(config: &FileConfig) -> Result<(), ConfigError> {
+    let caller = &config.caller;
+    let every = caller.source.as_deref() == Some("header")
+        && caller.unknown_keys.as_deref() == Some("reject")
+        && caller.keys_file.is_none()
+        && config.key_prefixes.as_ref().is_none_or(BTreeMap::is_empty);
+    match every {
+        true => Err(invalid(
+            "caller.unknown_keys",
+            "\"reject\" with no caller.keys_file and no [key_prefixes] refuses every key",
+        )),
+        false => Ok(()),
+    }
 }
 
 /// What `own` sets otherwise than the built-in defaults: a copy of `config/default.toml`, the
@@ -1477,8 +1496,18 @@ mod tests {
         assert_eq!(plan_of(&reject, "pro_x"), None);
         assert_eq!(plan_of(&reject, "k1").as_deref(), Some("basic"));
         assert_eq!(plan_of(&keys, "pro_x").as_deref(), Some("free"));
+        // Nothing listed and nothing else to know callers by: every key refused, so refused.
         let reject_alone = "[caller]\nunknown_keys = \"reject\"\n";
-        assert_eq!(plan_of(reject_alone, "pro_x"), None);
+        assert_eq!(
+            with(reject_alone).unwrap_err().setting,
+            "caller.unknown_keys"
+        );
+        let by_address = "[caller]\nsource = \"header-or-peer-ip\"\nunknown_keys = \"reject\"\n";
+        assert_eq!(
+            plan_of(by_address, "pro_x"),
+            None,
+            "keyless callers still served"
+        );
         let own = format!("{reject}[key_prefixes]\n\"pro_\" = \"pro\"\n");
         assert_eq!(plan_of(&own, "pro_x").as_deref(), Some("pro"), "its own");
     }
