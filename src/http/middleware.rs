@@ -294,18 +294,22 @@ impl<'d, 'a> GiveBackIfDropped<'d, 'a> {
 
 impl Drop for GiveBackIfDropped<'_, '_> {
     fn drop(&mut self) {
-        let Some(decision) = self.decision.take() else {
-            return;
-        };
-        // A leased unit goes back to its lease here and now; holds from a task of their own
-        // (without a runtime, their window ends them).
-        let Some(holds) = self.limiter.give_back_later(decision) else {
-            return;
-        };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let limiter = self.limiter.clone();
-            runtime.spawn(async move { limiter.void_holds(holds).await });
+        if let Some(decision) = self.decision.take() {
+            give_back_unserved(self.limiter, decision);
         }
+    }
+}
+
+/// Gives back what an admitted request that is not served holds (a slot refused it, or it was
+/// dropped before its slot): a leased unit to its lease here and now, holds by voids from a task
+/// of their own, after the answer (without a runtime, their window ends them).
+fn give_back_unserved(limiter: &Arc<Limiter>, decision: &mut Decision<'_>) {
+    let Some(holds) = limiter.give_back_later(decision) else {
+        return;
+    };
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let limiter = limiter.clone();
+        runtime.spawn(async move { limiter.void_holds(holds).await });
     }
 }
 
@@ -426,10 +430,7 @@ impl Inner {
         decision: &mut Decision<'_>,
         mut response: HttpResponse,
     ) -> HttpResponse {
-        if let Some(holds) = self.limiter.give_back_later(decision) {
-            let limiter = self.limiter.clone();
-            actix_web::rt::spawn(async move { limiter.void_holds(holds).await });
-        }
+        give_back_unserved(&self.limiter, decision);
         respond::add_fields(response.headers_mut(), &self.fields, decision, Some(1));
         response
     }

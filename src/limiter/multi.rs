@@ -548,10 +548,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .await;
             // Only what the ledger says: an unread limit lengthens nothing.
             match free {
+                // Kept by the view (filtered above): listed in full.
                 Ok(Some(free)) if !free.closed && free.available < cost => {
-                    let read = (limit.account.id, true);
-                    let read = self.refusal_read(read, window_seconds_max, deadline);
-                    Some((i, read.await))
+                    Some((i, self.account_view_of(&limit.account, deadline).await))
                 }
                 _ => None,
             }
