@@ -424,14 +424,8 @@ impl Settings {
             let error = RulesError::KeyLengthMax;
             return Err(invalid(error.setting(), error.to_string()));
         }
-        let keys = match &caller.keys_file {
-            Some(path) => {
-                let plans = file.plans.as_ref();
-                let is_plan = |name: &str| plans.is_some_and(|plans| plans.contains_key(name));
-                keys_file::load(path, key_length_max, &is_plan)?
-            }
-            None => Vec::new(),
-        };
+        let listed = (file.plans.as_ref(), file.key_prefixes.as_ref());
+        let keys = listed_keys(&caller, listed, key_length_max)?;
         let plans = plan_book(
             file.plans,
             file.default_plan,
@@ -598,7 +592,7 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     }))
 }
 
-/// The admin API is off without a listener, and off without a secret.
+/// The admin API: on with a listener and a secret, off with neither; either alone is an error.
 fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError> {
     // Named both ways: the variable wins over the file, and often the file has no secrets.
     let secrets = AdminSecrets::new(&admin.secrets.unwrap_or_default())
@@ -613,6 +607,13 @@ fn admin_settings(admin: AdminFile) -> Result<Option<AdminSettings>, ConfigError
             "admin.listen",
             "the admin API needs a secret too: LEDGER_LIMITER_ADMIN_SECRETS (which wins when \
              set, even empty) or admin.secrets names none",
+        )),
+        // The other way round too: secrets set in a deployment's environment, the listener
+        // forgotten, and the API the operator means to call is off without a word.
+        None if !secrets.is_empty() => Err(invalid(
+            "admin.listen",
+            "is not set, so the admin API is off and its secrets (LEDGER_LIMITER_ADMIN_SECRETS \
+             or admin.secrets) are unused: set admin.listen, or unset the secrets",
         )),
         None => Ok(None),
     }
@@ -650,7 +651,7 @@ fn concurrency_limits(
 
 /// Callers known by their key alone, unknown keys rejected, and no key listed (no keys file, no
 /// prefix): every request would be a 401, which no one means (as an Envoy rule of 0 requests is
-/// refused). A keys file that lists nothing is not caught here: it is read later.
+/// refused). A keys file that lists nothing is caught where it is read (`listed_keys`).
 fn refuses_every_key(config: &FileConfig) -> Result<(), ConfigError> {
     let caller = &config.caller;
     let every = caller.source.as_deref() == Some("header")
@@ -663,6 +664,36 @@ fn refuses_every_key(config: &FileConfig) -> Result<(), ConfigError> {
             "\"reject\" with no caller.keys_file and no [key_prefixes] refuses every key",
         )),
         false => Ok(()),
+    }
+}
+
+/// `[plans]` as the file gives it.
+type PlansTable = BTreeMap<String, PlanFile>;
+
+/// The keys file's keys. One that lists none, where `refuses_every_key` would refuse the
+/// configuration without the file, is refused too: an empty file (a deploy that wrote it late,
+/// a template) answered every request 401.
+fn listed_keys(
+    caller: &CallerFile,
+    (plans, prefixes): (Option<&PlansTable>, Option<&BTreeMap<String, String>>),
+    key_length_max: usize,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    let Some(path) = &caller.keys_file else {
+        return Ok(Vec::new());
+    };
+    let is_plan = |name: &str| plans.is_some_and(|plans| plans.contains_key(name));
+    let keys = keys_file::load(path, key_length_max, &is_plan)?;
+    let every_key_refused = keys.is_empty()
+        && caller.source.as_deref() == Some("header")
+        && caller.unknown_keys.as_deref() == Some("reject")
+        && prefixes.is_none_or(BTreeMap::is_empty);
+    match every_key_refused {
+        true => Err(invalid(
+            "caller.keys_file",
+            "lists no key, and with unknown_keys = \"reject\" and no [key_prefixes] every key \
+             would be refused",
+        )),
+        false => Ok(keys),
     }
 }
 
@@ -1430,6 +1461,12 @@ mod tests {
         }
         let err = with("[admin]\nlisten = \"127.0.0.1:9091\"").unwrap_err();
         assert_eq!(err.setting, "admin.listen");
+        let secrets_alone = "[admin]\nsecrets = [\"admin-secret-for-tests-0001\"]";
+        let err = with(secrets_alone).unwrap_err();
+        assert_eq!(err.setting, "admin.listen");
+        assert!(err.message.starts_with("is not set"), "{err}");
+        assert!(!err.to_string().contains("admin-secret-for-tests"), "{err}");
+        assert!(with("[admin]\nsecrets = []").unwrap().admin.is_none());
         let err = with("[routes.concurrency]\n\"/a/*/b\" = 1").unwrap_err();
         assert_eq!(err.setting, "routes.concurrency.\"/a/*/b\"");
         let err = with("workers = 100000").unwrap_err();
@@ -1510,6 +1547,26 @@ mod tests {
         );
         let own = format!("{reject}[key_prefixes]\n\"pro_\" = \"pro\"\n");
         assert_eq!(plan_of(&own, "pro_x").as_deref(), Some("pro"), "its own");
+    }
+
+    /// A keys file with nothing in it (a deploy that wrote it late, a template) under
+    /// `unknown_keys = "reject"` answered every request 401; with a prefix, or keys by address
+    /// too, some callers are still served.
+    #[test]
+    fn a_keys_file_listing_no_key_is_refused_where_it_would_refuse_every_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        std::fs::write(&path, "# to be filled in\n\n").unwrap();
+        let reject = format!("[caller]\nkeys_file = {path:?}\nunknown_keys = \"reject\"\n");
+        let err = with(&reject).unwrap_err();
+        assert_eq!(err.setting, "caller.keys_file", "{err}");
+        assert!(err.message.starts_with("lists no key"), "{err}");
+        let with_prefix = format!("{reject}[key_prefixes]\n\"pro_\" = \"pro\"\n");
+        assert!(with(&with_prefix).is_ok());
+        let by_address = reject.replace("[caller]\n", "[caller]\nsource = \"header-or-peer-ip\"\n");
+        assert!(with(&by_address).is_ok());
+        let unknown_served = format!("[caller]\nkeys_file = {path:?}\n");
+        assert!(with(&unknown_served).is_ok());
     }
 
     #[test]
