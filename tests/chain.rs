@@ -704,3 +704,53 @@ async fn two_moves_back_at_once_land_one() {
     assert!(matches!(answers[0], Moving::Done { .. }), "{answers:?}");
     assert_eq!(answers[1], Moving::MovedMeanwhile);
 }
+
+/// An operator's block is most needed in a flood, when decisions fill the in-flight bound: it
+/// waits for a place (within its deadline) instead of being refused `Overloaded` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_action_waits_for_a_place_under_a_full_bound() {
+    use ledger_limiter::ledger::model::Actor;
+    use ledger_limiter::ledger::operator::Blocking;
+    let process = TestLedger::start();
+    let ledger = ledger_client_bounded(vec![process.address], 1);
+    let limit = fresh_limit(5, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    // A hold takes the only place, and keeps it while the ledger is stopped.
+    process.pause(true);
+    let busy = ledger.clone();
+    let id = limit.account.id;
+    let stuck = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.hold(id, 1, 60, deadline, false).await
+    });
+    while ledger.calls_in_flight() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resume = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        process.pause(false);
+        process
+    });
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let blocked = ledger.block(id, 600, actor, deadline).await;
+    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
+    let _process = resume.await.unwrap();
+    let _ = stuck.await;
+}
+
+/// The admin API audits callers only: an account of another ledger (a concurrency limit's
+/// slots, whose ids look like a caller's) is no caller, and was answered as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_caller_of_this_ledger_is_audited_as_a_caller() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let slots = ledger.on_ledger(2);
+    let limit = fresh_limit(2, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    slots.provision(&limit.account, deadline).await.unwrap();
+    let id = limit.account.id;
+    assert!(ledger.audit(id, deadline).await.unwrap().is_some());
+    assert!(slots.audit_caller(id, deadline).await.unwrap().is_some());
+    assert!(ledger.audit_caller(id, deadline).await.unwrap().is_none());
+}

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use actix_web::dev::Payload;
 use actix_web::error::{InternalError, JsonPayloadError};
 use actix_web::http::header::{
-    HeaderValue, AUTHORIZATION, CONTENT_LENGTH, TRANSFER_ENCODING, WWW_AUTHENTICATE,
+    HeaderValue, AUTHORIZATION, CONTENT_LENGTH, RETRY_AFTER, TRANSFER_ENCODING, WWW_AUTHENTICATE,
 };
 use actix_web::http::StatusCode;
 use actix_web::{web, FromRequest, HttpRequest, HttpResponse};
@@ -24,6 +24,7 @@ use std::future::{ready, Ready};
 use super::headers;
 use super::problem::{self, ProblemKind};
 use crate::ledger::audit::AccountAudit;
+use crate::ledger::metrics::LedgerErrorKind;
 use crate::ledger::model::{
     Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX, UNBLOCK_REASON_DEFAULT,
 };
@@ -249,12 +250,12 @@ async fn inspect(
     match state
         .limiter
         .ledger()
-        .audit(id, Instant::now() + DEADLINE)
+        .audit_caller(id, Instant::now() + DEADLINE)
         .await
     {
         Ok(Some(audit)) => HttpResponse::Ok().json(with_plan(audit, &state)),
         Ok(None) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
-        Err(error) => admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+        Err(error) => unavailable(&error),
     }
 }
 
@@ -352,8 +353,17 @@ fn amount(amount: u64) -> Result<u64, Box<HttpResponse>> {
     Ok(amount)
 }
 
+/// A ledger failure's answer: 503 with `Retry-After: 1` (slow, failing over, down: a retry
+/// with the same Idempotency-Key is safe), or 500 for an answer the ledger should never give,
+/// which a retry would meet again.
 fn unavailable(error: &LedgerError) -> HttpResponse {
-    admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string())
+    if error.kind() == LedgerErrorKind::Unexpected {
+        return admin_problem(StatusCode::INTERNAL_SERVER_ERROR, &error.to_string());
+    }
+    let mut response = admin_problem(StatusCode::SERVICE_UNAVAILABLE, &error.to_string());
+    let retry = HeaderValue::from_static("1");
+    response.headers_mut().insert(RETRY_AFTER, retry);
+    response
 }
 
 /// The account's audit after a change (200), or 200 without a body if it cannot be read now.
@@ -362,7 +372,7 @@ async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpRespons
     state.limiter.forget_local(id);
     // The action may have spent its deadline: the audit that answers it has time of its own.
     let deadline = crate::ledger::follow_up_deadline(deadline);
-    match state.limiter.ledger().audit(id, deadline).await {
+    match state.limiter.ledger().audit_caller(id, deadline).await {
         Ok(Some(audit)) => HttpResponse::Ok().json(with_plan(audit, state)),
         _ => HttpResponse::Ok().finish(),
     }
@@ -586,7 +596,7 @@ async fn move_caller(
                     | MoveError::Blocked
                     | MoveError::MovedMeanwhile
                     | MoveError::LostTrack => StatusCode::CONFLICT,
-                    MoveError::Ledger(_) => StatusCode::SERVICE_UNAVAILABLE,
+                    MoveError::Ledger(error) => return Ok(unavailable(&error)),
                 };
                 admin_problem(status, &error.to_string())
             }
@@ -621,6 +631,24 @@ mod tests {
         assert_eq!(twice, "secret #3 is secret #1 again");
         let spaced = refused(&[first.clone(), format!(" {first}")]);
         assert_eq!(spaced, "secret #2 begins or ends with white space");
+    }
+
+    /// A ledger that is slow or down is worth a retry, a second on; an answer it should never
+    /// give is not (a retry meets it again).
+    #[test]
+    fn ledger_failures_answer_503_with_retry_after_and_unexpected_ones_500() {
+        use crate::ledger::metrics::Operation;
+        let timeout = unavailable(&LedgerError::Timeout {
+            operation: Operation::CreateTransfers,
+        });
+        assert_eq!(timeout.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(timeout.headers().get(RETRY_AFTER).unwrap(), "1");
+        let unexpected = unavailable(&LedgerError::Unexpected {
+            operation: Operation::CreateTransfers,
+            message: "ExceedsDebits".into(),
+        });
+        assert_eq!(unexpected.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(unexpected.headers().get(RETRY_AFTER).is_none());
     }
 
     #[test]

@@ -516,13 +516,6 @@ impl Ledger {
         void_code: Option<u16>,
         answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
-        let operation = Operation::CreateTransfers;
-        // Not sent with no time left, as in `call`: a hold that landed would be voided again.
-        if Instant::now() >= deadline {
-            let error = LedgerError::Timeout { operation };
-            self.metrics.record_error(error.kind());
-            return Err(error);
-        }
         let place = match transfer
             .flags()
             .contains(tb::transfer::Flags::VOID_PENDING_TRANSFER)
@@ -530,6 +523,25 @@ impl Ledger {
             true => Place::Waited,
             false => Place::AtOnce,
         };
+        self.single_transfer_placed(transfer, (place, deadline), void_code, answer)
+            .await
+    }
+
+    /// [`Ledger::single_transfer`], its place under the in-flight bound got as `place` says.
+    async fn single_transfer_placed<T>(
+        &self,
+        transfer: tb::Transfer,
+        (place, deadline): (Place, Instant),
+        void_code: Option<u16>,
+        answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        let operation = Operation::CreateTransfers;
+        // Not sent with no time left, as in `call`: a hold that landed would be voided again.
+        if Instant::now() >= deadline {
+            let error = LedgerError::Timeout { operation };
+            self.metrics.record_error(error.kind());
+            return Err(error);
+        }
         let (in_flight, span, started) = self.place(operation, place, deadline).await?;
         let leave = batch::Leave {
             in_flight,
@@ -561,11 +573,11 @@ impl Ledger {
     async fn create_accounts_idempotent(
         &self,
         accounts: Vec<tb::Account>,
-        deadline: Instant,
+        placed: (Place, Instant),
     ) -> Result<(), LedgerError> {
-        self.call(
+        self.call_placed(
             Operation::CreateAccounts,
-            deadline,
+            placed,
             move |client| async move {
                 match client.create_accounts(accounts).await {
                     Ok(()) => Ok(()),
@@ -610,7 +622,8 @@ impl Ledger {
             model::operator_account(self.ledger_id),
             model::user_account(account, self.ledger_id),
         ];
-        self.create_accounts_idempotent(accounts, deadline).await?;
+        let placed = (Place::AtOnce, deadline);
+        self.create_accounts_idempotent(accounts, placed).await?;
         // An id whose grant failed for good (a block or a move landed between the account and
         // its grant: a transient refusal, which TigerBeetle never lets that id retry) moves on
         // to the next; without it, such a caller was never credited, and every request of its
@@ -1097,7 +1110,8 @@ pub(crate) enum Place {
     AtOnce,
     /// Waited for until the call's deadline: a give-back (a void, a release by amount, a
     /// recharge), which refused at once was lost, its units held for the rest of their timeout
-    /// (a concurrency slot for a minute, its caller refused "too many in flight" with none).
+    /// (a concurrency slot for a minute, its caller refused "too many in flight" with none);
+    /// and an operator's action, whose moment to act is often a flood that fills the bound.
     Waited,
 }
 

@@ -150,7 +150,7 @@ impl Ledger {
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
         let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
-        let created = self.create_chain(chain, (Place::AtOnce, deadline)).await;
+        let created = self.create_chain(chain, (Place::Waited, deadline)).await;
         if created.is_err() {
             // The move may have landed after all (a lost answer): every instance must look again
             // (their leases on the old account). The bump has time of its own if the move's is spent.
@@ -242,7 +242,7 @@ impl Ledger {
             return Ok(0);
         }
         let chain = carry_transfers(from, to, self.ledger_id, &late);
-        match self.create_chain(chain, (Place::AtOnce, deadline)).await? {
+        match self.create_chain(chain, (Place::Waited, deadline)).await? {
             None => Ok(late.iter().map(|(amount, _)| amount).sum()),
             Some(kind) => Err(unexpected_transfer("move, late holds: ", kind)),
         }

@@ -115,7 +115,8 @@ impl Ledger {
             model::operator_epoch_account(self.ledger_id),
         ];
         let bumped = async {
-            self.create_accounts_idempotent(accounts, deadline).await?;
+            let placed = (super::Place::Waited, deadline);
+            self.create_accounts_idempotent(accounts, placed).await?;
             let bump = model::operator_epoch_transfer(self.ledger_id);
             match self.operator_transfer(bump, deadline).await? {
                 None => Ok(()),
@@ -140,7 +141,11 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
         let answer = |kind, _| Ok(kind);
-        self.single_transfer(transfer, deadline, None, answer).await
+        // Waited for, not refused at once: a flood that fills the bound is when an operator
+        // blocks, and an action's deadline (seconds) bounds the wait.
+        let placed = (super::Place::Waited, deadline);
+        self.single_transfer_placed(transfer, placed, None, answer)
+            .await
     }
 
     /// [`Ledger::operator_transfer`] for a caller's credit or block, announced to every instance
