@@ -132,8 +132,10 @@ pub enum FromMemory<'a> {
     Leased(Decision<'a>, Option<RenewalAhead>),
 }
 
-/// A decision, borrowing its plan from the limiter (no copy on the hot path).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A decision, borrowing its plan from the limiter (no copy on the hot path). A clone has no
+/// [`LeaseReceipt`]: units given back from both copies of one request's lease admission made
+/// room in the lease for requests it never counted (see the `Clone` impl).
+#[derive(Debug, PartialEq, Eq)]
 pub struct Decision<'a> {
     pub outcome: Outcome,
     /// The caller's plan, and its place in the limiter's [`PlanBook`].
@@ -150,6 +152,27 @@ pub struct Decision<'a> {
     pub route_limits: Vec<extra::RouteLimitStatus>,
     /// Which of `route_limits` refused the request (`None`: the plan did, or nobody).
     pub refused_by: Option<usize>,
+}
+
+impl Clone for Decision<'_> {
+    /// Everything but the lease receipt. A refund takes the receipt out of the decision it is
+    /// given, and a lease's book cannot tell one request's units from another's: refunded from
+    /// the original and a clone, the lease would admit twice what it counted, and its
+    /// settlement hold less than was admitted. (A hold's receipt is kept: a second void of one
+    /// transfer is refused by the ledger.)
+    fn clone(&self) -> Self {
+        Decision {
+            outcome: self.outcome.clone(),
+            plan: self.plan,
+            plan_id: self.plan_id,
+            account_id: self.account_id,
+            quota: self.quota,
+            hold: self.hold,
+            leased: None,
+            route_limits: self.route_limits.clone(),
+            refused_by: self.refused_by,
+        }
+    }
 }
 
 impl Decision<'_> {

@@ -1029,3 +1029,29 @@ fn leases_end_at_their_settlement_for_retry_after() {
     );
     assert!(settled_at < placed + lease_timeout);
 }
+
+/// A decision admitted from a lease, cloned: refunded from both copies, the lease gave its
+/// units back twice, made room for requests it never counted, and its settlement held less than
+/// was admitted (or the give-back's assertion panicked on a request's path). A clone carries no
+/// lease receipt; a receipt that gives back more than the lease admitted is refused.
+#[test]
+fn a_lease_admission_is_given_back_once_however_its_decision_is_copied() {
+    let (runtime, _store, limiter, key) = with_a_first_lease();
+    let mut decision = runtime
+        .block_on(limiter.check(&key, NonZeroU64::MIN))
+        .unwrap();
+    let receipt = decision.leased.expect("admitted from the lease");
+    let mut copy = decision.clone();
+    assert_eq!(copy.leased, None, "a clone has no receipt");
+    assert_eq!(runtime.block_on(limiter.refund(&mut decision)), Ok(true));
+    assert_eq!(runtime.block_on(limiter.refund(&mut copy)), Ok(false));
+    // Two admitted, one given back: one unit is used. A made-up receipt of more is refused.
+    let made_up = super::super::LeaseReceipt {
+        lease_id: receipt.lease_id,
+        units: 2,
+    };
+    copy.leased = Some(made_up);
+    assert_eq!(runtime.block_on(limiter.refund(&mut copy)), Ok(false));
+    copy.leased = Some(receipt);
+    assert_eq!(runtime.block_on(limiter.refund(&mut copy)), Ok(true));
+}
