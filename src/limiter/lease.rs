@@ -122,10 +122,35 @@ struct CallerLease {
     /// again, or each admission from the current lease's second half would ask again, a ledger
     /// call per request.
     refused: bool,
-    /// A lease that no longer admits, whose settlement a renewal could not send by its
-    /// request's deadline: the sweeper settles it with a deadline of its own, rather than leave
-    /// its unused units held for window + L.
-    handed_over: Option<Lease>,
+    /// Leases that no longer admit, whose settlement a renewal could not send by its
+    /// request's deadline, or whose settlement's outcome is unknown (a timeout, a lost answer):
+    /// the sweeper settles them with a deadline of their own, rather than leave their unused
+    /// units held for window + L. At most [`HANDED_OVER_MAX`].
+    handed_over: Vec<Lease>,
+}
+
+/// Leases one caller can have waiting for the sweeper: its own, one a renewal replaced, and
+/// settlements sent again after an unknown outcome. Past it, a lease is left to expire.
+const HANDED_OVER_MAX: usize = 4;
+
+/// A settlement that did not end its lease here ([`Limiter::settle`]).
+enum Unsettled {
+    /// Never sent (refused a place under the in-flight bound): the lease is untouched, and
+    /// still counted whole in the ledger as in the local view.
+    Unsent(Lease),
+    /// Sent, and its outcome unknown (a timeout, a lost answer): sent again, it is safe either
+    /// way. Its void has a fresh id, so a settlement that landed answers the retry
+    /// `pending_transfer_already_voided` (the lease is gone), and its linked hold is not made
+    /// twice. Meanwhile the local view has forgotten the caller.
+    Unknown(Lease),
+}
+
+impl Unsettled {
+    fn lease(self) -> Lease {
+        match self {
+            Unsettled::Unsent(lease) | Unsettled::Unknown(lease) => lease,
+        }
+    }
 }
 
 /// A caller's lease state, and the signal that a renewal ended.
@@ -294,7 +319,7 @@ impl LeaseBook {
                 retire_renewed: false,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
-                handed_over: None,
+                handed_over: Vec::new(),
                 refused: false,
             }),
             renewed: Notify::new(),
@@ -354,8 +379,11 @@ impl LeaseBook {
             shard.retain(|_, slot| {
                 let mut caller = slot.lock();
                 if due.len() < SETTLE_BATCH_MAX {
-                    if let Some(lease) = caller.handed_over.take() {
-                        due.push((slot.clone(), caller.holder, lease));
+                    // One that expired meanwhile is gone from the ledger: nothing to send.
+                    for lease in std::mem::take(&mut caller.handed_over) {
+                        if now < lease.local_expires_at {
+                            due.push((slot.clone(), caller.holder, lease));
+                        }
                     }
                 }
                 if caller.renewing && !all {
@@ -378,7 +406,7 @@ impl LeaseBook {
                         // clones it): no request is about to use a forgotten caller.
                         caller.idle_sweeps < 2
                             || Arc::strong_count(slot) > 1
-                            || caller.handed_over.is_some()
+                            || !caller.handed_over.is_empty()
                     }
                 }
             });
@@ -671,8 +699,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         deadline: Instant,
     ) {
         if self.clock.now() < deadline {
-            if let Some(unsent) = self.settle(holder, lease, deadline).await {
-                self.hand_over(slot, holder, unsent);
+            if let Some(unsettled) = self.settle(holder, lease, deadline).await {
+                self.hand_over(slot, holder, unsettled.lease());
             }
             return;
         }
@@ -680,19 +708,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// Leaves `lease` to the sweeper's next tick ([`CallerLease::handed_over`]), if the caller
-    /// has no other waiting there.
+    /// has room there.
     fn hand_over(&self, slot: &Slot, holder: &Holder, lease: Lease) {
         let mut caller = slot.lock();
-        match caller.handed_over {
-            None => caller.handed_over = Some(lease),
-            // One is already waiting for the sweeper (a tick is 100 ms): this one is left to
-            // expire, which holds every unit it admitted; the view must not count it on whole.
-            Some(_) => {
-                drop(caller);
-                self.local.forget(holder.account_id);
-                tracing::debug!("a lease's settlement missed its deadline; it expires window + L after it was placed");
-            }
+        if caller.handed_over.len() < HANDED_OVER_MAX {
+            caller.handed_over.push(lease);
+            return;
         }
+        // Left to expire, which holds every unit it admitted; the view must not count it whole.
+        drop(caller);
+        self.local.forget(holder.account_id);
+        tracing::debug!("a lease's settlement could not be sent again; it expires window + L after it was placed");
     }
 
     /// Takes a lease for `holder`: `Ok(None)` when the ledger refused it or the caller should
@@ -823,12 +849,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(reply)
     }
 
-    /// Settles `lease`, which no longer admits. On an error the outcome is unknown and both are
-    /// safe: the lease is left to expire, which holds every unit it admitted long enough.
-    /// Settles `lease` by `deadline`. `Some(lease)` when the settlement was never sent (refused
-    /// a place under the in-flight bound, `Overloaded`): it can be sent again later, and the
-    /// lease, untouched, is still counted whole in the ledger as in the local view.
-    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Lease> {
+    /// Settles `lease`, which no longer admits, by `deadline`. `Some` when it did not end the
+    /// lease: never sent, or its outcome unknown ([`Unsettled`]); either can be sent again (a
+    /// lease left to expire instead holds every unit it admitted, and its unused ones, for
+    /// window + L: half a caller's capacity for a minute, from every settlement a ledger blip
+    /// or a failover caught in flight).
+    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Unsettled> {
         assert!(lease.units_used <= lease.units);
         let settlement = holder.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
@@ -861,13 +887,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 tracing::debug!("a lease of a closed account is left to expire");
             }
             // Never sent: the sweeper sends it again (else its unused units held window + L).
-            Err(LedgerError::Overloaded { .. }) => return Some(lease),
+            Err(LedgerError::Overloaded { .. }) => return Some(Unsettled::Unsent(lease)),
             Err(error) => {
                 // Landed or not, unknown: the view forgets the caller rather than count the
                 // whole lease on (a settled one holds only the units used: a local 429 could
                 // then refuse what the ledger admits). Its next request asks the ledger.
                 self.local.forget(holder.account_id);
-                tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
+                tracing::debug!(%error, "could not settle a lease; it is sent again");
+                return Some(Unsettled::Unknown(lease));
             }
         }
         None
@@ -908,15 +935,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// a tick, taken from the shards in order, left the callers of the last shards waiting for
     /// as long as the first ones had a batch due.
     ///
-    /// A batch that sent nothing ends the sweep: the in-flight bound is full, and the next
-    /// batch would be those very leases again (handed over leases come first), refused at once,
-    /// pass after pass with no await that waits, until the loop's bound.
+    /// A batch that did not end every lease ends the sweep: the in-flight bound is full, or
+    /// the ledger is in trouble, and the next batch would be those very leases again (handed
+    /// over leases come first): refused at once, pass after pass with no await that waits, or
+    /// each pass a deadline long, until the loop's bound. The next tick sends them again.
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
             let swept = self.settle_leases(false, None).await;
             settled += swept.sent;
-            if swept.due < SETTLE_BATCH_MAX || swept.sent == 0 {
+            if swept.due < SETTLE_BATCH_MAX || swept.sent < swept.due {
                 break;
             }
         }
@@ -963,15 +991,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         for round in due.chunks(at_once) {
             let deadline = deadline.unwrap_or_else(|| self.deadline());
             let settlements = round.iter().map(|(slot, holder, lease)| async move {
-                let unsent = self.settle(holder, *lease, deadline).await;
-                let refused = unsent.is_some();
-                if let Some(unsent) = unsent {
-                    self.hand_over(slot, holder, unsent);
+                let unsettled = self.settle(holder, *lease, deadline).await;
+                let ended = unsettled.is_none();
+                if let Some(unsettled) = unsettled {
+                    self.hand_over(slot, holder, unsettled.lease());
                 }
-                refused
+                ended
             });
-            let refused = futures_util::future::join_all(settlements).await;
-            sent += refused.iter().filter(|refused| !**refused).count();
+            let ended = futures_util::future::join_all(settlements).await;
+            sent += ended.iter().filter(|ended| **ended).count();
         }
         Swept {
             due: due.len(),
@@ -980,8 +1008,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 }
 
-/// What one batch of [`Limiter::settle_leases`] came to: leases due, and settlements sent
-/// (the rest were refused a place, and handed over to be sent again).
+/// What one batch of [`Limiter::settle_leases`] came to: leases due, and settlements that
+/// ended their lease (the rest were refused a place, or their outcome is unknown, and were
+/// handed over to be sent again).
 struct Swept {
     due: usize,
     sent: usize,

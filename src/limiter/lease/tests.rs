@@ -1055,3 +1055,22 @@ fn a_lease_admission_is_given_back_once_however_its_decision_is_copied() {
     copy.leased = Some(receipt);
     assert_eq!(runtime.block_on(limiter.refund(&mut copy)), Ok(true));
 }
+
+/// A settlement whose outcome is unknown (a timeout, whether it landed or not) is sent again by
+/// the next sweep: before, the lease was left to expire, its unused units held for window + L.
+/// Sent again, it settles once either way: the retry of one that landed finds the lease gone.
+#[test]
+fn a_settlement_of_unknown_outcome_is_sent_again() {
+    for fault in [Fault::NotApplied, Fault::LostReply] {
+        let mut events = requests(0, 3);
+        events.push(Event::Advance { ms: 1000 });
+        events.push(Event::Fault(fault));
+        events.push(Event::Sweep { instance: 0 });
+        events.push(Event::Sweep { instance: 0 });
+        let (admitted, model) = run(&events).unwrap();
+        assert_eq!(admitted, 3);
+        let ended_at = model.ended_at.unwrap();
+        assert_eq!(model.held(ended_at), 3, "{fault:?}: only the units used");
+        assert_eq!(model.settlements, 1, "{fault:?}: settled once");
+    }
+}
