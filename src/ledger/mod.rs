@@ -74,6 +74,14 @@ pub enum LedgerError {
     },
 }
 
+/// How often a client the cluster evicted is replaced at most ([`Ledger::connection`]).
+pub const EVICTED_REPLACE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The wall-clock seconds an eviction, and too many replaced clients still open, were last
+/// logged in ([`crate::telemetry::log_throttle`]).
+static EVICTION_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
+static RETIRED_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
+
 /// A child of the request's span. Outside one (an untraced request, a readiness probe) no span at
 /// all: a probe's call must not become a trace of its own.
 fn call_span(operation: Operation) -> tracing::Span {
@@ -278,6 +286,8 @@ pub struct Ledger {
     client: Arc<ArcSwap<Connection>>,
     /// Connections [`Ledger::reconnect`] replaced, until they close (`connection.rs`).
     retired: Arc<Mutex<Vec<Arc<Connection>>>>,
+    /// When a client the cluster evicted was last replaced (taken under `retired`'s lock).
+    evicted_replaced_at: Arc<Mutex<Option<Instant>>>,
     cluster_id: u128,
     in_flight: Arc<Semaphore>,
     in_flight_max: usize,
@@ -320,6 +330,7 @@ impl Ledger {
         Ok(Ledger {
             client: Arc::new(ArcSwap::from_pointee(connection)),
             retired: Arc::new(Mutex::new(Vec::new())),
+            evicted_replaced_at: Arc::new(Mutex::new(None)),
             cluster_id: settings.cluster_id,
             in_flight: Arc::new(Semaphore::new(settings.in_flight_max.get())),
             in_flight_max: settings.in_flight_max.get(),
@@ -359,22 +370,47 @@ impl Ledger {
     /// The connection to call on: the one in use, or, if its client can send nothing more (an
     /// eviction), a new one at the same addresses. The evicted one is retired like a replaced
     /// one, so its calls that will never be answered give their places back.
-    fn connection(&self) -> Arc<Connection> {
+    ///
+    /// At most one new client each [`EVICTED_REPLACE_INTERVAL`]: a cluster that evicts every
+    /// client it registers (it serves a later release only, or more instances share it than
+    /// it keeps sessions for) made one per call, each with a thread of its own, hundreds a
+    /// second. Meanwhile a call fails at once, `client_gone`: one submitted to the evicted
+    /// client would never be answered, and keep its place until its deadline.
+    fn connection(&self, operation: Operation) -> Result<Arc<Connection>, LedgerError> {
         let connection = self.client.load_full();
         if !connection.is_gone() {
-            return connection;
+            return Ok(connection);
         }
         let mut retired = lock(&self.retired);
         let current = self.client.load_full();
         if !Arc::ptr_eq(&current, &connection) {
-            return current; // another call replaced it
+            return Ok(current); // another call replaced it
         }
-        tracing::warn!("the ledger cluster evicted this instance's client (too many clients, or a release it does not serve); a new client registers");
+        let gone = |message: &str| LedgerError::Client {
+            operation,
+            message: message.to_owned(),
+            client_gone: true,
+        };
+        let mut replaced_at = lock(&self.evicted_replaced_at);
+        if replaced_at.is_some_and(|at| at.elapsed() < EVICTED_REPLACE_INTERVAL) {
+            return Err(gone(
+                "evicted by the cluster; a new client registers within a second",
+            ));
+        }
+        *replaced_at = Some(Instant::now());
+        let log = crate::telemetry::log_throttle(&EVICTION_LOGGED_SECOND);
+        if log {
+            tracing::warn!("the ledger cluster evicted this instance's client (too many clients, or a release it does not serve); a new client registers");
+        }
         match self.replace_client(&mut retired, &connection.addresses) {
-            Ok(()) => self.client.load_full(),
+            Ok(()) => Ok(self.client.load_full()),
             Err(error) => {
-                tracing::error!(%error, "could not make a new ledger client; calls fail until one is made");
-                connection
+                if log {
+                    tracing::error!(%error, "could not make a new ledger client; calls fail until one is made");
+                }
+                Err(gone(
+                    "evicted by the cluster, and no new client could be made",
+                ))
             }
         }
     }
@@ -392,7 +428,9 @@ impl Ledger {
         let replaced = self.client.swap(Arc::new(connection));
         replaced.retire();
         retired.push(replaced);
-        if retired.len() > RETIRED_CLIENTS_MAX {
+        if retired.len() > RETIRED_CLIENTS_MAX
+            && crate::telemetry::log_throttle(&RETIRED_LOGGED_SECOND)
+        {
             let open = retired.len();
             tracing::warn!(open, "replaced ledger clients are still open: addresses change faster than their calls end");
         }
@@ -547,7 +585,10 @@ impl Ledger {
             in_flight,
             void_if_abandoned: void_code,
         };
-        let connection = self.connection();
+        let connection = match self.connection(operation) {
+            Ok(connection) => connection,
+            Err(error) => return self.finished_early(operation, started, &span, error),
+        };
         let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
@@ -930,6 +971,19 @@ impl Ledger {
         }
     }
 
+    /// A call that ended before it was sent, with `error`: counted as any other.
+    fn finished_early<T>(
+        &self,
+        operation: Operation,
+        started: Instant,
+        span: &tracing::Span,
+        error: LedgerError,
+    ) -> Result<T, LedgerError> {
+        let result = Err(error);
+        self.finish(operation, started, span, &result);
+        result
+    }
+
     /// Counts a finished call (its duration as its caller waited, and its error's kind) and
     /// names its outcome on its span.
     fn finish<T>(
@@ -996,8 +1050,11 @@ impl Ledger {
             return Err(error);
         }
         let (in_flight, span, started) = self.place(operation, place, deadline).await?;
+        let connection = match self.connection(operation) {
+            Ok(connection) => connection,
+            Err(error) => return self.finished_early(operation, started, &span, error),
+        };
         let (sender, receiver) = oneshot::channel();
-        let connection = self.connection();
         let future = make(connection.client.clone());
         let late = (on_abandoned.clone()).map(|late| (late, connection.clone()));
         let mut answer = CallAnswer { receiver, late };
@@ -1133,5 +1190,44 @@ impl InFlight {
     /// Calls this place stands for.
     pub fn calls(&self) -> usize {
         self.permit.num_permits()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cluster that evicts every client it registers made a new client (a thread each) per
+    /// call. One a second at most; meanwhile calls fail at once, the client gone.
+    #[tokio::test]
+    async fn an_evicted_client_is_replaced_at_most_once_a_second() {
+        let settings = LedgerSettings {
+            cluster_id: 0,
+            // Nothing answers there; the client connects lazily.
+            addresses: vec!["127.0.0.1:1".parse().unwrap()],
+            ledger_id: model::LEDGER_REQUEST_RATE,
+            in_flight_max: NonZeroUsize::new(8).unwrap(),
+            batch_linger: Duration::ZERO,
+        };
+        let ledger = Ledger::connect(&settings).unwrap();
+        let first = ledger.client.load_full();
+        let operation = Operation::CreateTransfers;
+        let mut clients = vec![first];
+        for _ in 0..50 {
+            ledger.client.load().mark_gone();
+            match ledger.connection(operation) {
+                Ok(connection) => clients.push(connection),
+                Err(error) => assert!(matches!(
+                    error,
+                    LedgerError::Client {
+                        client_gone: true,
+                        ..
+                    }
+                )),
+            }
+        }
+        clients.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        assert_eq!(clients.len(), 2, "one new client within the second");
+        assert_eq!(lock(&ledger.retired).len(), 1);
     }
 }
