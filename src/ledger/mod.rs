@@ -167,6 +167,17 @@ fn client_error(operation: Operation, error: impl std::error::Error + 'static) -
 }
 
 impl LedgerError {
+    /// Whether the client can send nothing more (see [`LedgerError::Client`]).
+    pub fn is_client_gone(&self) -> bool {
+        matches!(
+            self,
+            LedgerError::Client {
+                client_gone: true,
+                ..
+            }
+        )
+    }
+
     pub fn kind(&self) -> LedgerErrorKind {
         match self {
             LedgerError::Timeout { .. } => LedgerErrorKind::Timeout,
@@ -1063,13 +1074,7 @@ impl Ledger {
                 let connection = &connection;
                 let future = async move {
                     let answer = future.await;
-                    if matches!(
-                        answer,
-                        Err(LedgerError::Client {
-                            client_gone: true,
-                            ..
-                        })
-                    ) {
+                    if answer.as_ref().is_err_and(LedgerError::is_client_gone) {
                         connection.mark_gone();
                     }
                     answer
