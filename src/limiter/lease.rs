@@ -91,6 +91,9 @@ struct Lease {
     admit_until: Instant,
     /// The expiry the local view recorded for the lease (to forget it once settled).
     local_expires_at: Instant,
+    /// The local view already counts it settled (a settlement of unknown outcome, sent again):
+    /// a retry that settles it must not count its used units twice.
+    counted_settled: bool,
 }
 
 /// Who a lease is for: what settling it needs.
@@ -786,6 +789,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             sent_at,
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
+            counted_settled: false,
         }))
     }
 
@@ -868,16 +872,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.leases.count_transfers(holder.plan_id, transfers);
         }
         match result {
-            Ok(Settled::Done) => {
-                let id = holder.account_id;
-                self.local.release(id, lease.units, lease.local_expires_at);
-                if lease.units_used > 0 {
-                    let now = self.clock.now();
-                    let window = Duration::from_secs(holder.window_seconds.into());
-                    self.local
-                        .record_hold(id, holder.capacity, lease.units_used, now, window, now);
-                }
-            }
+            Ok(Settled::Done) if !lease.counted_settled => self.count_settled(holder, &lease),
+            Ok(Settled::Done) => {}
             // Expired: its units are out of every window that needed them; the local view forgets
             // it at its recorded expiry.
             Ok(Settled::LeaseGone) => {}
@@ -889,15 +885,35 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Never sent: the sweeper sends it again (else its unused units held window + L).
             Err(LedgerError::Overloaded { .. }) => return Some(Unsettled::Unsent(lease)),
             Err(error) => {
-                // Landed or not, unknown: the view forgets the caller rather than count the
-                // whole lease on (a settled one holds only the units used: a local 429 could
-                // then refuse what the ledger admits). Its next request asks the ledger.
-                self.local.forget(holder.account_id);
+                // Landed or not, unknown: the ledger holds the whole lease, or the units used.
+                // The view counts the lesser, as if settled: counting the whole lease on could
+                // refuse from memory what the ledger admits; forgetting the caller, under the
+                // open policy with the ledger down, admitted a caller it knew was spent.
+                if !lease.counted_settled {
+                    self.count_settled(holder, &lease);
+                }
                 tracing::debug!(%error, "could not settle a lease; it is sent again");
+                let lease = Lease {
+                    counted_settled: true,
+                    ..lease
+                };
                 return Some(Unsettled::Unknown(lease));
             }
         }
         None
+    }
+
+    /// What the local view knows of a settled lease: its units released, and the units it
+    /// admitted held for a window from now (the settlement's hold ends no sooner).
+    fn count_settled(&self, holder: &Holder, lease: &Lease) {
+        let id = holder.account_id;
+        self.local.release(id, lease.units, lease.local_expires_at);
+        if lease.units_used > 0 {
+            let now = self.clock.now();
+            let window = Duration::from_secs(holder.window_seconds.into());
+            self.local
+                .record_hold(id, holder.capacity, lease.units_used, now, window, now);
+        }
     }
 
     /// The decision and receipt for `cost` units just admitted from the caller's lease.

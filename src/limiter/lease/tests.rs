@@ -334,6 +334,10 @@ fn runtime_and_store() -> (tokio::runtime::Runtime, ModelStore) {
 }
 
 fn instance(store: &ModelStore) -> Instance {
+    instance_with(store, FailurePolicy::Closed)
+}
+
+fn instance_with(store: &ModelStore, failure_policy: FailurePolicy) -> Instance {
     let lease = terms();
     let capacity = NonZeroU64::new(CAPACITY).unwrap();
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
@@ -344,7 +348,7 @@ fn instance(store: &ModelStore) -> Instance {
     let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
     let settings = LimiterSettings {
         ledger_timeout: Duration::from_millis(500),
-        failure_policy: FailurePolicy::Closed,
+        failure_policy,
         local_callers_max: 100,
         expiry_margin: Duration::ZERO,
     };
@@ -1073,4 +1077,47 @@ fn a_settlement_of_unknown_outcome_is_sent_again() {
         assert_eq!(model.held(ended_at), 3, "{fault:?}: only the units used");
         assert_eq!(model.settlements, 1, "{fault:?}: settled once");
     }
+}
+
+/// A settlement whose outcome is unknown: the local view counts its lower bound (the units
+/// used, as if it landed), neither the whole lease (which could refuse from memory what the
+/// ledger admits) nor nothing. It forgot the caller, and with it what it had read of the
+/// caller's credit: under the open policy with the ledger down, a caller it knew was spent was
+/// then admitted, failed open, for as long as the outage lasted. The retry that settles it does
+/// not count the units again.
+#[test]
+fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    runtime.block_on(async {
+        for _ in 0..2 {
+            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+    });
+    let id = limiter.account_of(&key).unwrap();
+    let remaining = |limiter: &Instance| {
+        let now = store.clock.now();
+        limiter.local.quota(id, CAPACITY, now).remaining
+    };
+    let first = super::LEASE_UNITS_FIRST;
+    assert_eq!(
+        remaining(&limiter),
+        CAPACITY - first,
+        "the lease counts whole"
+    );
+    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
+    store.clock.advance_to(after_l);
+    // Not applied: the retry settles it, and must not count its units a second time.
+    store
+        .model
+        .lock()
+        .unwrap()
+        .faults
+        .push_back(Fault::NotApplied);
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(limiter.local_callers(), 1, "still known");
+    assert_eq!(remaining(&limiter), CAPACITY - 3, "the units used");
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(store.model.lock().unwrap().settlements, 1);
+    assert_eq!(remaining(&limiter), CAPACITY - 3, "counted once");
 }
