@@ -527,3 +527,34 @@ async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() 
         sum_after - sum
     );
 }
+
+/// A request failed closed by a stopped ledger is an error in its trace: its server span (a
+/// 503 the limiter answers itself, which tracing-actix-web's default exported `OK`) and the
+/// ledger call that missed its deadline. A 429 is not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_failed_closed_is_an_error_in_its_trace() {
+    telemetry(); // first: it sets the environment, before this test starts anything
+    let ledger = TestLedger::start();
+    let mut config = test_config(ledger.address);
+    config.ledger.failure_policy = Some("closed".into());
+    config.ledger.timeout_ms = Some(300);
+    let (app, _) = spawn_observed_app(config).await;
+    let key = fresh_key("k_");
+    let admitted = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &admitted).await.status(), 200);
+    ledger.pause(true);
+    let failed = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &failed).await.status(), 503);
+    ledger.pause(false);
+    let status_of = |spans: &[ExportedSpan], kind: &str| {
+        let span = spans.iter().find(|s| s.kind == kind).expect(kind);
+        span.status.as_ref().map(|s| s.code.clone())
+    };
+    let spans = server_spans_of_trace(&failed).await;
+    let error = Some("STATUS_CODE_ERROR".to_owned());
+    assert_eq!(status_of(&spans, "SPAN_KIND_SERVER"), error, "{spans:#?}");
+    assert_eq!(status_of(&spans, "SPAN_KIND_CLIENT"), error, "{spans:#?}");
+    let spans = server_spans_of_trace(&admitted).await;
+    assert_ne!(status_of(&spans, "SPAN_KIND_SERVER"), error, "{spans:#?}");
+    app.stop().await;
+}

@@ -596,8 +596,10 @@ impl RateLimitService for RateLimitServer {
             ratelimit.domain = %domain,
             ratelimit.descriptors = request.descriptors.len(),
             ratelimit.overall_code = tracing::field::Empty,
+            rpc.grpc.status_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
         );
-        async move {
+        let answer = async move {
             let matched = self.matched(&request)?;
             let decided = self.decide(&matched).await?;
             let response = self.respond(&matched, decided)?;
@@ -605,8 +607,31 @@ impl RateLimitService for RateLimitServer {
             tracing::Span::current().record("ratelimit.overall_code", code.as_str_name());
             Ok(Response::new(response))
         }
-        .instrument(span)
-        .await
+        .instrument(span.clone())
+        .await;
+        record_status(&span, answer.as_ref().err());
+        answer
+    }
+}
+
+/// The call's gRPC status on its span, and an error status for the server's own failures
+/// (OpenTelemetry's RPC conventions: a client's bad argument is not the server's error). Before,
+/// a call failed closed by a ledger outage was exported without one: a trace search for errors,
+/// and the span metrics' failure counts, showed nothing through the outage.
+fn record_status(span: &tracing::Span, error: Option<&Status>) {
+    let code = error.map_or(tonic::Code::Ok, Status::code);
+    span.record("rpc.grpc.status_code", code as i32);
+    let server_error = matches!(
+        code,
+        tonic::Code::Unknown
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Unimplemented
+            | tonic::Code::Internal
+            | tonic::Code::Unavailable
+            | tonic::Code::DataLoss
+    );
+    if server_error {
+        span.record("otel.status_code", "ERROR");
     }
 }
 

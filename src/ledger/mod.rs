@@ -95,6 +95,8 @@ fn call_span(operation: Operation) -> tracing::Span {
         db.system.name = "tigerbeetle",
         db.operation.name = operation.as_str(),
         ledger.outcome = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
     )
 }
 
@@ -1014,6 +1016,9 @@ impl Ledger {
         span.record("ledger.outcome", status.as_str());
         if let Err(error) = result {
             self.metrics.record_error(error.kind());
+            // An error span for every failed call (a refusal the ledger answers is no error).
+            span.record("otel.status_code", "ERROR");
+            span.record("otel.status_description", tracing::field::display(error));
         }
     }
 

@@ -146,7 +146,19 @@ impl RootSpanBuilder for LimiterRootSpan {
         span
     }
 
+    /// As tracing-actix-web's, but a 5xx the limiter answers itself (failed closed, a caller it
+    /// cannot resolve) is an error too: the default marks only responses that carry an actix
+    /// error, and exported these `OK`, so a ledger outage showed no error in any trace. (Not
+    /// `ERROR` after the default's `OK`: OpenTelemetry keeps a span's `OK` once set.)
     fn on_request_end<B: MessageBody>(span: Span, outcome: &Result<ServiceResponse<B>, Error>) {
-        DefaultRootSpanBuilder::on_request_end(span, outcome);
+        match outcome {
+            Ok(response)
+                if response.response().error().is_none() && response.status().is_server_error() =>
+            {
+                span.record("http.status_code", i32::from(response.status().as_u16()));
+                span.record("otel.status_code", "ERROR");
+            }
+            _ => DefaultRootSpanBuilder::on_request_end(span, outcome),
+        }
     }
 }
