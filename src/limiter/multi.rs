@@ -282,15 +282,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .await;
             (i, found)
         });
+        let found = futures_util::future::join_all(lookups).await;
+        // A refusal first: a read that failed beside one the ledger answered "nothing free"
+        // made the call the failure policy's, admitted under the open policy.
+        let refusal = found.iter().find_map(|(i, found)| match found {
+            Ok(Some(f)) if f.closed || f.available == 0 => Some((*i, f.closed)),
+            _ => None,
+        });
+        if let Some((i, closed)) = refusal {
+            let refused = self.refused_check(limits, (i, closed), reads[i], deadline);
+            return Err(refused.await);
+        }
         let mut free = Vec::new();
-        for (i, found) in futures_util::future::join_all(lookups).await {
+        for (i, found) in found {
             match found {
-                Ok(Some(f)) if f.closed || f.available == 0 => {
-                    let closed = f.closed;
-                    return Err(self
-                        .refused_check(limits, (i, closed), reads[i], deadline)
-                        .await);
-                }
                 Ok(Some(f)) => free.push((i, f.available)),
                 Ok(None) => free.push((i, limits[i].account.capacity.get())),
                 Err(error) => return Err(self.all_failed(limits, error)),
@@ -616,8 +621,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
                 .0
         } else {
-            // Not remembered: a slot comes back at the latest after one window.
-            Duration::from_secs(limit.account.window_seconds.get().into())
+            // Not remembered: a concurrency limit's slot, which comes back as soon as a call in
+            // flight ends (its window is only the safety timeout of one never released). A
+            // second, as the HTTP middleware says for a slot: the window (an hour, say) told
+            // callers to wait that long for what any moment may free.
+            Duration::from_secs(1)
         };
         let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);

@@ -402,6 +402,18 @@ async fn a_limit_without_local_view_always_asks_the_ledger() {
     assert_eq!(first.limits[0].quota.remaining, 0);
     let second = f.limiter.check_all(&[slot]).await.unwrap();
     assert_eq!(second.refused_by, Some(0));
+    // A slot comes back when any call in flight ends: a second, not its window (60 s).
+    assert!(
+        matches!(
+            second.outcome,
+            Outcome::Limited {
+                retry_after_seconds: 1,
+                ..
+            }
+        ),
+        "{:?}",
+        second.outcome
+    );
     // Its refusal is read with one lookup: a listing would not be kept (an Envoy concurrency
     // rule's, before, was listed and thrown away on every refusal).
     assert_eq!(f.calls(), ["chain", "chain", "free"]);
@@ -637,4 +649,25 @@ async fn a_refused_check_on_an_account_listed_incomplete_lists_nothing() {
         decision.outcome
     );
     assert_eq!(f.calls(), ["free", "view"]);
+}
+
+/// Two checks (Envoy's `hits_addend` 0): one account's read fails, the other's finds nothing
+/// free. The ledger's refusal wins: the failed read made the call the failure policy's, admitted
+/// under the open policy although the ledger had said no.
+#[tokio::test]
+async fn a_refused_check_outranks_a_failed_read_beside_it() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    let spent = f.view(3, &[20, 30, 30], true);
+    f.script(|s| {
+        s.views.push_back(Err(timeout()));
+        s.views.push_back(Ok(Some(spent.clone())));
+        s.views.push_back(Ok(Some(spent)));
+    });
+    let checks = [limit(A, 5, 60, 0), limit(B, 5, 60, 0)];
+    let decision = f.limiter.check_all(&checks).await.unwrap();
+    assert_eq!(decision.refused_by, Some(1), "{:?}", decision.outcome);
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((20, DecisionSource::Ledger))
+    );
 }
