@@ -754,3 +754,32 @@ async fn only_a_caller_of_this_ledger_is_audited_as_a_caller() {
     assert!(slots.audit_caller(id, deadline).await.unwrap().is_some());
     assert!(ledger.audit_caller(id, deadline).await.unwrap().is_none());
 }
+
+/// Readiness waits for a place too: a burst that fills the in-flight bound on a healthy ledger
+/// made `/readyz` answer 503 "too many ledger calls in flight", and an orchestrator take the
+/// instance out of service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_waits_for_a_place_under_a_full_bound() {
+    let process = TestLedger::start();
+    let ledger = ledger_client_bounded(vec![process.address], 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.ping(deadline).await.unwrap();
+    process.pause(true);
+    let busy = ledger.clone();
+    let stuck = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.ping(deadline).await
+    });
+    while ledger.calls_in_flight() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resume = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        process.pause(false);
+        process
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    assert_eq!(ledger.ping(deadline).await, Ok(()));
+    let _process = resume.await.unwrap();
+    let _ = stuck.await;
+}

@@ -886,11 +886,15 @@ impl Ledger {
     }
 
     /// One cheap read, to tell whether the ledger answers (for `/readyz`).
+    ///
+    /// It waits for a place under the in-flight bound: refused at once, a burst of decisions
+    /// that filled the bound on a healthy ledger made the instance unready, and an orchestrator
+    /// then took it out of service (and its load went to the others).
     pub async fn ping(&self, deadline: Instant) -> Result<(), LedgerError> {
         let operator = model::operator_account_id(self.ledger_id);
-        self.call(
+        self.call_placed(
             Operation::LookupAccounts,
-            deadline,
+            (Place::Waited, deadline),
             move |client| async move {
                 client
                     .lookup_accounts(vec![operator])
