@@ -479,10 +479,9 @@ fn operational_routes(
         let rate_limit = rate_limit.clone();
         config.route(
             "/metrics",
-            web::get().to(move |limiter: web::Data<Limiter>| {
+            web::get().to(move || {
                 // The limiters count per thread: what was decided before this scrape is in it.
                 rate_limit.drain_counts();
-                limiter.ledger().publish_at_scrape();
                 let body = handle.render();
                 async move {
                     HttpResponse::Ok()

@@ -381,9 +381,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Moves what each thread counted (decisions, lease admissions) to the `metrics` counters:
     /// call it before rendering them. Without it, each thread's counts lag by less than
     /// [`counts::SPILL_COUNT`] per counter.
+    ///
+    /// The store's own gauges too (the ledger's calls in flight and batches sent): a library
+    /// user calls this alone before rendering, as the README says, and those stayed at 0.
     pub fn drain_counts(&self) {
         self.decisions.drain();
         self.leases.drain_counts();
+        self.store.publish_at_scrape();
     }
 
     pub fn settings(&self) -> &LimiterSettings {

@@ -82,6 +82,10 @@ pub trait Store: Send + Sync + 'static {
         usize::MAX
     }
 
+    /// Publishes what the store counts only when asked (its in-flight calls, its batches),
+    /// before a scrape is rendered ([`super::Limiter::drain_counts`]).
+    fn publish_at_scrape(&self) {}
+
     /// Whether the ledger answers at all.
     fn ping(&self, deadline: Instant) -> impl Future<Output = Result<(), LedgerError>> + Send;
 
@@ -120,6 +124,10 @@ fn no_leases() -> LedgerError {
 impl Store for Ledger {
     fn ledger_id(&self) -> u32 {
         Ledger::ledger_id(self)
+    }
+
+    fn publish_at_scrape(&self) {
+        Ledger::publish_at_scrape(self);
     }
 
     fn hold(

@@ -55,6 +55,7 @@ struct Script {
     held_accounts: Vec<u128>,
     void_if_abandoned: Vec<bool>,
     errors_recorded: usize,
+    published_at_scrape: usize,
     /// The deadline of every void asked for, in order.
     void_deadlines: Vec<Instant>,
     /// When set, a void is sent and never answered.
@@ -134,6 +135,10 @@ impl Store for FakeStore {
 
     fn record_error(&self, _: &LedgerError) {
         self.0.lock().unwrap().errors_recorded += 1;
+    }
+
+    fn publish_at_scrape(&self) {
+        self.0.lock().unwrap().published_at_scrape += 1;
     }
 }
 
@@ -1033,4 +1038,14 @@ async fn a_move_to_a_plan_this_configuration_lacks_is_refused_as_blocked() {
         "{:?}",
         decision.outcome
     );
+}
+
+/// A library user renders its scrape after `drain_counts` alone (as the README says): the
+/// store's own gauges (the ledger's calls in flight, its batches) are published there too. They
+/// were published by the binary's `/metrics` alone, and stayed at 0 for everyone else.
+#[test]
+fn draining_the_counts_publishes_the_stores_gauges() {
+    let f = Fixture::closed();
+    f.limiter.drain_counts();
+    f.script(|s| assert_eq!(s.published_at_scrape, 1));
 }
