@@ -736,6 +736,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let sent_at = self.clock.now();
         let id = holder.account_id;
         let Some(units) = self.lease_units(slot, holder, cost, sent_at) else {
+            // No room for one, as far as the view knows: each admission from the current
+            // lease's second half would start another renewal ahead, each for nothing.
+            slot.lock().refused = true;
             return Ok(None);
         };
         let lease_seconds = holder.terms.seconds.get();

@@ -1121,3 +1121,29 @@ fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
     assert_eq!(store.model.lock().unwrap().settlements, 1);
     assert_eq!(remaining(&limiter), CAPACITY - 3, "counted once");
 }
+
+/// A renewal ahead that finds no room for a lease (the view knows the caller's credit is all
+/// held) takes none, and no other starts from the same lease: each admission from its second
+/// half started one, each for nothing.
+#[test]
+fn a_renewal_ahead_without_room_is_not_asked_again_from_the_same_lease() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let one = NonZeroU64::MIN;
+    let id = limiter.account_of(&key).unwrap();
+    // What else the caller holds, as the view knows it: everything but the lease.
+    let now = store.clock.now();
+    let first = super::LEASE_UNITS_FIRST;
+    limiter
+        .local
+        .record_hold(id, CAPACITY, CAPACITY - first, now, WINDOW, now);
+    let mut renewals = 0;
+    for _ in 2..=first {
+        let (fast, due) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
+        assert_eq!(fast.outcome, Outcome::Admitted);
+        if let Some(renewal) = due {
+            renewals += 1;
+            runtime.block_on(limiter.renew_lease_ahead(renewal));
+        }
+    }
+    assert_eq!(renewals, 1, "one renewal ahead, which found no room");
+}
