@@ -88,4 +88,17 @@ mod tests {
             assert_eq!(error.setting, setting, "{extra}: {error}");
         }
     }
+
+    /// A reported cost replaces a request's hold, and a lease admission has none: such a
+    /// request was charged its estimate, whatever its handler reported.
+    #[test]
+    fn a_cost_header_is_refused_beside_a_lease_plan() {
+        let plans = "default_plan = \"hot\"\n[plans.hot]\ncapacity = 100\nwindow_seconds = 30\nlease_units_max = 50\nlease_seconds = 1\n";
+        let costs = "[routes]\ncost_header = \"X-Cost\"\n";
+        let error = with(&format!("{plans}{costs}")).unwrap_err();
+        assert_eq!(error.setting, "routes.cost_header", "{error}");
+        assert!(error.message.contains("\"hot\""), "{error}");
+        assert!(with(plans).is_ok());
+        assert!(with(costs).is_ok());
+    }
 }

@@ -372,6 +372,10 @@ pub enum RulesError {
     RouteLimits(String, String),
     #[error("{0:?} is not a valid header name")]
     CostHeader(String),
+    /// A reported cost replaces the request's hold; a request admitted from a lease has none,
+    /// and was silently charged its estimate.
+    #[error("cannot be charged on plan {0:?}, whose requests are admitted from leases (a reported cost replaces a request's own hold, and a lease admission has none): drop the plan's lease, or the cost header")]
+    CostHeaderWithLeases(String),
     #[error("must be at least 1")]
     CostZero(String),
     #[error("cost {cost} exceeds the smallest plan capacity ({capacity}): such a request could never be admitted")]
@@ -402,7 +406,9 @@ impl RulesError {
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
             RulesError::RouteLimits(..) => "routes.limits".to_owned(),
-            RulesError::CostHeader(_) => "routes.cost_header".to_owned(),
+            RulesError::CostHeader(_) | RulesError::CostHeaderWithLeases(_) => {
+                "routes.cost_header".to_owned()
+            }
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
             RulesError::CostRoute(route)
@@ -637,6 +643,10 @@ impl RequestRulesBuilder {
                 HeaderName::try_from(name.as_str()).map_err(|_| RulesError::CostHeader(name))
             })
             .transpose()?;
+        let leased = plans.plans().iter().find(|plan| plan.lease().is_some());
+        if let (Some(_), Some(plan)) = (&cost_header, leased) {
+            return Err(RulesError::CostHeaderWithLeases(plan.name().to_owned()));
+        }
         let mut route_limits = self
             .route_limits
             .into_iter()
