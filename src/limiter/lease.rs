@@ -113,9 +113,10 @@ struct CallerLease {
     lease: Option<Lease>,
     /// A request is taking the next lease: others admit from the current one, or wait.
     renewing: bool,
-    /// Every lease was settled while this caller renewed (an operator acted): the lease the
-    /// renewal brings may predate the act, so it is settled at once, not installed.
-    retire_renewed: bool,
+    /// Every lease sent before this was settled while this caller renewed (an operator acted):
+    /// the lease the renewal brings, if sent before it too, may predate the act, so it is
+    /// settled at once, not installed.
+    retire_renewed_before: Option<Instant>,
     /// The next lease's size, from this caller's demand on this instance.
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
@@ -171,7 +172,7 @@ impl Slot {
     fn renewal_ended(&self, caller: &mut CallerLease) {
         assert!(caller.renewing);
         caller.renewing = false;
-        caller.retire_renewed = false;
+        caller.retire_renewed_before = None;
         self.renewed.notify_waiters();
     }
 }
@@ -319,7 +320,7 @@ impl LeaseBook {
                 holder,
                 lease: None,
                 renewing: false,
-                retire_renewed: false,
+                retire_renewed_before: None,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
                 handed_over: Vec::new(),
@@ -374,8 +375,9 @@ impl LeaseBook {
 
     /// Takes out the leases whose time is over and that nobody is renewing, and the leases
     /// handed over by a renewal ([`CallerLease::handed_over`]), at most a batch; callers idle
-    /// for two sweeps (and with nothing handed over) are forgotten.
-    fn due(&self, now: Instant, all: bool) -> Vec<(Arc<Slot>, Holder, Lease)> {
+    /// for two sweeps (and with nothing handed over) are forgotten. With `sent_before`, every
+    /// lease sent before it too, renewing or not.
+    fn due(&self, now: Instant, sent_before: Option<Instant>) -> Vec<(Arc<Slot>, Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
@@ -389,32 +391,52 @@ impl LeaseBook {
                         }
                     }
                 }
-                if caller.renewing && !all {
-                    return true;
-                }
-                // All, and renewing: the current lease goes now, and the next when it comes.
-                caller.retire_renewed |= caller.renewing;
-                match caller.lease {
-                    Some(lease)
-                        if (all || now >= lease.admit_until) && due.len() < SETTLE_BATCH_MAX =>
-                    {
-                        caller.lease = None;
-                        due.push((slot.clone(), caller.holder, lease));
-                        true
+                let Some(cutoff) = sent_before else {
+                    if caller.renewing {
+                        return true;
                     }
-                    Some(_) => true,
-                    None => {
-                        caller.idle_sweeps += 1;
-                        // Only the book holds it (checked under the shard lock, where `slot`
-                        // clones it): no request is about to use a forgotten caller.
-                        caller.idle_sweeps < 2
-                            || Arc::strong_count(slot) > 1
-                            || !caller.handed_over.is_empty()
-                    }
+                    return self.take_if_due(&mut caller, slot, (now, None), &mut due);
+                };
+                // Renewing: the current lease goes now, and the next when it comes, if sent
+                // before the cutoff too.
+                if caller.renewing {
+                    let retire = caller.retire_renewed_before.max(Some(cutoff));
+                    caller.retire_renewed_before = retire;
                 }
+                self.take_if_due(&mut caller, slot, (now, Some(cutoff)), &mut due)
             });
         }
         due
+    }
+
+    /// [`LeaseBook::due`] for one caller: takes its lease into `due` if its time is over (or
+    /// it was sent before the cutoff). `false` when the caller can be forgotten.
+    fn take_if_due(
+        &self,
+        caller: &mut CallerLease,
+        slot: &Arc<Slot>,
+        (now, sent_before): (Instant, Option<Instant>),
+        due: &mut Vec<(Arc<Slot>, Holder, Lease)>,
+    ) -> bool {
+        let over = |lease: &Lease| {
+            now >= lease.admit_until || sent_before.is_some_and(|cutoff| lease.sent_at < cutoff)
+        };
+        match caller.lease {
+            Some(lease) if over(&lease) && due.len() < SETTLE_BATCH_MAX => {
+                caller.lease = None;
+                due.push((slot.clone(), caller.holder, lease));
+                true
+            }
+            Some(_) => true,
+            None => {
+                caller.idle_sweeps += 1;
+                // Only the book holds it (checked under the shard lock, where `slot` clones
+                // it): no request is about to use a forgotten caller.
+                caller.idle_sweeps < 2
+                    || Arc::strong_count(slot) > 1
+                    || !caller.handed_over.is_empty()
+            }
+        }
     }
 }
 
@@ -674,7 +696,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let replaced = {
             let mut caller = slot.lock();
             let replaced = match taken {
-                Ok(Some(lease)) if caller.retire_renewed => Some(lease),
+                Ok(Some(lease))
+                    if caller
+                        .retire_renewed_before
+                        .is_some_and(|cutoff| lease.sent_at < cutoff) =>
+                {
+                    Some(lease)
+                }
                 Ok(Some(lease)) => caller.lease.replace(lease),
                 _ => None,
             };
@@ -961,7 +989,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let swept = self.settle_leases(false, None).await;
+            let swept = self.settle_leases(None, None).await;
             settled += swept.sent;
             if swept.due < SETTLE_BATCH_MAX || swept.sent < swept.due {
                 break;
@@ -977,11 +1005,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// a deadline per batch made a shutdown wait up to 65 of them. A lease not settled by then
     /// is out of memory all the same, and the ledger releases it at its timeout.
     pub async fn settle_all_leases(&self) -> usize {
+        // Every lease sent during the pass too (a renewal in flight): none is sent after it.
+        self.settle_leases_sent_before(None).await
+    }
+
+    /// Settles every lease sent before `cutoff` (an operator acted: a lease stamped before
+    /// the act admits from memory what the act changed; `None`: all, up to the pass's end),
+    /// with one deadline as [`Limiter::settle_all_leases`]. Those sent since are stamped after
+    /// the act, so the ledger judged them by it: without the cutoff, every lease an instance
+    /// held went at each operator action anywhere (a top-up included), renewals in flight too,
+    /// and hot callers fell back to a ledger call per request for a second.
+    pub async fn settle_leases_sent_before(&self, cutoff: Option<Instant>) -> usize {
         let deadline = self.clock.now() + self.settings.ledger_timeout.max(SETTLE_ALL_TIME_MIN);
+        let cutoff = cutoff.unwrap_or(deadline);
         let mut settled = 0;
         // A caller can have two leases to settle: its own, and one a renewal handed over.
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let swept = self.settle_leases(true, Some(deadline)).await;
+            let swept = self.settle_leases(Some(cutoff), Some(deadline)).await;
             settled += swept.sent;
             if swept.due == 0 || self.clock.now() >= deadline {
                 break;
@@ -1003,8 +1043,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Each round has a deadline of its own (`ledger.timeout_ms` from its start), unless
     /// `deadline` is given (a clean shutdown's one deadline for the whole pass): rounds one after
     /// another under one deadline left the last ones none when the ledger was slow.
-    async fn settle_leases(&self, all: bool, deadline: Option<Instant>) -> Swept {
-        let due = self.leases.due(self.clock.now(), all);
+    async fn settle_leases(
+        &self,
+        sent_before: Option<Instant>,
+        deadline: Option<Instant>,
+    ) -> Swept {
+        let due = self.leases.due(self.clock.now(), sent_before);
         let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
         let mut sent = 0;
         for round in due.chunks(at_once) {

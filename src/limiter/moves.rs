@@ -196,10 +196,13 @@ impl super::Limiter {
             let deadline = std::time::Instant::now() + interval;
             match self.store.operator_epoch(deadline).await {
                 Ok(epoch) if seen.is_some_and(|seen| seen != epoch) => {
+                    // A lease sent from now on, after the ledger answered this read, is stamped
+                    // after the act the read saw (one sent while it was out may not be).
+                    let answered_at = std::time::Instant::now();
                     self.local.clear();
-                    // A lease admits from memory: end them all, so a block or a move takes
-                    // effect here now rather than when each lease's time runs out.
-                    self.settle_all_leases().await;
+                    // A lease admits from memory: end those that may predate the act, so a block
+                    // or a move takes effect here now rather than when each one's time runs out.
+                    self.settle_leases_sent_before(Some(answered_at)).await;
                     seen = Some(epoch);
                 }
                 Ok(epoch) => seen = Some(epoch),

@@ -1147,3 +1147,23 @@ fn a_renewal_ahead_without_room_is_not_asked_again_from_the_same_lease() {
     }
     assert_eq!(renewals, 1, "one renewal ahead, which found no room");
 }
+
+/// An operator's act settles the leases that may predate it, not those sent since (stamped
+/// after it, so judged by it): every lease went at each act anywhere, a top-up included, and
+/// hot callers fell back to a ledger call per request.
+#[test]
+fn an_operator_act_settles_only_the_leases_sent_before_it_was_read() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let one = NonZeroU64::MIN;
+    store
+        .clock
+        .advance_to(store.clock.now() + Duration::from_millis(1));
+    let read_at = store.clock.now();
+    let later = CallerKey::from_header_value("x-api-key", b"later", 64).unwrap();
+    let first = runtime.block_on(limiter.check(&later, one)).unwrap();
+    assert!(first.leased.is_some(), "a lease sent as the act was read");
+    let settled = runtime.block_on(limiter.settle_leases_sent_before(Some(read_at)));
+    assert_eq!(settled, 1, "the lease sent before");
+    assert!(leased_from_memory(&limiter, &later, one).is_some(), "kept");
+    assert!(leased_from_memory(&limiter, &key, one).is_none(), "settled");
+}
