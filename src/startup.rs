@@ -13,8 +13,8 @@ use tokio::task::JoinHandle;
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{
-    resolve_addresses, resolve_addresses_or_stand_ins, AdminSettings, ConfigError, LedgerLocation,
-    RlsSettings, Settings,
+    resolve_addresses_keeping, resolve_addresses_or_stand_ins, AdminSettings, ConfigError,
+    LedgerLocation, RlsSettings, Settings,
 };
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
@@ -445,9 +445,11 @@ async fn connect_ledger(
         // the clients an eviction replaced.
         LedgerLocation::Cluster { addresses } => {
             let hosts = addresses.clone();
+            let followed = ledger.clone();
             let resolve = move || {
                 let hosts = hosts.clone();
-                async move { resolve_addresses(&hosts).await }
+                let current = followed.addresses();
+                async move { resolve_addresses_keeping(&hosts, &current).await }
             };
             let follow = follow_addresses(ledger.clone(), RESOLVE_INTERVAL, resolve);
             tokio::spawn(follow)

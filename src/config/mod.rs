@@ -1083,6 +1083,44 @@ pub async fn resolve_addresses(addresses: &[String]) -> Result<Vec<SocketAddr>, 
         .collect()
 }
 
+/// [`resolve_addresses`] for the address follower: a name that does not resolve keeps its
+/// replica's `current` address (a warning says so, once a second at most), and the others are
+/// followed. All or nothing, one missing name (Docker's and Kubernetes' DNS drop a stopped
+/// replica's) kept a replica that came back at a new address unfollowed too, while the cluster
+/// had its quorum. An error (which the follower logs) when a name does not resolve and nothing
+/// else changed.
+pub async fn resolve_addresses_keeping(
+    addresses: &[String],
+    current: &[SocketAddr],
+) -> Result<Vec<SocketAddr>, ConfigError> {
+    assert_eq!(addresses.len(), current.len(), "one address per replica");
+    let lookups = addresses.iter().map(|address| lookup(address));
+    let found = futures_util::future::join_all(lookups).await;
+    let mut resolved = Vec::with_capacity(addresses.len());
+    let mut first_error = None;
+    for ((address, found), kept) in addresses.iter().zip(found).zip(current) {
+        match found.map_err(|error| unresolved(address, &error)) {
+            Ok(found) => resolved.push(lowest_ipv4(address, found)?),
+            Err(error) => {
+                first_error.get_or_insert(error);
+                resolved.push(*kept);
+            }
+        }
+    }
+    match first_error {
+        Some(error) if resolved == current => Err(error),
+        Some(error) => {
+            if crate::telemetry::log_throttle(&KEPT_LOGGED_SECOND) {
+                tracing::warn!(%error, "a replica's address does not resolve; it keeps the last one, and the others are followed");
+            }
+            Ok(resolved)
+        }
+        None => Ok(resolved),
+    }
+}
+
+static KEPT_LOGGED_SECOND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// [`resolve_addresses`] for a service that starts: a name that does not resolve stands in as
 /// an address nothing answers at (loopback, port 1 up: one per replica, in its place, since the
 /// client takes the replicas in order), with a warning, and the service starts. Why: Docker's
@@ -1567,6 +1605,26 @@ mod tests {
         assert!(with(&by_address).is_ok());
         let unknown_served = format!("[caller]\nkeys_file = {path:?}\n");
         assert!(with(&unknown_served).is_ok());
+    }
+
+    /// The follower's look: a name that does not resolve keeps its replica's address, and a
+    /// replica that came back elsewhere is followed all the same (all or nothing, one missing
+    /// name kept every address). Nothing changed beside a missing name: an error to log.
+    #[tokio::test]
+    async fn a_missing_name_keeps_its_address_and_the_others_are_followed() {
+        let hosts = [
+            "127.0.0.1:3001".to_owned(),
+            "replica-down.invalid:3002".to_owned(),
+            "127.0.0.1:3003".to_owned(),
+        ];
+        let at = |text: &str| text.parse::<std::net::SocketAddr>().unwrap();
+        let current = [at("127.0.0.1:3001"), at("10.0.0.2:3002"), at("10.0.0.3:3003")];
+        let followed = resolve_addresses_keeping(&hosts, &current).await.unwrap();
+        let moved = [at("127.0.0.1:3001"), at("10.0.0.2:3002"), at("127.0.0.1:3003")];
+        assert_eq!(followed, moved);
+        let err = resolve_addresses_keeping(&hosts, &moved).await.unwrap_err();
+        assert_eq!(err.setting, "ledger.addresses");
+        assert!(err.message.contains("replica-down.invalid"), "{err}");
     }
 
     #[test]
