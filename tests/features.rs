@@ -693,10 +693,17 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
         "two slots across both instances"
     );
     // A slot's 429 has the rate's fields, as every 429 does, with the rate given back: of the
-    // plan's 1,000 the two requests served (at most) are spent.
+    // plan's 1,000 the two requests served (at most) are spent. Beside them, the concurrency
+    // limit that refused, spent for a second (it showed the rate's quota alone, units left).
     for (_, (policy, ratelimit)) in first.iter().filter(|(status, _)| *status == 429) {
-        assert_eq!(policy.as_deref(), Some("\"big\";q=1000;w=30"));
+        let slots = "\"concurrency\";q=2;qu=\"concurrent-requests\"";
+        assert_eq!(
+            policy.as_deref(),
+            Some(&*format!("\"big\";q=1000;w=30, {slots}"))
+        );
         let ratelimit = ratelimit.as_deref().expect("a RateLimit field");
+        let slot = ratelimit.strip_suffix(", \"concurrency\";r=0;t=1");
+        let ratelimit = slot.expect(ratelimit);
         let remaining: u64 = ratelimit
             .strip_prefix("\"big\";r=")
             .and_then(|rest| rest.split(';').next())

@@ -1618,9 +1618,17 @@ mod tests {
             "127.0.0.1:3003".to_owned(),
         ];
         let at = |text: &str| text.parse::<std::net::SocketAddr>().unwrap();
-        let current = [at("127.0.0.1:3001"), at("10.0.0.2:3002"), at("10.0.0.3:3003")];
+        let current = [
+            at("127.0.0.1:3001"),
+            at("10.0.0.2:3002"),
+            at("10.0.0.3:3003"),
+        ];
         let followed = resolve_addresses_keeping(&hosts, &current).await.unwrap();
-        let moved = [at("127.0.0.1:3001"), at("10.0.0.2:3002"), at("127.0.0.1:3003")];
+        let moved = [
+            at("127.0.0.1:3001"),
+            at("10.0.0.2:3002"),
+            at("127.0.0.1:3003"),
+        ];
         assert_eq!(followed, moved);
         let err = resolve_addresses_keeping(&hosts, &moved).await.unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");

@@ -250,7 +250,8 @@ where
     let slot = match taken {
         Ok(slot) => slot,
         Err(response) => {
-            let response = inner.slot_refused(&mut decision, response);
+            let refused = (req.match_info().as_str(), response);
+            let response = inner.slot_refused(&mut decision, refused);
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
@@ -428,10 +429,15 @@ impl Inner {
     fn slot_refused(
         &self,
         decision: &mut Decision<'_>,
-        mut response: HttpResponse,
+        (path, mut response): (&str, HttpResponse),
     ) -> HttpResponse {
         give_back_unserved(&self.limiter, decision);
-        respond::add_fields(response.headers_mut(), &self.fields, decision, Some(1));
+        let headers = response.headers_mut();
+        respond::add_fields(headers, &self.fields, decision, Some(1));
+        if let Some(slots) = self.concurrency.for_path(path) {
+            let slots = slots.plans().plans()[0].capacity().get();
+            respond::add_slot_refusal(headers, &self.fields, slots);
+        }
         response
     }
 

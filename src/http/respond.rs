@@ -143,6 +143,42 @@ fn add_route_limits(headers: &mut HeaderMap, fields: &Fields, decision: &Decisio
     }
 }
 
+/// A request refused a concurrency slot (of `slots` in flight at once): the fields name that
+/// limit beside the rate's, spent for a second. Before, a slot's 429 showed the rate's quota
+/// alone, with units left (`r=4`, `X-RateLimit-Remaining: 4`), and a client that reads what
+/// is left retried at once. The IETF fields list it as the draft's `concurrent-requests`
+/// quota unit; the single-valued styles show it, as the limit that binds.
+pub fn add_slot_refusal(headers: &mut HeaderMap, fields: &Fields, slots: u64) {
+    let name = crate::http::concurrency::CONCURRENCY_LIMIT_NAME;
+    if fields.styles.ietf {
+        let policy = format!("\"{name}\";q={slots};qu=\"concurrent-requests\"");
+        append_item(headers, headers::RATELIMIT_POLICY, &policy);
+        append_item(headers, headers::RATELIMIT, &format!("\"{name}\";r=0;t=1"));
+    }
+    let single = HeaderStyles {
+        ietf: false,
+        ..fields.styles
+    };
+    let quota = Quota {
+        limit: slots,
+        window_seconds: 0,
+        remaining: 0,
+        reset_seconds: 1,
+    };
+    let policy = HeaderValue::from_static("");
+    headers::insert(headers, single, name, policy, &quota, Some(1));
+}
+
+/// Appends `item` to the list field `name` (or sets it).
+fn append_item(headers: &mut HeaderMap, name: actix_web::http::header::HeaderName, item: &str) {
+    let value = match headers.get(&name).and_then(|v| v.to_str().ok()) {
+        Some(list) if !list.is_empty() => format!("{list}, {item}"),
+        _ => item.to_owned(),
+    };
+    let value = HeaderValue::try_from(value).expect("list items are visible ASCII");
+    headers.insert(name, value);
+}
+
 /// The answer to a request the limiter refuses: 429 when the caller is out of credit, 403 while
 /// an operator blocks it, 503 when the ledger could not decide and the policy is closed. `None` when the request goes on.
 pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse> {
