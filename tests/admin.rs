@@ -578,12 +578,19 @@ fn secrets_never_reach_the_log() {
     for secret in [SECRET, ROTATED, "a-wrong-secret-0000000"] {
         assert!(!metrics.contains(secret), "a secret reached the metrics");
     }
+    // The wrong one is counted (and logged, below), never shown.
+    let refused = "ledger_limiter_admin_refused_total{reason=\"wrong_secret\"} 1";
+    assert!(metrics.contains(refused), "{metrics}");
     // Stopped by the guard (SIGKILL); the log is whole once its reader saw the stream end.
     drop(running);
     let ended = wait_logged(&log, LOG_ENDED, std::time::Duration::from_secs(10));
     assert!(ended, "the log never ended");
     let log = log.lock().unwrap().clone();
     assert!(log.contains("admin API listening"), "{log}");
+    assert!(
+        log.contains("an admin request was refused for its secret"),
+        "{log}"
+    );
     for secret in [SECRET, ROTATED, "a-wrong-secret-0000000"] {
         assert!(!log.contains(secret), "a secret reached the log");
     }

@@ -6,6 +6,7 @@
 //! are kept only as SHA-256 digests and compared in constant time (every digest, every byte), so
 //! neither a secret nor its length leaks through timing, logs, metrics or spans.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -114,6 +115,10 @@ pub struct AdminState {
 
 /// The admin routes, under `/admin`.
 pub fn configure(config: &mut web::ServiceConfig) {
+    metrics::describe_counter!(
+        ADMIN_REFUSED_TOTAL,
+        "Admin requests refused for their secret (missing or not accepted), by reason"
+    );
     // A body that is not what a handler takes is a problem+json like every other refusal: 413
     // when too large (bodies are small), 415 when not JSON, else 400. Only authorized requests
     // get this far ([`Authorized`] comes first), so the fields' names are not for strangers.
@@ -188,6 +193,23 @@ fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
     problem::with_status(ProblemKind::Admin, status, detail)
 }
 
+/// Admin requests refused before any action, by reason (`missing_secret`, `wrong_secret`).
+pub const ADMIN_REFUSED_TOTAL: &str = "ledger_limiter_admin_refused_total";
+
+/// The wall-clock second a refused admin request was last logged in.
+static REFUSED_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
+
+/// Counts and logs (once a second at most, the peer's address alone: never what was presented)
+/// an admin request refused for its secret. Unseen, a client guessing secrets, or one left with
+/// a rotated-out secret, went unnoticed.
+fn refused(req: &HttpRequest, reason: &'static str) {
+    metrics::counter!(ADMIN_REFUSED_TOTAL, "reason" => reason).increment(1);
+    if crate::telemetry::log_throttle(&REFUSED_LOGGED_SECOND) {
+        let peer = req.peer_addr().map(|peer| peer.ip());
+        tracing::warn!(?peer, reason, "an admin request was refused for its secret");
+    }
+}
+
 /// The secret's number (who acted), or the 401/403 answer.
 fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpResponse>> {
     let bearer = req
@@ -195,12 +217,14 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
         .get(AUTHORIZATION)
         .and_then(|v| headers::bearer_token(v.as_bytes()));
     let Some(presented) = bearer else {
+        refused(req, "missing_secret");
         let mut response = admin_problem(StatusCode::UNAUTHORIZED, "a bearer token is required");
         let challenge = HeaderValue::from_static("Bearer realm=\"ledger-limiter admin\"");
         response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
         return Err(Box::new(response));
     };
     state.secrets.who(presented).ok_or_else(|| {
+        refused(req, "wrong_secret");
         Box::new(admin_problem(
             StatusCode::FORBIDDEN,
             "the bearer token is not accepted",
