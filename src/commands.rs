@@ -163,22 +163,24 @@ async fn adjust(
     );
     let id = account_id(settings, ledger, &change.caller).await?;
     let actor = actor(&change.reason)?;
-    let once = match &change.idempotency_key {
-        Some(key) => Some(IdempotencyKey::new(key.as_bytes()).with_context(|| {
-            let max = model::IDEMPOTENCY_KEY_LENGTH_MAX;
-            format!("--idempotency-key must be 1-{max} visible ASCII characters")
-        })?),
-        None => None,
-    };
-    let who = (actor, once.as_ref());
+    // Always a key: without one given, a fresh one, named on an error whose outcome is unknown,
+    // so that running the command again with it applies the adjustment once.
+    let given = change.idempotency_key.clone();
+    let key = given.unwrap_or_else(|| format!("cli-{:032x}", rand::random::<u128>()));
+    let once = IdempotencyKey::new(key.as_bytes()).with_context(|| {
+        let max = model::IDEMPOTENCY_KEY_LENGTH_MAX;
+        format!("--idempotency-key must be 1-{max} visible ASCII characters")
+    })?;
+    let who = (actor, Some(&once));
     let deadline = Instant::now() + DEADLINE;
     let adjusted = if reduce {
-        ledger
-            .reduce_credit(id, change.amount, who, deadline)
-            .await?
+        ledger.reduce_credit(id, change.amount, who, deadline).await
     } else {
-        ledger.top_up(id, change.amount, who, deadline).await?
+        ledger.top_up(id, change.amount, who, deadline).await
     };
+    let adjusted = adjusted.with_context(|| {
+        format!("it may have been applied: run the command again with --idempotency-key {key}, and it is applied once")
+    })?;
     match adjusted {
         Adjusted::Done | Adjusted::AlreadyDone => Ok(id),
         Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),

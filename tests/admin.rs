@@ -65,6 +65,10 @@ impl Admin<'_> {
         if let Some(body) = body {
             request = request.json(&body);
         }
+        // Required on adjustments: a fresh one, each a new adjustment.
+        if path.ends_with("/credit") || path.ends_with("/debit") {
+            request = request.header("Idempotency-Key", fresh_key("once_"));
+        }
         let response = request.send().await.unwrap();
         let status = response.status().as_u16();
         (status, response.json().await.unwrap_or(Value::Null))
@@ -407,6 +411,23 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
         .send("GET", "/admin/callers/nope", Some(SECRET), None)
         .await;
     assert_eq!((status, problem["status"].as_u64()), (400, Some(400)));
+    // An adjustment without an Idempotency-Key: a retry of it would apply it twice.
+    let unnamed = admin
+        .app
+        .http
+        .post(admin.url(&format!("{path}/credit")))
+        .bearer_auth(SECRET)
+        .json(&json!({"amount": 1, "reason": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unnamed.status(), 400);
+    let problem: Value = unnamed.json().await.unwrap();
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("Idempotency-Key header is required"),
+        "{problem}"
+    );
     let zero = json!({"amount": 0, "reason": "x"});
     let (status, _) = admin
         .send("POST", &format!("{path}/debit"), Some(SECRET), Some(zero))

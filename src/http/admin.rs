@@ -427,28 +427,36 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
     }
 }
 
-/// The request's `Idempotency-Key`, if it has one: a retry with the same key (after a 503, say,
-/// whose transfer may have gone through) is the same adjustment, applied once. 400 if malformed.
-struct Once(Option<IdempotencyKey>);
+/// The request's `Idempotency-Key`: a retry with the same key (after a 503, say, whose
+/// transfer may have gone through) is the same adjustment, applied once. Required (400 without
+/// one, as the IETF draft has it for an operation that requires it): a top-up retried without
+/// one, by a client's timeout or `curl --retry`, was applied twice. 400 if malformed.
+struct Once(IdempotencyKey);
 
 impl FromRequest for Once {
     type Error = actix_web::Error;
     type Future = Ready<Result<Self, Self::Error>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        let Some(value) = req.headers().get(IDEMPOTENCY_KEY) else {
-            return ready(Ok(Once(None)));
-        };
-        ready(match IdempotencyKey::new(value.as_bytes()) {
-            Some(key) => Ok(Once(Some(key))),
-            None => {
-                let detail = format!(
-                    "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"
-                );
-                let response = admin_problem(StatusCode::BAD_REQUEST, &detail);
-                Err(InternalError::from_response("idempotency key", response).into())
-            }
-        })
+        let key = req.headers().get(IDEMPOTENCY_KEY);
+        ready(
+            match key.map(|value| IdempotencyKey::new(value.as_bytes())) {
+                Some(Some(key)) => Ok(Once(key)),
+                found => {
+                    let detail = match found {
+                        None => "an Idempotency-Key header is required (your name for this \
+                             adjustment: send it again with the same one, and it is applied once)"
+                            .to_owned(),
+                        Some(_) => format!(
+                            "Idempotency-Key must be 1-{IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII \
+                         characters"
+                        ),
+                    };
+                    let response = admin_problem(StatusCode::BAD_REQUEST, &detail);
+                    Err(InternalError::from_response("idempotency key", response).into())
+                }
+            },
+        )
     }
 }
 
@@ -468,11 +476,11 @@ async fn adjust(
     let ledger = state.limiter.ledger();
     let result = if reduce {
         ledger
-            .reduce_credit(id, amount, (actor, once.as_ref()), deadline)
+            .reduce_credit(id, amount, (actor, Some(&once)), deadline)
             .await
     } else {
         ledger
-            .top_up(id, amount, (actor, once.as_ref()), deadline)
+            .top_up(id, amount, (actor, Some(&once)), deadline)
             .await
     };
     match result {
