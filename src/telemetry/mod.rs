@@ -126,6 +126,17 @@ struct EventsOnly;
 // subscriber's hint "any level", and every disabled callsite in actix-http and Tokio was then
 // asked again at each use: 0.4–1.0 µs per request (see BENCHMARKS.md).
 
+/// The OpenTelemetry SDK's own events (an export that failed, a span dropped): with the
+/// collector down, an error line per failed batch, tens a second under load, unthrottled. At
+/// most one a second reaches the log.
+fn is_opentelemetrys(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.target().starts_with("opentelemetry")
+}
+
+/// The wall-clock second an OpenTelemetry SDK event was last logged in.
+static OPENTELEMETRY_LOGGED_SECOND: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
 impl<S> tracing_subscriber::layer::Filter<S> for EventsOnly {
     fn enabled(
         &self,
@@ -133,13 +144,15 @@ impl<S> tracing_subscriber::layer::Filter<S> for EventsOnly {
         _: &tracing_subscriber::layer::Context<'_, S>,
     ) -> bool {
         metadata.is_event()
+            && (!is_opentelemetrys(metadata) || log_throttle(&OPENTELEMETRY_LOGGED_SECOND))
     }
 
     fn callsite_enabled(&self, metadata: &'static tracing::Metadata<'static>) -> Interest {
-        if metadata.is_event() {
-            Interest::always()
-        } else {
-            Interest::never()
+        match (metadata.is_event(), is_opentelemetrys(metadata)) {
+            (true, false) => Interest::always(),
+            // Asked at each event: the throttle decides.
+            (true, true) => Interest::sometimes(),
+            (false, _) => Interest::never(),
         }
     }
 
@@ -212,5 +225,44 @@ mod tests {
             "service.namespace=shop,service.instance.id=a"
         ));
         assert!(!names_the_service("service.name="));
+    }
+
+    /// With the collector down the SDK logs an error per failed batch: at most one a second
+    /// reaches the log; the service's own events all do.
+    #[test]
+    fn the_sdks_own_events_reach_the_log_once_a_second() {
+        use std::sync::{Arc, Mutex};
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::Layer;
+        let written = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = written.clone();
+        let writer = move || Sink(sink.clone());
+        let layer = tracing_subscriber::fmt::layer()
+            .with_writer(writer)
+            .with_filter(super::EventsOnly);
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..50 {
+                tracing::error!(target: "opentelemetry_sdk", "BatchSpanProcessor.ExportError");
+                tracing::warn!("the service's own");
+            }
+        });
+        let text = String::from_utf8(written.lock().unwrap().clone()).unwrap();
+        let sdk = text.matches("ExportError").count();
+        assert!((1..=2).contains(&sdk), "{sdk} lines: the second may turn");
+        assert_eq!(text.matches("the service's own").count(), 50);
+    }
+
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 }
