@@ -327,6 +327,10 @@ fn admin_server(
         App::new()
             .app_data(state.clone())
             .configure(admin::configure)
+            .wrap_fn(|req, service| {
+                let answer = actix_web::dev::Service::call(service, req);
+                crate::ledger::as_operator_action(answer)
+            })
     })
     .workers(1)
     // The main server handles SIGINT/SIGTERM and stops this one on its way out; two servers

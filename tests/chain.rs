@@ -736,6 +736,30 @@ async fn an_operator_action_waits_for_a_place_under_a_full_bound() {
     let deadline = Instant::now() + Duration::from_secs(5);
     let blocked = ledger.block(id, 600, actor, deadline).await;
     assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
+    let process = resume.await.unwrap();
+    let _ = stuck.await;
+    // An unblock reads the account first: within an operator's action, its reads wait too.
+    process.pause(true);
+    let busy = ledger.clone();
+    let stuck = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.ping(deadline).await
+    });
+    while ledger.calls_in_flight() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resume = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        process.pause(false);
+        process
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let unblock = ledger.unblock(id, actor, deadline);
+    let unblocked = ledger_limiter::ledger::as_operator_action(unblock).await;
+    assert!(
+        matches!(unblocked, Ok(ledger_limiter::ledger::Unblocking::Done)),
+        "{unblocked:?}"
+    );
     let _process = resume.await.unwrap();
     let _ = stuck.await;
 }
@@ -753,6 +777,13 @@ async fn only_a_caller_of_this_ledger_is_audited_as_a_caller() {
     assert!(ledger.audit(id, deadline).await.unwrap().is_some());
     assert!(slots.audit_caller(id, deadline).await.unwrap().is_some());
     assert!(ledger.audit_caller(id, deadline).await.unwrap().is_none());
+    // Nor unblocked as one (it was "not blocked", and every instance told to forget).
+    let actor = ledger_limiter::ledger::model::Actor::from_reason(1, "test").unwrap();
+    let unblocked = ledger.unblock(id, actor, deadline).await;
+    assert_eq!(
+        unblocked,
+        Ok(ledger_limiter::ledger::Unblocking::NoSuchAccount)
+    );
 }
 
 /// Readiness waits for a place too: a burst that fills the in-flight bound on a healthy ledger

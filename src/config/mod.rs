@@ -1097,14 +1097,27 @@ pub async fn resolve_addresses_keeping(
     let lookups = addresses.iter().map(|address| lookup(address));
     let found = futures_util::future::join_all(lookups).await;
     let mut resolved = Vec::with_capacity(addresses.len());
+    let mut kept = Vec::new();
     let mut first_error = None;
-    for ((address, found), kept) in addresses.iter().zip(found).zip(current) {
+    for (replica, ((address, found), current)) in
+        addresses.iter().zip(found).zip(current).enumerate()
+    {
         match found.map_err(|error| unresolved(address, &error)) {
             Ok(found) => resolved.push(lowest_ipv4(address, found)?),
             Err(error) => {
                 first_error.get_or_insert(error);
-                resolved.push(*kept);
+                kept.push(replica);
+                resolved.push(*current);
             }
+        }
+    }
+    // A kept address another replica resolves to now (a platform reuses a stopped replica's
+    // IP): the client refuses two replicas at one address, and the new one was never followed.
+    for replica in kept {
+        let taken = (resolved.iter().enumerate())
+            .any(|(other, at)| other != replica && *at == resolved[replica]);
+        if taken {
+            resolved[replica] = stand_in_address(replica);
         }
     }
     match first_error {
@@ -1633,6 +1646,18 @@ mod tests {
         let err = resolve_addresses_keeping(&hosts, &moved).await.unwrap_err();
         assert_eq!(err.setting, "ledger.addresses");
         assert!(err.message.contains("replica-down.invalid"), "{err}");
+        // The missing replica's address is another's now: it stands in instead.
+        let reused = [
+            at("127.0.0.1:3001"),
+            at("127.0.0.1:3003"),
+            at("10.0.0.3:3003"),
+        ];
+        let followed = resolve_addresses_keeping(&hosts, &reused).await.unwrap();
+        let stand_in = stand_in_address(1);
+        assert_eq!(
+            followed,
+            [at("127.0.0.1:3001"), stand_in, at("127.0.0.1:3003")]
+        );
     }
 
     #[test]

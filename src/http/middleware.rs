@@ -432,11 +432,12 @@ impl Inner {
         (path, mut response): (&str, HttpResponse),
     ) -> HttpResponse {
         give_back_unserved(&self.limiter, decision);
-        let headers = response.headers_mut();
-        respond::add_fields(headers, &self.fields, decision, Some(1));
-        if let Some(slots) = self.concurrency.for_path(path) {
+        respond::add_fields(response.headers_mut(), &self.fields, decision, Some(1));
+        // Not on a 503 (the slot's ledger could not decide): its slots are not known spent.
+        let spent = response.status() == actix_web::http::StatusCode::TOO_MANY_REQUESTS;
+        if let Some(slots) = self.concurrency.for_path(path).filter(|_| spent) {
             let slots = slots.plans().plans()[0].capacity().get();
-            respond::add_slot_refusal(headers, &self.fields, slots);
+            respond::add_slot_refusal(response.headers_mut(), &self.fields, slots);
         }
         response
     }

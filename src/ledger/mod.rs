@@ -74,6 +74,19 @@ pub enum LedgerError {
     },
 }
 
+tokio::task_local! {
+    /// Set while an operator's action runs ([`as_operator_action`]).
+    static OPERATOR_ACTION: ();
+}
+
+/// Runs an operator's action (the admin API's): each of its ledger calls, its reads included
+/// (an unblock's lookup, a move's listings), waits for a place under the in-flight bound within
+/// its deadline, where a decision's is refused at once. A flood that fills the bound is when an
+/// operator acts, and a read refused at once failed the action with a 503.
+pub async fn as_operator_action<F: Future>(action: F) -> F::Output {
+    OPERATOR_ACTION.scope((), action).await
+}
+
 /// How often a client the cluster evicted is replaced at most ([`Ledger::connection`]).
 pub const EVICTED_REPLACE_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -940,12 +953,15 @@ impl Ledger {
     }
 
     /// A call's place under the in-flight bound as `place` says, with the call's span and start.
+    /// Within an operator's action ([`as_operator_action`]) every call waits for its place.
     async fn place(
         &self,
         operation: Operation,
         place: Place,
         deadline: Instant,
     ) -> Result<(InFlight, tracing::Span, Instant), LedgerError> {
+        let operators = OPERATOR_ACTION.try_with(|_| ()).is_ok();
+        let place = if operators { Place::Waited } else { place };
         match place {
             Place::AtOnce => self.place_at_once(operation),
             // Boxed: only a give-back waits, and the wait's state would weigh on every call's

@@ -94,7 +94,18 @@ struct Lease {
     /// The local view already counts it settled (a settlement of unknown outcome, sent again):
     /// a retry that settles it must not count its used units twice.
     counted_settled: bool,
+    /// Settlements of unknown outcome sent so far, and when the next may go: a timed-out call
+    /// keeps its place under the in-flight bound until the ledger answers, so a retry each
+    /// sweep (100 ms) piled copies onto a ledger that was slow already.
+    unknown_tries: u8,
+    retry_not_before: Option<Instant>,
 }
+
+/// Settlements of unknown outcome sent for one lease at most; then it is left to expire.
+const UNKNOWN_TRIES_MAX: u8 = 6;
+
+/// The longest wait before a settlement of unknown outcome is sent again.
+const UNKNOWN_RETRY_WAIT_MAX: Duration = Duration::from_secs(10);
 
 /// Who a lease is for: what settling it needs.
 #[derive(Debug, Clone, Copy)]
@@ -145,7 +156,8 @@ enum Unsettled {
     /// Sent, and its outcome unknown (a timeout, a lost answer): sent again, it is safe either
     /// way. Its void has a fresh id, so a settlement that landed answers the retry
     /// `pending_transfer_already_voided` (the lease is gone), and its linked hold is not made
-    /// twice. Meanwhile the local view has forgotten the caller.
+    /// twice. Meanwhile the local view counts it settled (its lower bound), and it waits a
+    /// ledger timeout, doubling with each try, before it is sent again.
     Unknown(Lease),
 }
 
@@ -384,9 +396,12 @@ impl LeaseBook {
             shard.retain(|_, slot| {
                 let mut caller = slot.lock();
                 if due.len() < SETTLE_BATCH_MAX {
-                    // One that expired meanwhile is gone from the ledger: nothing to send.
+                    // One that expired meanwhile is gone from the ledger: nothing to send. One
+                    // whose settlement is waiting to be sent again stays.
                     for lease in std::mem::take(&mut caller.handed_over) {
-                        if now < lease.local_expires_at {
+                        if lease.retry_not_before.is_some_and(|at| now < at) {
+                            caller.handed_over.push(lease);
+                        } else if now < lease.local_expires_at {
                             due.push((slot.clone(), caller.holder, lease));
                         }
                     }
@@ -764,8 +779,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let sent_at = self.clock.now();
         let id = holder.account_id;
         let Some(units) = self.lease_units(slot, holder, cost, sent_at) else {
-            // No room for one, as far as the view knows: each admission from the current
-            // lease's second half would start another renewal ahead, each for nothing.
+            // No room, as the view knows: else each later admission renews ahead for nothing.
             slot.lock().refused = true;
             return Ok(None);
         };
@@ -821,6 +835,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
             counted_settled: false,
+            unknown_tries: 0,
+            retry_not_before: None,
         }))
     }
 
@@ -915,23 +931,42 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             // Never sent: the sweeper sends it again (else its unused units held window + L).
             Err(LedgerError::Overloaded { .. }) => return Some(Unsettled::Unsent(lease)),
-            Err(error) => {
-                // Landed or not, unknown: the ledger holds the whole lease, or the units used.
-                // The view counts the lesser, as if settled: counting the whole lease on could
-                // refuse from memory what the ledger admits; forgetting the caller, under the
-                // open policy with the ledger down, admitted a caller it knew was spent.
-                if !lease.counted_settled {
-                    self.count_settled(holder, &lease);
-                }
-                tracing::debug!(%error, "could not settle a lease; it is sent again");
-                let lease = Lease {
-                    counted_settled: true,
-                    ..lease
-                };
-                return Some(Unsettled::Unknown(lease));
-            }
+            Err(error) => return self.unknown_settlement(holder, lease, &error),
         }
         None
+    }
+
+    /// A settlement whose outcome is unknown: the lease to send again later, unless the
+    /// ledger's answer was one it should never give (sent again, it would give it again) or it
+    /// was tried [`UNKNOWN_TRIES_MAX`] times; such a lease is left to expire, which holds
+    /// every unit it admitted.
+    fn unknown_settlement(
+        &self,
+        holder: &Holder,
+        lease: Lease,
+        error: &LedgerError,
+    ) -> Option<Unsettled> {
+        // Landed or not, unknown: the ledger holds the whole lease, or the units used. The view
+        // counts the lesser, as if settled: counting the whole lease on could refuse from memory
+        // what the ledger admits; forgetting the caller, under the open policy with the ledger
+        // down, admitted a caller it knew was spent.
+        if !lease.counted_settled {
+            self.count_settled(holder, &lease);
+        }
+        let tries = lease.unknown_tries + 1;
+        let unexpected = matches!(error, LedgerError::Unexpected { .. });
+        if unexpected || tries >= UNKNOWN_TRIES_MAX {
+            tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
+            return None;
+        }
+        tracing::debug!(%error, "could not settle a lease; it is sent again");
+        let wait = self.settings.ledger_timeout * (1 << tries);
+        Some(Unsettled::Unknown(Lease {
+            counted_settled: true,
+            unknown_tries: tries,
+            retry_not_before: Some(self.clock.now() + wait.min(UNKNOWN_RETRY_WAIT_MAX)),
+            ..lease
+        }))
     }
 
     /// What the local view knows of a settled lease: its units released, and the units it

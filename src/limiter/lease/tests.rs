@@ -1070,6 +1070,14 @@ fn a_settlement_of_unknown_outcome_is_sent_again() {
         events.push(Event::Advance { ms: 1000 });
         events.push(Event::Fault(fault));
         events.push(Event::Sweep { instance: 0 });
+        // Not at once: a ledger timeout (500 ms) doubled first.
+        events.push(Event::Sweep { instance: 0 });
+        if fault == Fault::NotApplied {
+            let (_, model) = run(&events).unwrap();
+            let held = model.held(model.ended_at.unwrap());
+            assert_eq!(held, super::LEASE_UNITS_FIRST, "not sent again yet");
+        }
+        events.push(Event::Advance { ms: 1000 });
         events.push(Event::Sweep { instance: 0 });
         let (admitted, model) = run(&events).unwrap();
         assert_eq!(admitted, 3);
@@ -1117,6 +1125,9 @@ fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(limiter.local_callers(), 1, "still known");
     assert_eq!(remaining(&limiter), CAPACITY - 3, "the units used");
+    store
+        .clock
+        .advance_to(store.clock.now() + Duration::from_secs(1));
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(store.model.lock().unwrap().settlements, 1);
     assert_eq!(remaining(&limiter), CAPACITY - 3, "counted once");
