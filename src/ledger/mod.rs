@@ -87,7 +87,7 @@ pub async fn as_operator_action<F: Future>(action: F) -> F::Output {
     OPERATOR_ACTION.scope((), action).await
 }
 
-/// How often a client the cluster evicted is replaced at most ([`Ledger::connection`]).
+/// How often a client the cluster evicted is replaced at most (`Ledger::connection`).
 pub const EVICTED_REPLACE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The wall-clock seconds an eviction, and too many replaced clients still open, were last
