@@ -83,6 +83,9 @@ struct Model {
     lease_calls: u64,
     /// The account is closed by an operator: every new hold and lease is refused so.
     blocked: bool,
+    /// How long after the ledger stamped it a lease's answer says it arrived: the proof's step
+    /// "admit until sent + L", not until answered + L, is tested only when the two differ.
+    lease_latency: Duration,
     /// The clock when the run ended ([`run`]).
     ended_at: Option<Instant>,
 }
@@ -261,7 +264,20 @@ impl Store for ModelStore {
         if let Some(answer_on) = answer_on {
             answer_on.await.unwrap();
         }
-        placed
+        // Stamped when sent (above), and said answered `lease_latency` later. (The clock is
+        // not moved: the run records each admission at the clock's time, and a request admitted
+        // before a renewal that `check` runs would be recorded late.)
+        let latency = self.model.lock().unwrap().lease_latency;
+        placed.map(|reply| match reply {
+            HoldReply::Held {
+                answered_at,
+                transfer_id,
+            } => HoldReply::Held {
+                answered_at: answered_at + latency,
+                transfer_id,
+            },
+            other => other,
+        })
     }
 
     async fn settle_lease(
@@ -382,6 +398,10 @@ enum Event {
         instance: usize,
     },
     Fault(Fault),
+    /// Lease answers take this long from now on.
+    LeaseLatency {
+        ms: u64,
+    },
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -394,6 +414,7 @@ fn event() -> impl Strategy<Value = Event> {
         2 => (0..2usize).prop_map(|instance| Event::Sweep { instance }),
         1 => (0..2usize).prop_map(|instance| Event::Kill { instance }),
         1 => prop_oneof![Just(Fault::LostReply), Just(Fault::NotApplied)].prop_map(Event::Fault),
+        1 => (0..600u64).prop_map(|ms| Event::LeaseLatency { ms }),
     ]
 }
 
@@ -481,6 +502,9 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
             }
             Event::Kill { instance } => instances[*instance] = self::instance(&store),
             Event::Fault(fault) => store.model.lock().unwrap().faults.push_back(*fault),
+            Event::LeaseLatency { ms } => {
+                store.model.lock().unwrap().lease_latency = Duration::from_millis(*ms);
+            }
         }
         check(clock.now(), &admitted)?;
     }
