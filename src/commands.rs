@@ -7,7 +7,7 @@ use anyhow::Context;
 use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
 use ledger_limiter::http::admin::MOVED;
 use ledger_limiter::ledger::model::{self, Actor, IdempotencyKey};
-use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, Unblocking};
+use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerError, Unblocking};
 use ledger_limiter::limiter::caller::CallerKey;
 use ledger_limiter::limiter::Limiter;
 
@@ -178,9 +178,19 @@ async fn adjust(
     } else {
         ledger.top_up(id, change.amount, who, deadline).await
     };
-    let adjusted = adjusted.with_context(|| {
-        format!("it may have been applied: run the command again with --idempotency-key {key}, and it is applied once")
-    })?;
+    // Only where the outcome is unknown: an answer the ledger should never give would be met
+    // again, and a failed read after a known refusal would answer "refused before".
+    let unknown = matches!(
+        &adjusted,
+        Err(LedgerError::Timeout { .. } | LedgerError::Client { .. })
+    );
+    let adjusted = adjusted.map_err(anyhow::Error::from);
+    let adjusted = match unknown {
+        true => adjusted.with_context(|| {
+            format!("it may have been applied: run the command again with --idempotency-key {key}, and it is applied once")
+        })?,
+        false => adjusted?,
+    };
     match adjusted {
         Adjusted::Done | Adjusted::AlreadyDone => Ok(id),
         Adjusted::NotEnoughCredit => anyhow::bail!("the caller has less credit not held"),

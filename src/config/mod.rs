@@ -864,13 +864,13 @@ fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, Co
     // Names are the `plan` label of the decision metrics, where these two mean something else:
     // a plan named `none` was counted nowhere (the label of keys refused before any plan), and
     // one named `concurrency-…` was left out of the dashboard's request panels.
-    // And a route limit's name is the `ratelimit.limit` of its refusals, where `concurrency`
-    // says a concurrency slot refused.
-    let slot_label = section == "limits" && name == CONCURRENCY_LIMIT_NAME;
+    // And `concurrency` names the slots in a refusal: the `ratelimit.limit` of its span, and
+    // the item of its RateLimit fields beside the plan's (two items of one name otherwise).
+    let slot_label = name == CONCURRENCY_LIMIT_NAME;
     if name == PLAN_NONE || name.starts_with(CONCURRENCY_PLAN_PREFIX) || slot_label {
         let why = format!(
-            "the name is reserved: \"{PLAN_NONE}\", names starting \"{CONCURRENCY_PLAN_PREFIX}\" \
-             and a limit named \"{CONCURRENCY_LIMIT_NAME}\" are labels of their own"
+            "the name is reserved: \"{PLAN_NONE}\", \"{CONCURRENCY_LIMIT_NAME}\" and names \
+             starting \"{CONCURRENCY_PLAN_PREFIX}\" are labels of their own"
         );
         return Err(invalid(format!("{section}.{name}"), why));
     }
@@ -1102,8 +1102,10 @@ pub async fn resolve_addresses_keeping(
     for (replica, ((address, found), current)) in
         addresses.iter().zip(found).zip(current).enumerate()
     {
-        match found.map_err(|error| unresolved(address, &error)) {
-            Ok(found) => resolved.push(lowest_ipv4(address, found)?),
+        // A name with no IPv4 address (for now) is kept as one that does not resolve.
+        let found = found.map_err(|error| unresolved(address, &error));
+        match found.and_then(|found| lowest_ipv4(address, found)) {
+            Ok(found) => resolved.push(found),
             Err(error) => {
                 first_error.get_or_insert(error);
                 kept.push(replica);
@@ -1281,8 +1283,10 @@ mod tests {
             ("plans", "none"),
             ("plans", "concurrency-x"),
             ("limits", "concurrency-"),
-            // A route limit's refusals are `ratelimit.limit = <name>`, a slot's `concurrency`.
+            // A route limit's refusals are `ratelimit.limit = <name>`, a slot's `concurrency`;
+            // and a slot's 429 lists `"concurrency"` beside the plan in its RateLimit fields.
             ("limits", "concurrency"),
+            ("plans", "concurrency"),
         ] {
             let text = format!("default_plan = \"a\"\n[plans.a]\ncapacity = 2\nwindow_seconds = 60\n[{section}.{name}]\ncapacity = 2\nwindow_seconds = 60");
             let err = with(&text).unwrap_err();
@@ -1291,8 +1295,6 @@ mod tests {
         }
         let fine = "default_plan = \"nonea\"\n[plans.nonea]\ncapacity = 2\nwindow_seconds = 60";
         assert!(with(fine).is_ok());
-        let plan = "default_plan = \"concurrency\"\n[plans.concurrency]\ncapacity = 2\nwindow_seconds = 60";
-        assert!(with(plan).is_ok(), "a plan's name is no limit's label");
     }
 
     #[test]

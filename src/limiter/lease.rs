@@ -94,15 +94,12 @@ struct Lease {
     /// The local view already counts it settled (a settlement of unknown outcome, sent again):
     /// a retry that settles it must not count its used units twice.
     counted_settled: bool,
-    /// Settlements of unknown outcome sent so far, and when the next may go: a timed-out call
+    /// Settlements of unknown outcome sent so far (counted to 8), and when the next may go: a timed-out call
     /// keeps its place under the in-flight bound until the ledger answers, so a retry each
     /// sweep (100 ms) piled copies onto a ledger that was slow already.
     unknown_tries: u8,
     retry_not_before: Option<Instant>,
 }
-
-/// Settlements of unknown outcome sent for one lease at most; then it is left to expire.
-const UNKNOWN_TRIES_MAX: u8 = 6;
 
 /// The longest wait before a settlement of unknown outcome is sent again.
 const UNKNOWN_RETRY_WAIT_MAX: Duration = Duration::from_secs(10);
@@ -389,7 +386,14 @@ impl LeaseBook {
     /// handed over by a renewal ([`CallerLease::handed_over`]), at most a batch; callers idle
     /// for two sweeps (and with nothing handed over) are forgotten. With `sent_before`, every
     /// lease sent before it too, renewing or not.
-    fn due(&self, now: Instant, sent_before: Option<Instant>) -> Vec<(Arc<Slot>, Holder, Lease)> {
+    ///
+    /// A lease whose settlement waits to be sent again stays, unless `retry_now` (a pass that
+    /// must settle every lease: the first of a clean shutdown's, or of an operator's act).
+    fn due(
+        &self,
+        now: Instant,
+        (sent_before, retry_now): (Option<Instant>, bool),
+    ) -> Vec<(Arc<Slot>, Holder, Lease)> {
         let mut due = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
@@ -399,7 +403,7 @@ impl LeaseBook {
                     // One that expired meanwhile is gone from the ledger: nothing to send. One
                     // whose settlement is waiting to be sent again stays.
                     for lease in std::mem::take(&mut caller.handed_over) {
-                        if lease.retry_not_before.is_some_and(|at| now < at) {
+                        if !retry_now && lease.retry_not_before.is_some_and(|at| now < at) {
                             caller.handed_over.push(lease);
                         } else if now < lease.local_expires_at {
                             due.push((slot.clone(), caller.holder, lease));
@@ -936,10 +940,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         None
     }
 
-    /// A settlement whose outcome is unknown: the lease to send again later, unless the
-    /// ledger's answer was one it should never give (sent again, it would give it again) or it
-    /// was tried [`UNKNOWN_TRIES_MAX`] times; such a lease is left to expire, which holds
-    /// every unit it admitted.
+    /// A settlement whose outcome is unknown: the lease to send again later (until it expires:
+    /// a whole-cluster outage outlasts any count of tries), unless the ledger's answer was one
+    /// it should never give (sent again, it would give it again); such a lease is left to
+    /// expire, which holds every unit it admitted.
     fn unknown_settlement(
         &self,
         holder: &Holder,
@@ -953,14 +957,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if !lease.counted_settled {
             self.count_settled(holder, &lease);
         }
-        let tries = lease.unknown_tries + 1;
-        let unexpected = matches!(error, LedgerError::Unexpected { .. });
-        if unexpected || tries >= UNKNOWN_TRIES_MAX {
+        if matches!(error, LedgerError::Unexpected { .. }) {
             tracing::debug!(%error, "could not settle a lease; it expires window + L after it was placed");
             return None;
         }
         tracing::debug!(%error, "could not settle a lease; it is sent again");
-        let wait = self.settings.ledger_timeout * (1 << tries);
+        // A ledger timeout, doubled each try, at most UNKNOWN_RETRY_WAIT_MAX.
+        let tries = lease.unknown_tries.saturating_add(1).min(8);
+        let wait = self.settings.ledger_timeout * (1 << (tries - 1));
         Some(Unsettled::Unknown(Lease {
             counted_settled: true,
             unknown_tries: tries,
@@ -1024,7 +1028,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     pub async fn settle_due_leases(&self) -> usize {
         let mut settled = 0;
         for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let swept = self.settle_leases(None, None).await;
+            let swept = self.settle_leases((None, false), None).await;
             settled += swept.sent;
             if swept.due < SETTLE_BATCH_MAX || swept.sent < swept.due {
                 break;
@@ -1055,8 +1059,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let cutoff = cutoff.unwrap_or(deadline);
         let mut settled = 0;
         // A caller can have two leases to settle: its own, and one a renewal handed over.
-        for _ in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
-            let swept = self.settle_leases(Some(cutoff), Some(deadline)).await;
+        for pass in 0..=2 * LEASE_CALLERS_MAX / SETTLE_BATCH_MAX {
+            // The first pass sends those waiting to be sent again too (a clean shutdown left
+            // them held for window + L); later ones leave them their wait.
+            let due = (Some(cutoff), pass == 0);
+            let swept = self.settle_leases(due, Some(deadline)).await;
             settled += swept.sent;
             if swept.due == 0 || self.clock.now() >= deadline {
                 break;
@@ -1080,10 +1087,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// another under one deadline left the last ones none when the ledger was slow.
     async fn settle_leases(
         &self,
-        sent_before: Option<Instant>,
+        due: (Option<Instant>, bool),
         deadline: Option<Instant>,
     ) -> Swept {
-        let due = self.leases.due(self.clock.now(), sent_before);
+        let due = self.leases.due(self.clock.now(), due);
         let at_once = (self.store.in_flight_max() / 4).clamp(1, SETTLE_CONCURRENCY_MAX);
         let mut sent = 0;
         for round in due.chunks(at_once) {

@@ -1202,3 +1202,24 @@ fn an_operator_act_settles_only_the_leases_sent_before_it_was_read() {
     assert!(leased_from_memory(&limiter, &later, one).is_some(), "kept");
     assert!(leased_from_memory(&limiter, &key, one).is_none(), "settled");
 }
+
+/// A clean shutdown sends at once a settlement waiting to be sent again (its outcome unknown):
+/// skipped, its lease held the unused units for window + L.
+#[test]
+fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
+    let (runtime, store, limiter, _key) = with_a_first_lease();
+    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
+    store.clock.advance_to(after_l);
+    store
+        .model
+        .lock()
+        .unwrap()
+        .faults
+        .push_back(Fault::NotApplied);
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(store.model.lock().unwrap().settlements, 0, "not applied");
+    assert_eq!(runtime.block_on(limiter.settle_all_leases()), 1);
+    let model = store.model.lock().unwrap();
+    assert_eq!(model.settlements, 1);
+    assert_eq!(model.held(store.clock.now()), 1, "the unit used");
+}
