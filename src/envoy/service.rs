@@ -895,6 +895,62 @@ fn policy_name(rule: &Rule) -> String {
 mod tests {
     use super::*;
 
+    /// The fields recorded on spans, by name, as text.
+    #[derive(Clone, Default)]
+    struct Recorded(Arc<std::sync::Mutex<Vec<(String, String)>>>);
+
+    impl tracing::field::Visit for Recorded {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            let value = format!("{value:?}").trim_matches('"').to_owned();
+            self.0
+                .lock()
+                .unwrap()
+                .push((field.name().to_owned(), value));
+        }
+    }
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Recorded {
+        fn on_record(
+            &self,
+            _: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            values.record(&mut self.clone());
+        }
+    }
+
+    /// A call the server could not answer (failed closed: `UNAVAILABLE`) is an error span, by
+    /// OpenTelemetry's RPC conventions; a client's bad argument, or an answer, is not.
+    #[test]
+    fn a_server_error_is_an_error_span_and_a_bad_argument_is_not() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let status_of = |error: Option<Status>| {
+            let recorded = Recorded::default();
+            let subscriber = tracing_subscriber::registry().with(recorded.clone());
+            tracing::subscriber::with_default(subscriber, || {
+                let span = tracing::info_span!(
+                    "call",
+                    rpc.grpc.status_code = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                );
+                record_status(&span, error.as_ref());
+            });
+            let fields = recorded.0.lock().unwrap().clone();
+            let field = |name: &str| {
+                let found = fields.iter().find(|(n, _)| n == name);
+                found.map(|(_, value)| value.clone())
+            };
+            (field("rpc.grpc.status_code"), field("otel.status_code"))
+        };
+        let text = |s: &str| Some(s.to_owned());
+        let unavailable = status_of(Some(Status::unavailable("the ledger could not decide")));
+        assert_eq!(unavailable, (text("14"), text("ERROR")));
+        let bad = status_of(Some(Status::invalid_argument("no descriptors")));
+        assert_eq!(bad, (text("3"), None));
+        assert_eq!(status_of(None), (text("0"), None));
+    }
+
     #[test]
     fn a_policy_name_never_shows_a_configured_value() {
         let mut config = RlsConfig::default();
