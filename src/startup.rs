@@ -203,12 +203,7 @@ impl Application {
         })?
         .run();
 
-        if let Some(admin) = &settings.admin {
-            companions.admin = Some(admin_server(admin, limiter.clone())?);
-        }
-        if let Some(rls) = &settings.rls {
-            companions.rls = Some(rls_server(rls, limiter.clone(), settings.workers.get())?);
-        }
+        start_listeners(&settings, &limiter, &mut companions)?;
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
@@ -308,10 +303,26 @@ fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
     Ok((listener, port))
 }
 
+/// The admin API and the Envoy front end, each on a listener of its own, where configured.
+fn start_listeners(
+    settings: &Settings,
+    limiter: &Arc<Limiter>,
+    companions: &mut Companions,
+) -> Result<(), StartupError> {
+    if let Some(admin) = &settings.admin {
+        let admin_state = (limiter.clone(), settings.rules.clone());
+        companions.admin = Some(admin_server(admin, admin_state)?);
+    }
+    if let Some(rls) = &settings.rls {
+        companions.rls = Some(rls_server(rls, limiter.clone(), settings.workers.get())?);
+    }
+    Ok(())
+}
+
 /// The admin API on its own listener (one worker: it is for operators, not traffic), running.
 fn admin_server(
     admin: &AdminSettings,
-    limiter: Arc<Limiter>,
+    (limiter, rules): (Arc<Limiter>, Arc<crate::http::rules::RequestRules>),
 ) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
     let listen_error = |source| StartupError::Listen {
         address: admin.listen.clone(),
@@ -322,6 +333,7 @@ fn admin_server(
     let state = web::Data::new(AdminState {
         limiter,
         secrets: admin.secrets.clone(),
+        rules,
     });
     let server = HttpServer::new(move || {
         App::new()

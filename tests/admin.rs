@@ -900,3 +900,39 @@ async fn an_application_dropped_unrun_stops_its_admin_api() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// A caller known by its address (no key) is found, and blocked, by that address: the callers
+/// most often abusive could be found only by an id read from a trace. An IPv4-mapped address
+/// names the same caller, as the middleware counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_known_by_its_address_is_looked_up_by_it() {
+    let mut config = config(7);
+    config.caller.source = Some("header-or-peer-ip".into());
+    let app = spawn_app(config).await;
+    let admin = Admin { app: &app };
+    assert_eq!(app.get("/greeting", None).await.status(), 200, "keyless");
+    let lookup = "/admin/callers/lookup";
+    let by = |body: Value| admin.send("POST", lookup, Some(SECRET), Some(body));
+    let (status, found) = by(json!({"address": "127.0.0.1"})).await;
+    assert_eq!(status, 200, "{found}");
+    let (_, mapped) = by(json!({"address": "::ffff:127.0.0.1"})).await;
+    assert_eq!(mapped["account_id"], found["account_id"]);
+    let id = found["account_id"].as_str().unwrap();
+    let (status, seen) = admin
+        .send("GET", &format!("/admin/callers/{id}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (status, seen["holds"].as_u64()),
+        (200, Some(1)),
+        "its request"
+    );
+    for bad in [
+        json!({"address": "nope"}),
+        json!({"key": "k", "address": "127.0.0.1"}),
+        json!({}),
+    ] {
+        let (status, problem) = by(bad.clone()).await;
+        assert_eq!(status, 400, "{bad}: {problem}");
+    }
+    app.stop().await;
+}

@@ -111,6 +111,8 @@ impl AdminSecrets {
 pub struct AdminState {
     pub limiter: Arc<Limiter>,
     pub secrets: AdminSecrets,
+    /// How the middleware names callers by their address (a lookup or move by `address`).
+    pub rules: Arc<crate::http::rules::RequestRules>,
 }
 
 /// The admin routes, under `/admin`.
@@ -286,7 +288,29 @@ async fn inspect(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Lookup {
-    key: String,
+    key: Option<String>,
+    address: Option<String>,
+}
+
+/// Who a lookup or a move is about: `key` (an API key), or `address` (a caller known by its
+/// address, under `caller.source = "peer-ip"` or `"header-or-peer-ip"`: without it, the callers
+/// most often abusive could not be found nor moved, but by an id read from a trace).
+fn caller_key(
+    (key, address): (&Option<String>, &Option<String>),
+    state: &AdminState,
+) -> Result<CallerKey, Box<HttpResponse>> {
+    let bad = |detail: &str| Box::new(admin_problem(StatusCode::BAD_REQUEST, detail));
+    match (key, address) {
+        (Some(key), None) => {
+            CallerKey::from_header_value("key", key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
+                .map_err(|_| bad("not a valid key"))
+        }
+        (None, Some(address)) => {
+            let ip = address.parse().map_err(|_| bad("not an IP address"))?;
+            Ok(state.rules.address_key(ip))
+        }
+        _ => Err(bad("name the caller by one of `key` and `address`")),
+    }
 }
 
 #[derive(Serialize)]
@@ -301,9 +325,9 @@ async fn lookup(
     body: web::Json<Lookup>,
     state: web::Data<AdminState>,
 ) -> HttpResponse {
-    let Ok(key) = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
-    else {
-        return admin_problem(StatusCode::BAD_REQUEST, "not a valid key");
+    let key = match caller_key((&body.key, &body.address), &state) {
+        Ok(key) => key,
+        Err(response) => return *response,
     };
     // Following the caller's moves in the ledger: one made elsewhere closed the account its key
     // derives, and every action on that one would miss the caller.
@@ -593,7 +617,8 @@ async fn unblock(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Move {
-    key: String,
+    key: Option<String>,
+    address: Option<String>,
     plan: String,
     reason: String,
 }
@@ -608,8 +633,7 @@ async fn move_caller(
     use crate::limiter::moves::MoveError;
     let moved = async {
         let actor = actor(who, &body.reason)?;
-        let key = CallerKey::from_header_value("key", body.key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
-            .map_err(|_| Box::new(admin_problem(StatusCode::BAD_REQUEST, "not a valid key")))?;
+        let key = caller_key((&body.key, &body.address), &state)?;
         let deadline = Instant::now() + DEADLINE;
         let result = state
             .limiter

@@ -190,6 +190,14 @@ impl RequestRules {
     pub fn key_source(&self) -> &KeySource {
         &self.key_source
     }
+
+    /// The caller a request from `ip` is (where callers are known by their address), as the
+    /// middleware names it: IPv4-mapped addresses as IPv4, an IPv6 one by its network, one a
+    /// translator carries by its IPv4 address. For the admin API's lookups and moves.
+    pub fn address_key(&self, ip: std::net::IpAddr) -> CallerKey {
+        let ip = ip.to_canonical();
+        CallerKey::from_network(ip, self.ipv6_prefix_bits, &self.translators)
+    }
 }
 
 /// Whether `path` is on the route `pattern` (an exact path, or a `prefix*`).
