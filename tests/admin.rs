@@ -906,9 +906,9 @@ async fn an_application_dropped_unrun_stops_its_admin_api() {
 /// names the same caller, as the middleware counts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_known_by_its_address_is_looked_up_by_it() {
-    let mut config = config(7);
-    config.caller.source = Some("header-or-peer-ip".into());
-    let app = spawn_app(config).await;
+    let mut by_address = config(7);
+    by_address.caller.source = Some("header-or-peer-ip".into());
+    let app = spawn_app(by_address).await;
     let admin = Admin { app: &app };
     assert_eq!(app.get("/greeting", None).await.status(), 200, "keyless");
     let lookup = "/admin/callers/lookup";
@@ -935,4 +935,11 @@ async fn a_caller_known_by_its_address_is_looked_up_by_it() {
         assert_eq!(status, 400, "{bad}: {problem}");
     }
     app.stop().await;
+    // Where callers are known by key alone, an address names none.
+    let keys_only = spawn_app(config(7)).await;
+    let admin = Admin { app: &keys_only };
+    let body = json!({"address": "127.0.0.1"});
+    let (status, problem) = admin.send("POST", lookup, Some(SECRET), Some(body)).await;
+    assert_eq!(status, 400, "{problem}");
+    keys_only.stop().await;
 }

@@ -24,6 +24,7 @@ use std::future::{ready, Ready};
 
 use super::headers;
 use super::problem::{self, ProblemKind};
+use crate::http::rules::KeySource;
 use crate::ledger::audit::AccountAudit;
 use crate::ledger::metrics::LedgerErrorKind;
 use crate::ledger::model::{
@@ -307,6 +308,13 @@ fn caller_key(
         }
         (None, Some(address)) => {
             let ip = address.parse().map_err(|_| bad("not an IP address"))?;
+            // Keys alone: an address names no caller here (its account would be one no
+            // request is ever charged to).
+            if let KeySource::Header(_) = state.rules.key_source() {
+                return Err(bad(
+                    "callers are known by their key here, not their address",
+                ));
+            }
             Ok(state.rules.address_key(ip))
         }
         _ => Err(bad("name the caller by one of `key` and `address`")),
