@@ -1223,3 +1223,28 @@ fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
     assert_eq!(model.settlements, 1);
     assert_eq!(model.held(store.clock.now()), 1, "the unit used");
 }
+
+/// A renewal ahead its request holds unrun (a library user's, run after a slow handler): a
+/// request that finds the lease spent waits for it half its time left at most, then is decided
+/// per request. It went to the failure policy (here closed: a 503), the ledger healthy.
+#[test]
+fn a_request_waiting_on_a_renewal_held_unrun_is_decided_per_request() {
+    let (runtime, _store, limiter, key) = with_a_first_lease();
+    let one = NonZeroU64::MIN;
+    let mut held = None;
+    for _ in 2..=super::LEASE_UNITS_FIRST {
+        let (fast, due) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
+        assert_eq!(fast.outcome, Outcome::Admitted);
+        held = held.or(due);
+    }
+    assert!(held.is_some(), "the renewal ahead, held unrun");
+    let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert_eq!(
+        decision.outcome,
+        Outcome::Admitted,
+        "{:?}",
+        decision.outcome
+    );
+    assert!(decision.hold.is_some(), "per request");
+    drop(held);
+}
