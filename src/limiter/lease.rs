@@ -120,6 +120,9 @@ struct CallerLease {
     lease: Option<Lease>,
     /// A request is taking the next lease: others admit from the current one, or wait.
     renewing: bool,
+    /// The renewal has started its ledger calls (a renewal ahead is started by its request's
+    /// caller, after its answer; until then it is only due).
+    renewal_running: bool,
     /// Every lease sent before this was settled while this caller renewed (an operator acted):
     /// the lease the renewal brings, if sent before it too, may predate the act, so it is
     /// settled at once, not installed.
@@ -181,6 +184,7 @@ impl Slot {
         assert!(caller.renewing);
         caller.renewing = false;
         caller.retire_renewed_before = None;
+        caller.renewal_running = false;
         self.renewed.notify_waiters();
     }
 }
@@ -328,6 +332,7 @@ impl LeaseBook {
                 holder,
                 lease: None,
                 renewing: false,
+                renewal_running: false,
                 retire_renewed_before: None,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
@@ -502,8 +507,8 @@ enum Look<'a> {
     AdmittedRenewing(Decided, LeaseReceipt),
     /// No room: this request renews (the current lease, if any, is retired first).
     Renew(Option<Lease>),
-    /// Another request renews: wait for it.
-    Wait(Pin<Box<Notified<'a>>>),
+    /// Another request renews: wait for it (`true`: its ledger calls have started).
+    Wait(Pin<Box<Notified<'a>>>, bool),
 }
 
 /// `view` with every lease ending when its instance settles it (L after it was placed, plus a
@@ -542,8 +547,9 @@ pub(super) fn listing_settling_soon(
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
     /// that finds it half spent also gets the renewal of the next one, to run); else after a
-    /// renewal, its own or another request's; per request (exact, as without leases) when no
-    /// lease can be had. Everything by `at.deadline`.
+    /// renewal, its own or another request's (one not started yet is waited for half the time
+    /// left); per request (exact, as without leases) when no lease can be had. Everything by
+    /// `at.deadline`.
     pub(super) async fn decide_leased(
         &self,
         charge: &Charge<'_>,
@@ -576,19 +582,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         Err(error) => return Ok((self.failed(error, charge), None, None)),
                     }
                 }
-                Look::Wait(renewed) => {
+                Look::Wait(renewed, running) => {
                     self.leases.count_wait(charge.plan_id);
-                    // Half the time left at most, then decided per request with the rest: a
-                    // renewal its request holds unrun (a library user's, run after a slow
-                    // handler) sent every request waiting on it to the failure policy, the
-                    // ledger healthy all along.
+                    // A renewal at the ledger is waited for until the deadline: it brings the
+                    // lease sooner than a hold of this request's own would land. One not started
+                    // (a renewal ahead its request holds unrun: a library user's, run after a
+                    // slow handler) half the time left at most, then decided per request with
+                    // the rest: every request waiting on it went to the failure policy.
                     let now = self.clock.now();
-                    let waited_until = now + deadline.saturating_duration_since(now) / 2;
-                    if tokio::time::timeout_at(waited_until.into(), renewed)
+                    let waited_until = match running {
+                        true => deadline,
+                        false => now + deadline.saturating_duration_since(now) / 2,
+                    };
+                    let timed_out = tokio::time::timeout_at(waited_until.into(), renewed)
                         .await
-                        .is_err()
-                    {
-                        break;
+                        .is_err();
+                    match (timed_out, running) {
+                        (false, _) => {}
+                        (true, false) => break,
+                        (true, true) => {
+                            let operation = crate::ledger::metrics::Operation::CreateTransfers;
+                            let failed = self.failed(LedgerError::Timeout { operation }, charge);
+                            return Ok((failed, None, None));
+                        }
                     }
                 }
             }
@@ -672,7 +688,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // Registered under the lock that ends a renewal: its end cannot be missed.
             let mut renewed = Box::pin(slot.renewed.notified());
             renewed.as_mut().enable();
-            return Look::Wait(renewed);
+            return Look::Wait(renewed, caller.renewal_running);
         }
         caller.start_renewal(now);
         Look::Renew(caller.lease.take())
@@ -709,7 +725,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<bool, LedgerError> {
         // Ends the renewal if this future is dropped (a client went away) before it does.
         let mut renewal = Renewal { slot, ending: true };
-        let holder = slot.lock().holder;
+        let holder = {
+            let mut caller = slot.lock();
+            caller.renewal_running = true;
+            caller.holder
+        };
         if let Some(lease) = retired {
             self.settle_or_hand_over(slot, &holder, lease, deadline)
                 .await;

@@ -1248,3 +1248,37 @@ fn a_request_waiting_on_a_renewal_held_unrun_is_decided_per_request() {
     assert!(decision.hold.is_some(), "per request");
     drop(held);
 }
+
+/// A renewal at the ledger is waited for until the deadline, not half of it: slow but
+/// answering, it brings the lease sooner than a hold of the waiting request's own would land
+/// (given up at half the time, every waiter became a ledger write, with half a deadline left).
+#[test]
+fn a_request_waits_for_a_renewal_at_the_ledger_past_half_its_time() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let one = NonZeroU64::MIN;
+    let mut due = None;
+    for _ in 2..=super::LEASE_UNITS_FIRST {
+        let (_, renewal) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
+        due = due.or(renewal);
+    }
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    store.model.lock().unwrap().answer_next_lease_on = Some(answered);
+    let decision = runtime.block_on(async {
+        let renewing = limiter.renew_lease_ahead(due.expect("due at half the lease"));
+        let waiting = async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            limiter.check(&key, one).await.unwrap()
+        };
+        let answering = async {
+            // Past half the request's time (500 ms), well before its deadline.
+            tokio::time::sleep(Duration::from_millis(350)).await;
+            answer.send(()).unwrap();
+        };
+        tokio::join!(renewing, waiting, answering).1
+    });
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert!(
+        decision.leased.is_some(),
+        "from the renewed lease, not per request"
+    );
+}
