@@ -908,6 +908,8 @@ async fn an_application_dropped_unrun_stops_its_admin_api() {
 async fn a_caller_known_by_its_address_is_looked_up_by_it() {
     let mut by_address = config(7);
     by_address.caller.source = Some("header-or-peer-ip".into());
+    let plans = by_address.plans.as_mut().unwrap();
+    plans.insert("pro".to_owned(), plan(70, 60));
     let app = spawn_app(by_address).await;
     let admin = Admin { app: &app };
     assert_eq!(app.get("/greeting", None).await.status(), 200, "keyless");
@@ -926,6 +928,15 @@ async fn a_caller_known_by_its_address_is_looked_up_by_it() {
         (200, Some(1)),
         "its request"
     );
+    // Moved by its address too, carrying its hold.
+    let moving = json!({"address": "127.0.0.1", "plan": "pro", "reason": "upgrade"});
+    let path = "/admin/callers/move";
+    let (status, report) = admin.send("POST", path, Some(SECRET), Some(moving)).await;
+    assert_eq!(status, 200, "{report}");
+    let from = report["from_account_id"].as_str();
+    assert_eq!((from, report["carried"].as_u64()), (Some(id), Some(1)));
+    let (_, moved) = by(json!({"address": "127.0.0.1"})).await;
+    assert_eq!(moved["plan"], "pro", "{moved}");
     for bad in [
         json!({"address": "nope"}),
         json!({"key": "k", "address": "127.0.0.1"}),
@@ -935,11 +946,21 @@ async fn a_caller_known_by_its_address_is_looked_up_by_it() {
         assert_eq!(status, 400, "{bad}: {problem}");
     }
     app.stop().await;
-    // Where callers are known by key alone, an address names none.
+    // Where callers are known by key alone, an address names none; and the other way round.
     let keys_only = spawn_app(config(7)).await;
     let admin = Admin { app: &keys_only };
     let body = json!({"address": "127.0.0.1"});
     let (status, problem) = admin.send("POST", lookup, Some(SECRET), Some(body)).await;
     assert_eq!(status, 400, "{problem}");
     keys_only.stop().await;
+    let mut addresses_only = config(7);
+    addresses_only.caller.source = Some("peer-ip".into());
+    let addresses_only = spawn_app(addresses_only).await;
+    let admin = Admin {
+        app: &addresses_only,
+    };
+    let body = json!({"key": "k"});
+    let (status, problem) = admin.send("POST", lookup, Some(SECRET), Some(body)).await;
+    assert_eq!(status, 400, "{problem}");
+    addresses_only.stop().await;
 }

@@ -302,6 +302,9 @@ fn caller_key(
 ) -> Result<CallerKey, Box<HttpResponse>> {
     let bad = |detail: &str| Box::new(admin_problem(StatusCode::BAD_REQUEST, detail));
     match (key, address) {
+        (Some(_), None) if matches!(state.rules.key_source(), KeySource::PeerIp) => {
+            Err(bad("callers are known by their address here, not a key"))
+        }
         (Some(key), None) => {
             CallerKey::from_header_value("key", key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
                 .map_err(|_| bad("not a valid key"))
