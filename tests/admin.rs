@@ -119,6 +119,7 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
         .await;
     assert_eq!(status, 409, "{problem}");
     assert_eq!(problem["type"], "urn:ledger-limiter:problem:admin");
+    assert_eq!(problem["cause"], "not_enough_credit", "{problem}");
 
     // On a caller with credit free, a reduction is an operator transfer in the audit trail, and
     // the ledger admits that much less from then on.
@@ -263,6 +264,7 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     let (status, problem) = send("debit", &refused, 1000).await;
     assert_eq!(status, 409, "{problem}");
     assert!(problem.to_string().contains("new key"), "{problem}");
+    assert_eq!(problem["cause"], "key_refused_before", "{problem}");
     // Another key is another adjustment.
     let (status, other) = send("credit", &fresh_key("adj_"), 3).await;
     assert_eq!(
@@ -314,8 +316,9 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
         (after["blocked"].as_bool(), after["blocks"].as_u64()),
         (Some(true), Some(1))
     );
-    let (status, _) = admin.send("POST", &path, Some(SECRET), Some(block)).await;
+    let (status, problem) = admin.send("POST", &path, Some(SECRET), Some(block)).await;
     assert_eq!(status, 409, "blocked already");
+    assert_eq!(problem["cause"], "already_blocked", "{problem}");
     for instance in [&app, &other] {
         let refused = instance.get("/greeting", Some(&key)).await;
         assert_eq!(refused.status(), 403);
@@ -331,10 +334,10 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
     // Credit changes wait for the unblock.
     let top_up = json!({"amount": 1, "reason": "x"});
     let credit = format!("/admin/callers/{id}/credit");
-    let (status, _) = admin
+    let (status, problem) = admin
         .send("POST", &credit, Some(SECRET), Some(top_up))
         .await;
-    assert_eq!(status, 409);
+    assert_eq!((status, &problem["cause"]), (409, &json!("blocked")));
     for bad in [json!({"reason": ""}), json!({"why": "appeal"})] {
         let (status, problem) = admin.send("DELETE", &path, Some(ROTATED), Some(bad)).await;
         assert_eq!(status, 400, "{problem}");
@@ -357,8 +360,9 @@ async fn a_block_refuses_everywhere_until_unblocked_or_over() {
         (unblock.user_data_64(), unblock.user_data_128()),
         (actor.who, actor.why)
     );
-    let (status, _) = admin.send("DELETE", &path, Some(SECRET), None).await;
+    let (status, problem) = admin.send("DELETE", &path, Some(SECRET), None).await;
     assert_eq!(status, 409, "not blocked");
+    assert_eq!(problem["cause"], "not_blocked", "{problem}");
     // A JSON type on no body is a bare DELETE too (curl -X DELETE -H 'Content-Type: …'), not
     // a JSON body that ended too soon (a 400).
     let typed = app.http.delete(admin.url(&path)).bearer_auth(SECRET);

@@ -196,6 +196,43 @@ fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
     problem::with_status(ProblemKind::Admin, status, detail)
 }
 
+/// Why an action conflicts with the caller's state (409): the problem's `cause` member, for
+/// scripts, beside its `detail`, for people. Eight causes shared one type and differed only in
+/// their English: a script could not tell "not enough credit" from "blocked".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conflict {
+    NotEnoughCredit,
+    Blocked,
+    Moved,
+    KeyRefusedBefore,
+    AlreadyBlocked,
+    NotBlocked,
+    SamePlan,
+    MovedMeanwhile,
+    MovedElsewhere,
+}
+
+impl Conflict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Conflict::NotEnoughCredit => "not_enough_credit",
+            Conflict::Blocked => "blocked",
+            Conflict::Moved => "moved",
+            Conflict::KeyRefusedBefore => "key_refused_before",
+            Conflict::AlreadyBlocked => "already_blocked",
+            Conflict::NotBlocked => "not_blocked",
+            Conflict::SamePlan => "same_plan",
+            Conflict::MovedMeanwhile => "moved_meanwhile",
+            Conflict::MovedElsewhere => "moved_elsewhere",
+        }
+    }
+}
+
+fn conflict(cause: Conflict, detail: &str) -> HttpResponse {
+    let member = ("cause", cause.as_str());
+    problem::with_member(ProblemKind::Admin, StatusCode::CONFLICT, detail, member)
+}
+
 /// Admin requests refused before any action, by reason (`missing_secret`, `wrong_secret`).
 pub const ADMIN_REFUSED_TOTAL: &str = "ledger_limiter_admin_refused_total";
 
@@ -440,22 +477,19 @@ async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpRespons
 fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
     match adjusted {
         Adjusted::Done | Adjusted::AlreadyDone => HttpResponse::Ok().finish(),
-        Adjusted::NotEnoughCredit => admin_problem(
-            StatusCode::CONFLICT,
+        Adjusted::NotEnoughCredit => conflict(
+            Conflict::NotEnoughCredit,
             "the caller has less credit not held than that",
         ),
         Adjusted::NoSuchAccount => admin_problem(StatusCode::NOT_FOUND, "no such account"),
-        Adjusted::Blocked => admin_problem(
-            StatusCode::CONFLICT,
-            "the caller is blocked; unblock it first",
-        ),
-        Adjusted::Moved => admin_problem(StatusCode::CONFLICT, MOVED),
+        Adjusted::Blocked => conflict(Conflict::Blocked, "the caller is blocked; unblock it first"),
+        Adjusted::Moved => conflict(Conflict::Moved, MOVED),
         Adjusted::KeyReused => admin_problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "the Idempotency-Key names a different adjustment of this caller; nothing changed",
         ),
-        Adjusted::KeyFailed => admin_problem(
-            StatusCode::CONFLICT,
+        Adjusted::KeyFailed => conflict(
+            Conflict::KeyRefusedBefore,
             "the Idempotency-Key's adjustment was refused before; nothing changed: send it again \
              with a new key",
         ),
@@ -584,9 +618,9 @@ async fn block(
                 }
                 Ok(Blocking::AlreadyBlocked) => {
                     state.limiter.forget_local(id);
-                    admin_problem(StatusCode::CONFLICT, "the caller is blocked already")
+                    conflict(Conflict::AlreadyBlocked, "the caller is blocked already")
                 }
-                Ok(Blocking::Moved) => admin_problem(StatusCode::CONFLICT, MOVED),
+                Ok(Blocking::Moved) => conflict(Conflict::Moved, MOVED),
                 Ok(Blocking::NoSuchAccount) => {
                     admin_problem(StatusCode::NOT_FOUND, "no such account")
                 }
@@ -617,9 +651,9 @@ async fn unblock(
         Ok(Unblocking::NotBlocked) => {
             // A retry of an unblock that was done: this instance forgets the block too.
             state.limiter.forget_local(id);
-            admin_problem(StatusCode::CONFLICT, "the caller is not blocked")
+            conflict(Conflict::NotBlocked, "the caller is not blocked")
         }
-        Ok(Unblocking::Moved) => admin_problem(StatusCode::CONFLICT, MOVED),
+        Ok(Unblocking::Moved) => conflict(Conflict::Moved, MOVED),
         Ok(Unblocking::NoSuchAccount) => admin_problem(StatusCode::NOT_FOUND, "no such account"),
         Err(error) => unavailable(&error),
     }
@@ -656,16 +690,23 @@ async fn move_caller(
                 HttpResponse::Ok().json(report)
             }
             Err(error) => {
-                let status = match error {
-                    MoveError::UnknownPlan(_) => StatusCode::BAD_REQUEST,
-                    MoveError::UnknownKey | MoveError::NoSuchAccount => StatusCode::NOT_FOUND,
-                    MoveError::SamePlan(_)
-                    | MoveError::Blocked
-                    | MoveError::MovedMeanwhile
-                    | MoveError::LostTrack => StatusCode::CONFLICT,
+                let (status, cause) = match error {
+                    MoveError::UnknownPlan(_) => (StatusCode::BAD_REQUEST, None),
+                    MoveError::UnknownKey | MoveError::NoSuchAccount => {
+                        (StatusCode::NOT_FOUND, None)
+                    }
+                    MoveError::SamePlan(_) => (StatusCode::CONFLICT, Some(Conflict::SamePlan)),
+                    MoveError::Blocked => (StatusCode::CONFLICT, Some(Conflict::Blocked)),
+                    MoveError::MovedMeanwhile => {
+                        (StatusCode::CONFLICT, Some(Conflict::MovedMeanwhile))
+                    }
+                    MoveError::LostTrack => (StatusCode::CONFLICT, Some(Conflict::MovedElsewhere)),
                     MoveError::Ledger(error) => return Ok(unavailable(&error)),
                 };
-                admin_problem(status, &error.to_string())
+                match cause {
+                    Some(cause) => conflict(cause, &error.to_string()),
+                    None => admin_problem(status, &error.to_string()),
+                }
             }
         })
     };

@@ -75,6 +75,23 @@ pub fn with_status(kind: ProblemKind, status: StatusCode, detail: &str) -> HttpR
     with_body(status, Bytes::from(body(kind, status, detail)))
 }
 
+/// [`with_status`] with one more member, `name` set to `value` (both constants, with nothing to
+/// escape): a machine-readable cause beside the detail, which is for people (an RFC 9457
+/// extension member).
+pub fn with_member(
+    kind: ProblemKind,
+    status: StatusCode,
+    detail: &str,
+    (name, value): (&'static str, &'static str),
+) -> HttpResponse {
+    let mut body = body(kind, status, detail);
+    assert_eq!(body.pop(), Some('}'), "a JSON object");
+    for part in [",\"", name, "\":\"", value, "\"}"] {
+        body.push_str(part);
+    }
+    with_body(status, Bytes::from(body))
+}
+
 /// A problem response around a body [`body_bytes`] made (perhaps earlier: see `repeats`).
 pub fn with_body(status: StatusCode, body: Bytes) -> HttpResponse {
     const CONTENT_TYPE_FIELD: HeaderValue = HeaderValue::from_static(CONTENT_TYPE);
