@@ -1282,3 +1282,34 @@ fn a_request_waits_for_a_renewal_at_the_ledger_past_half_its_time() {
         "from the renewed lease, not per request"
     );
 }
+
+/// Two leases of one caller whose settlements were refused a place before a sweep came: both
+/// wait for it (a caller kept one, and the second was left to expire, its unused units held for
+/// window + L).
+#[test]
+fn a_caller_hands_more_than_one_lease_over_to_the_sweeper() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let one = NonZeroU64::MIN;
+    for _ in 0..CAPACITY {
+        store.model.lock().unwrap().overload_next_settlement = true;
+        let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+        if store.model.lock().unwrap().leases == 3 {
+            break;
+        }
+    }
+    let model = store.model.lock().unwrap();
+    assert_eq!(
+        (model.leases, model.settlements),
+        (3, 0),
+        "two replaced, none settled"
+    );
+    drop(model);
+    store.model.lock().unwrap().overload_next_settlement = false;
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(
+        store.model.lock().unwrap().settlements,
+        2,
+        "both handed over"
+    );
+}
