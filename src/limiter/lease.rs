@@ -90,14 +90,19 @@ struct Lease {
     admit_until: Instant,
     /// The expiry the local view recorded for the lease (to forget it once settled).
     local_expires_at: Instant,
-    /// The local view already counts it settled (a settlement of unknown outcome, sent again):
-    /// a retry that settles it must not count its used units twice.
-    counted_settled: bool,
-    /// Settlements of unknown outcome sent so far (counted to 8), and when the next may go: a timed-out call
-    /// keeps its place under the in-flight bound until the ledger answers, so a retry each
-    /// sweep (100 ms) piled copies onto a ledger that was slow already.
+    /// Settlements of unknown outcome sent so far (counted to 8), and when the next may go: a
+    /// timed-out call keeps its place under the in-flight bound until the ledger answers, so a
+    /// retry each sweep (100 ms) piled copies onto a ledger that was slow already.
     unknown_tries: u8,
     retry_not_before: Option<Instant>,
+}
+
+impl Lease {
+    /// The local view counts it settled already (a settlement of unknown outcome was sent): a
+    /// retry that settles it must not count its used units twice.
+    fn counted_settled(&self) -> bool {
+        self.unknown_tries > 0
+    }
 }
 
 /// The longest wait before a settlement of unknown outcome is sent again.
@@ -146,27 +151,6 @@ struct CallerLease {
 /// Leases one caller can have waiting for the sweeper: its own, one a renewal replaced, and
 /// settlements sent again after an unknown outcome. Past it, a lease is left to expire.
 const HANDED_OVER_MAX: usize = 4;
-
-/// A settlement that did not end its lease here ([`Limiter::settle`]).
-enum Unsettled {
-    /// Never sent (refused a place under the in-flight bound): the lease is untouched, and
-    /// still counted whole in the ledger as in the local view.
-    Unsent(Lease),
-    /// Sent, and its outcome unknown (a timeout, a lost answer): sent again, it is safe either
-    /// way. Its void has a fresh id, so a settlement that landed answers the retry
-    /// `pending_transfer_already_voided` (the lease is gone), and its linked hold is not made
-    /// twice. Meanwhile the local view counts it settled (its lower bound), and it waits a
-    /// ledger timeout, doubling with each try, before it is sent again.
-    Unknown(Lease),
-}
-
-impl Unsettled {
-    fn lease(self) -> Lease {
-        match self {
-            Unsettled::Unsent(lease) | Unsettled::Unknown(lease) => lease,
-        }
-    }
-}
 
 /// A caller's lease state, and the signal that a renewal ended.
 struct Slot {
@@ -772,12 +756,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         deadline: Instant,
     ) {
         if self.clock.now() < deadline {
-            if let Some(unsettled) = self.settle(holder, lease, deadline).await {
-                self.hand_over(slot, holder, unsettled.lease());
-            }
+            self.settle_else_hand_over(slot, holder, lease, deadline)
+                .await;
             return;
         }
         self.hand_over(slot, holder, lease);
+    }
+
+    /// Settles `lease` by `deadline`, or hands it to the sweeper if it can be sent again;
+    /// `true` when the settlement ended the lease.
+    async fn settle_else_hand_over(
+        &self,
+        slot: &Slot,
+        holder: &Holder,
+        lease: Lease,
+        deadline: Instant,
+    ) -> bool {
+        match self.settle(holder, lease, deadline).await {
+            Some(unsettled) => {
+                self.hand_over(slot, holder, unsettled);
+                false
+            }
+            None => true,
+        }
     }
 
     /// Leaves `lease` to the sweeper's next tick ([`CallerLease::handed_over`]), if the caller
@@ -861,7 +862,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             sent_at,
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
-            counted_settled: false,
             unknown_tries: 0,
             retry_not_before: None,
         }))
@@ -927,12 +927,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(reply)
     }
 
-    /// Settles `lease`, which no longer admits, by `deadline`. `Some` when it did not end the
-    /// lease: never sent, or its outcome unknown ([`Unsettled`]); either can be sent again (a
-    /// lease left to expire instead holds every unit it admitted, and its unused ones, for
-    /// window + L: half a caller's capacity for a minute, from every settlement a ledger blip
-    /// or a failover caught in flight).
-    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Unsettled> {
+    /// Settles `lease`, which no longer admits, by `deadline`. `Some(lease)` when it did not end
+    /// the lease and it can be sent again (a lease left to expire instead holds every unit it
+    /// admitted, and its unused ones, for window + L: half a caller's capacity for a minute,
+    /// from every settlement a ledger blip or a failover caught in flight):
+    /// - never sent (refused a place under the in-flight bound): the lease is untouched, and
+    ///   still counted whole in the ledger as in the local view;
+    /// - sent, its outcome unknown (a timeout, a lost answer): see
+    ///   [`Limiter::unknown_settlement`].
+    async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Lease> {
         assert!(lease.units_used <= lease.units);
         let settlement = holder.settlement(&lease);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
@@ -946,7 +949,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.leases.count_transfers(holder.plan_id, transfers);
         }
         match result {
-            Ok(Settled::Done) if !lease.counted_settled => self.count_settled(holder, &lease),
+            Ok(Settled::Done) if !lease.counted_settled() => self.count_settled(holder, &lease),
             Ok(Settled::Done) => {}
             // Expired: its units are out of every window that needed them; the local view forgets
             // it at its recorded expiry.
@@ -957,7 +960,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 tracing::debug!("a lease of a closed account is left to expire");
             }
             // Never sent: the sweeper sends it again (else its unused units held window + L).
-            Err(LedgerError::Overloaded { .. }) => return Some(Unsettled::Unsent(lease)),
+            Err(LedgerError::Overloaded { .. }) => return Some(lease),
             Err(error) => return self.unknown_settlement(holder, lease, &error),
         }
         None
@@ -966,18 +969,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A settlement whose outcome is unknown: the lease to send again later (until it expires:
     /// a whole-cluster outage outlasts any count of tries), unless the ledger's answer was one
     /// it should never give (sent again, it would give it again); such a lease is left to
-    /// expire, which holds every unit it admitted.
+    /// expire, which holds every unit it admitted. Sent again, it is safe either way: its void
+    /// has a fresh id, so a settlement that landed answers the retry
+    /// `pending_transfer_already_voided` (the lease is gone), and its linked hold is not made
+    /// twice. Meanwhile the local view counts it settled (its lower bound), and it waits a
+    /// ledger timeout, doubling with each try, before it is sent again.
     fn unknown_settlement(
         &self,
         holder: &Holder,
         lease: Lease,
         error: &LedgerError,
-    ) -> Option<Unsettled> {
+    ) -> Option<Lease> {
         // Landed or not, unknown: the ledger holds the whole lease, or the units used. The view
         // counts the lesser, as if settled: counting the whole lease on could refuse from memory
         // what the ledger admits; forgetting the caller, under the open policy with the ledger
         // down, admitted a caller it knew was spent.
-        if !lease.counted_settled {
+        if !lease.counted_settled() {
             self.count_settled(holder, &lease);
         }
         if matches!(error, LedgerError::Unexpected { .. }) {
@@ -988,12 +995,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         // A ledger timeout, doubled each try, at most UNKNOWN_RETRY_WAIT_MAX.
         let tries = lease.unknown_tries.saturating_add(1).min(8);
         let wait = self.settings.ledger_timeout * (1 << (tries - 1));
-        Some(Unsettled::Unknown(Lease {
-            counted_settled: true,
+        Some(Lease {
             unknown_tries: tries,
             retry_not_before: Some(self.clock.now() + wait.min(UNKNOWN_RETRY_WAIT_MAX)),
             ..lease
-        }))
+        })
     }
 
     /// What the local view knows of a settled lease: its units released, and the units it
@@ -1118,13 +1124,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut sent = 0;
         for round in due.chunks(at_once) {
             let deadline = deadline.unwrap_or_else(|| self.deadline());
-            let settlements = round.iter().map(|(slot, holder, lease)| async move {
-                let unsettled = self.settle(holder, *lease, deadline).await;
-                let ended = unsettled.is_none();
-                if let Some(unsettled) = unsettled {
-                    self.hand_over(slot, holder, unsettled.lease());
-                }
-                ended
+            let settlements = round.iter().map(|(slot, holder, lease)| {
+                self.settle_else_hand_over(slot, holder, *lease, deadline)
             });
             let ended = futures_util::future::join_all(settlements).await;
             sent += ended.iter().filter(|ended| **ended).count();
