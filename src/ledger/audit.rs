@@ -118,10 +118,7 @@ impl Ledger {
         account_id: u128,
         deadline: Instant,
     ) -> Result<Option<AccountAudit>, LedgerError> {
-        let ledger_id = self.ledger_id;
-        let is_caller = |account: &tb::Account| {
-            account.ledger() == ledger_id && account.code() == model::ACCOUNT_CODE_USER
-        };
+        let is_caller = |account: &tb::Account| self.is_callers(account);
         self.audit_if(account_id, deadline, is_caller).await
     }
 

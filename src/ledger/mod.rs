@@ -472,6 +472,12 @@ impl Ledger {
         retired.len()
     }
 
+    /// Whether `account` is a caller's account of this handle's ledger: not the operator's, nor
+    /// another ledger's (a concurrency limit's slots have a caller's kind of id too).
+    fn is_callers(&self, account: &tb::Account) -> bool {
+        account.ledger() == self.ledger_id && account.code() == model::ACCOUNT_CODE_USER
+    }
+
     /// How many calls this handle (and its clones) started, refused ones included.
     pub fn calls_started(&self) -> u64 {
         Operation::ALL
@@ -998,8 +1004,7 @@ impl Ledger {
                 let error = LedgerError::Overloaded {
                     in_flight_max: self.in_flight_max,
                 };
-                self.finish::<()>(operation, started, &span, &Err(error.clone()));
-                Err(error)
+                self.finished_early(operation, started, &span, error)
             }
         }
     }

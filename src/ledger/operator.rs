@@ -322,10 +322,7 @@ impl Ledger {
         let account = self.lookup_account(account_id, deadline).await?;
         // Only a caller's account of this ledger: another's (a concurrency limit's slots, on
         // ledger 2) was answered "not blocked", and told every instance to forget what it knew.
-        let is_caller = |account: &tb::Account| {
-            account.ledger() == self.ledger_id && account.code() == model::ACCOUNT_CODE_USER
-        };
-        let Some(account) = account.filter(is_caller) else {
+        let Some(account) = account.filter(|account| self.is_callers(account)) else {
             return Ok(Unblocking::NoSuchAccount);
         };
         if !account.flags().contains(tb::account::Flags::CLOSED) {
