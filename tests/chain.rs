@@ -711,57 +711,24 @@ async fn two_moves_back_at_once_land_one() {
 async fn an_operator_action_waits_for_a_place_under_a_full_bound() {
     use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::operator::Blocking;
+    use ledger_limiter::ledger::{as_operator_action, Unblocking};
     let process = TestLedger::start();
-    let ledger = ledger_client_bounded(vec![process.address], 1);
-    let limit = fresh_limit(5, 60, 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    ledger.provision(&limit.account, deadline).await.unwrap();
-    // A hold takes the only place, and keeps it while the ledger is stopped.
-    process.pause(true);
-    let busy = ledger.clone();
-    let id = limit.account.id;
-    let stuck = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        busy.hold(id, 1, 60, deadline, false).await
-    });
-    while ledger.calls_in_flight() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let resume = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        process.pause(false);
-        process
-    });
+    let full = full_bound(&process).await;
+    let (ledger, id) = (&full.ledger, full.account.id);
     let actor = Actor::from_reason(1, "test").unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    let blocked = ledger.block(id, 600, actor, deadline).await;
+    let resume = resume_after(&process, Duration::from_millis(300));
+    let (blocked, ()) = tokio::join!(ledger.block(id, 600, actor, deadline), resume);
     assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
-    let process = resume.await.unwrap();
-    let _ = stuck.await;
+    let _ = full.other.await;
     // An unblock reads the account first: within an operator's action, its reads wait too.
-    process.pause(true);
-    let busy = ledger.clone();
-    let stuck = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        busy.ping(deadline).await
-    });
-    while ledger.calls_in_flight() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let resume = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        process.pause(false);
-        process
-    });
+    let other = take_the_only_place(&process, ledger, id).await;
     let deadline = Instant::now() + Duration::from_secs(5);
-    let unblock = ledger.unblock(id, actor, deadline);
-    let unblocked = ledger_limiter::ledger::as_operator_action(unblock).await;
-    assert!(
-        matches!(unblocked, Ok(ledger_limiter::ledger::Unblocking::Done)),
-        "{unblocked:?}"
-    );
-    let _process = resume.await.unwrap();
-    let _ = stuck.await;
+    let unblock = as_operator_action(ledger.unblock(id, actor, deadline));
+    let resume = resume_after(&process, Duration::from_millis(300));
+    let (unblocked, ()) = tokio::join!(unblock, resume);
+    assert!(matches!(unblocked, Ok(Unblocking::Done)), "{unblocked:?}");
+    let _ = other.await;
 }
 
 /// The admin API audits callers only: an account of another ledger (a concurrency limit's
@@ -792,25 +759,10 @@ async fn only_a_caller_of_this_ledger_is_audited_as_a_caller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ping_waits_for_a_place_under_a_full_bound() {
     let process = TestLedger::start();
-    let ledger = ledger_client_bounded(vec![process.address], 1);
+    let full = full_bound(&process).await;
     let deadline = Instant::now() + Duration::from_secs(5);
-    ledger.ping(deadline).await.unwrap();
-    process.pause(true);
-    let busy = ledger.clone();
-    let stuck = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        busy.ping(deadline).await
-    });
-    while ledger.calls_in_flight() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let resume = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        process.pause(false);
-        process
-    });
-    let deadline = Instant::now() + Duration::from_secs(5);
-    assert_eq!(ledger.ping(deadline).await, Ok(()));
-    let _process = resume.await.unwrap();
-    let _ = stuck.await;
+    let resume = resume_after(&process, Duration::from_millis(300));
+    let (pinged, ()) = tokio::join!(full.ledger.ping(deadline), resume);
+    assert_eq!(pinged, Ok(()));
+    let _ = full.other.await;
 }

@@ -738,19 +738,37 @@ pub async fn full_bound(process: &TestLedger) -> FullBound {
     let ledger_limiter::ledger::HoldReply::Held { transfer_id, .. } = first.unwrap() else {
         panic!("held");
     };
-    // Another hold takes the only place, and keeps it while the ledger is stopped.
-    process.pause(true);
-    let busy = ledger.clone();
-    let other = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        busy.hold(account.id, 1, 60, deadline, false).await
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
+    let other = take_the_only_place(process, &ledger, account.id).await;
     FullBound {
         ledger,
         account,
         transfer_id,
         other,
     }
+}
+
+/// Stops the ledger, and a hold of 1 on `account_id` takes `ledger`'s only place and keeps it
+/// while the ledger is stopped ([`full_bound`], and again after [`resume_after`]).
+pub async fn take_the_only_place(
+    process: &TestLedger,
+    ledger: &Arc<ledger_limiter::ledger::Ledger>,
+    account_id: u128,
+) -> tokio::task::JoinHandle<
+    Result<ledger_limiter::ledger::HoldReply, ledger_limiter::ledger::LedgerError>,
+> {
+    process.pause(true);
+    let busy = ledger.clone();
+    let other = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        busy.hold(account_id, 1, 60, deadline, false).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
+    other
+}
+
+/// Lets the stopped ledger answer again, `after` from now.
+pub async fn resume_after(process: &TestLedger, after: Duration) {
+    tokio::time::sleep(after).await;
+    process.pause(false);
 }

@@ -122,6 +122,17 @@ fn timeout() -> LedgerError {
 }
 
 impl ModelStore {
+    /// Moves the clock L on: the current lease admits no more, and its settlement is due.
+    fn past_l(&self) {
+        let after_l = self.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
+        self.clock.advance_to(after_l);
+    }
+
+    /// The next ledger call meets `fault`.
+    fn next_call(&self, fault: Fault) {
+        self.model.lock().unwrap().faults.push_back(fault);
+    }
+
     /// Runs `apply` unless the next fault says it is never applied; hides its answer if lost.
     fn faulty<T>(&self, apply: impl FnOnce(&mut Model, Instant) -> T) -> Result<T, LedgerError> {
         let mut model = self.model.lock().unwrap();
@@ -501,7 +512,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
                 runtime.block_on(instances[*instance].settle_due_leases());
             }
             Event::Kill { instance } => instances[*instance] = self::instance(&store),
-            Event::Fault(fault) => store.model.lock().unwrap().faults.push_back(*fault),
+            Event::Fault(fault) => store.next_call(*fault),
             Event::LeaseLatency { ms } => {
                 store.model.lock().unwrap().lease_latency = Duration::from_millis(*ms);
             }
@@ -743,6 +754,18 @@ fn leased_from_memory<'a>(
     }
 }
 
+/// The rest of [`with_a_first_lease`]'s lease admitted from memory, a unit at a time; the
+/// renewal ahead that made due, unrun.
+fn spend_the_first_lease(limiter: &Instance, key: &CallerKey) -> Option<RenewalAhead> {
+    let mut due = None;
+    for _ in 2..=super::LEASE_UNITS_FIRST {
+        let (fast, renewal) = leased_from_memory(limiter, key, NonZeroU64::MIN).expect("room");
+        assert_eq!(fast.outcome, Outcome::Admitted);
+        due = due.or(renewal);
+    }
+    due
+}
+
 /// The middleware admits from a lease without the async path: while the lease has room, spending
 /// the same units `check` would, with no ledger call; the admission that makes the renewal due
 /// hands it over to be run after the answer, and a renewal dropped unrun ends.
@@ -917,8 +940,7 @@ fn a_settlement_refused_a_place_is_sent_again_by_the_sweeper() {
         let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
         assert_eq!(decision.outcome, Outcome::Admitted);
     });
-    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
-    store.clock.advance_to(after_l);
+    store.past_l();
     store.model.lock().unwrap().overload_next_settlement = true;
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(
@@ -1137,15 +1159,9 @@ fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
         CAPACITY - first,
         "the lease counts whole"
     );
-    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
-    store.clock.advance_to(after_l);
+    store.past_l();
     // Not applied: the retry settles it, and must not count its units a second time.
-    store
-        .model
-        .lock()
-        .unwrap()
-        .faults
-        .push_back(Fault::NotApplied);
+    store.next_call(Fault::NotApplied);
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(limiter.local_callers(), 1, "still known");
     assert_eq!(remaining(&limiter), CAPACITY - 3, "the units used");
@@ -1208,14 +1224,8 @@ fn an_operator_act_settles_only_the_leases_sent_before_it_was_read() {
 #[test]
 fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
     let (runtime, store, limiter, _key) = with_a_first_lease();
-    let after_l = store.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
-    store.clock.advance_to(after_l);
-    store
-        .model
-        .lock()
-        .unwrap()
-        .faults
-        .push_back(Fault::NotApplied);
+    store.past_l();
+    store.next_call(Fault::NotApplied);
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(store.model.lock().unwrap().settlements, 0, "not applied");
     assert_eq!(runtime.block_on(limiter.settle_all_leases()), 1);
@@ -1231,12 +1241,7 @@ fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
 fn a_request_waiting_on_a_renewal_held_unrun_is_decided_per_request() {
     let (runtime, _store, limiter, key) = with_a_first_lease();
     let one = NonZeroU64::MIN;
-    let mut held = None;
-    for _ in 2..=super::LEASE_UNITS_FIRST {
-        let (fast, due) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
-        assert_eq!(fast.outcome, Outcome::Admitted);
-        held = held.or(due);
-    }
+    let held = spend_the_first_lease(&limiter, &key);
     assert!(held.is_some(), "the renewal ahead, held unrun");
     let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
     assert_eq!(
@@ -1256,11 +1261,7 @@ fn a_request_waiting_on_a_renewal_held_unrun_is_decided_per_request() {
 fn a_request_waits_for_a_renewal_at_the_ledger_past_half_its_time() {
     let (runtime, store, limiter, key) = with_a_first_lease();
     let one = NonZeroU64::MIN;
-    let mut due = None;
-    for _ in 2..=super::LEASE_UNITS_FIRST {
-        let (_, renewal) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
-        due = due.or(renewal);
-    }
+    let due = spend_the_first_lease(&limiter, &key);
     let (answer, answered) = tokio::sync::oneshot::channel();
     store.model.lock().unwrap().answer_next_lease_on = Some(answered);
     let decision = runtime.block_on(async {
