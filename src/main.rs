@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use ledger_limiter::config::{
-    AdminFile, CallerFile, EmbeddedFile, FileConfig, LedgerFile, RlsFile, Settings,
+    AdminFile, CallerFile, EmbeddedFile, FileConfig, LedgerFile, MetricsFile, RlsFile, Settings,
 };
 use ledger_limiter::http::request_metrics::HttpMetrics;
 use ledger_limiter::startup::{Application, Exporters};
@@ -84,6 +84,10 @@ struct Cli {
     /// envoyproxy/ratelimit YAML rules: a file, or a directory of *.yaml or *.yml files.
     #[arg(long, env = "LEDGER_LIMITER_RLS_CONFIG")]
     rls_config: Option<PathBuf>,
+    /// Serve /metrics and /metrics/exemplars on a listener of their own, e.g. 127.0.0.1:9464,
+    /// instead of on --listen (where every caller can read them).
+    #[arg(long, env = "LEDGER_LIMITER_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
     /// Validate the configuration, print it, and exit.
     #[arg(long)]
     check_config: bool,
@@ -140,6 +144,9 @@ impl Cli {
                 listen: self.rls_listen.clone(),
                 config: self.rls_config.clone(),
             },
+            metrics: MetricsFile {
+                listen: self.metrics_listen.clone(),
+            },
             ..FileConfig::default()
         })
     }
@@ -180,6 +187,7 @@ fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
     if matches!(cli.command, Some(Command::Audit(_) | Command::Admin(_))) {
         file.admin = AdminFile::default();
         file.rls = RlsFile::default(); // likewise the Envoy front end's rules file
+        file.metrics = MetricsFile::default();
     }
     Ok(Settings::with_overrides(file)?)
 }

@@ -122,6 +122,8 @@ struct Companions {
     epoch_follower: Option<JoinHandle<()>>,
     /// The admin API's server (running) and its port.
     admin: Option<(actix_web::dev::ServerHandle, u16)>,
+    /// The metrics' own server (running) and its port, when `metrics.listen` is set.
+    metrics: Option<(actix_web::dev::ServerHandle, u16)>,
     /// Envoy's rate-limit service (running), when configured.
     rls: Option<RlsServer>,
 }
@@ -134,9 +136,12 @@ impl Drop for Companions {
         {
             task.abort();
         }
-        if let Some((admin, _)) = self.admin.take() {
+        for (server, _) in [self.admin.take(), self.metrics.take()]
+            .into_iter()
+            .flatten()
+        {
             // The stop command is sent as the future is made; nobody is left to await it.
-            drop(admin.stop(false));
+            drop(server.stop(false));
         }
         // Dropping its stop signal stops the Envoy front end (see `rls_server`).
         self.rls.take();
@@ -172,6 +177,8 @@ impl Application {
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
+        let metrics_here = settings.metrics_listen.is_none();
+        let served = (rate_limit.clone(), exporters.clone());
         let readiness = web::Data::new(routes::Readiness::default());
         // A ledger given up on fails liveness; with none embedded, there is none to give up.
         let gave_up = web::Data::new(
@@ -185,7 +192,7 @@ impl Application {
                 .app_data(web::Data::from(app_limiter.clone()))
                 .app_data(readiness.clone())
                 .app_data(gave_up.clone())
-                .configure(|config| all_routes(config, &rate_limit, &exporters))
+                .configure(|config| all_routes(config, &rate_limit, &exporters, metrics_here))
         })
         .workers(settings.workers.get())
         // The binary's own handlers stop it gracefully (main.rs); actix's stopped it at once on
@@ -203,7 +210,7 @@ impl Application {
         })?
         .run();
 
-        start_listeners(&settings, &limiter, &mut companions)?;
+        start_listeners(&settings, (&limiter, served), &mut companions)?;
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
@@ -224,6 +231,11 @@ impl Application {
     /// The admin API's port, when it is on.
     pub fn admin_port(&self) -> Option<u16> {
         self.companions.admin.as_ref().map(|(_, port)| *port)
+    }
+
+    /// The metrics' own port, when `metrics.listen` is set.
+    pub fn metrics_port(&self) -> Option<u16> {
+        self.companions.metrics.as_ref().map(|(_, port)| *port)
     }
 
     /// The Envoy rate-limit service's port, when it is on.
@@ -273,6 +285,9 @@ impl Application {
         if let Some((admin, _)) = self.companions.admin.take() {
             admin.stop(true).await;
         }
+        if let Some((metrics, _)) = self.companions.metrics.take() {
+            metrics.stop(true).await;
+        }
         if let Some(rls) = self.companions.rls.take() {
             // Graceful: no new calls, the ones in flight finish (each within the decision deadline).
             let _ = rls.stop.send(());
@@ -303,12 +318,16 @@ fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
     Ok((listener, port))
 }
 
-/// The admin API and the Envoy front end, each on a listener of its own, where configured.
+/// The admin API, the Envoy front end and the metrics, each on a listener of its own, where
+/// configured.
 fn start_listeners(
     settings: &Settings,
-    limiter: &Arc<Limiter>,
+    (limiter, (rate_limit, exporters)): (&Arc<Limiter>, (RateLimit, Exporters)),
     companions: &mut Companions,
 ) -> Result<(), StartupError> {
+    if let Some(listen) = &settings.metrics_listen {
+        companions.metrics = Some(metrics_server(listen, rate_limit, exporters)?);
+    }
     if let Some(admin) = &settings.admin {
         let admin_state = (limiter.clone(), settings.rules.clone());
         companions.admin = Some(admin_server(admin, admin_state)?);
@@ -358,6 +377,35 @@ fn admin_server(
     let handle = server.handle();
     tokio::spawn(server);
     tracing::info!(port, "admin API listening on port {port}");
+    Ok((handle, port))
+}
+
+/// `/metrics` and `/metrics/exemplars` on a listener of their own (one worker: a scrape renders
+/// text, a few a minute), running.
+fn metrics_server(
+    listen: &str,
+    rate_limit: RateLimit,
+    exporters: Exporters,
+) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
+    let (listener, port) = bind(listen)?;
+    let server = HttpServer::new(move || {
+        App::new().configure(|config| metrics_routes(config, &rate_limit, &exporters))
+    })
+    .workers(1)
+    // As the admin API's: the main server's signal handling stops this one.
+    .disable_signals()
+    .shutdown_timeout(1)
+    .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
+    .keep_alive(KEEP_ALIVE)
+    .listen(listener)
+    .map_err(|source| StartupError::Listen {
+        address: listen.to_owned(),
+        source,
+    })?
+    .run();
+    let handle = server.handle();
+    tokio::spawn(server);
+    tracing::info!(port, "metrics listening on port {port}");
     Ok((handle, port))
 }
 
@@ -483,16 +531,24 @@ async fn connect_ledger(
     Ok((ledger, embedded, follower))
 }
 
-/// Health, readiness and metrics: outside the limiter, the request span and the request latency
-/// histogram, so probes and scrapes never show up as traffic (nor as exemplars on the dashboard).
+/// Health, readiness and (unless they have a listener of their own) metrics: outside the
+/// limiter, the request span and the request latency histogram, so probes and scrapes never show
+/// up as traffic (nor as exemplars on the dashboard).
 fn operational_routes(
     config: &mut web::ServiceConfig,
     rate_limit: &RateLimit,
-    exporters: &Exporters,
+    (exporters, metrics_here): (&Exporters, bool),
 ) {
     config
         .route("/healthz", web::get().to(routes::healthz))
         .route("/readyz", web::get().to(routes::readyz));
+    if metrics_here {
+        metrics_routes(config, rate_limit, exporters);
+    }
+}
+
+/// `/metrics` (Prometheus text) and `/metrics/exemplars` (OpenMetrics), for the exporters set.
+fn metrics_routes(config: &mut web::ServiceConfig, rate_limit: &RateLimit, exporters: &Exporters) {
     if let Some(handle) = exporters.prometheus.clone() {
         let rate_limit = rate_limit.clone();
         config.route(
@@ -544,11 +600,16 @@ macro_rules! limited {
 /// check of every operational route: 0.2–0.7 µs of CPU per request, hot callers at 256
 /// connections.) Last, every other path with the same middlewares: an unknown path is charged,
 /// then 404s.
-fn all_routes(config: &mut web::ServiceConfig, rate_limit: &RateLimit, exporters: &Exporters) {
+fn all_routes(
+    config: &mut web::ServiceConfig,
+    rate_limit: &RateLimit,
+    exporters: &Exporters,
+    metrics_here: bool,
+) {
     config.service(
         limited!(web::resource("/greeting"), rate_limit.clone(), exporters)
             .route(web::get().to(routes::greeting)),
     );
-    operational_routes(config, rate_limit, exporters);
+    operational_routes(config, rate_limit, (exporters, metrics_here));
     config.service(limited!(web::scope(""), rate_limit.clone(), exporters));
 }

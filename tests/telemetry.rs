@@ -396,6 +396,47 @@ fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
 /// A concurrency slot is a second decision on the request: it must not overwrite the caller's
 /// span fields, its counts are in the next scrape, a request refused a slot is no refund, and
 /// in shadow mode a refused slot is counted as passed in shadow.
+/// `metrics.listen` moves the scrapes off the public port: there they are gone (a 404, charged
+/// to nobody), and the metrics' own listener serves both, with the public port's traffic in them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
+    telemetry();
+    let ledger = shared_ledger();
+    let mut config = test_config(ledger.address);
+    config.plans = Some([("free".to_owned(), plan(1, 30))].into());
+    config.metrics.listen = Some("127.0.0.1:0".into());
+    let (app, _) = spawn_observed_app(config).await;
+    let key = fresh_key("scraped_");
+    let sampled = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(traced_get(&app, &key, &sampled).await.status(), 200);
+    for path in ["/metrics", "/metrics/exemplars"] {
+        let public = app.get(path, None).await;
+        assert_eq!(public.status(), 404, "{path} on the public port");
+    }
+    let port = app.metrics_port.expect("the metrics' own port");
+    assert_ne!(port, app.port);
+    let scrape = |path: &'static str| {
+        let url = format!("http://127.0.0.1:{port}{path}");
+        let http = app.http.clone();
+        async move { http.get(url).send().await.unwrap() }
+    };
+    let text = scrape("/metrics").await.text().await.unwrap();
+    let admitted = ["decision=\"admitted\"", "plan=\"free\""];
+    assert!(
+        metric_sum(&text, "ledger_limiter_decisions_total", &admitted) >= 1.0,
+        "{text}"
+    );
+    assert!(!text.contains(&key), "keys never reach metrics");
+    let exemplars = scrape("/metrics/exemplars").await;
+    assert_eq!(exemplars.status(), 200);
+    let exemplars = exemplars.text().await.unwrap();
+    assert!(
+        exemplars.contains(&format!("trace_id=\"{sampled}\"")),
+        "{exemplars}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_are() {
     telemetry(); // first: it sets the environment, before this test starts anything

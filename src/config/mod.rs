@@ -84,6 +84,16 @@ pub struct FileConfig {
     pub admin: AdminFile,
     #[serde(default)]
     pub rls: RlsFile,
+    #[serde(default)]
+    pub metrics: MetricsFile,
+}
+
+/// Where `/metrics` and `/metrics/exemplars` are served: on `listen` by default, or on a listener
+/// of their own, kept off the public port (they name every plan and its traffic).
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsFile {
+    pub listen: Option<String>,
 }
 
 /// The Envoy rate-limit service (gRPC): on when `listen` is set; `config` is envoyproxy/ratelimit
@@ -333,6 +343,7 @@ impl FileConfig {
         take!(admin.secrets);
         take!(rls.listen);
         take!(rls.config);
+        take!(metrics.listen);
         self
     }
 }
@@ -379,6 +390,8 @@ pub struct Settings {
     pub admin: Option<AdminSettings>,
     /// The Envoy rate-limit service, when a listener is configured.
     pub rls: Option<RlsSettings>,
+    /// The metrics' own listener (`metrics.listen`); `None`: they are served on `listen`.
+    pub metrics_listen: Option<String>,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
@@ -440,9 +453,8 @@ impl Settings {
             None => plans,
         };
         let (concurrency, concurrency_timeout_seconds) = concurrency_limits(&file.routes)?;
-        let admin = admin_settings(file.admin)?;
-        let rls = rls_settings(file.rls)?;
-        distinct_listeners(&listen, admin.as_ref(), rls.as_ref())?;
+        let side = (file.admin, file.rls, file.metrics);
+        let (admin, rls, metrics_listen) = side_listeners(&listen, side)?;
         let rules = key_rules(&caller)?;
         let rules = rules.forwarded_header(forwarded_header(caller.forwarded_header)?);
         let rules = rules.key_length_max(key_length_max);
@@ -468,6 +480,7 @@ impl Settings {
             concurrency_timeout_seconds,
             admin,
             rls,
+            metrics_listen,
         })
     }
 
@@ -535,24 +548,63 @@ fn listen_address(value: String, setting: &str) -> Result<String, ConfigError> {
     Ok(value)
 }
 
-/// The service's listeners are each on an address of their own (port 0 picks a free one each).
-fn distinct_listeners(
+/// The admin API, the Envoy front end and the metrics' own listener, each when configured.
+type SideListeners = (Option<AdminSettings>, Option<RlsSettings>, Option<String>);
+
+/// The admin API's, the Envoy front end's and the metrics' settings, each listener checked and
+/// apart from the others and from `listen`.
+fn side_listeners(
     listen: &str,
-    admin: Option<&AdminSettings>,
-    rls: Option<&RlsSettings>,
-) -> Result<(), ConfigError> {
-    let admin = admin.map(|admin| admin.listen.as_str());
-    let rls = rls.map(|rls| rls.listen.as_str());
-    if admin.is_some_and(|admin| clash(admin, listen)) {
-        return Err(invalid("admin.listen", "is on `listen`'s address and port"));
+    (admin, rls, metrics): (AdminFile, RlsFile, MetricsFile),
+) -> Result<SideListeners, ConfigError> {
+    let admin = admin_settings(admin)?;
+    let rls = rls_settings(rls)?;
+    let metrics = metrics.listen;
+    let metrics = metrics.map(|address| listen_address(address, "metrics.listen"));
+    let metrics = metrics.transpose()?;
+    Listeners {
+        listen,
+        admin: admin.as_ref().map(|admin| admin.listen.as_str()),
+        rls: rls.as_ref().map(|rls| rls.listen.as_str()),
+        metrics: metrics.as_deref(),
     }
-    if rls.is_some_and(|rls| clash(rls, listen) || admin.is_some_and(|admin| clash(rls, admin))) {
-        return Err(invalid(
-            "rls.listen",
-            "is on `listen`'s or `admin.listen`'s address and port",
-        ));
+    .distinct()?;
+    Ok((admin, rls, metrics))
+}
+
+/// The service's checked listen addresses: the public one and those configured beside it.
+struct Listeners<'a> {
+    listen: &'a str,
+    admin: Option<&'a str>,
+    rls: Option<&'a str>,
+    metrics: Option<&'a str>,
+}
+
+impl Listeners<'_> {
+    /// Each on an address of its own (port 0 picks a free one each): the first setting that
+    /// shares one with a setting before it is named.
+    fn distinct(&self) -> Result<(), ConfigError> {
+        let listeners = [
+            ("listen", Some(self.listen)),
+            ("admin.listen", self.admin),
+            ("rls.listen", self.rls),
+            ("metrics.listen", self.metrics),
+        ];
+        let set: Vec<(&str, &str)> = listeners
+            .into_iter()
+            .filter_map(|(setting, address)| Some((setting, address?)))
+            .collect();
+        for (index, (setting, address)) in set.iter().enumerate() {
+            let earlier = set[..index].iter().find(|(_, other)| clash(address, other));
+            if let Some((other, _)) = earlier {
+                return Err(invalid(
+                    *setting,
+                    format!("is on `{other}`'s address and port"),
+                ));
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Whether two checked listen addresses would bind the same port on a shared address: the same
@@ -1373,6 +1425,29 @@ mod tests {
         let both_free =
             format!("listen = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n{secret}");
         assert!(with(&both_free).is_ok());
+        let metrics =
+            |listen: &str| format!("listen = \"127.0.0.1:8080\"\n[metrics]\nlisten = {listen:?}");
+        assert_eq!(
+            with(&metrics("nonsense")).unwrap_err().setting,
+            "metrics.listen"
+        );
+        let err = with(&metrics("0.0.0.0:8080")).unwrap_err();
+        assert_eq!(err.setting, "metrics.listen");
+        assert!(err.message.contains("`listen`'s"), "{err}");
+        let with_admin = format!(
+            "{}\n[admin]\nlisten = \"127.0.0.1:9091\"\n{secret}",
+            metrics("127.0.0.1:9091")
+        );
+        let err = with(&with_admin).unwrap_err();
+        assert_eq!(err.setting, "metrics.listen");
+        assert!(err.message.contains("`admin.listen`'s"), "{err}");
+        let apart = with(&metrics("127.0.0.1:9464")).unwrap();
+        assert_eq!(apart.metrics_listen.as_deref(), Some("127.0.0.1:9464"));
+        assert_eq!(
+            with("").unwrap().metrics_listen,
+            None,
+            "on `listen` by default"
+        );
     }
 
     #[test]

@@ -520,6 +520,8 @@ pub struct TestApp {
     pub port: u16,
     /// The admin API's port, when the configuration turns it on.
     pub admin_port: Option<u16>,
+    /// The metrics' own port, when `metrics.listen` is set.
+    pub metrics_port: Option<u16>,
     pub http: reqwest::Client,
     pub limiter: Arc<Limiter>,
     handle: actix_web::dev::ServerHandle,
@@ -531,6 +533,7 @@ impl TestApp {
             address: format!("http://127.0.0.1:{port}"),
             port,
             admin_port: None,
+            metrics_port: None,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
                 .build()
@@ -618,11 +621,13 @@ pub async fn spawn_app(config: FileConfig) -> TestApp {
 pub fn run(application: Application) -> TestApp {
     let port = application.port();
     let admin_port = application.admin_port();
+    let metrics_port = application.metrics_port();
     let limiter = application.limiter();
     let handle = application.server_handle();
     tokio::spawn(application.run_until_stopped());
     TestApp {
         admin_port,
+        metrics_port,
         ..TestApp::new(port, limiter, handle)
     }
 }
