@@ -59,15 +59,16 @@ fn start_service(
     start_binary(command)
 }
 
-/// Prometheus with the repo's scrape config, pointed at the service and sped up to 1 s.
-fn start_prometheus(dir: &Path, service_port: u16) -> (Guard, u16) {
+/// Prometheus with the repo's scrape config, pointed at the service's metrics listener and sped
+/// up to 1 s.
+fn start_prometheus(dir: &Path, metrics_port: u16) -> (Guard, u16) {
     let config = std::fs::read_to_string(repo().join("prometheus/prometheus.yml"))
         .unwrap()
-        .replace("app:8080", &format!("127.0.0.1:{service_port}"))
+        .replace("app:9464", &format!("127.0.0.1:{metrics_port}"))
         .replace("scrape_interval: 5s", "scrape_interval: 1s")
         .replace("scrape_timeout: 4s", "scrape_timeout: 1s")
         .replace("evaluation_interval: 5s", "evaluation_interval: 1s");
-    assert!(config.contains(&format!("127.0.0.1:{service_port}")));
+    assert!(config.contains(&format!("127.0.0.1:{metrics_port}")));
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
     let port = free_port();
@@ -139,10 +140,16 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
     // the default 250 ms deadline, one CI run had 20 of 200 requests, as many as callers, fail
     // closed (503 at 250 ms) and the scenario's `unexpected_status` threshold with them. This
     // test is about telemetry; deadlines are tested in tests/limiter.rs and tests/hostile.rs.
-    let deadline = [("LEDGER_LIMITER_LEDGER_TIMEOUT_MS", "2000")];
-    let (_service, service_port) = start_service(ledger.address, &endpoint, &deadline);
+    // The metrics on a listener of their own, as in docker-compose.yml.
+    let metrics_port = free_port();
+    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let env = [
+        ("LEDGER_LIMITER_LEDGER_TIMEOUT_MS", "2000"),
+        ("LEDGER_LIMITER_METRICS_LISTEN", metrics_listen.as_str()),
+    ];
+    let (_service, service_port) = start_service(ledger.address, &endpoint, &env);
     let dir = tempfile::tempdir().unwrap();
-    let (_prometheus, prometheus_port) = start_prometheus(dir.path(), service_port);
+    let (_prometheus, prometheus_port) = start_prometheus(dir.path(), metrics_port);
     let http = reqwest::Client::new();
     wait_until_ready(&http, prometheus_port).await;
     run_reference_scenario(service_port).await;
