@@ -606,6 +606,9 @@ fn secrets_never_reach_the_log() {
     // The wrong one is counted (and logged, below), never shown.
     let refused = "ledger_limiter_admin_refused_total{reason=\"wrong_secret\"} 1";
     assert!(metrics.contains(refused), "{metrics}");
+    // The other reason is exported at 0 before its first count.
+    let missing = "ledger_limiter_admin_refused_total{reason=\"missing_secret\"} 0";
+    assert!(metrics.contains(missing), "{metrics}");
     // Stopped by the guard (SIGKILL); the log is whole once its reader saw the stream end.
     drop(running);
     let ended = wait_logged(&log, LOG_ENDED, std::time::Duration::from_secs(10));

@@ -393,9 +393,6 @@ fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
-/// A concurrency slot is a second decision on the request: it must not overwrite the caller's
-/// span fields, its counts are in the next scrape, a request refused a slot is no refund, and
-/// in shadow mode a refused slot is counted as passed in shadow.
 /// `metrics.listen` moves the scrapes off the public port: there they are gone (a 404, charged
 /// to nobody), and the metrics' own listener serves both, with the public port's traffic in them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -437,6 +434,9 @@ async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
     app.stop().await;
 }
 
+/// A concurrency slot is a second decision on the request: it must not overwrite the caller's
+/// span fields, its counts are in the next scrape, a request refused a slot is no refund, and
+/// in shadow mode a refused slot is counted as passed in shadow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_are() {
     telemetry(); // first: it sets the environment, before this test starts anything

@@ -122,6 +122,12 @@ pub fn configure(config: &mut web::ServiceConfig) {
         ADMIN_REFUSED_TOTAL,
         "Admin requests refused for their secret (missing or not accepted), by reason"
     );
+    // Exported from the start at 0, as every closed label set is: an alert on its rate, or an
+    // `absent()` check, sees a series before the first refusal. (`increment(0)`, not
+    // `absolute(0)`: a worker made again must not reset a count.)
+    for reason in [MISSING_SECRET, WRONG_SECRET] {
+        metrics::counter!(ADMIN_REFUSED_TOTAL, "reason" => reason).increment(0);
+    }
     // A body that is not what a handler takes is a problem+json like every other refusal: 413
     // when too large (bodies are small), 415 when not JSON, else 400. Only authorized requests
     // get this far ([`Authorized`] comes first), so the fields' names are not for strangers.
@@ -197,7 +203,7 @@ fn admin_problem(status: StatusCode, detail: &str) -> HttpResponse {
 }
 
 /// Why an action conflicts with the caller's state (409): the problem's `cause` member, for
-/// scripts, beside its `detail`, for people. Eight causes shared one type and differed only in
+/// scripts, beside its `detail`, for people. Nine causes shared one type and differed only in
 /// their English: a script could not tell "not enough credit" from "blocked".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Conflict {
@@ -235,6 +241,9 @@ fn conflict(cause: Conflict, detail: &str) -> HttpResponse {
 
 /// Admin requests refused before any action, by reason (`missing_secret`, `wrong_secret`).
 pub const ADMIN_REFUSED_TOTAL: &str = "ledger_limiter_admin_refused_total";
+/// [`ADMIN_REFUSED_TOTAL`]'s reasons: no bearer secret, or one not accepted.
+const MISSING_SECRET: &str = "missing_secret";
+const WRONG_SECRET: &str = "wrong_secret";
 
 /// The wall-clock second a refused admin request was last logged in.
 static REFUSED_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
@@ -257,14 +266,14 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
         .get(AUTHORIZATION)
         .and_then(|v| headers::bearer_token(v.as_bytes()));
     let Some(presented) = bearer else {
-        refused(req, "missing_secret");
+        refused(req, MISSING_SECRET);
         let mut response = admin_problem(StatusCode::UNAUTHORIZED, "a bearer token is required");
         let challenge = HeaderValue::from_static("Bearer realm=\"ledger-limiter admin\"");
         response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
         return Err(Box::new(response));
     };
     state.secrets.who(presented).ok_or_else(|| {
-        refused(req, "wrong_secret");
+        refused(req, WRONG_SECRET);
         Box::new(admin_problem(
             StatusCode::FORBIDDEN,
             "the bearer token is not accepted",
