@@ -1366,6 +1366,24 @@ mod tests {
         assert!(with(either).is_ok());
     }
 
+    /// Trusting a whole family believes every client's forwarding header: each client could
+    /// name an address of its choosing per request and never be limited.
+    #[test]
+    fn trusting_every_address_is_refused() {
+        let peer = "[caller]\nsource = \"peer-ip\"\n";
+        for everyone in ["0.0.0.0/0", "::/0", "::ffff:0.0.0.0/96", "10.0.0.0/0"] {
+            let config = format!("{peer}trusted_proxies = [\"10.0.0.0/8\", {everyone:?}]");
+            let err = with(&config).unwrap_err();
+            assert_eq!(err.setting, "caller.trusted_proxies", "{everyone}");
+            assert!(err.message.contains("trusts every address"), "{err}");
+        }
+        let one_bit = format!("{peer}trusted_proxies = [\"0.0.0.0/1\", \"10.0.0.0/8\"]");
+        assert!(
+            with(&one_bit).is_ok(),
+            "a block short of everything is the operator's call"
+        );
+    }
+
     #[test]
     fn a_key_prefix_error_names_its_plan_never_the_prefix() {
         let err = with("[key_prefixes]\n\"sk_secret_\" = \"gold\"").unwrap_err();

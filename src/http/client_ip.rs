@@ -69,6 +69,11 @@ impl Cidr {
         }
     }
 
+    /// Whether the block is a whole family (`/0`): trusted, it believes every client.
+    pub fn is_everything(&self) -> bool {
+        self.prefix_bits == 0
+    }
+
     pub fn contains(&self, address: IpAddr) -> bool {
         let (network, address, width) = match (self.network, address.to_canonical()) {
             (IpAddr::V4(n), IpAddr::V4(a)) => (u32::from(n).into(), u32::from(a).into(), 32),

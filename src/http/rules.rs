@@ -374,6 +374,11 @@ pub enum RulesError {
     MissingKeyStatus(u16),
     #[error("{0:?} is not an address or an address block such as 10.0.0.0/8")]
     TrustedProxy(String),
+    #[error(
+        "{0:?} trusts every address: any client could name itself in a forwarding header and \
+         spend whose allowance it likes; list your proxies' addresses or blocks"
+    )]
+    TrustedEveryone(String),
     #[error("route {0:?} {ROUTE_PATTERN_RULE}")]
     CostRoute(String),
     #[error("route {0:?} {1}")]
@@ -418,7 +423,9 @@ impl RulesError {
                 "routes.cost_header".to_owned()
             }
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
-            RulesError::TrustedProxy(_) => "caller.trusted_proxies".to_owned(),
+            RulesError::TrustedProxy(_) | RulesError::TrustedEveryone(_) => {
+                "caller.trusted_proxies".to_owned()
+            }
             RulesError::CostRoute(route)
             | RulesError::CostZero(route)
             | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
@@ -620,7 +627,13 @@ impl RequestRulesBuilder {
         let trusted_proxies = self
             .trusted_proxies
             .iter()
-            .map(|cidr| Cidr::parse(cidr).ok_or_else(|| RulesError::TrustedProxy(cidr.clone())))
+            .map(|cidr| match Cidr::parse(cidr) {
+                None => Err(RulesError::TrustedProxy(cidr.clone())),
+                Some(block) if block.is_everything() => {
+                    Err(RulesError::TrustedEveryone(cidr.clone()))
+                }
+                Some(block) => Ok(block),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         if self.key_length_max == 0 || self.key_length_max > KEY_LENGTH_MAX_LIMIT {
             return Err(RulesError::KeyLengthMax);
