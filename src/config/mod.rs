@@ -943,6 +943,9 @@ fn ledger_location(
             development: embedded.development.unwrap_or(true),
         });
     }
+    // `a:3000, b:3000` from a shell is two addresses: the space was kept, the name never
+    // resolved, and that replica stood in by a loopback address for good.
+    let addresses: Vec<String> = addresses.iter().map(|a| a.trim().to_owned()).collect();
     check_addresses(&addresses)?;
     Ok(LedgerLocation::Cluster { addresses })
 }
@@ -959,9 +962,10 @@ fn check_addresses(addresses: &[String]) -> Result<(), ConfigError> {
     }
     for (i, address) in addresses.iter().enumerate() {
         let (host, port) = address.rsplit_once(':').unwrap_or(("", ""));
-        if host.is_empty() || host.contains(':') || port.parse::<u16>().is_err() {
+        let port_ok = port.parse::<u16>().is_ok_and(|port| port != 0);
+        if host.is_empty() || host.contains([':', ' ', '\t']) || !port_ok {
             return Err(error(format!(
-                "{address:?} is not host:port (an IPv4 address or a name: TigerBeetle's client takes IPv4)"
+                "{address:?} is not host:port (an IPv4 address or a name: TigerBeetle's client takes IPv4; a port from 1)"
             )));
         }
         if addresses[..i].contains(address) {
@@ -1558,6 +1562,9 @@ mod tests {
             "\":3000\"",
             "\"a:1\", \"a:1\"",
             "\"a::1\"",
+            "\"a:0\"",
+            "\"a b:3000\"",
+            "\"a:1\", \" a:1\"",
             &seven,
         ] {
             let err = with(&format!("[ledger]\naddresses = [{bad}]")).unwrap_err();
@@ -1568,6 +1575,15 @@ mod tests {
             .collect::<Vec<_>>()
             .join(", ");
         assert!(with(&format!("[ledger]\naddresses = [{six}]")).is_ok());
+        // As a shell's `a:3000, b:3000` splits: the space is no part of the name.
+        let spaced = with("[ledger]\naddresses = [\"a:3000\", \" b:3000 \"]").unwrap();
+        let expected = ["a:3000", "b:3000"].map(str::to_owned).to_vec();
+        assert_eq!(
+            spaced.ledger,
+            LedgerLocation::Cluster {
+                addresses: expected
+            }
+        );
     }
 
     #[test]
