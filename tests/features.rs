@@ -963,9 +963,17 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
                 .insert_header(("x-cost", "3"))
                 .finish()
         };
+        // Two reports (a handler's and an inner middleware's, say): neither is picked.
+        let twice = || async {
+            HttpResponse::Ok()
+                .append_header(("x-cost", "3"))
+                .append_header(("x-cost", "500"))
+                .finish()
+        };
         routes
             .route("/tokens/{n}", web::get().to(tokens))
-            .route("/failing", web::get().to(failing));
+            .route("/failing", web::get().to(failing))
+            .route("/twice", web::get().to(twice));
     });
     let http = reqwest::Client::new();
     let key = fresh_key("k_");
@@ -995,6 +1003,14 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     );
     // Not a number: the estimate (1) stands.
     assert_eq!(remaining(&get("lots").await), 5);
+    let twice = http
+        .get(format!("http://127.0.0.1:{port}/twice"))
+        .header("X-Api-Key", &key)
+        .send()
+        .await
+        .unwrap();
+    assert!(twice.headers().get("x-cost").is_none(), "both are ours");
+    assert_eq!(remaining(&twice), 4, "two reports: the estimate (1) stands");
     // More than is free: the ledger takes what is free (5), and the caller is out.
     assert_eq!(get("7").await.status(), 200);
     assert_eq!(get("1").await.status(), 429);
@@ -1008,8 +1024,8 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     assert_eq!(audit.debits_pending, 10, "{audit:?}");
     assert_eq!(
         (audit.holds, audit.voids),
-        (6, 3),
-        "4 requests, 2 recharged, 1 refunded: {audit:?}"
+        (7, 3),
+        "5 requests, 2 recharged, 1 refunded: {audit:?}"
     );
     handle.stop(true).await;
 }

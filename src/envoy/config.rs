@@ -277,6 +277,29 @@ struct YamlReplaces {
     name: String,
 }
 
+/// A rules file's text, read through [`CONFIG_FILE_BYTES_MAX`], not after a size check: a pipe
+/// (`<(...)`), `/dev/zero` or a file still being written has a size that does not say what a
+/// read would take.
+fn read_rules(file: &Path, name: &str) -> Result<String, RlsConfigError> {
+    use std::io::Read;
+    let read_error = |message: String| RlsConfigError::Read {
+        file: name.to_owned(),
+        message,
+    };
+    let opened = std::fs::File::open(file).map_err(|e| read_error(e.to_string()))?;
+    let mut bytes = Vec::new();
+    opened
+        .take(CONFIG_FILE_BYTES_MAX + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| read_error(e.to_string()))?;
+    if bytes.len() as u64 > CONFIG_FILE_BYTES_MAX {
+        return Err(RlsConfigError::TooLarge {
+            file: name.to_owned(),
+        });
+    }
+    String::from_utf8(bytes).map_err(|_| read_error("not UTF-8 text".to_owned()))
+}
+
 impl RlsConfig {
     /// One YAML file, or every `*.yaml` / `*.yml` file of a directory (in name order), as
     /// envoyproxy/ratelimit reads its runtime directory.
@@ -285,15 +308,7 @@ impl RlsConfig {
         let mut config = RlsConfig::default();
         for file in files {
             let name = file.display().to_string();
-            let read_error = |e: std::io::Error| RlsConfigError::Read {
-                file: name.clone(),
-                message: e.to_string(),
-            };
-            let size = std::fs::metadata(&file).map_err(read_error)?.len();
-            if size > CONFIG_FILE_BYTES_MAX {
-                return Err(RlsConfigError::TooLarge { file: name });
-            }
-            let text = std::fs::read_to_string(&file).map_err(read_error)?;
+            let text = read_rules(&file, &name)?;
             config.add(&name, &text)?;
         }
         Ok(config)
@@ -614,6 +629,20 @@ mod tests {
                 include_str!(concat!("../../tests/envoy_config/", $name, ".yaml")),
             )
         };
+    }
+
+    /// A source whose size says nothing (`/dev/zero`: 0 bytes, endless) is read through the
+    /// bound, and a file past it refused, not read whole.
+    #[test]
+    fn a_rules_file_is_read_up_to_its_bound() {
+        let endless = RlsConfig::load(Path::new("/dev/zero"));
+        assert!(matches!(endless, Err(RlsConfigError::TooLarge { .. })));
+        let dir = tempfile::tempdir().unwrap();
+        let large = dir.path().join("large.yaml");
+        let comment = format!("# {}\n", "x".repeat(1022));
+        std::fs::write(&large, comment.repeat(1025)).unwrap();
+        let refused = RlsConfig::load(&large);
+        assert!(matches!(refused, Err(RlsConfigError::TooLarge { .. })));
     }
 
     fn load(files: &[(&str, &str)]) -> Result<RlsConfig, RlsConfigError> {

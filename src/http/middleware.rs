@@ -470,19 +470,24 @@ impl Inner {
     ) {
         // The cost header is between the handler and us: it never reaches the client, whatever
         // happens next (a refund included).
-        let reported = self
+        let reported: Option<Vec<_>> = self
             .rules
             .cost_header()
-            .and_then(|header| response.headers_mut().remove(header).next());
+            .map(|header| response.headers_mut().remove(header).collect());
         if refund && response.status().is_server_error() {
             self.refund(decision).await;
             return;
         }
-        let Some(value) = reported else {
+        let Some(values) = reported.filter(|values| !values.is_empty()) else {
             return;
         };
-        let Some(actual) = respond::reported_cost(&value) else {
-            tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, "the handler reported a cost that is not a number up to 2^40; the estimate stands");
+        // Two costs (a handler's and an inner middleware's, say) are neither's to pick.
+        let reported_once = match values.as_slice() {
+            [value] => respond::reported_cost(value),
+            _ => None,
+        };
+        let Some(actual) = reported_once else {
+            tracing::warn!(target: crate::telemetry::SPAN_EVENTS_TARGET, "the handler reported a cost that is not one number up to 2^40; the estimate stands");
             return;
         };
         match Box::pin(self.limiter.recharge(decision, actual)).await {
