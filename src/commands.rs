@@ -8,7 +8,7 @@ use ledger_limiter::config::{resolve_addresses, LedgerLocation, Settings};
 use ledger_limiter::http::admin::MOVED;
 use ledger_limiter::ledger::model::{self, Actor, IdempotencyKey};
 use ledger_limiter::ledger::{Adjusted, Blocking, Ledger, LedgerError, Unblocking};
-use ledger_limiter::limiter::caller::CallerKey;
+use ledger_limiter::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use ledger_limiter::limiter::Limiter;
 
 /// Operators' command-line actions are recorded as admin secret number 0.
@@ -119,7 +119,7 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
             }
         }
         AdminCommand::Move { plan, reason } => {
-            let key = read_key()?;
+            let key = read_key(settings)?;
             let limiter = Limiter::new(
                 ledger.clone(),
                 settings.plans.clone(),
@@ -235,17 +235,18 @@ async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> 
     Ok(())
 }
 
-/// A caller's key, from one line of standard input (never an argument).
-fn read_key() -> anyhow::Result<CallerKey> {
+/// A caller's key, from one line of standard input (never an argument), held to what the
+/// service holds a request's key to (`caller.key_length_max`, the key source).
+fn read_key(settings: &Settings) -> anyhow::Result<CallerKey> {
     use std::io::{BufRead, Read};
     let mut key = String::new();
     // Bounded: a longer line is refused below all the same, and need not be read whole.
-    std::io::stdin().lock().take(4097).read_line(&mut key)?;
-    Ok(CallerKey::from_header_value(
-        "key",
-        key.trim_end().as_bytes(),
-        4096,
-    )?)
+    let bytes_max = KEY_LENGTH_MAX_LIMIT as u64 + 1;
+    std::io::stdin()
+        .lock()
+        .take(bytes_max)
+        .read_line(&mut key)?;
+    Ok(settings.rules.operator_key(key.trim_end().as_bytes())?)
 }
 
 /// The caller's account: the one given, or the one its key is charged to now (every move
@@ -259,7 +260,7 @@ async fn account_id(settings: &Settings, ledger: &Ledger, caller: &Caller) -> an
         );
         return Ok(id);
     }
-    let key = read_key()?;
+    let key = read_key(settings)?;
     let limiter = Limiter::new(
         ledger.clone(),
         settings.plans.clone(),

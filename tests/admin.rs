@@ -415,6 +415,24 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
         .send("GET", "/admin/callers/nope", Some(SECRET), None)
         .await;
     assert_eq!((status, problem["status"].as_u64()), (400, Some(400)));
+    // A key the middleware refuses (longer than caller.key_length_max, 128) names no caller.
+    let too_long = json!({"key": "k".repeat(129)});
+    let (status, problem) = admin
+        .send(
+            "POST",
+            "/admin/callers/lookup",
+            Some(SECRET),
+            Some(too_long),
+        )
+        .await;
+    assert_eq!(status, 400, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("key_length_max"),
+        "{problem}"
+    );
     // An adjustment without an Idempotency-Key: a retry of it would apply it twice.
     let unnamed = admin
         .app

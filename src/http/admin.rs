@@ -31,7 +31,7 @@ use crate::ledger::model::{
     Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX, UNBLOCK_REASON_DEFAULT,
 };
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
-use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
+use crate::limiter::caller::CallerKey;
 use crate::limiter::Limiter;
 
 pub use crate::ledger::model::REASON_LENGTH_MAX;
@@ -348,13 +348,10 @@ fn caller_key(
 ) -> Result<CallerKey, Box<HttpResponse>> {
     let bad = |detail: &str| Box::new(admin_problem(StatusCode::BAD_REQUEST, detail));
     match (key, address) {
-        (Some(_), None) if matches!(state.rules.key_source(), KeySource::PeerIp) => {
-            Err(bad("callers are known by their address here, not a key"))
-        }
-        (Some(key), None) => {
-            CallerKey::from_header_value("key", key.as_bytes(), KEY_LENGTH_MAX_LIMIT)
-                .map_err(|_| bad("not a valid key"))
-        }
+        (Some(key), None) => state
+            .rules
+            .operator_key(key.as_bytes())
+            .map_err(|error| bad(&error.to_string())),
         (None, Some(address)) => {
             let ip = address.parse().map_err(|_| bad("not an IP address"))?;
             // Keys alone: an address names no caller here (its account would be one no

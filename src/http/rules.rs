@@ -191,6 +191,17 @@ impl RequestRules {
         &self.key_source
     }
 
+    /// A key an operator names (the admin API, the command line), held to what a request's key
+    /// is held to: a key the middleware refuses (too long; any key where callers are known by
+    /// their address alone) names no caller, and its account would be one no request reaches.
+    pub fn operator_key(&self, key: &[u8]) -> Result<CallerKey, OperatorKeyError> {
+        if matches!(self.key_source, KeySource::PeerIp) {
+            return Err(OperatorKeyError::ByAddress);
+        }
+        CallerKey::from_header_value("key", key, self.key_length_max)
+            .map_err(|_| OperatorKeyError::Invalid)
+    }
+
     /// The caller a request from `ip` is (where callers are known by their address), as the
     /// middleware names it: IPv4-mapped addresses as IPv4, an IPv6 one by its network, one a
     /// translator carries by its IPv4 address. For the admin API's lookups and moves.
@@ -349,6 +360,15 @@ impl RouteCosts {
             .map(|(_, cost)| *cost)
             .unwrap_or(NonZeroU64::MIN)
     }
+}
+
+/// Why a key an operator named names no caller ([`RequestRules::operator_key`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum OperatorKeyError {
+    #[error("callers are known by their address here, not a key")]
+    ByAddress,
+    #[error("not a valid key (visible ASCII, up to caller.key_length_max bytes)")]
+    Invalid,
 }
 
 /// A rule the builder refused. [`RulesError::setting`] names the configuration setting at fault.
