@@ -1370,21 +1370,39 @@ mod tests {
         assert!(with(either).is_ok());
     }
 
-    /// Trusting a whole family believes every client's forwarding header: each client could
-    /// name an address of its choosing per request and never be limited.
+    /// Trusting a block wider than any network of proxies (a family, or its two halves) believes
+    /// every client's forwarding header: each could name an address of its choosing per request.
     #[test]
-    fn trusting_every_address_is_refused() {
+    fn trusting_blocks_wider_than_any_proxy_network_is_refused() {
         let peer = "[caller]\nsource = \"peer-ip\"\n";
-        for everyone in ["0.0.0.0/0", "::/0", "::ffff:0.0.0.0/96", "10.0.0.0/0"] {
-            let config = format!("{peer}trusted_proxies = [\"10.0.0.0/8\", {everyone:?}]");
+        let too_wide = [
+            "0.0.0.0/0",
+            "::/0",
+            "::ffff:0.0.0.0/96",
+            "10.0.0.0/0",
+            "0.0.0.0/1",
+            "128.0.0.0/1",
+            "8000::/1",
+            "10.0.0.0/7",
+            "fc00::/6",
+            "::ffff:10.0.0.0/103",
+        ];
+        for wide in too_wide {
+            let config = format!("{peer}trusted_proxies = [\"10.0.0.0/8\", {wide:?}]");
             let err = with(&config).unwrap_err();
-            assert_eq!(err.setting, "caller.trusted_proxies", "{everyone}");
-            assert!(err.message.contains("trusts every address"), "{err}");
+            assert_eq!(err.setting, "caller.trusted_proxies", "{wide}");
+            assert!(err.message.contains("wider than any network"), "{err}");
         }
-        let one_bit = format!("{peer}trusted_proxies = [\"0.0.0.0/1\", \"10.0.0.0/8\"]");
+        let widest = [
+            "10.0.0.0/8",
+            "100.64.0.0/10",
+            "fc00::/7",
+            "::ffff:10.0.0.0/104",
+        ];
+        let config = format!("{peer}trusted_proxies = {widest:?}");
         assert!(
-            with(&one_bit).is_ok(),
-            "a block short of everything is the operator's call"
+            with(&config).is_ok(),
+            "the widest private blocks are proxies' networks"
         );
     }
 

@@ -69,9 +69,12 @@ impl Cidr {
         }
     }
 
-    /// Whether the block is a whole family (`/0`): trusted, it believes every client.
-    pub fn is_everything(&self) -> bool {
-        self.prefix_bits == 0
+    /// Whether the block is wider than any network of proxies: an IPv4 block shorter than /8,
+    /// an IPv6 one shorter than /7 (`fc00::/7`, every unique local address, is the widest).
+    /// Trusted, a few such blocks (`0.0.0.0/1` and `128.0.0.0/1`) believe every client.
+    pub fn is_too_wide(&self) -> bool {
+        let floor = if self.network.is_ipv4() { 8 } else { 7 };
+        self.prefix_bits < floor
     }
 
     pub fn contains(&self, address: IpAddr) -> bool {

@@ -395,10 +395,11 @@ pub enum RulesError {
     #[error("{0:?} is not an address or an address block such as 10.0.0.0/8")]
     TrustedProxy(String),
     #[error(
-        "{0:?} trusts every address: any client could name itself in a forwarding header and \
-         spend whose allowance it likes; list your proxies' addresses or blocks"
+        "{0:?} is wider than any network of proxies (IPv4 from /8, IPv6 from /7): trusted, it \
+         believes what clients write in their forwarding headers, and a client could spend \
+         whose allowance it likes; list your proxies' addresses or blocks"
     )]
-    TrustedEveryone(String),
+    TrustedTooWide(String),
     #[error("route {0:?} {ROUTE_PATTERN_RULE}")]
     CostRoute(String),
     #[error("route {0:?} {1}")]
@@ -443,7 +444,7 @@ impl RulesError {
                 "routes.cost_header".to_owned()
             }
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
-            RulesError::TrustedProxy(_) | RulesError::TrustedEveryone(_) => {
+            RulesError::TrustedProxy(_) | RulesError::TrustedTooWide(_) => {
                 "caller.trusted_proxies".to_owned()
             }
             RulesError::CostRoute(route)
@@ -649,9 +650,7 @@ impl RequestRulesBuilder {
             .iter()
             .map(|cidr| match Cidr::parse(cidr) {
                 None => Err(RulesError::TrustedProxy(cidr.clone())),
-                Some(block) if block.is_everything() => {
-                    Err(RulesError::TrustedEveryone(cidr.clone()))
-                }
+                Some(block) if block.is_too_wide() => Err(RulesError::TrustedTooWide(cidr.clone())),
                 Some(block) => Ok(block),
             })
             .collect::<Result<Vec<_>, _>>()?;
