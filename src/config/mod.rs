@@ -269,9 +269,10 @@ impl FileConfig {
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         toml::from_str(text).map_err(|e| {
             let at = e.span().map(|span| line_and_column(text, span.start));
+            let said = without_names(e.message());
             let message = match at {
-                Some((line, column)) => format!("line {line}, column {column}: {}", e.message()),
-                None => e.message().to_owned(),
+                Some((line, column)) => format!("line {line}, column {column}: {said}"),
+                None => said,
             };
             invalid(origin, message)
         })
@@ -347,6 +348,41 @@ impl FileConfig {
         self
     }
 }
+
+/// A parser's message without the name it quotes of a key that is duplicate, or unknown and
+/// not shaped like a setting: that name may be a `[key_prefixes]` entry (listed twice, or under
+/// another table), which admits whoever knows it and never reaches a log. The line and column
+/// say where it is. A misspelled setting (`timeout`, lowercase and underscores, not ending in one
+/// as prefixes do) is still named.
+fn without_names(message: &str) -> String {
+    let like_a_setting = |name: &str| {
+        name.len() <= SETTING_NAME_BYTES_MAX
+            && !name.ends_with('_')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    };
+    for (lead, shown) in [
+        ("unknown field `", &like_a_setting as &dyn Fn(&str) -> bool),
+        ("duplicate key `", &|_: &str| false),
+    ] {
+        let Some(start) = message.find(lead).map(|at| at + lead.len()) else {
+            continue;
+        };
+        let Some(length) = message[start..].find('`') else {
+            continue;
+        };
+        if shown(&message[start..start + length]) {
+            return message.to_owned();
+        }
+        let (before, after) = (&message[..start], &message[start + length..]);
+        return format!("{before}(not shown: it may be a key prefix){after}");
+    }
+    message.to_owned()
+}
+
+/// The longest name of a setting, with room: `ipv4_translation_prefixes` is 25 bytes.
+const SETTING_NAME_BYTES_MAX: usize = 40;
 
 /// 1-based line and column (in characters) of a byte offset.
 fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
@@ -1671,6 +1707,26 @@ mod tests {
             err.message
         );
         assert_eq!(err.setting, "f.toml");
+    }
+
+    /// A parser's error names no key prefix: one listed twice, or under another table.
+    #[test]
+    fn a_key_prefix_never_reaches_a_parse_error() {
+        let prefix = "acme_7f3k2_";
+        for text in [
+            format!("[key_prefixes]\n\"{prefix}\" = \"pro\"\n\"{prefix}\" = \"free\""),
+            format!("[caller]\n\"{prefix}\" = \"pro\""),
+            "[caller]\n\"Acme7F3k2\" = \"pro\"".to_owned(),
+        ] {
+            let err = FileConfig::parse(&text, "f.toml").unwrap_err();
+            assert!(!err.to_string().contains(prefix), "{err}");
+            assert!(!err.to_string().contains("Acme7F3k2"), "{err}");
+            assert!(err.to_string().contains("not shown"), "{err}");
+            assert!(err.message.starts_with("line "), "{err}");
+        }
+        // A misspelled setting is still named.
+        let err = FileConfig::parse("[ledger]\ntimeout = 5", "f.toml").unwrap_err();
+        assert!(err.message.contains("unknown field `timeout`"), "{err}");
     }
 
     #[test]
