@@ -228,6 +228,9 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         ))
         .header("X-Api-Key", &key)
         .header("X-Forwarded-For", "203.0.113.9")
+        .header("X-Forwarded-Host", "claimed.example")
+        .header("X-Forwarded-Proto", "https")
+        .header("User-Agent", "u".repeat(4000))
         .header(
             "traceparent",
             format!("00-{queried_trace}-00f067aa0ba902b7-01"),
@@ -249,6 +252,13 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         attribute(server, "http.client_ip").as_deref(),
         Some("127.0.0.1")
     );
+    // The request's own host and the listener's scheme, not what the client claims; and no
+    // more of its user agent than a span's share.
+    let host = format!("127.0.0.1:{}", app.port);
+    assert_eq!(attribute(server, "http.host"), Some(host));
+    assert_eq!(attribute(server, "http.scheme").as_deref(), Some("http"));
+    let user_agent = attribute(server, "http.user_agent").unwrap();
+    assert_eq!(user_agent.len(), 256, "{user_agent}");
     assert_eq!(
         attribute(server, "http.route").as_deref(),
         Some("/greeting")
@@ -265,7 +275,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         assert!(!shown.contains(&key), "key leaked into {}", span.name);
         assert!(!shown.contains("s3cr3t-token"), "a query in {}", span.name);
         assert!(
-            !shown.contains("203.0.113.9"),
+            !shown.contains("203.0.113.9") && !shown.contains("claimed.example"),
             "a claimed address in {}",
             span.name
         );

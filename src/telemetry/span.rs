@@ -84,13 +84,46 @@ pub fn method_label(method: &Method) -> &'static str {
     }
 }
 
+/// The most of a client-written field (the host, the user agent) a span carries.
+const SPAN_FIELD_BYTES_MAX: usize = 256;
+
+/// `text` up to [`SPAN_FIELD_BYTES_MAX`] (cut at a character's boundary): kilobytes of a
+/// client's header in every exported span are its to fill our traces with.
+fn capped(text: &str) -> &str {
+    if text.len() <= SPAN_FIELD_BYTES_MAX {
+        return text;
+    }
+    let mut end = SPAN_FIELD_BYTES_MAX;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// The host the request was sent to: its `Host` field (HTTP/1.1), else its URI's authority
+/// (HTTP/2). Not actix's `connection_info().host()`, which believes `Forwarded: host=` and
+/// `X-Forwarded-Host` from any client.
+fn host(request: &ServiceRequest) -> &str {
+    let field = request.headers().get(actix_web::http::header::HOST);
+    field
+        .and_then(|host| host.to_str().ok())
+        .or_else(|| {
+            request
+                .uri()
+                .authority()
+                .map(|authority| authority.as_str())
+        })
+        .unwrap_or("")
+}
+
 /// The server span of every request, with the limiter's fields declared (empty until recorded).
 ///
 /// tracing-actix-web's fields, made here rather than by its `root_span!`: that macro records the
 /// path with its query string (`?access_token=…` would be exported in every trace) and the
-/// client address from `X-Forwarded-For` or `Forwarded`, which any client writes (a trace would
-/// name whoever the client claimed to be). Here `http.target` is the path alone and
-/// `http.client_ip` the connection's peer; the method is bounded (`_OTHER`), so that a client's
+/// client address, host and scheme from `X-Forwarded-For`, `-Host`, `-Proto` or `Forwarded`,
+/// which any client writes (a trace would name whoever the client claimed to be). Here
+/// `http.target` is the path alone, `http.client_ip` the connection's peer, `http.host` the
+/// request's own and `http.scheme` the listener's; the method is bounded (`_OTHER`), so that a client's
 /// invented method names no span (Tempo's span metrics label by the name).
 pub struct LimiterRootSpan;
 
@@ -100,16 +133,20 @@ impl RootSpanBuilder for LimiterRootSpan {
         let route = request.match_pattern();
         let route = route.as_deref().unwrap_or("default");
         let user_agent = request.headers().get("User-Agent");
-        let user_agent = user_agent.and_then(|v| v.to_str().ok()).unwrap_or("");
+        let user_agent = capped(user_agent.and_then(|v| v.to_str().ok()).unwrap_or(""));
         let peer = request.peer_addr().map(|peer| peer.ip().to_string());
-        let connection = request.connection_info();
+        let scheme = if request.app_config().secure() {
+            "https"
+        } else {
+            "http"
+        };
         let span = tracing::info_span!(
             "HTTP request",
             http.method = method,
             http.route = route,
             http.flavor = http_flavor(request.version()),
-            http.scheme = %connection.scheme(),
-            http.host = %connection.host(),
+            http.scheme = scheme,
+            http.host = capped(host(request)),
             http.client_ip = peer.as_deref().unwrap_or(""),
             http.user_agent = user_agent,
             http.target = request.path(),
@@ -131,7 +168,6 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.shadow = tracing::field::Empty,
             ratelimit.limit = tracing::field::Empty,
         );
-        drop(connection);
         // TracingLogger makes one before it calls this.
         if let Some(request_id) = request.extensions().get::<RequestId>() {
             span.record("request_id", tracing::field::display(request_id));
