@@ -553,6 +553,46 @@ async fn a_body_is_judged_only_after_the_secret_and_with_the_right_status() {
     app.stop().await;
 }
 
+/// A secret cannot be guessed online: past ten wrong ones in a minute, a peer is answered 429
+/// (with when to come back) before anything it presents is compared, the right secret too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_guessing_secrets_is_refused_before_any_comparison() {
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let path = format!("/admin/callers/{:032x}", 7u128 | 1 << 127);
+    for guess in 0..10 {
+        let wrong = format!("admin-secret-guess-{guess:08}");
+        let (status, _) = admin.send("GET", &path, Some(&wrong), None).await;
+        assert_eq!(status, 403, "guess {guess}");
+    }
+    let response = app
+        .http
+        .get(admin.url(&path))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 429);
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    let problem: Value = response.json().await.unwrap();
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("wrong secrets"),
+        "{problem}"
+    );
+    // Without a token it is still told what is missing: that is no guess.
+    let (status, _) = admin.send("GET", &path, None, None).await;
+    assert_eq!(status, 401);
+    app.stop().await;
+}
+
 /// The admin API is not traced (its listener has no tracing middleware), so no span can carry a
 /// secret; the log and the metrics are checked here.
 #[test]

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::future::{ready, Ready};
 
+use super::guesses::{SecretGuesses, GUESS_WINDOW, WRONG_SECRETS_PER_WINDOW_MAX};
 use super::headers;
 use super::problem::{self, ProblemKind};
 use crate::http::rules::KeySource;
@@ -48,13 +49,17 @@ const JSON_BYTES_MAX: usize = 4096;
 /// The answer to an action on an account a move closed for good.
 pub const MOVED: &str = "this account was closed for good when its caller moved to another plan: look the caller up by key for its account";
 
-/// The configured secrets, as digests. `Debug` shows how many, never which.
+/// The configured secrets, as digests, and the wrong ones presented, by peer (a clone shares
+/// them). `Debug` shows how many, never which.
 #[derive(Clone)]
-pub struct AdminSecrets(Vec<[u8; 32]>);
+pub struct AdminSecrets {
+    digests: Vec<[u8; 32]>,
+    guesses: Arc<SecretGuesses>,
+}
 
 impl std::fmt::Debug for AdminSecrets {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AdminSecrets({} configured)", self.0.len())
+        write!(f, "AdminSecrets({} configured)", self.digests.len())
     }
 }
 
@@ -84,18 +89,21 @@ impl AdminSecrets {
             }
             digests.push(digest);
         }
-        Ok(AdminSecrets(digests))
+        Ok(AdminSecrets {
+            digests,
+            guesses: Arc::default(),
+        })
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.digests.is_empty()
     }
 
     /// Which secret (1-based) `presented` is, comparing against every one in constant time.
     pub fn who(&self, presented: &[u8]) -> Option<u64> {
         let presented = digest(presented);
         let mut found = 0u64;
-        for (index, known) in self.0.iter().enumerate() {
+        for (index, known) in self.digests.iter().enumerate() {
             let difference = known
                 .iter()
                 .zip(presented.iter())
@@ -125,7 +133,7 @@ pub fn configure(config: &mut web::ServiceConfig) {
     // Exported from the start at 0, as every closed label set is: an alert on its rate, or an
     // `absent()` check, sees a series before the first refusal. (`increment(0)`, not
     // `absolute(0)`: a worker made again must not reset a count.)
-    for reason in [MISSING_SECRET, WRONG_SECRET] {
+    for reason in [MISSING_SECRET, WRONG_SECRET, THROTTLED] {
         metrics::counter!(ADMIN_REFUSED_TOTAL, "reason" => reason).increment(0);
     }
     // A body that is not what a handler takes is a problem+json like every other refusal: 413
@@ -244,6 +252,8 @@ pub const ADMIN_REFUSED_TOTAL: &str = "ledger_limiter_admin_refused_total";
 /// [`ADMIN_REFUSED_TOTAL`]'s reasons: no bearer secret, or one not accepted.
 const MISSING_SECRET: &str = "missing_secret";
 const WRONG_SECRET: &str = "wrong_secret";
+/// A peer past its budget of wrong secrets ([`SecretGuesses`]): refused before any comparison.
+const THROTTLED: &str = "throttled";
 
 /// The wall-clock second a refused admin request was last logged in.
 static REFUSED_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
@@ -272,13 +282,35 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
         response.headers_mut().insert(WWW_AUTHENTICATE, challenge);
         return Err(Box::new(response));
     };
+    let (peer, now) = (req.peer_addr().map(|peer| peer.ip()), Instant::now());
+    let guesses = &state.secrets.guesses;
+    if let Some(wait) = guesses.refused_for(peer, now) {
+        refused(req, THROTTLED);
+        return Err(Box::new(throttled(wait)));
+    }
     state.secrets.who(presented).ok_or_else(|| {
+        guesses.wrong(peer, now);
         refused(req, WRONG_SECRET);
         Box::new(admin_problem(
             StatusCode::FORBIDDEN,
             "the bearer token is not accepted",
         ))
     })
+}
+
+/// A peer past its budget of wrong secrets: 429 until its window ends, whatever it presents
+/// (a right secret among its guesses would otherwise be found at the rate a worker hashes).
+fn throttled(wait: Duration) -> HttpResponse {
+    let detail = format!(
+        "more than {WRONG_SECRETS_PER_WINDOW_MAX} wrong secrets from this address in {} s: \
+         refused until the window ends",
+        GUESS_WINDOW.as_secs()
+    );
+    let mut response = admin_problem(StatusCode::TOO_MANY_REQUESTS, &detail);
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let seconds = HeaderValue::from(seconds.max(1));
+    response.headers_mut().insert(RETRY_AFTER, seconds);
+    response
 }
 
 /// Who acts: the number of the secret presented. Every handler takes it first: actix extracts

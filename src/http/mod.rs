@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod client_ip;
 pub mod concurrency;
+pub mod guesses;
 pub mod headers;
 pub mod middleware;
 pub mod problem;
