@@ -889,6 +889,9 @@ fn bad_route_limits_are_refused_with_the_setting_named() {
     assert!(e.contains("twice"), "{e}");
     let e = parse("[limits.x]\ncapacity = 2\nwindow_seconds = 1\n[routes]\ncosts = { \"/a\" = 3 }\n[routes.limits]\n\"/a\" = [\"x\"]\n");
     assert!(e.contains("costs 3"), "{e}");
+    // Defined, never named by a route: it would never apply.
+    let e = parse("[limits.x]\ncapacity = 2\nwindow_seconds = 1\n[limits.y]\ncapacity = 2\nwindow_seconds = 1\n[routes.limits]\n\"/a\" = [\"x\"]\n");
+    assert!(e.contains("limits.y") && e.contains("never apply"), "{e}");
 }
 
 /// A streamed response holds its concurrency slot until its body ends, not when its handler

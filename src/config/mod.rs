@@ -927,7 +927,14 @@ fn route_limits(
         let plan = plan_from_file(&name, &limit, "limits")?;
         limits.insert(name, plan);
     }
-    for (route, names) in routes.unwrap_or_default() {
+    let routes = routes.unwrap_or_default();
+    // A limit defined and never named by a route was silently never applied.
+    let named = |name: &String| routes.values().any(|names| names.contains(name));
+    if let Some(unused) = limits.keys().find(|name| !named(name)) {
+        let why = "no route names it in [routes.limits], so it would never apply";
+        return Err(invalid(format!("limits.{unused}"), why));
+    }
+    for (route, names) in routes {
         let chosen = names
             .iter()
             .map(|name| {
@@ -1587,11 +1594,11 @@ mod tests {
                 "routes.concurrency.\"/ping\"",
             ),
             (
-                "[routes.limits]\n\"/public/a\" = [\"per_day\"]",
+                &format!("[routes.limits]\n\"/public/a\" = [\"per_day\"]\n{limit}"),
                 "routes.limits.\"/public/a\"",
             ),
         ] {
-            let err = with(&format!("{limit}{exempt}{rule}")).unwrap_err();
+            let err = with(&format!("{exempt}{rule}")).unwrap_err();
             assert_eq!(err.setting, setting, "{err}");
             assert!(err.message.contains("exempt"), "{err}");
         }

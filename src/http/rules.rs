@@ -371,6 +371,45 @@ pub enum OperatorKeyError {
     Invalid,
 }
 
+/// Response fields HTTP gives a meaning (representation, framing, caching, cookies, hop by hop)
+/// or this limiter writes (its header styles, `Retry-After`): none may be the cost header.
+fn is_standard_field(name: &HeaderName) -> bool {
+    const FIELDS: [&str; 24] = [
+        "age",
+        "allow",
+        "cache-control",
+        "connection",
+        "content-disposition",
+        "content-encoding",
+        "content-language",
+        "content-length",
+        "content-location",
+        "content-range",
+        "content-type",
+        "date",
+        "etag",
+        "expires",
+        "keep-alive",
+        "last-modified",
+        "location",
+        "retry-after",
+        "server",
+        "set-cookie",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "vary",
+    ];
+    const PREFIXES: [&str; 4] = [
+        "ratelimit",
+        "x-ratelimit-",
+        "x-rate-limit-",
+        "www-authenticate",
+    ];
+    let name = name.as_str(); // lowercase, as `HeaderName` keeps it
+    FIELDS.contains(&name) || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+}
+
 /// A rule the builder refused. [`RulesError::setting`] names the configuration setting at fault.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum RulesError {
@@ -406,6 +445,10 @@ pub enum RulesError {
     RouteLimits(String, String),
     #[error("{0:?} is not a valid header name")]
     CostHeader(String),
+    /// The cost header is removed from every response: a field HTTP or this limiter gives a
+    /// meaning of its own would be lost, and read as a cost.
+    #[error("{0:?} is a standard response field (it would be removed from every response and read as a cost): name a field of your own, such as x-cost")]
+    CostHeaderStandard(String),
     /// A reported cost replaces the request's hold; a request admitted from a lease has none,
     /// and was silently charged its estimate.
     #[error("cannot be charged on plan {0:?}, whose requests are admitted from leases (a reported cost replaces a request's own hold, and a lease admission has none): drop the plan's lease, or the cost header")]
@@ -440,9 +483,9 @@ impl RulesError {
             RulesError::RefundPath(_) => "routes.refund_server_errors".to_owned(),
             RulesError::HeaderStyle(_) => "response.header_styles".to_owned(),
             RulesError::RouteLimits(..) => "routes.limits".to_owned(),
-            RulesError::CostHeader(_) | RulesError::CostHeaderWithLeases(_) => {
-                "routes.cost_header".to_owned()
-            }
+            RulesError::CostHeader(_)
+            | RulesError::CostHeaderStandard(_)
+            | RulesError::CostHeaderWithLeases(_) => "routes.cost_header".to_owned(),
             RulesError::MissingKeyStatus(_) => "response.missing_key_status".to_owned(),
             RulesError::TrustedProxy(_) | RulesError::TrustedTooWide(_) => {
                 "caller.trusted_proxies".to_owned()
@@ -679,8 +722,12 @@ impl RequestRulesBuilder {
         let route_costs = RouteCosts::new(costs);
         let cost_header = self
             .cost_header
-            .map(|name| {
-                HeaderName::try_from(name.as_str()).map_err(|_| RulesError::CostHeader(name))
+            .map(|name| match HeaderName::try_from(name.as_str()) {
+                Err(_) => Err(RulesError::CostHeader(name)),
+                Ok(header) if is_standard_field(&header) => {
+                    Err(RulesError::CostHeaderStandard(name))
+                }
+                Ok(header) => Ok(header),
             })
             .transpose()?;
         let leased = plans.plans().iter().find(|plan| plan.lease().is_some());
@@ -953,6 +1000,20 @@ mod tests {
         assert_eq!(e, RulesError::CostRoute("greeting".into()));
         let e = build(RequestRules::builder().key_length_max(0));
         assert_eq!(e.setting(), "caller.key_length_max");
+        for standard in [
+            "Content-Type",
+            "retry-after",
+            "RateLimit-Policy",
+            "X-RateLimit-Used",
+        ] {
+            let e = build(RequestRules::builder().cost_header(standard));
+            assert_eq!(e, RulesError::CostHeaderStandard(standard.into()));
+            assert_eq!(e.setting(), "routes.cost_header");
+        }
+        let own = RequestRules::builder()
+            .cost_header("X-Cost")
+            .build(&plans());
+        assert!(own.is_ok(), "a field of one's own");
         let e = build(RequestRules::builder().key_length_max(KEY_LENGTH_MAX_LIMIT + 1));
         assert_eq!(e, RulesError::KeyLengthMax);
         let e = build(RequestRules::builder().exempt("healthz"));
