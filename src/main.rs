@@ -70,7 +70,7 @@ struct Cli {
     #[arg(long, env = "LEDGER_LIMITER_UNKNOWN_KEYS")]
     unknown_keys: Option<String>,
     /// Run the embedded TigerBeetle without --development (needs direct I/O and ~1 GiB data file).
-    #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION")]
+    #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION", value_parser = clap::builder::BoolishValueParser::new())]
     embedded_production: bool,
     /// Where the admin API listens, e.g. 127.0.0.1:9091. It is on only if a secret is also given,
     /// in LEDGER_LIMITER_ADMIN_SECRETS (comma-separated, for rotation; never a flag, which other

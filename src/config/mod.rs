@@ -652,8 +652,10 @@ fn clash(a: &str, b: &str) -> bool {
         return false;
     };
     let every = |host: &str| host == "0.0.0.0" || host == "[::]";
+    // As numbers: `08080` is port 8080 (`listen_address` checked both parse).
+    let (port_a, port_b) = (port_a.parse::<u16>().ok(), port_b.parse::<u16>().ok());
     port_a == port_b
-        && port_a != "0"
+        && port_a.is_some_and(|port| port != 0)
         && (host_a.eq_ignore_ascii_case(host_b) || every(host_a) || every(host_b))
 }
 
@@ -1505,6 +1507,13 @@ mod tests {
         assert_eq!(with(&overlapping).unwrap_err().setting, "admin.listen");
         let apart = "listen = \"127.0.0.1:8080\"\n[admin]\nlisten = \"127.0.0.1:9091\"";
         assert!(with(&format!("{apart}\n{secret}")).is_ok());
+        let padded =
+            format!("listen = \"127.0.0.1:08080\"\n[admin]\nlisten = \"127.0.0.1:8080\"\n{secret}");
+        assert_eq!(
+            with(&padded).unwrap_err().setting,
+            "admin.listen",
+            "one port, written twice"
+        );
         let both_free =
             format!("listen = \"127.0.0.1:0\"\n[admin]\nlisten = \"127.0.0.1:0\"\n{secret}");
         assert!(with(&both_free).is_ok());
