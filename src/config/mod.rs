@@ -840,15 +840,23 @@ fn unread_caller_settings(
                 ("caller.unknown_keys", own.unknown_keys.is_some()),
                 ("key_prefixes", listed_prefixes),
                 ("caller.header", own.header.is_some()),
+                ("caller.key_length_max", own.key_length_max.is_some()),
             ],
             "callers are known by their address alone (caller.source = \"peer-ip\")",
         ),
         _ => (&[], ""),
     };
-    match unread.iter().find(|(_, given)| *given) {
-        Some((setting, _)) => Err(invalid(*setting, format!("is never read: {why}"))),
-        None => Ok(()),
+    if let Some((setting, _)) = unread.iter().find(|(_, given)| *given) {
+        return Err(invalid(*setting, format!("is never read: {why}")));
     }
+    // Each address counts alone at 128 bits: no translator's client is looked for.
+    let translators = own.ipv4_translation_prefixes.as_ref();
+    if own.ipv6_prefix_length == Some(128) && translators.is_some_and(|p| !p.is_empty()) {
+        let why = "is never read with caller.ipv6_prefix_length = 128 (each IPv6 address is a \
+                   caller of its own, translated or not)";
+        return Err(invalid("caller.ipv4_translation_prefixes", why));
+    }
+    Ok(())
 }
 
 /// Where callers' keys come from, and which proxies may name a caller's address.
@@ -1408,6 +1416,12 @@ mod tests {
         assert_eq!(err.setting, "caller.unknown_keys");
         let err = with(&format!("[key_prefixes]\n\"p_\" = \"pro\"\n{peer}")).unwrap_err();
         assert_eq!(err.setting, "key_prefixes");
+        let err = with(&format!("{peer}key_length_max = 64")).unwrap_err();
+        assert_eq!(err.setting, "caller.key_length_max");
+        let whole = "ipv6_prefix_length = 128\nipv4_translation_prefixes = [\"64:ff9b:1::/96\"]";
+        let err = with(&format!("{peer}{whole}")).unwrap_err();
+        assert_eq!(err.setting, "caller.ipv4_translation_prefixes");
+        assert!(with(&format!("{peer}ipv6_prefix_length = 128")).is_ok());
         // What the defaults set is no error, nor an empty list, nor a setting the source reads.
         assert!(with(peer).is_ok());
         assert!(with("[caller]\ntrusted_proxies = []").is_ok());
