@@ -1045,22 +1045,17 @@ async fn an_account_under_a_window_of_decades_is_read() {
 async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
     let process = TestLedger::start(); // its own: stopped for a while below
     let full = common::full_bound(&process).await;
-    let (giver, transfer_id) = (full.ledger.clone(), full.transfer_id);
-    let void = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        giver.void(transfer_id, deadline).await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    process.pause(false);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    // Polled first: the void asks for its place before the ledger resumes, so it waited.
+    let (void, ()) = tokio::join!(
+        full.ledger.void(full.transfer_id, deadline),
+        common::resume_after(&process, Duration::from_millis(300)),
+    );
     assert!(matches!(
         full.other.await.unwrap(),
         Ok(ledger::HoldReply::Held { .. })
     ));
-    assert_eq!(
-        void.await.unwrap(),
-        Ok(true),
-        "given back once a place was free"
-    );
+    assert_eq!(void, Ok(true), "given back once a place was free");
 }
 
 /// The same for a release by amount (Envoy's negative hits: a concurrency slot given back).
@@ -1068,21 +1063,16 @@ async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
 async fn a_release_waits_for_a_place_under_a_full_in_flight_bound() {
     let process = TestLedger::start(); // its own: stopped for a while below
     let full = common::full_bound(&process).await;
-    let (giver, id) = (full.ledger.clone(), full.account.id);
-    let release = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        giver.release_units(id, 1, 60, deadline).await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    process.pause(false);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (release, ()) = tokio::join!(
+        full.ledger.release_units(full.account.id, 1, 60, deadline),
+        common::resume_after(&process, Duration::from_millis(300)),
+    );
     assert!(matches!(
         full.other.await.unwrap(),
         Ok(ledger::HoldReply::Held { .. })
     ));
-    let released = release
-        .await
-        .unwrap()
-        .expect("given back once a place was free");
+    let released = release.expect("given back once a place was free");
     assert_eq!(released.units, 1);
 }
 
@@ -1100,18 +1090,16 @@ async fn a_recharge_waits_for_a_place_under_a_full_in_flight_bound() {
         amount: 3,
         timeout_seconds: 50,
     };
-    let giver = full.ledger.clone();
-    let recharged = tokio::spawn(async move {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        giver.recharge(&[recharge], deadline).await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    process.pause(false);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let recharges = [recharge];
+    let (recharged, ()) = tokio::join!(
+        full.ledger.recharge(&recharges, deadline),
+        common::resume_after(&process, Duration::from_millis(300)),
+    );
     assert!(matches!(
         full.other.await.unwrap(),
         Ok(ledger::HoldReply::Held { .. })
     ));
-    let recharged = recharged.await.unwrap();
     assert!(matches!(recharged, Ok(Recharged::Done(_))), "{recharged:?}");
 }
 

@@ -540,6 +540,7 @@ async fn burst(app: &TestApp, key: &str) -> Vec<reqwest::StatusCode> {
 /// and the errors alike, not a refusal at once that left no duration.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() {
+    let _alone = LEDGER_FAILURES.lock().await;
     let prometheus = &telemetry().prometheus;
     let process = TestLedger::start(); // its own: stopped for a while below
     let full = full_bound(&process).await;
@@ -557,27 +558,35 @@ async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() 
         );
         (count, sum)
     };
-    let (count, sum) = histogram(&prometheus.render());
+    let overloaded = ["kind=\"overloaded\""];
+    let errors = |text: &str| metric_sum(text, "ledger_limiter_ledger_errors_total", &overloaded);
+    let before = prometheus.render();
+    let ((count, sum), errors_before) = (histogram(&before), errors(&before));
     let deadline = Instant::now() + Duration::from_millis(300);
     let void = full.ledger.void(full.transfer_id, deadline).await;
     process.pause(false);
-    let (count_after, sum_after) = histogram(&prometheus.render());
+    let after = prometheus.render();
+    let ((count_after, sum_after), errors_after) = (histogram(&after), errors(&after));
     assert!(matches!(
         void,
         Err(ledger_limiter::ledger::LedgerError::Overloaded { .. })
     ));
-    assert!(
-        count_after - count >= 1.0,
-        "the call failed: {}",
-        count_after - count
+    // Exactly this call: no other test of this binary fails a ledger call meanwhile (they
+    // take `LEDGER_FAILURES`), so another's failure cannot stand in for it.
+    assert_eq!(count_after - count, 1.0, "the call failed, once");
+    assert_eq!(
+        errors_after - errors_before,
+        1.0,
+        "an error of its kind, once"
     );
     // Timed from the wait's start, a little after this test's deadline was set.
-    assert!(
-        sum_after - sum >= 0.25,
-        "at its deadline: {}",
-        sum_after - sum
-    );
+    let waited = sum_after - sum;
+    assert!((0.25..1.5).contains(&waited), "at its deadline: {waited}");
 }
+
+/// Taken by each test of this binary that makes ledger calls fail, for its whole run: the
+/// failure counters are process-wide, and one test's failures must not count as another's.
+static LEDGER_FAILURES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A request failed closed by a stopped ledger is an error in its trace: its server span (a
 /// 503 the limiter answers itself, which tracing-actix-web's default exported `OK`) and the
@@ -585,6 +594,7 @@ async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_failed_closed_is_an_error_in_its_trace() {
     telemetry(); // first: it sets the environment, before this test starts anything
+    let _alone = LEDGER_FAILURES.lock().await;
     let ledger = TestLedger::start();
     let mut config = test_config(ledger.address);
     config.ledger.failure_policy = Some("closed".into());

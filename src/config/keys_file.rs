@@ -102,6 +102,97 @@ mod tests {
         }
     }
 
+    /// One line of a structured keys file: a pair (its key visible ASCII or not, of a length
+    /// around the bound), a comment, a blank, or a line of one or three fields.
+    fn line() -> impl Strategy<Value = String> {
+        let key = prop_oneof![
+            "[!-~&&[^#]]{1,18}",
+            "[!-~&&[^#]]{0,6}[\u{80}-\u{ff}\u{7f}][!-~]{0,4}",
+        ];
+        let plan = prop_oneof![Just("aa"), Just("bb"), Just("c")];
+        let separator = prop_oneof![Just(" "), Just("\t"), Just("   ")];
+        prop_oneof![
+            6 => (key.clone(), separator, plan.clone()).prop_map(|(k, s, p)| format!("{k}{s}{p}")),
+            1 => "# [ -~]{0,10}",
+            1 => Just(String::new()),
+            1 => key.clone(),
+            1 => (key, plan).prop_map(|(k, p)| format!("{k} {p} extra")),
+        ]
+    }
+
+    /// The parser's rules written out again, apart from it: the keys it keeps, or the line
+    /// (1-based) and kind of its first error.
+    fn expected(
+        lines: &[String],
+        length_max: usize,
+    ) -> Result<Vec<(String, String)>, (usize, &'static str)> {
+        let mut keys: Vec<(String, String)> = Vec::new();
+        for (index, line) in lines.iter().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let [key, plan] = fields[..] else {
+                return Err((index + 1, "expected"));
+            };
+            let visible = key.bytes().all(|b| (0x21..=0x7e).contains(&b));
+            if !visible || key.len() > length_max {
+                return Err((index + 1, "the key is not"));
+            }
+            if plan.len() % 2 != 0 {
+                return Err((index + 1, "the line's second field"));
+            }
+            if keys.iter().any(|(listed, _)| listed == key) {
+                return Err((index + 1, "the key is listed already"));
+            }
+            keys.push((key.to_owned(), plan.to_owned()));
+        }
+        Ok(keys)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1024))]
+
+        /// Files of pairs, comments and mistakes (keys around the bound, listed twice, of bytes
+        /// that are not visible ASCII): the parser keeps exactly the keys a model of its rules
+        /// keeps, or fails on the model's first bad line, never echoing it.
+        #[test]
+        fn a_keys_file_is_parsed_as_its_rules_say(
+            lines in proptest::collection::vec(line(), 0..12),
+            repeat in proptest::option::of(0usize..12),
+            length_max in 4usize..12,
+        ) {
+            let mut lines = lines;
+            // A key listed twice, on purpose, now and then.
+            if let Some(at) = repeat.filter(|at| *at < lines.len()) {
+                let again = lines[at].clone();
+                lines.push(again);
+            }
+            let text = lines.join("\n");
+            let parsed = parse(&text, Path::new("k"), length_max, &|plan| plan.len() % 2 == 0);
+            match (parsed, expected(&lines, length_max)) {
+                (Ok(keys), Ok(model)) => prop_assert_eq!(keys, model),
+                (Err(err), Err((line, kind))) => {
+                    let (at, message) = err.message.split_once(": ").expect("k:N: why");
+                    prop_assert_eq!(at, format!("k:{line}"));
+                    prop_assert!(message.starts_with(kind), "{} against {}", message, kind);
+                    // Nothing of the line: each message is fixed text, a bound and line numbers.
+                    let listed = message
+                        .strip_prefix("the key is listed already, on line ")
+                        .is_some_and(|line| line.bytes().all(|b| b.is_ascii_digit()));
+                    let fixed = [
+                        "expected `<key> <plan>`".to_owned(),
+                        format!("the key is not 1-{length_max} printable ASCII characters"),
+                        "the line's second field names no configured plan (`<key> <plan>`)".to_owned(),
+                    ];
+                    prop_assert!(listed || fixed.iter().any(|f| f == message), "{}", message);
+                }
+                (parsed, model) => prop_assert!(false, "{:?} against {:?}", parsed, model),
+            }
+        }
+    }
+
     fn plans(name: &str) -> bool {
         ["free", "basic", "pro"].contains(&name)
     }

@@ -123,8 +123,10 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
         ForwardedHeader::XForwardedFor => X_FORWARDED_FOR,
         ForwardedHeader::Forwarded => FORWARDED,
     };
+    // `Forwarded` elements may quote a comma (`by="a,b"`): split outside quoted strings only.
+    let quoted = matches!(header, ForwardedHeader::Forwarded);
     let items: Vec<&[u8]> = (req.headers().get_all(name))
-        .flat_map(|line| line.as_bytes().split(|byte| *byte == b','))
+        .flat_map(|line| split_unquoted(line.as_bytes(), b',', quoted))
         .collect();
     let nearest = &items[items.len().saturating_sub(FORWARDED_HOPS_MAX)..];
     (nearest.iter())
@@ -139,9 +141,32 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
         .collect()
 }
 
+/// `bytes` split at each `separator`, outside quoted strings (RFC 7230's, with `\` escapes)
+/// when `quoted`.
+fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
+    let (mut parts, mut start) = (Vec::new(), 0);
+    let (mut in_quotes, mut escaped) = (false, false);
+    for (at, byte) in bytes.iter().enumerate() {
+        match *byte {
+            _ if escaped => escaped = false,
+            b'\\' if in_quotes => escaped = true,
+            b'"' if quoted => in_quotes = !in_quotes,
+            _ if *byte == separator && !in_quotes => {
+                parts.push(&bytes[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&bytes[start..]);
+    parts
+}
+
 /// The `for=` value of one `Forwarded` element (`for=1.2.3.4;proto=https`).
 fn for_parameter(element: &str) -> Option<&str> {
-    element.split(';').find_map(|pair| {
+    let pairs = split_unquoted(element.as_bytes(), b';', true);
+    pairs.into_iter().find_map(|pair| {
+        let pair = std::str::from_utf8(pair).ok()?;
         let (name, value) = pair.trim().split_once('=')?;
         name.trim()
             .eq_ignore_ascii_case("for")
@@ -149,17 +174,35 @@ fn for_parameter(element: &str) -> Option<&str> {
     })
 }
 
-/// `1.2.3.4`, `1.2.3.4:80`, `"[2001:db8::1]:443"`, `2001:db8::1`; `unknown` and obfuscated
-/// identifiers are no address.
+/// `1.2.3.4`, `1.2.3.4:80`, `"[2001:db8::1]:443"`, `2001:db8::1` (RFC 7239's node, with a
+/// port or an obfuscated one, `_x`); `unknown`, obfuscated identifiers and anything malformed
+/// (an unbalanced quote, a port that is none, text after the brackets) are no address.
 fn parse_node(item: &str) -> Option<IpAddr> {
-    let item = item.trim().trim_matches('"');
+    let item = item.trim();
+    let item = match item.strip_prefix('"') {
+        Some(quoted) => quoted.strip_suffix('"')?,
+        None => item,
+    };
     if let Ok(ip) = item.parse::<IpAddr>() {
         return Some(ip);
     }
+    let port = |port: &str| {
+        let (digits, obfuscated) = match port.strip_prefix('_') {
+            Some(name) => (name, true),
+            None => (port, false),
+        };
+        let valid = |b: u8| b.is_ascii_digit() || (obfuscated && b.is_ascii_alphanumeric());
+        !digits.is_empty() && digits.len() <= 16 && digits.bytes().all(valid)
+    };
     if let Some(rest) = item.strip_prefix('[') {
-        return rest.split(']').next()?.parse().ok();
+        let (ip, after) = rest.split_once(']')?;
+        let after_ok = after.is_empty() || after.strip_prefix(':').is_some_and(port);
+        return after_ok.then(|| ip.parse().ok()).flatten();
     }
-    item.rsplit_once(':')?.0.parse().ok()
+    // Unbracketed with a port: IPv4 only (an IPv6 address's last group is no port).
+    let (ip, after) = item.rsplit_once(':')?;
+    let ip = ip.parse::<std::net::Ipv4Addr>().ok()?;
+    port(after).then_some(IpAddr::V4(ip))
 }
 
 #[cfg(test)]
@@ -220,6 +263,35 @@ mod tests {
         assert_eq!(from("x-forwarded-for", spoiled, xff), ip("203.0.113.7"));
         let spoiled = b"for=\xff, for=203.0.113.7";
         assert_eq!(from("forwarded", spoiled, fwd), ip("203.0.113.7"));
+        // A proxy's quoted comma is part of its element, not a hop of its own.
+        let quoted = b"for=6.6.6.6, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
+        assert_eq!(from("forwarded", quoted, fwd), ip("203.0.113.7"));
+    }
+
+    /// Nodes as RFC 7239 and the usual X-Forwarded-For write them; anything malformed names
+    /// no address, and so ends the walk.
+    #[test]
+    fn a_node_is_an_address_only_when_well_formed() {
+        for (node, expected) in [
+            ("1.2.3.4", Some("1.2.3.4")),
+            ("1.2.3.4:80", Some("1.2.3.4")),
+            ("\"1.2.3.4\"", Some("1.2.3.4")),
+            ("\"[2001:db8::1]:443\"", Some("2001:db8::1")),
+            ("[2001:db8::1]", Some("2001:db8::1")),
+            ("[2001:db8::1]:_hidden", Some("2001:db8::1")),
+            ("2001:db8::1", Some("2001:db8::1")),
+            ("\"1.2.3.4", None),
+            ("1.2.3.4\"", None),
+            ("1.2.3.4:notaport", None),
+            ("1.2.3.4:", None),
+            ("[2001:db8::1]junk", None),
+            ("[2001:db8::1]:", None),
+            ("2001:db8::1:_x", None),
+            ("unknown", None),
+            ("_hidden", None),
+        ] {
+            assert_eq!(parse_node(node), expected.map(ip), "{node}");
+        }
     }
 
     #[test]

@@ -295,7 +295,12 @@ mod tests {
     proptest! {
         #[test]
         fn accepted_keys_are_exactly_visible_ascii_within_bounds(
-            value in proptest::collection::vec(any::<u8>(), 0..40),
+            // Any bytes, and visible ASCII of every length around the bound (rare among any
+            // bytes: about 1 % of those are accepted, nearly all 1 to 3 bytes long).
+            value in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..40),
+                proptest::collection::vec(0x21u8..=0x7e, 0..40),
+            ],
             length_max in 1usize..32,
         ) {
             let accepted = CallerKey::from_header_value(H, &value, length_max).is_ok();

@@ -365,6 +365,15 @@ fn instance(store: &ModelStore) -> Instance {
 }
 
 fn instance_with(store: &ModelStore, failure_policy: FailurePolicy) -> Instance {
+    instance_timed(store, failure_policy, Duration::from_millis(500))
+}
+
+/// An instance whose decisions have `ledger_timeout` each.
+fn instance_timed(
+    store: &ModelStore,
+    failure_policy: FailurePolicy,
+    ledger_timeout: Duration,
+) -> Instance {
     let lease = terms();
     let capacity = NonZeroU64::new(CAPACITY).unwrap();
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
@@ -374,7 +383,7 @@ fn instance_with(store: &ModelStore, failure_policy: FailurePolicy) -> Instance 
         .unwrap();
     let plans = PlanBook::new(vec![plan], "hot", [], [], UnknownKeys::DefaultPlan).unwrap();
     let settings = LimiterSettings {
-        ledger_timeout: Duration::from_millis(500),
+        ledger_timeout,
         failure_policy,
         local_callers_max: 100,
         expiry_margin: Duration::ZERO,
@@ -1259,20 +1268,28 @@ fn a_request_waiting_on_a_renewal_held_unrun_is_decided_per_request() {
 /// (given up at half the time, every waiter became a ledger write, with half a deadline left).
 #[test]
 fn a_request_waits_for_a_renewal_at_the_ledger_past_half_its_time() {
-    let (runtime, store, limiter, key) = with_a_first_lease();
+    // Decisions of 2 s (real time: the waits are tokio's), so that "past half" and "before
+    // the deadline" each have 400 ms to spare on a loaded machine.
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance_timed(&store, FailurePolicy::Closed, Duration::from_secs(2));
+    let key = hot_key();
+    let first = runtime.block_on(limiter.check(&key, NonZeroU64::MIN));
+    assert!(first.unwrap().leased.is_some(), "the first lease");
     let one = NonZeroU64::MIN;
     let due = spend_the_first_lease(&limiter, &key);
     let (answer, answered) = tokio::sync::oneshot::channel();
     store.model.lock().unwrap().answer_next_lease_on = Some(answered);
     let decision = runtime.block_on(async {
+        // Deadlines from now, not from when the store was made.
+        store.clock.advance_to(Instant::now());
         let renewing = limiter.renew_lease_ahead(due.expect("due at half the lease"));
         let waiting = async {
             tokio::time::sleep(Duration::from_millis(10)).await;
             limiter.check(&key, one).await.unwrap()
         };
         let answering = async {
-            // Past half the request's time (500 ms), well before its deadline.
-            tokio::time::sleep(Duration::from_millis(350)).await;
+            // Past half the request's time (1 s), well before its deadline (2 s).
+            tokio::time::sleep(Duration::from_millis(1_400)).await;
             answer.send(()).unwrap();
         };
         tokio::join!(renewing, waiting, answering).1
