@@ -161,10 +161,12 @@ pub fn tigerbeetle_bin() -> PathBuf {
 /// A folder for test ledgers' data files (about 1.1 GB each): in RAM under `/dev/shm` where there
 /// is one, so that a stall of the machine's disk cannot push a request past a test's deadline. The
 /// tests prove the logic against a real server; `scripts/bench` and `scripts/sustain` measure a
-/// real disk. `--development` needs no direct I/O, so any folder works.
+/// real disk. `--development` needs no direct I/O, so any folder works. Only with room for the
+/// ledgers the tests run at once: TigerBeetle reserves its whole data file as it formats, and a
+/// container's /dev/shm (64 MiB by default) failed every one of them.
 pub fn ledger_dir() -> tempfile::TempDir {
     let shm = std::path::Path::new("/dev/shm");
-    let in_ram = shm.is_dir().then(|| {
+    let in_ram = (shm.is_dir() && free_bytes(shm) >= SHM_BYTES_MIN).then(|| {
         tempfile::Builder::new()
             .prefix("ledger-limiter-test")
             .tempdir_in(shm)
@@ -173,6 +175,20 @@ pub fn ledger_dir() -> tempfile::TempDir {
         Some(Ok(dir)) => dir,
         _ => tempfile::tempdir().expect("tempdir"),
     }
+}
+
+/// Room for a few ledgers at once (about 1.1 GB each), and what else the machine keeps there.
+const SHM_BYTES_MIN: u64 = 6 << 30;
+
+/// The bytes free at `path` (as `df` reads them), 0 if unknown.
+fn free_bytes(path: &std::path::Path) -> u64 {
+    let output = std::process::Command::new("df")
+        .args(["-B1", "--output=avail"])
+        .arg(path)
+        .output();
+    let text = output.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    let last = text.ok().and_then(|t| t.lines().last().map(str::to_owned));
+    last.and_then(|line| line.trim().parse().ok()).unwrap_or(0)
 }
 
 /// A TigerBeetle server in --development mode on a free port. It exits when this test binary
