@@ -1058,6 +1058,58 @@ async fn a_void_waits_for_a_place_under_a_full_in_flight_bound() {
     assert_eq!(void, Ok(true), "given back once a place was free");
 }
 
+/// A give-back that cannot land now (the in-flight bound full past its deadline, a ledger slow
+/// or failing over) is sent again until it lands: a concurrency slot given back once and lost
+/// kept its caller refused until the slot's timeout, with nothing in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_give_back_is_sent_again_until_it_lands() {
+    use ledger_limiter::limiter::plan::Plan;
+    use ledger_limiter::limiter::HoldReceipt;
+    use std::num::{NonZeroU32, NonZeroU64};
+    let process = TestLedger::start(); // its own: stopped for a while below
+    let full = common::full_bound(&process).await;
+    let plan = Plan::new(
+        "slots",
+        NonZeroU64::new(5).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    );
+    let mut settings = library_settings();
+    settings.ledger_timeout = Duration::from_millis(200);
+    let limiter = ledger_limiter::limiter::Limiter::new(
+        (*full.ledger).clone(),
+        std::sync::Arc::new(
+            ledger_limiter::limiter::plan::PlanBook::new(
+                vec![plan.unwrap()],
+                "slots",
+                [],
+                [],
+                ledger_limiter::limiter::plan::UnknownKeys::DefaultPlan,
+            )
+            .unwrap(),
+        ),
+        settings,
+    );
+    let hold = HoldReceipt {
+        transfer_id: full.transfer_id,
+        amount: 1,
+        expires_at: Instant::now() + Duration::from_secs(55),
+    };
+    // The first tries (200 ms each, then 200 and 400 ms apart) find no place: the ledger resumes
+    // after a second, and a later try lands.
+    tokio::join!(
+        limiter.release_until_expired(full.account.id, hold),
+        common::resume_after(&process, Duration::from_secs(1)),
+    );
+    assert!(matches!(
+        full.other.await.unwrap(),
+        Ok(ledger::HoldReply::Held { .. })
+    ));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let audit = full.ledger.audit(full.account.id, deadline).await;
+    let audit = audit.unwrap().unwrap();
+    assert_eq!(audit.voids, 1, "given back, late: {audit:?}");
+}
+
 /// The same for a release by amount (Envoy's negative hits: a concurrency slot given back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_waits_for_a_place_under_a_full_in_flight_bound() {

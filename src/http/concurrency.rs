@@ -198,12 +198,12 @@ impl Slot {
         }
     }
 
-    /// Gives the slot back now.
+    /// Gives the slot back now, sent again until it lands or expires.
     pub async fn release(mut self) {
         if let Some(hold) = self.hold.take() {
-            if let Err(error) = self.limiter.release(self.account_id, hold).await {
-                tracing::debug!(%error, "could not give a slot back; its timeout will");
-            }
+            self.limiter
+                .release_until_expired(self.account_id, hold)
+                .await;
         }
     }
 }
@@ -217,9 +217,7 @@ impl Drop for Slot {
         };
         let (limiter, account_id) = (self.limiter.clone(), self.account_id);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = limiter.release(account_id, hold).await;
-            });
+            runtime.spawn(async move { limiter.release_until_expired(account_id, hold).await });
         }
     }
 }

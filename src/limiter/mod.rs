@@ -106,6 +106,9 @@ pub enum Outcome {
     FailedClosed(LedgerError),
 }
 
+/// The longest wait between two tries of a give-back ([`Limiter::release_until_expired`]).
+pub const RELEASE_RETRY_WAIT_MAX: Duration = Duration::from_secs(10);
+
 /// The hold an admitted request placed: what a refund gives back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HoldReceipt {
@@ -574,16 +577,35 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         (!holds.is_empty()).then_some(HoldsToVoid { holds })
     }
 
-    /// Voids the holds [`Limiter::give_back_later`] handed out, together, within one
-    /// `ledger.timeout_ms` from now. One that fails expires with its window.
+    /// Voids the holds [`Limiter::give_back_later`] handed out, together, each sent again
+    /// until it lands or expires ([`Limiter::release_until_expired`]).
     pub async fn void_holds(&self, holds: HoldsToVoid) {
-        let deadline = self.deadline();
-        let voids = holds.holds.into_iter().map(|(account_id, hold)| async move {
-            if let Err(error) = self.release_by(account_id, hold, deadline).await {
-                tracing::debug!(%error, "could not give a hold back; it expires with its window");
-            }
-        });
+        let voids = (holds.holds.into_iter())
+            .map(|(account_id, hold)| self.release_until_expired(account_id, hold));
         join_all(voids).await;
+    }
+
+    /// [`Limiter::release`], sent again after a failure that may pass (the ledger slow or
+    /// failing over, the in-flight bound full) until the hold would have expired anyway: a
+    /// concurrency slot given back once and lost kept its caller refused until the slot's
+    /// timeout (a minute by default), nothing in flight. Each try waits a ledger timeout,
+    /// doubled per try, at most [`RELEASE_RETRY_WAIT_MAX`]. A void that landed unseen makes its
+    /// retry answer "already voided": nothing is given back twice.
+    pub async fn release_until_expired(&self, account_id: u128, hold: HoldReceipt) {
+        let mut wait = self.settings.ledger_timeout;
+        loop {
+            let error = match self.release(account_id, hold).await {
+                Ok(_) => return,
+                Err(error) => error,
+            };
+            let expired_by_then = self.clock.now() + wait >= hold.expires_at;
+            if matches!(error, LedgerError::Unexpected { .. }) || expired_by_then {
+                tracing::debug!(%error, "could not give a hold back; it expires with its window");
+                return;
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(RELEASE_RETRY_WAIT_MAX);
+        }
     }
 
     /// Voids one hold of `account_id` (its credit comes back now, here and in the ledger):
