@@ -1046,6 +1046,60 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     handle.stop(true).await;
 }
 
+/// A handler that panics on a refund route is our failure, as a 500 is: the request's hold is
+/// given back (the task's future is dropped while the panic unwinds), and on a route that is not
+/// refunded it stays charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_on_a_refund_route_is_not_charged() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
+    let rules = RequestRules::builder()
+        .refund_server_errors("/refunded")
+        .build(limiter.plans());
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let panics = || async {
+            panic!("a handler's bug (this test's, on purpose)");
+            #[allow(unreachable_code)]
+            HttpResponse::Ok().finish()
+        };
+        routes
+            .route("/refunded", web::get().to(panics))
+            .route("/charged", web::get().to(panics));
+    });
+    let http = reqwest::Client::new();
+    let audit = |key: String| {
+        let limiter = limiter.clone();
+        async move {
+            let account = limiter.account_of(&caller(&key)).unwrap();
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            limiter
+                .ledger()
+                .audit(account, deadline)
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    for (path, voids) in [("/refunded", 1), ("/charged", 0)] {
+        let key = fresh_key("k_");
+        let sent = http
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .header("X-Api-Key", &key)
+            .send()
+            .await;
+        assert!(sent.is_err(), "{path}: the connection is closed, no answer");
+        // The give-back is a void sent from a task of its own: soon, not at once.
+        let given_back = std::time::Instant::now() + Duration::from_secs(5);
+        let mut held = audit(key.clone()).await;
+        while held.voids < voids && std::time::Instant::now() < given_back {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            held = audit(key.clone()).await;
+        }
+        assert_eq!((held.holds, held.voids), (1, voids), "{path}: {held:?}");
+    }
+    handle.stop(true).await;
+}
+
 /// A request that outlives a short limit's window (a per-second limit under a long completion) is
 /// charged what it reported on the limits whose holds still live: the expired hold has nothing
 /// left to charge, and used to fail every other hold's recharge with it.

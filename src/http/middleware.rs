@@ -35,7 +35,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::{Error, HttpResponse};
 use futures_util::future::{Either, LocalBoxFuture};
 
-use super::concurrency::ConcurrencyLimits;
+use super::concurrency::{ConcurrencyLimits, Slot};
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
@@ -255,17 +255,36 @@ where
             return Ok(req.into_response(response).map_into_right_body());
         }
     };
-    let mut response = match service.call(req).await {
+    serve_and_settle(service, &inner, req, &mut decision, (refund, slot)).await
+}
+
+/// Serves an admitted request and settles what it holds (a refund of a server error, or of a
+/// panic, on a refund route; a reported cost), then adds its fields. Its slot rides on the body.
+async fn serve_and_settle<S, B>(
+    service: Rc<S>,
+    inner: &Inner,
+    req: ServiceRequest,
+    decision: &mut Decision<'_>,
+    (refund, slot): (bool, Option<Slot>),
+) -> Result<ServiceResponse<EitherBody<SlotBody<B>>>, Error>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: 'static,
+{
+    let refund_if_panicking = GiveBackIfDropped::if_panicking(&inner.limiter, decision, refund);
+    let served = service.call(req).await;
+    refund_if_panicking.disarm();
+    let mut response = match served {
         Ok(response) => response,
         Err(error) => {
             // Its response is made past this middleware, without the fields (a request cloned
             // to make it here breaks actix's routing).
-            inner.settle_error(&mut decision, &error, refund).await;
+            inner.settle_error(decision, &error, refund).await;
             return Err(error);
         }
     };
-    inner.settle(&mut decision, &mut response, refund).await;
-    respond::add_fields(response.headers_mut(), &inner.fields, &decision, None);
+    inner.settle(decision, &mut response, refund).await;
+    respond::add_fields(response.headers_mut(), &inner.fields, decision, None);
     // The slot is given back when the body is sent (or the client goes away).
     let response = response.map_body(|_, body| SlotBody::new(body, slot));
     Ok(response.map_into_left_body())
@@ -277,6 +296,8 @@ where
 struct GiveBackIfDropped<'d, 'a> {
     limiter: &'d Arc<Limiter>,
     decision: Option<&'d mut Decision<'a>>,
+    /// Only when dropped by a panic's unwinding (tokio drops a panicking task's future there).
+    panicking_only: bool,
 }
 
 impl<'d, 'a> GiveBackIfDropped<'d, 'a> {
@@ -284,6 +305,22 @@ impl<'d, 'a> GiveBackIfDropped<'d, 'a> {
         GiveBackIfDropped {
             limiter,
             decision: Some(decision),
+            panicking_only: false,
+        }
+    }
+
+    /// Gives back only if the handler panics, and only when `armed` (a refund route): its
+    /// promise is that our failures are not charged, and a panic is one (a client gone
+    /// mid-request is not: it was served).
+    fn if_panicking(
+        limiter: &'d Arc<Limiter>,
+        decision: &'d mut Decision<'a>,
+        armed: bool,
+    ) -> Self {
+        GiveBackIfDropped {
+            limiter,
+            decision: armed.then_some(decision),
+            panicking_only: true,
         }
     }
 
@@ -295,6 +332,9 @@ impl<'d, 'a> GiveBackIfDropped<'d, 'a> {
 
 impl Drop for GiveBackIfDropped<'_, '_> {
     fn drop(&mut self) {
+        if self.panicking_only && !std::thread::panicking() {
+            return;
+        }
         if let Some(decision) = self.decision.take() {
             give_back_unserved(self.limiter, decision);
         }

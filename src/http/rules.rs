@@ -371,6 +371,15 @@ pub enum OperatorKeyError {
     Invalid,
 }
 
+/// `routes.cost_header`'s field: a valid name, and one of the handler's own.
+fn cost_header(name: String) -> Result<HeaderName, RulesError> {
+    match HeaderName::try_from(name.as_str()) {
+        Err(_) => Err(RulesError::CostHeader(name)),
+        Ok(header) if is_standard_field(&header) => Err(RulesError::CostHeaderStandard(name)),
+        Ok(header) => Ok(header),
+    }
+}
+
 /// Response fields HTTP gives a meaning (representation, framing, caching, cookies, hop by hop)
 /// or this limiter writes (its header styles, `Retry-After`): none may be the cost header.
 fn is_standard_field(name: &HeaderName) -> bool {
@@ -720,16 +729,7 @@ impl RequestRulesBuilder {
             costs.push(checked_cost(route, cost, plans)?);
         }
         let route_costs = RouteCosts::new(costs);
-        let cost_header = self
-            .cost_header
-            .map(|name| match HeaderName::try_from(name.as_str()) {
-                Err(_) => Err(RulesError::CostHeader(name)),
-                Ok(header) if is_standard_field(&header) => {
-                    Err(RulesError::CostHeaderStandard(name))
-                }
-                Ok(header) => Ok(header),
-            })
-            .transpose()?;
+        let cost_header = self.cost_header.map(cost_header).transpose()?;
         let leased = plans.plans().iter().find(|plan| plan.lease().is_some());
         if let (Some(_), Some(plan)) = (&cost_header, leased) {
             return Err(RulesError::CostHeaderWithLeases(plan.name().to_owned()));

@@ -212,9 +212,13 @@ impl Decision<'_> {
     }
 }
 
-/// `amount` units given back to a quota, which never shows more than its limit.
+/// `amount` units given back to a quota, which never shows more than its limit; whole again, it
+/// resets now (a refunded fresh caller's `t` said a window, and GitHub's reset a window ahead).
 fn credit_back(quota: &mut Quota, amount: u64) {
     quota.remaining = quota.remaining.saturating_add(amount).min(quota.limit);
+    if quota.remaining == quota.limit {
+        quota.reset_seconds = 0;
+    }
 }
 
 /// The holds of a request that was admitted but not served, to void after its answer

@@ -1049,3 +1049,20 @@ fn draining_the_counts_publishes_the_stores_gauges() {
     f.limiter.drain_counts();
     f.script(|s| assert_eq!(s.published_at_scrape, 1));
 }
+
+/// A quota given back whole resets now; one still short keeps its reset.
+#[test]
+fn a_quota_given_back_whole_resets_at_once() {
+    let quota = |remaining| Quota {
+        limit: 5,
+        window_seconds: 30,
+        remaining,
+        reset_seconds: 31,
+    };
+    let mut whole = quota(4);
+    super::credit_back(&mut whole, 1);
+    assert_eq!((whole.remaining, whole.reset_seconds), (5, 0));
+    let mut short = quota(2);
+    super::credit_back(&mut short, 1);
+    assert_eq!((short.remaining, short.reset_seconds), (3, 31));
+}
