@@ -598,7 +598,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         decision.refused_by = Some(i);
         let status = &mut decision.limits[i].quota;
         *status = quota(&limit.account, spent);
-        status.remaining = 0;
+        status.remaining = status.remaining.min(cost.saturating_sub(1));
         status.reset_seconds = status.reset_seconds.max(whole_seconds_up(retry_after));
     }
 
@@ -629,7 +629,16 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);
-        statuses[refused].quota.remaining = 0;
+        // What is left, as its listing says (under the cost: it was refused), as a refusal
+        // from memory says next: `r=0` here and `r=2` there misled a client of a costly route.
+        let left = match limit.local_view {
+            true => statuses[refused]
+                .quota
+                .remaining
+                .min(cost.saturating_sub(1)),
+            false => 0,
+        };
+        statuses[refused].quota.remaining = left;
         statuses[refused].quota.reset_seconds = statuses[refused]
             .quota
             .reset_seconds

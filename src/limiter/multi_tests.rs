@@ -246,6 +246,22 @@ async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
     assert!(f.calls().is_empty());
 }
 
+/// A costly request refused by the ledger says what is left (2 of 5, under its cost of 3), as
+/// a refusal from memory does: not 0.
+#[tokio::test]
+async fn a_refusal_by_the_ledger_says_what_is_left_under_the_cost() {
+    let f = Fixture::closed();
+    let three_held = f.view(CAPACITY, &[7, 8, 9], true);
+    f.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(three_held)));
+    });
+    let limits = [limit(A, 20, 60, 3), limit(B, CAPACITY, 30, 3)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.refused_by, Some(1));
+    assert_eq!(decision.limits[1].quota.remaining, 2, "by the ledger");
+}
+
 /// The chain stops at its first link without credit; the limits after it are read too, and the
 /// refusal is the one that comes back last (then from memory too).
 #[tokio::test]
