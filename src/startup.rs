@@ -544,6 +544,14 @@ fn operational_routes(
         .route("/readyz", web::get().to(routes::readyz));
     if metrics_here {
         metrics_routes(config, rate_limit, exporters);
+    } else {
+        // Served on their own listener: here a plain 404, whatever the method, outside the
+        // limiter, the histogram and the traces as the scrapes were (a stale scrape config is
+        // no caller's traffic, and is charged to no one).
+        let elsewhere = || web::route().to(HttpResponse::NotFound);
+        config
+            .route("/metrics", elsewhere())
+            .route("/metrics/exemplars", elsewhere());
     }
 }
 

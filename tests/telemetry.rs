@@ -412,6 +412,8 @@ async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
     let mut config = test_config(ledger.address);
     config.plans = Some([("free".to_owned(), plan(1, 30))].into());
     config.metrics.listen = Some("127.0.0.1:0".into());
+    // Not exempt here: the public port's 404 must not depend on it (else a 401, and charged).
+    config.routes.exempt = Some(vec!["/healthz".into(), "/readyz".into()]);
     let (app, _) = spawn_observed_app(config).await;
     let key = fresh_key("scraped_");
     let sampled = format!("{:032x}", rand::random::<u128>());
@@ -419,6 +421,12 @@ async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
     for path in ["/metrics", "/metrics/exemplars"] {
         let public = app.get(path, None).await;
         assert_eq!(public.status(), 404, "{path} on the public port");
+        let posted = app.http.post(format!("{}{path}", app.address)).send().await;
+        assert_eq!(
+            posted.unwrap().status(),
+            404,
+            "POST {path} on the public port"
+        );
     }
     let port = app.metrics_port.expect("the metrics' own port");
     assert_ne!(port, app.port);

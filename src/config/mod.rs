@@ -802,6 +802,7 @@ fn beside_defaults(mut own: CallerFile, defaults: &CallerFile) -> CallerFile {
     unless_default(&mut own.keys_file, &defaults.keys_file);
     unless_default(&mut own.unknown_keys, &defaults.unknown_keys);
     unless_default(&mut own.header, &defaults.header);
+    unless_default(&mut own.key_length_max, &defaults.key_length_max);
     own
 }
 
@@ -1595,6 +1596,14 @@ mod tests {
         assert!(err.message.contains("is never read"), "{err}");
         // Not for the defaults it spells out: for the prefixes, which name plans by keys.
         assert_eq!(err.setting, "key_prefixes", "{err}");
+        // Without them, the file is an address-keyed one's: what it spells out of the key
+        // settings (the header, the key length) is the defaults', and no error.
+        let (start, end) = (
+            peer.find("[key_prefixes]").unwrap(),
+            peer.find("[routes]").unwrap(),
+        );
+        let no_prefixes = format!("{}[key_prefixes]\n{}", &peer[..start], &peer[end..]);
+        assert!(with(&no_prefixes).is_ok(), "{:?}", with(&no_prefixes).err());
     }
 
     /// An exempt request is neither charged nor looked at further: a rule on exempt paths would

@@ -302,7 +302,7 @@ fn authorize(req: &HttpRequest, state: &AdminState) -> Result<u64, Box<HttpRespo
 /// (a right secret among its guesses would otherwise be found at the rate a worker hashes).
 fn throttled(wait: Duration) -> HttpResponse {
     let detail = format!(
-        "more than {WRONG_SECRETS_PER_WINDOW_MAX} wrong secrets from this address in {} s: \
+        "{WRONG_SECRETS_PER_WINDOW_MAX} wrong secrets from this address within {} s: \
          refused until the window ends",
         GUESS_WINDOW.as_secs()
     );

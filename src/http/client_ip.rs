@@ -142,7 +142,9 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
 }
 
 /// `bytes` split at each `separator`, outside quoted strings (RFC 7230's, with `\` escapes)
-/// when `quoted`.
+/// when `quoted`. A line whose quotes do not balance is split at every separator: a quote a
+/// client left open would otherwise swallow what its proxies appended to the line, and the
+/// walk would reach the address the client wrote.
 fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
     let (mut parts, mut start) = (Vec::new(), 0);
     let (mut in_quotes, mut escaped) = (false, false);
@@ -159,6 +161,9 @@ fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
         }
     }
     parts.push(&bytes[start..]);
+    if in_quotes {
+        return bytes.split(|byte| *byte == separator).collect();
+    }
     parts
 }
 
@@ -186,13 +191,13 @@ fn parse_node(item: &str) -> Option<IpAddr> {
     if let Ok(ip) = item.parse::<IpAddr>() {
         return Some(ip);
     }
-    let port = |port: &str| {
-        let (digits, obfuscated) = match port.strip_prefix('_') {
-            Some(name) => (name, true),
-            None => (port, false),
-        };
-        let valid = |b: u8| b.is_ascii_digit() || (obfuscated && b.is_ascii_alphanumeric());
-        !digits.is_empty() && digits.len() <= 16 && digits.bytes().all(valid)
+    // RFC 7239: a port of 1 to 5 digits, or `_` and 1*(ALPHA / DIGIT / "." / "_" / "-").
+    let port = |port: &str| match port.strip_prefix('_') {
+        Some(name) => {
+            let valid = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-');
+            !name.is_empty() && name.bytes().all(valid)
+        }
+        None => (1..=5).contains(&port.len()) && port.bytes().all(|b| b.is_ascii_digit()),
     };
     if let Some(rest) = item.strip_prefix('[') {
         let (ip, after) = rest.split_once(']')?;
@@ -266,6 +271,11 @@ mod tests {
         // A proxy's quoted comma is part of its element, not a hop of its own.
         let quoted = b"for=6.6.6.6, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
         assert_eq!(from("forwarded", quoted, fwd), ip("203.0.113.7"));
+        // A quote the client left open swallows nothing its proxy appended to the line.
+        let open = b"for=1.2.3.4;by=\", for=203.0.113.7";
+        assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
+        let open = b"for=\"1.2.3.4, for=203.0.113.7";
+        assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
     }
 
     /// Nodes as RFC 7239 and the usual X-Forwarded-For write them; anything malformed names
@@ -279,6 +289,12 @@ mod tests {
             ("\"[2001:db8::1]:443\"", Some("2001:db8::1")),
             ("[2001:db8::1]", Some("2001:db8::1")),
             ("[2001:db8::1]:_hidden", Some("2001:db8::1")),
+            ("[2001:db8::1]:_p-1", Some("2001:db8::1")),
+            ("192.0.2.1:_a.b", Some("192.0.2.1")),
+            ("192.0.2.1:65535", Some("192.0.2.1")),
+            ("192.0.2.1:123456", None),
+            ("192.0.2.1:_", None),
+            ("192.0.2.1:_a/b", None),
             ("2001:db8::1", Some("2001:db8::1")),
             ("\"1.2.3.4", None),
             ("1.2.3.4\"", None),

@@ -409,14 +409,24 @@ fn is_standard_field(name: &HeaderName) -> bool {
         "upgrade",
         "vary",
     ];
-    const PREFIXES: [&str; 4] = [
-        "ratelimit",
-        "x-ratelimit-",
-        "x-rate-limit-",
-        "www-authenticate",
+    use super::headers::{
+        RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
+        X_RATELIMIT_USED, X_RATE_LIMIT_REMAINING, X_RATE_LIMIT_RETRY_AFTER_SECONDS,
+    };
+    // What this limiter writes, each style's fields (a field of one's own beside them, such as
+    // `x-ratelimit-cost`, is the handler's to name).
+    let ours = [
+        RATELIMIT,
+        RATELIMIT_POLICY,
+        X_RATELIMIT_LIMIT,
+        X_RATELIMIT_REMAINING,
+        X_RATELIMIT_RESET,
+        X_RATELIMIT_USED,
+        X_RATE_LIMIT_REMAINING,
+        X_RATE_LIMIT_RETRY_AFTER_SECONDS,
+        actix_web::http::header::WWW_AUTHENTICATE,
     ];
-    let name = name.as_str(); // lowercase, as `HeaderName` keeps it
-    FIELDS.contains(&name) || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+    FIELDS.contains(&name.as_str()) || ours.contains(name)
 }
 
 /// A rule the builder refused. [`RulesError::setting`] names the configuration setting at fault.
@@ -1010,10 +1020,10 @@ mod tests {
             assert_eq!(e, RulesError::CostHeaderStandard(standard.into()));
             assert_eq!(e.setting(), "routes.cost_header");
         }
-        let own = RequestRules::builder()
-            .cost_header("X-Cost")
-            .build(&plans());
-        assert!(own.is_ok(), "a field of one's own");
+        for own in ["X-Cost", "X-RateLimit-Cost", "RateLimit-Cost"] {
+            let built = RequestRules::builder().cost_header(own).build(&plans());
+            assert!(built.is_ok(), "{own}: a field of one's own");
+        }
         let e = build(RequestRules::builder().key_length_max(KEY_LENGTH_MAX_LIMIT + 1));
         assert_eq!(e, RulesError::KeyLengthMax);
         let e = build(RequestRules::builder().exempt("healthz"));

@@ -581,18 +581,25 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         (!holds.is_empty()).then_some(HoldsToVoid { holds })
     }
 
-    /// Voids the holds [`Limiter::give_back_later`] handed out, together, each sent again
-    /// until it lands or expires ([`Limiter::release_until_expired`]).
+    /// Voids the holds [`Limiter::give_back_later`] handed out, together, within one
+    /// `ledger.timeout_ms` from now. One that fails expires with its window. (Not sent again
+    /// as a slot's is: a rate hold may last a day, and its retries would take places from live
+    /// decisions all that time while the ledger struggles.)
     pub async fn void_holds(&self, holds: HoldsToVoid) {
-        let voids = (holds.holds.into_iter())
-            .map(|(account_id, hold)| self.release_until_expired(account_id, hold));
+        let deadline = self.deadline();
+        let voids = holds.holds.into_iter().map(|(account_id, hold)| async move {
+            if let Err(error) = self.release_by(account_id, hold, deadline).await {
+                tracing::debug!(%error, "could not give a hold back; it expires with its window");
+            }
+        });
         join_all(voids).await;
     }
 
     /// [`Limiter::release`], sent again after a failure that may pass (the ledger slow or
-    /// failing over, the in-flight bound full) until the hold would have expired anyway: a
-    /// concurrency slot given back once and lost kept its caller refused until the slot's
-    /// timeout (a minute by default), nothing in flight. Each try waits a ledger timeout,
+    /// failing over, the in-flight bound full) until the hold would have expired anyway, for a
+    /// concurrency slot (whose hold lasts `routes.concurrency_timeout_seconds`): one given back
+    /// once and lost kept its caller refused until then (a minute by default), nothing in
+    /// flight. Each try waits a ledger timeout,
     /// doubled per try, at most [`RELEASE_RETRY_WAIT_MAX`]. A void that landed unseen makes its
     /// retry answer "already voided": nothing is given back twice.
     pub async fn release_until_expired(&self, account_id: u128, hold: HoldReceipt) {

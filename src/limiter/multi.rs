@@ -615,28 +615,28 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         // Closed by an operator (a block, or a move this front end does not follow).
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
         let moved_to = super::moved_to(&view);
-        let retry_after = if limit.local_view {
+        let (retry_after, listed) = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
             let view = listing_settling_soon(view, limit.lease);
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
-                .0
         } else {
             // Not remembered: a concurrency limit's slot, which comes back as soon as a call in
             // flight ends (its window is only the safety timeout of one never released). A
             // second, as the HTTP middleware says for a slot: the window (an hour, say) told
             // callers to wait that long for what any moment may free.
-            Duration::from_secs(1)
+            (Duration::from_secs(1), None)
         };
         let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);
-        // What is left, as its listing says (under the cost: it was refused), as a refusal
-        // from memory says next: `r=0` here and `r=2` there misled a client of a costly route.
-        let left = match limit.local_view {
-            true => statuses[refused]
+        // What is left, as its listing says (under the cost: it was refused), as a refusal from
+        // memory says next (`r=0` here and `r=2` there misled a client of a costly route); 0
+        // when blocked, or with no listing kept (as the plan alone says).
+        let left = match listed {
+            Some(_) if !blocked => statuses[refused]
                 .quota
                 .remaining
                 .min(cost.saturating_sub(1)),
-            false => 0,
+            _ => 0,
         };
         statuses[refused].quota.remaining = left;
         statuses[refused].quota.reset_seconds = statuses[refused]
