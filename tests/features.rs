@@ -1046,6 +1046,51 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     handle.stop(true).await;
 }
 
+/// A cost reported after other requests took what was free: the ledger charges what is free
+/// (capped), and the response's `r` says what is left, not the admission's quota less the
+/// difference (it said 5 of 10 with nothing left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_recharge_says_what_is_left() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
+    let rules = RequestRules::builder()
+        .cost_header("x-cost")
+        .build(limiter.plans());
+    let (port, handle) = serve_library(&limiter, rules.unwrap(), |routes| {
+        let slow = || async {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            HttpResponse::Ok().insert_header(("x-cost", "5")).finish()
+        };
+        routes
+            .route("/slow", web::get().to(slow))
+            .route("/fast", web::get().to(HttpResponse::Ok));
+    });
+    let http = reqwest::Client::new();
+    let key = fresh_key("k_");
+    let get = |path: &str| {
+        let request = http
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .header("X-Api-Key", &key);
+        async move { request.send().await.unwrap() }
+    };
+    // The first request provisions the caller (so the slow one is admitted at once), then the
+    // slow one runs while 8 more take 8 of the 9 left.
+    assert_eq!(remaining(&get("/fast").await), 9);
+    let slow = tokio::spawn(get("/slow"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..7 {
+        assert_eq!(get("/fast").await.status(), 200);
+    }
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.status(), 200);
+    assert_eq!(
+        remaining(&slow),
+        0,
+        "5 reported, 1 held and 1 free: nothing left"
+    );
+    handle.stop(true).await;
+}
+
 /// A handler that panics on a refund route is our failure, as a 500 is: the request's hold is
 /// given back (the task's future is dropped while the panic unwinds), and on a route that is not
 /// refunded it stays charged.

@@ -532,7 +532,7 @@ impl Inner {
         };
         match Box::pin(self.limiter.recharge(decision, actual)).await {
             Ok(done) if done.contains(&true) => {
-                decision.recharged(actual, &done);
+                self.limiter.recharged(decision, actual, &done);
                 tracing::Span::current().record(crate::telemetry::span::fields::COST, actual);
             }
             Ok(_) => {}

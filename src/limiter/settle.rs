@@ -68,6 +68,24 @@ impl Limiter {
         Ok(done)
     }
 
+    /// The decision's quotas once [`Limiter::recharge`] recharged the holds flagged in `done`
+    /// ([`Decision::recharged`]), and never more than this instance's view holds free: a
+    /// recharge the ledger capped at what was free (other requests admitted while this one
+    /// ran) left less than the admission's quota less the difference, and `r` showed units the
+    /// caller did not have.
+    pub fn recharged(&self, decision: &mut Decision<'_>, actual: u64, done: &[bool]) {
+        decision.recharged(actual, done);
+        let now = self.clock.now();
+        let within_view = |account_id: u128, quota: &mut super::Quota| {
+            let known = self.local.quota(account_id, quota.limit, now);
+            quota.remaining = quota.remaining.min(known.remaining);
+        };
+        within_view(decision.account_id, &mut decision.quota);
+        for limit in &mut decision.route_limits {
+            within_view(limit.account_id, &mut limit.quota);
+        }
+    }
+
     /// Recharges every hold of `live` in one linked chain; if one of them expired at the ledger
     /// all the same (inside the expiry margin), or its account was closed, each alone, so that
     /// the others still are.
