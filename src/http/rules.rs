@@ -460,6 +460,10 @@ pub enum RulesError {
     TrustedTooWide(String),
     #[error("route {0:?} {ROUTE_PATTERN_RULE}")]
     CostRoute(String),
+    /// Two patterns one path matches alike (`%2f` and `%2F`): the last one's cost was kept,
+    /// without a word.
+    #[error("route {0:?} is {1:?} again (percent-escapes match in either case)")]
+    CostRouteTwice(String, String),
     #[error("route {0:?} {1}")]
     RouteLimits(String, String),
     #[error("{0:?} is not a valid header name")]
@@ -510,6 +514,7 @@ impl RulesError {
                 "caller.trusted_proxies".to_owned()
             }
             RulesError::CostRoute(route)
+            | RulesError::CostRouteTwice(route, _)
             | RulesError::CostZero(route)
             | RulesError::CostAboveCapacity { route, .. } => format!("routes.costs.\"{route}\""),
             RulesError::UnderExempt { setting, route, .. } => match *setting {
@@ -734,8 +739,13 @@ impl RequestRulesBuilder {
             401 => StatusCode::UNAUTHORIZED,
             other => return Err(RulesError::MissingKeyStatus(other)),
         };
-        let mut costs = Vec::with_capacity(self.costs.len());
+        let mut costs: Vec<(String, NonZeroU64)> = Vec::with_capacity(self.costs.len());
         for (route, cost) in self.costs {
+            let same =
+                |(other, _): &&(String, NonZeroU64)| upper_escapes(other) == upper_escapes(&route);
+            if let Some((other, _)) = costs.iter().find(same) {
+                return Err(RulesError::CostRouteTwice(route, other.clone()));
+            }
             costs.push(checked_cost(route, cost, plans)?);
         }
         let route_costs = RouteCosts::new(costs);
@@ -1008,6 +1018,11 @@ mod tests {
         assert_eq!(e, RulesError::CostZero("/greeting".into()));
         let e = build(RequestRules::builder().cost("greeting", 1));
         assert_eq!(e, RulesError::CostRoute("greeting".into()));
+        let twice = RequestRules::builder()
+            .cost("/f/a%2fb", 2)
+            .cost("/f/a%2Fb", 1);
+        let e = build(twice);
+        assert_eq!(e.setting(), "routes.costs.\"/f/a%2Fb\"", "{e}");
         let e = build(RequestRules::builder().key_length_max(0));
         assert_eq!(e.setting(), "caller.key_length_max");
         for standard in [
