@@ -39,6 +39,12 @@ fn library_plan(
     ledger_limiter::limiter::plan::Plan::new(name, capacity, window).unwrap()
 }
 
+/// A library user's limiter on the shared ledger: one plan, `metered`, of 10 per minute.
+fn metered_limiter() -> Arc<ledger_limiter::limiter::Limiter> {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)))
+}
+
 /// Serves `routes` behind `RateLimit::new(limiter, rules)`, one worker on a free port, as a user
 /// wires the library: the port, and the handle that stops it.
 fn serve_library(
@@ -961,8 +967,7 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
 /// has free), and the next requests see it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_reported_after_the_response_replaces_the_estimate() {
-    let ledger = ledger_client(vec![shared_ledger().address]);
-    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
+    let limiter = metered_limiter();
     let rules = RequestRules::builder()
         .cost_header("x-cost")
         .refund_server_errors("/failing")
@@ -1101,8 +1106,7 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
 /// difference (it said 5 of 10 with nothing left).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capped_recharge_says_what_is_left() {
-    let ledger = ledger_client(vec![shared_ledger().address]);
-    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
+    let limiter = metered_limiter();
     let rules = RequestRules::builder()
         .cost_header("x-cost")
         .build(limiter.plans());
@@ -1146,8 +1150,7 @@ async fn a_capped_recharge_says_what_is_left() {
 /// refunded it stays charged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_on_a_refund_route_is_not_charged() {
-    let ledger = ledger_client(vec![shared_ledger().address]);
-    let limiter = Arc::new(one_plan_limiter(ledger, library_plan("metered", 10, 60)));
+    let limiter = metered_limiter();
     let rules = RequestRules::builder()
         .refund_server_errors("/refunded")
         .build(limiter.plans());
