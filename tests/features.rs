@@ -1103,7 +1103,7 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
 
 /// A cost reported after other requests took what was free: the ledger charges what is free
 /// (capped), and the response's `r` says what is left, not the admission's quota less the
-/// difference (it said 5 of 10 with nothing left).
+/// difference (it said 4 of 10 with nothing left).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capped_recharge_says_what_is_left() {
     let limiter = metered_limiter();
@@ -1128,7 +1128,7 @@ async fn a_capped_recharge_says_what_is_left() {
         async move { request.send().await.unwrap() }
     };
     // The first request provisions the caller (so the slow one is admitted at once), then the
-    // slow one runs while 8 more take 8 of the 9 left.
+    // slow one (1 held) runs while 7 more take 7 of the 8 left.
     assert_eq!(remaining(&get("/fast").await), 9);
     let slow = tokio::spawn(get("/slow"));
     tokio::time::sleep(Duration::from_millis(300)).await;

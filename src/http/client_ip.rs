@@ -142,17 +142,41 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
 }
 
 /// `bytes` split at each `separator`, outside quoted strings (RFC 7230's, with `\` escapes)
-/// when `quoted`. A line whose quotes do not balance is split at every separator: a quote a
-/// client left open would otherwise swallow what its proxies appended to the line, and the
-/// walk would reach the address the client wrote.
+/// when `quoted`. A line whose quotes do not balance has a quote its client left open: what its
+/// proxies appended after it is well formed, so the line is split where the rest of it balances
+/// (the earliest such separator among the nearest [`FORWARDED_HOPS_MAX`]), the client's text
+/// before it one item. Split at every separator, a proxy's quoted value (a `host="..."` carrying
+/// the client's own `Host`) became hops the client wrote; left whole, the open quote swallowed
+/// the proxies' hops.
 fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
+    if !quoted {
+        return bytes.split(|byte| *byte == separator).collect();
+    }
+    if let Some(parts) = split_balanced(bytes, separator) {
+        return parts;
+    }
+    let separators = (bytes.iter().enumerate().rev())
+        .filter(|(_, byte)| **byte == separator)
+        .take(FORWARDED_HOPS_MAX)
+        .map(|(at, _)| at);
+    let well_formed = separators
+        .filter_map(|at| Some((at, split_balanced(&bytes[at + 1..], separator)?)))
+        .last();
+    match well_formed {
+        Some((at, rest)) => std::iter::once(&bytes[..at]).chain(rest).collect(),
+        None => vec![bytes],
+    }
+}
+
+/// `bytes` split at each `separator` outside quoted strings, if its quotes balance.
+fn split_balanced(bytes: &[u8], separator: u8) -> Option<Vec<&[u8]>> {
     let (mut parts, mut start) = (Vec::new(), 0);
     let (mut in_quotes, mut escaped) = (false, false);
     for (at, byte) in bytes.iter().enumerate() {
         match *byte {
             _ if escaped => escaped = false,
             b'\\' if in_quotes => escaped = true,
-            b'"' if quoted => in_quotes = !in_quotes,
+            b'"' => in_quotes = !in_quotes,
             _ if *byte == separator && !in_quotes => {
                 parts.push(&bytes[start..at]);
                 start = at + 1;
@@ -161,10 +185,7 @@ fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
         }
     }
     parts.push(&bytes[start..]);
-    if in_quotes {
-        return bytes.split(|byte| *byte == separator).collect();
-    }
-    parts
+    (!in_quotes).then_some(parts)
 }
 
 /// The `for=` value of one `Forwarded` element (`for=1.2.3.4;proto=https`).
@@ -276,6 +297,12 @@ mod tests {
         assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
         let open = b"for=\"1.2.3.4, for=203.0.113.7";
         assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
+        // Nor is a proxy's quoted value split after a client's open quote: its commas and
+        // semicolons (a `host=` carrying the client's own Host) are no hops.
+        let host = b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\", for=10.0.0.2";
+        assert_eq!(from("forwarded", host, fwd), ip("203.0.113.7"));
+        let by = b"for=\"x, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
+        assert_eq!(from("forwarded", by, fwd), ip("203.0.113.7"));
     }
 
     /// Nodes as RFC 7239 and the usual X-Forwarded-For write them; anything malformed names

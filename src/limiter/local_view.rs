@@ -442,11 +442,16 @@ impl LocalView {
     /// for the rest of their window (its next refusal reads the account again). If the hold is
     /// no longer known otherwise (merged with others, or pruned), nothing changes.
     pub fn release(&self, account_id: u128, amount: u64, expires_at: Instant) {
+        self.release_found(account_id, amount, expires_at);
+    }
+
+    /// [`LocalView::release`]: whether the view had the hold, told apart from the others.
+    fn release_found(&self, account_id: u128, amount: u64, expires_at: Instant) -> bool {
         let mut shard = self.shard(account_id);
         // A listing read before the void lists the hold still.
         self.changed(account_id);
         let Some(holds) = shard.get_mut(&account_id) else {
-            return;
+            return false;
         };
         let found = holds
             .holds
@@ -457,12 +462,14 @@ impl LocalView {
                 holds.holds.remove(index);
                 holds.held -= amount;
                 holds.latest_expiry = holds.holds.iter().map(|h| h.expires_at).max();
+                return true;
             }
             None if holds.listed_at.is_some() => {
                 shard.remove(&account_id);
             }
             None => {}
         }
+        false
     }
 
     /// Replaces one hold this instance recorded by one of `actual` units with the same expiry (a
@@ -473,8 +480,14 @@ impl LocalView {
     /// the caller is no longer the ledger's word: it is not refused from memory until a listing
     /// says again (a refusal from memory of what the ledger admits would break the rule).
     pub fn recharge(&self, account_id: u128, old: LocalRecharge, actual: u64, now: Instant) {
-        self.release(account_id, old.amount, old.expires_at);
+        let found = self.release_found(account_id, old.amount, old.expires_at);
         let mut shard = self.shard(account_id);
+        if !found {
+            // Not a hold this view can tell apart (merged with others at the bound of holds
+            // per caller, or never recorded): the new one beside it would count it twice.
+            shard.remove(&account_id);
+            return;
+        }
         let Some(holds) = shard.get_mut(&account_id) else {
             return;
         };
@@ -841,6 +854,25 @@ mod tests {
             view.check(7, 2, answered_at).is_none(),
             "not refused from memory: the ledger may have taken less, and decides"
         );
+    }
+
+    /// A recharge of a hold the view cannot tell apart (merged, or never recorded) forgets the
+    /// caller: recording the new one beside it counted the old units twice.
+    #[test]
+    fn a_recharge_of_a_hold_not_told_apart_forgets_the_caller() {
+        // Never listed: what it knows is its own holds.
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let answered_at = t0 + Duration::from_millis(1);
+        view.record_hold(7, 5, 1, answered_at, WINDOW, answered_at);
+        assert_eq!(view.quota(7, 5, answered_at).remaining, 4);
+        let unknown = LocalRecharge {
+            amount: 2,
+            expires_at: answered_at + WINDOW + MARGIN,
+        };
+        view.recharge(7, unknown, 3, answered_at);
+        let quota = view.quota(7, 5, answered_at);
+        assert_eq!(quota.remaining, 5, "forgotten: the credit, not 5 - 1 - 3");
     }
 
     #[test]

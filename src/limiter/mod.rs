@@ -190,7 +190,9 @@ impl Decision<'_> {
 
     /// Its quotas once the holds flagged in `done` (one flag per hold, in the order of
     /// [`Decision::holds`]) were recharged to `actual` units ([`Limiter::recharge`]): the plan's
-    /// and the route limits', so the single-valued fields still show the one that binds.
+    /// and the route limits', so the single-valued fields still show the one that binds. From the
+    /// admission's quotas alone: [`Limiter::recharged`] also bounds them by what the view holds
+    /// free (a recharge the ledger capped left less).
     pub fn recharged(&mut self, actual: u64, done: &[bool]) {
         let recharge = |quota: &mut Quota, held: u64| {
             let remaining = quota.remaining.saturating_add(held).saturating_sub(actual);

@@ -629,16 +629,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let now = self.clock.now();
         let mut statuses = self.local_statuses(limits, now);
         // What is left, as its listing says (under the cost: it was refused), as a refusal from
-        // memory says next (`r=0` here and `r=2` there misled a client of a costly route); 0
-        // when blocked, or with no listing kept (as the plan alone says).
-        let left = match listed {
-            Some(_) if !blocked => statuses[refused]
-                .quota
-                .remaining
-                .min(cost.saturating_sub(1)),
-            _ => 0,
-        };
-        statuses[refused].quota.remaining = left;
+        // memory says next (`r=0` here and `r=2` there misled a client of a costly route): the
+        // listing's own quota, which the view may not have kept (full, or changed meanwhile).
+        // 0 when blocked, or with no listing.
+        let status = &mut statuses[refused].quota;
+        match listed.filter(|_| !blocked) {
+            Some(listed) => {
+                *status = quota(&limit.account, listed);
+                status.remaining = status.remaining.min(cost.saturating_sub(1));
+            }
+            None => status.remaining = 0,
+        }
         statuses[refused].quota.reset_seconds = statuses[refused]
             .quota
             .reset_seconds

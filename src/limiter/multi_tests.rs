@@ -260,6 +260,22 @@ async fn a_refusal_by_the_ledger_says_what_is_left_under_the_cost() {
     let decision = f.limiter.check_all(&limits).await.unwrap();
     assert_eq!(decision.refused_by, Some(1));
     assert_eq!(decision.limits[1].quota.remaining, 2, "by the ledger");
+    // Blocked, nothing is left to say.
+    let blocked = AccountView {
+        blocked: Some(Blocked {
+            until: Some(f.clock.wall() + Duration::from_secs(600)),
+            moved_to: None,
+        }),
+        ..f.view(CAPACITY, &[7, 8, 9], true)
+    };
+    let g = Fixture::closed();
+    g.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(blocked)));
+    });
+    let decision = g.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.refused_by, Some(1));
+    assert_eq!(decision.limits[1].quota.remaining, 0, "blocked");
 }
 
 /// The chain stops at its first link without credit; the limits after it are read too, and the

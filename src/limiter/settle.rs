@@ -14,6 +14,7 @@ impl Limiter {
     /// Charges `actual` instead of what the request held, on the plan and every route limit
     /// whose hold still lives: which were recharged, one flag per hold of
     /// [`Decision::holds`] (none when there was nothing to recharge: no hold, or the same cost).
+    /// Pass them to [`Limiter::recharged`] for the decision's quotas (its `RateLimit` fields).
     ///
     /// A hold whose window is over is left out: it has nothing left to charge, and its void
     /// (`pending_transfer_expired`) failed the one linked chain of every hold, so a request that
