@@ -18,7 +18,7 @@ use crate::config::{
 };
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
-use crate::http::concurrency::{ConcurrencyError, SlotReleases};
+use crate::http::concurrency::ConcurrencyError;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
@@ -71,8 +71,6 @@ pub struct Application {
     server: Serving,
     port: u16,
     limiter: Arc<Limiter>,
-    /// The concurrency slots' give-backs, waited for at the end of a stop.
-    slot_releases: SlotReleases,
     embedded: Option<EmbeddedLedger>,
     companions: Companions,
 }
@@ -176,7 +174,6 @@ impl Application {
         // Settles leases whose time is over; ends when the limiter is dropped.
         crate::limiter::lease::spawn_settler(&limiter);
         let (listener, port) = bind(&settings.listen)?;
-        let slot_releases = concurrency.releases();
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
@@ -222,7 +219,6 @@ impl Application {
             server: Serving::start(server),
             port,
             limiter,
-            slot_releases,
             embedded,
             companions,
         })
@@ -285,12 +281,6 @@ impl Application {
         let settled = self.limiter.settle_all_leases().await;
         if settled > 0 {
             tracing::info!(settled, "leases settled");
-        }
-        // The slots of the requests the drain cut short, given back from this runtime (their
-        // workers' are gone): else each is held until its timeout, its caller refused.
-        let left = self.slot_releases.settled(SLOT_RELEASES_WAIT).await;
-        if left > 0 {
-            tracing::warn!(left, "concurrency slots not given back; their timeout will");
         }
         if let Some((admin, _)) = self.companions.admin.take() {
             admin.stop(true).await;
@@ -418,9 +408,6 @@ fn metrics_server(
     tracing::info!(port, "metrics listening on port {port}");
     Ok((handle, port))
 }
-
-/// How long a stop waits for concurrency slots' give-backs, at most.
-const SLOT_RELEASES_WAIT: Duration = Duration::from_secs(3);
 
 /// How long a stopping admin API waits for the actions in flight, at most.
 const ADMIN_DRAIN_SECONDS: u64 = 8;

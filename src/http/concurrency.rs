@@ -6,9 +6,8 @@
 //! hold's timeout, `timeout_seconds`.
 
 use std::num::{NonZeroU32, NonZeroU64};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use thiserror::Error;
 
@@ -36,55 +35,6 @@ pub fn plan_name(pattern: &str) -> String {
 #[derive(Default)]
 pub struct ConcurrencyLimits {
     routes: Vec<(String, Arc<Limiter>)>,
-    releases: SlotReleases,
-}
-
-/// Where slots are given back from, and how many give-backs are on their way. The runtime the
-/// limits were made on (the service's main one, which outlives its HTTP workers): from the
-/// worker's own, a slot dropped as that runtime shut down (a stream still running when the
-/// stop's drain ended) was given back by a task cancelled with it, and held until its timeout,
-/// its caller refused meanwhile, across a rolling deploy.
-#[derive(Clone, Default)]
-pub struct SlotReleases {
-    runtime: Option<tokio::runtime::Handle>,
-    pending: Arc<AtomicUsize>,
-}
-
-impl SlotReleases {
-    /// Give-backs spawned on the runtime this is called on, when there is one.
-    pub fn here() -> Self {
-        SlotReleases {
-            runtime: tokio::runtime::Handle::try_current().ok(),
-            pending: Arc::default(),
-        }
-    }
-
-    /// Runs `release` on this runtime (else the current one; without either, the slot's timeout
-    /// gives it back), counted until it ends.
-    fn spawn(&self, release: impl std::future::Future<Output = ()> + Send + 'static) {
-        let current = || tokio::runtime::Handle::try_current().ok();
-        let Some(runtime) = self.runtime.clone().or_else(current) else {
-            return;
-        };
-        self.pending.fetch_add(1, Ordering::Relaxed);
-        let pending = self.pending.clone();
-        runtime.spawn(async move {
-            release.await;
-            pending.fetch_sub(1, Ordering::Relaxed);
-        });
-    }
-
-    /// Waits until no give-back is on its way, or `within`: how many still are.
-    pub async fn settled(&self, within: Duration) -> usize {
-        let until = Instant::now() + within;
-        loop {
-            let pending = self.pending.load(Ordering::Relaxed);
-            if pending == 0 || Instant::now() >= until {
-                return pending;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
 }
 
 #[derive(Debug, Error)]
@@ -127,16 +77,7 @@ impl ConcurrencyLimits {
             limits.push((pattern.clone(), Arc::new(limiter)));
         }
         most_specific_first(&mut limits);
-        Ok(ConcurrencyLimits {
-            routes: limits,
-            releases: SlotReleases::here(),
-        })
-    }
-
-    /// Where its slots are given back from: [`SlotReleases::settled`] at the end of a stop
-    /// waits for the give-backs of the requests the stop cut short.
-    pub fn releases(&self) -> SlotReleases {
-        self.releases.clone()
+        Ok(ConcurrencyLimits { routes: limits })
     }
 
     /// A slot for `key` if `path` has a concurrency limit; `Err` is the answer when none is free
@@ -154,12 +95,7 @@ impl ConcurrencyLimits {
         };
         // Boxed: only routes with a concurrency limit carry the decision's state.
         let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
-            Ok(slot) => {
-                return Ok(slot.map(|mut slot| {
-                    slot.releases = Some(self.releases.clone());
-                    slot
-                }));
-            }
+            Ok(slot) => return Ok(slot),
             Err(refused) => refused,
         };
         record_refusal(&refused);
@@ -228,8 +164,6 @@ pub struct Slot {
     limiter: Arc<Limiter>,
     account_id: u128,
     hold: Option<HoldReceipt>,
-    /// Where it is given back from when dropped (`None`: the runtime it is dropped on).
-    releases: Option<SlotReleases>,
 }
 
 impl Slot {
@@ -254,7 +188,6 @@ impl Slot {
                 limiter: limiter.clone(),
                 account_id: decision.account_id,
                 hold: decision.hold,
-                releases: None,
             })),
             Outcome::FailedOpen(_) => Ok(None),
             _ if shadow => {
@@ -283,7 +216,8 @@ impl Drop for Slot {
             return;
         };
         let (limiter, account_id) = (self.limiter.clone(), self.account_id);
-        let release = async move { limiter.release_until_expired(account_id, hold).await };
-        self.releases.take().unwrap_or_default().spawn(release);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { limiter.release_until_expired(account_id, hold).await });
+        }
     }
 }
