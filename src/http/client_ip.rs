@@ -123,13 +123,17 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
         ForwardedHeader::XForwardedFor => X_FORWARDED_FOR,
         ForwardedHeader::Forwarded => FORWARDED,
     };
-    // `Forwarded` elements may quote a comma (`by="a,b"`): split outside quoted strings only.
+    // `Forwarded` elements may quote a comma (`by="a,b"`), and are read from the nearest.
     let quoted = matches!(header, ForwardedHeader::Forwarded);
-    let items: Vec<&[u8]> = (req.headers().get_all(name))
-        .flat_map(|line| split_unquoted(line.as_bytes(), b',', quoted))
-        .collect();
-    let nearest = &items[items.len().saturating_sub(FORWARDED_HOPS_MAX)..];
-    (nearest.iter())
+    let mut nearest_first: Vec<&[u8]> = Vec::new();
+    for line in req.headers().get_all(name).rev() {
+        let left = FORWARDED_HOPS_MAX - nearest_first.len();
+        nearest_first.extend(split_from_the_right(line.as_bytes(), b',', quoted, left));
+        if nearest_first.len() >= FORWARDED_HOPS_MAX {
+            break;
+        }
+    }
+    (nearest_first.iter().rev())
         .map(|item| {
             let item = std::str::from_utf8(item).ok()?;
             let node = match header {
@@ -141,57 +145,46 @@ fn forwarded_for(req: &ServiceRequest, header: ForwardedHeader) -> Vec<Option<Ip
         .collect()
 }
 
-/// `bytes` split at each `separator`, outside quoted strings (RFC 7230's, with `\` escapes)
-/// when `quoted`. A line whose quotes do not balance has a quote its client left open: what its
-/// proxies appended after it is well formed, so the line is split where the rest of it balances
-/// (the earliest such separator among the nearest [`FORWARDED_HOPS_MAX`]), the client's text
-/// before it one item. Split at every separator, a proxy's quoted value (a `host="..."` carrying
-/// the client's own `Host`) became hops the client wrote; left whole, the open quote swallowed
-/// the proxies' hops.
-fn split_unquoted(bytes: &[u8], separator: u8, quoted: bool) -> Vec<&[u8]> {
-    if !quoted {
-        return bytes.split(|byte| *byte == separator).collect();
-    }
-    if let Some(parts) = split_balanced(bytes, separator) {
-        return parts;
-    }
-    let separators = (bytes.iter().enumerate().rev())
-        .filter(|(_, byte)| **byte == separator)
-        .take(FORWARDED_HOPS_MAX)
-        .map(|(at, _)| at);
-    let well_formed = separators
-        .filter_map(|at| Some((at, split_balanced(&bytes[at + 1..], separator)?)))
-        .last();
-    match well_formed {
-        Some((at, rest)) => std::iter::once(&bytes[..at]).chain(rest).collect(),
-        None => vec![bytes],
-    }
-}
-
-/// `bytes` split at each `separator` outside quoted strings, if its quotes balance.
-fn split_balanced(bytes: &[u8], separator: u8) -> Option<Vec<&[u8]>> {
-    let (mut parts, mut start) = (Vec::new(), 0);
-    let (mut in_quotes, mut escaped) = (false, false);
-    for (at, byte) in bytes.iter().enumerate() {
-        match *byte {
-            _ if escaped => escaped = false,
-            b'\\' if in_quotes => escaped = true,
-            b'"' => in_quotes = !in_quotes,
-            _ if *byte == separator && !in_quotes => {
-                parts.push(&bytes[start..at]);
-                start = at + 1;
+/// `bytes` split at each `separator`, nearest (rightmost) first, at most `parts_max` of them,
+/// outside quoted strings (RFC 7230's, `\` escaping the byte after it) when `quoted`. From the
+/// right because that is where proxies write, well formed: what a client wrote comes first on
+/// the line, and a quote it left open, or one it made a proxy escape (its own `Host` in a
+/// proxy's `host="..."`), would shift a left-to-right reading of every element after it, and
+/// its text be read as a proxy's hop.
+fn split_from_the_right(bytes: &[u8], separator: u8, quoted: bool, parts_max: usize) -> Vec<&[u8]> {
+    let (mut parts, mut end, mut in_quotes) = (Vec::new(), bytes.len(), false);
+    let mut at = bytes.len();
+    while at > 0 && parts.len() < parts_max {
+        at -= 1;
+        match bytes[at] {
+            // A quote is escaped by an odd run of backslashes before it.
+            b'"' if quoted => {
+                let run = bytes[..at]
+                    .iter()
+                    .rev()
+                    .take_while(|b| **b == b'\\')
+                    .count();
+                if run % 2 == 0 {
+                    in_quotes = !in_quotes;
+                }
+            }
+            byte if byte == separator && !in_quotes => {
+                parts.push(&bytes[at + 1..end]);
+                end = at;
             }
             _ => {}
         }
     }
-    parts.push(&bytes[start..]);
-    (!in_quotes).then_some(parts)
+    if parts.len() < parts_max {
+        parts.push(&bytes[..end]);
+    }
+    parts
 }
 
 /// The `for=` value of one `Forwarded` element (`for=1.2.3.4;proto=https`).
 fn for_parameter(element: &str) -> Option<&str> {
-    let pairs = split_unquoted(element.as_bytes(), b';', true);
-    pairs.into_iter().find_map(|pair| {
+    let pairs = split_from_the_right(element.as_bytes(), b';', true, usize::MAX);
+    pairs.into_iter().rev().find_map(|pair| {
         let pair = std::str::from_utf8(pair).ok()?;
         let (name, value) = pair.trim().split_once('=')?;
         name.trim()
@@ -303,6 +296,15 @@ mod tests {
         assert_eq!(from("forwarded", host, fwd), ip("203.0.113.7"));
         let by = b"for=\"x, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
         assert_eq!(from("forwarded", by, fwd), ip("203.0.113.7"));
+        // A quote in that Host, escaped by the proxy, or enough commas to pass any bound on
+        // how far to look, no more.
+        let escaped = b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\\\"\", for=10.0.0.2";
+        assert_eq!(from("forwarded", escaped, fwd), ip("203.0.113.7"));
+        let commas = format!(
+            "a\";for=6.6.6.6;y=, for=203.0.113.7;host=\"{}\"",
+            "a,".repeat(40)
+        );
+        assert_eq!(from("forwarded", commas.as_bytes(), fwd), ip("203.0.113.7"));
     }
 
     /// Nodes as RFC 7239 and the usual X-Forwarded-For write them; anything malformed names
