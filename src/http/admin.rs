@@ -247,7 +247,8 @@ fn conflict(cause: Conflict, detail: &str) -> HttpResponse {
     problem::with_member(ProblemKind::Admin, StatusCode::CONFLICT, detail, member)
 }
 
-/// Admin requests refused before any action, by reason (`missing_secret`, `wrong_secret`).
+/// Admin requests refused before any action, by reason (`missing_secret`, `wrong_secret`,
+/// `throttled`).
 pub const ADMIN_REFUSED_TOTAL: &str = "ledger_limiter_admin_refused_total";
 /// [`ADMIN_REFUSED_TOTAL`]'s reasons: no bearer secret, or one not accepted.
 const MISSING_SECRET: &str = "missing_secret";
