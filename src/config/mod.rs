@@ -720,8 +720,15 @@ fn concurrency_limits(
             let message = format!("must be between 1 and {CONCURRENCY_TIMEOUT_SECONDS_MAX}");
             invalid("routes.concurrency_timeout_seconds", message)
         })?;
+    let listed = routes.concurrency.clone().unwrap_or_default();
+    if let Some((route, earlier)) =
+        crate::http::rules::first_twice(listed.keys().map(String::as_str))
+    {
+        let why = format!("is {earlier:?} again (percent-escapes match in either case)");
+        return Err(invalid(format!("routes.concurrency.\"{route}\""), why));
+    }
     let mut limits = Vec::new();
-    for (route, in_flight_max) in routes.concurrency.clone().unwrap_or_default() {
+    for (route, in_flight_max) in listed {
         let setting = format!("routes.concurrency.\"{route}\"");
         if !crate::http::rules::is_route_pattern(&route) {
             return Err(invalid(setting, crate::http::rules::ROUTE_PATTERN_RULE));
@@ -1428,6 +1435,27 @@ mod tests {
         assert!(with("[caller]\ntrusted_proxies = []").is_ok());
         let either = "[caller]\nsource = \"header-or-peer-ip\"\nanonymous_plan = \"free\"";
         assert!(with(either).is_ok());
+    }
+
+    /// Two patterns of one table that match the same paths (they differ in the case of a
+    /// percent-escape alone) are refused, naming the second: one of them silently never applied.
+    #[test]
+    fn patterns_one_path_matches_alike_are_refused() {
+        let per_day = "[limits.per_day]\ncapacity = 100\nwindow_seconds = 86400\n";
+        for (table, setting) in [
+            ("[routes.costs]\n\"/f/a%2fb\" = 2\n\"/f/a%2Fb\" = 1", "routes.costs.\"/f/a%2fb\""),
+            ("[routes.concurrency]\n\"/f/a%2fb\" = 2\n\"/f/a%2Fb\" = 1", "routes.concurrency.\"/f/a%2fb\""),
+            (
+                &format!("{per_day}[routes.limits]\n\"/f/a%2fb\" = [\"per_day\"]\n\"/f/a%2Fb\" = [\"per_day\"]"),
+                "routes.limits",
+            ),
+        ] {
+            let err = with(table).unwrap_err();
+            assert_eq!(err.setting, setting, "{err}");
+            assert!(err.message.contains("again") && err.to_string().contains("/f/a%2fb"), "{err}");
+        }
+        let apart = "[routes.costs]\n\"/f/a%2fb\" = 2\n\"/f/a%2fc\" = 1";
+        assert!(with(apart).is_ok());
     }
 
     /// Trusting a block wider than any network of proxies (a family, or its two halves) believes

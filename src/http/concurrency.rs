@@ -41,6 +41,8 @@ pub struct ConcurrencyLimits {
 pub enum ConcurrencyError {
     #[error("{0:?} {rule}", rule = super::rules::ROUTE_PATTERN_RULE)]
     Route(String),
+    #[error("{0:?} is {1:?} again (percent-escapes match in either case)")]
+    Twice(String, String),
     #[error(transparent)]
     Plan(#[from] PlanError),
 }
@@ -61,6 +63,13 @@ impl ConcurrencyLimits {
             local_callers_max: 0,
             ..settings.clone()
         };
+        let patterns = routes.iter().map(|(pattern, _)| pattern.as_str());
+        if let Some((pattern, earlier)) = super::rules::first_twice(patterns) {
+            return Err(ConcurrencyError::Twice(
+                pattern.to_owned(),
+                earlier.to_owned(),
+            ));
+        }
         let mut limits = Vec::with_capacity(routes.len());
         for (pattern, in_flight_max) in routes {
             if !is_route_pattern(pattern) {

@@ -242,6 +242,21 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
 /// `text` with the hex digits of its percent-escapes in upper case (`%2f` → `%2F`): a path's
 /// kept escapes (`%2F`, `%25`, `%2B`) mean the same in either case. Borrowed when there is no
 /// `%` (nearly every path).
+/// The first pattern of `patterns` that matches the same paths as one before it (they differ in
+/// the case of a percent-escape alone, `%2f` and `%2F`), with that earlier one: two such entries
+/// of one table were one rule, and which of them applied was the table's order's, silently.
+pub fn first_twice<'a>(patterns: impl IntoIterator<Item = &'a str>) -> Option<(&'a str, &'a str)> {
+    let mut seen: Vec<&str> = Vec::new();
+    for pattern in patterns {
+        let same = |other: &&&str| upper_escapes(other) == upper_escapes(pattern);
+        if let Some(earlier) = seen.iter().find(same) {
+            return Some((pattern, earlier));
+        }
+        seen.push(pattern);
+    }
+    None
+}
+
 fn upper_escapes(text: &str) -> std::borrow::Cow<'_, str> {
     if !text.contains('%') {
         return std::borrow::Cow::Borrowed(text);
@@ -709,8 +724,26 @@ impl RequestRulesBuilder {
         Ok(())
     }
 
+    /// No two cost patterns, nor two route-limit patterns, match the same paths.
+    fn check_twice(&self) -> Result<(), RulesError> {
+        let costs = self.costs.iter().map(|(route, _)| route.as_str());
+        if let Some((route, earlier)) = first_twice(costs) {
+            return Err(RulesError::CostRouteTwice(
+                route.to_owned(),
+                earlier.to_owned(),
+            ));
+        }
+        let limits = self.route_limits.iter().map(|(route, _)| route.as_str());
+        if let Some((route, earlier)) = first_twice(limits) {
+            let why = format!("is {earlier:?} again (percent-escapes match in either case)");
+            return Err(RulesError::RouteLimits(route.to_owned(), why));
+        }
+        Ok(())
+    }
+
     pub fn build(self, plans: &PlanBook) -> Result<RequestRules, RulesError> {
         self.check_paths()?;
+        self.check_twice()?;
         let key_source = key_source(self.key_header, self.anonymous)?;
         let trusted_proxies = self
             .trusted_proxies
@@ -739,13 +772,8 @@ impl RequestRulesBuilder {
             401 => StatusCode::UNAUTHORIZED,
             other => return Err(RulesError::MissingKeyStatus(other)),
         };
-        let mut costs: Vec<(String, NonZeroU64)> = Vec::with_capacity(self.costs.len());
+        let mut costs = Vec::with_capacity(self.costs.len());
         for (route, cost) in self.costs {
-            let same =
-                |(other, _): &&(String, NonZeroU64)| upper_escapes(other) == upper_escapes(&route);
-            if let Some((other, _)) = costs.iter().find(same) {
-                return Err(RulesError::CostRouteTwice(route, other.clone()));
-            }
             costs.push(checked_cost(route, cost, plans)?);
         }
         let route_costs = RouteCosts::new(costs);
