@@ -18,7 +18,7 @@ use crate::config::{
 };
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
-use crate::http::concurrency::ConcurrencyError;
+use crate::http::concurrency::{ConcurrencyError, SlotsOut};
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
@@ -71,6 +71,8 @@ pub struct Application {
     server: Serving,
     port: u16,
     limiter: Arc<Limiter>,
+    /// The concurrency slots handed out, waited for at the end of a stop.
+    slots_out: SlotsOut,
     embedded: Option<EmbeddedLedger>,
     companions: Companions,
 }
@@ -174,6 +176,7 @@ impl Application {
         // Settles leases whose time is over; ends when the limiter is dropped.
         crate::limiter::lease::spawn_settler(&limiter);
         let (listener, port) = bind(&settings.listen)?;
+        let slots_out = concurrency.slots_out();
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let app_limiter = limiter.clone();
@@ -219,6 +222,7 @@ impl Application {
             server: Serving::start(server),
             port,
             limiter,
+            slots_out,
             embedded,
             companions,
         })
@@ -281,6 +285,12 @@ impl Application {
         let settled = self.limiter.settle_all_leases().await;
         if settled > 0 {
             tracing::info!(settled, "leases settled");
+        }
+        // The slots of the requests the drain cut short: their workers' runtimes are dropped
+        // after the server ends, and their give-backs sent from this one.
+        let out = self.slots_out.back(SLOTS_BACK_WAIT).await;
+        if out > 0 {
+            tracing::warn!(out, "concurrency slots not given back; their timeout will");
         }
         if let Some((admin, _)) = self.companions.admin.take() {
             admin.stop(true).await;
@@ -408,6 +418,9 @@ fn metrics_server(
     tracing::info!(port, "metrics listening on port {port}");
     Ok((handle, port))
 }
+
+/// How long a stop waits for concurrency slots to come back, at most.
+const SLOTS_BACK_WAIT: Duration = Duration::from_secs(3);
 
 /// How long a stopping admin API waits for the actions in flight, at most.
 const ADMIN_DRAIN_SECONDS: u64 = 8;

@@ -1051,6 +1051,68 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
     handle.stop(true).await;
 }
 
+/// A slot whose request is cut short as its worker's runtime shuts down (a stream still running
+/// when a stop's drain ends) is counted out until it is back, and given back from the runtime
+/// the limits were made on: its worker's runtime dropped the give-back unrun, and the slot was
+/// held until its timeout (its caller refused meanwhile, across a rolling deploy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
+    use ledger_limiter::http::ConcurrencyLimits;
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    use std::num::{NonZeroU32, NonZeroU64};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let one = NonZeroU64::new(1).unwrap();
+    let routes = [("/stream".to_owned(), one)];
+    let timeout = NonZeroU32::new(60).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let limits = Arc::new(limits);
+    let out = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let key = fresh_key("k_");
+    // A worker of its own: takes the slot in a request that never ends, then shuts down.
+    let worker = {
+        let (limits, key, out) = (limits.clone(), caller(&key), out.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                let slot = limits.take("/stream", &key, false, deadline).await;
+                let slot = slot.ok().flatten().expect("a slot");
+                tokio::spawn(async move {
+                    let _in_flight = slot;
+                    std::future::pending::<()>().await
+                });
+                tokio::task::yield_now().await;
+                let held = limits.slots_out().back(Duration::ZERO).await;
+                out.store(held, std::sync::atomic::Ordering::Relaxed);
+            });
+            drop(runtime); // the request's task, and its slot, dropped as the runtime goes
+        })
+    };
+    worker.join().unwrap();
+    assert_eq!(
+        out.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "counted out while held"
+    );
+    assert_eq!(
+        limits.slots_out().back(Duration::from_secs(10)).await,
+        0,
+        "back"
+    );
+    let slot_account = model::user_account_id(
+        LEDGER_CONCURRENCY,
+        &ledger_limiter::http::concurrency::plan_name("/stream"),
+        one,
+        key.as_bytes(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let audit = ledger.audit(slot_account, deadline).await.unwrap().unwrap();
+    assert_eq!((audit.holds, audit.voids), (1, 1), "given back: {audit:?}");
+}
+
 /// A cost reported after other requests took what was free: the ledger charges what is free
 /// (capped), and the response's `r` says what is left, not the admission's quota less the
 /// difference (it said 4 of 10 with nothing left).

@@ -6,8 +6,9 @@
 //! hold's timeout, `timeout_seconds`.
 
 use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
@@ -35,6 +36,94 @@ pub fn plan_name(pattern: &str) -> String {
 #[derive(Default)]
 pub struct ConcurrencyLimits {
     routes: Vec<(String, Arc<Limiter>)>,
+    out: SlotsOut,
+}
+
+/// The slots a service's limits handed out and has not given back yet, and the runtime that
+/// gives back those whose worker's runtime went away first: a stream still running when a stop's
+/// drain ends is dropped with its worker's runtime, which dropped its slot's give-back unrun,
+/// and the slot was held until its timeout, its caller refused, across a rolling deploy.
+#[derive(Clone, Default)]
+pub struct SlotsOut {
+    /// Slots held, or on their way back.
+    count: Arc<AtomicUsize>,
+    /// The runtime the limits were made on (the service's main one, which outlives its
+    /// workers); `None` outside a runtime.
+    fallback: Option<tokio::runtime::Handle>,
+}
+
+impl SlotsOut {
+    fn here() -> Self {
+        SlotsOut {
+            count: Arc::default(),
+            fallback: tokio::runtime::Handle::try_current().ok(),
+        }
+    }
+
+    /// Counts a slot out, until the guard is dropped.
+    fn count_out(&self) -> OutGuard {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        OutGuard(self.count.clone())
+    }
+
+    /// Waits until every slot handed out is back, or `within`: how many are not. A stop waits
+    /// here once its server has ended, for the slots of the requests its drain cut short.
+    pub async fn back(&self, within: Duration) -> usize {
+        let until = Instant::now() + within;
+        loop {
+            let out = self.count.load(Ordering::Relaxed);
+            if out == 0 || Instant::now() >= until {
+                return out;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// One slot counted out ([`SlotsOut`]), until dropped.
+struct OutGuard(Arc<AtomicUsize>);
+
+impl Drop for OutGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A slot's give-back, run as a task on the runtime its slot is dropped on. Dropped unfinished
+/// (that runtime shutting down), it is sent again from the fallback runtime, once.
+struct GiveBack {
+    limiter: Arc<Limiter>,
+    account_id: u128,
+    hold: HoldReceipt,
+    out: Option<OutGuard>,
+    fallback: Option<tokio::runtime::Handle>,
+    done: bool,
+}
+
+impl GiveBack {
+    async fn run(mut self) {
+        self.limiter
+            .release_until_expired(self.account_id, self.hold)
+            .await;
+        self.done = true;
+    }
+}
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        let Some(fallback) = self.fallback.take().filter(|_| !self.done) else {
+            return;
+        };
+        let again = GiveBack {
+            limiter: self.limiter.clone(),
+            account_id: self.account_id,
+            hold: self.hold,
+            out: self.out.take(),
+            fallback: None,
+            done: false,
+        };
+        fallback.spawn(again.run());
+    }
 }
 
 #[derive(Debug, Error)]
@@ -86,7 +175,15 @@ impl ConcurrencyLimits {
             limits.push((pattern.clone(), Arc::new(limiter)));
         }
         most_specific_first(&mut limits);
-        Ok(ConcurrencyLimits { routes: limits })
+        Ok(ConcurrencyLimits {
+            routes: limits,
+            out: SlotsOut::here(),
+        })
+    }
+
+    /// The slots handed out and not back yet (see [`SlotsOut::back`]).
+    pub fn slots_out(&self) -> SlotsOut {
+        self.out.clone()
     }
 
     /// A slot for `key` if `path` has a concurrency limit; `Err` is the answer when none is free
@@ -104,7 +201,12 @@ impl ConcurrencyLimits {
         };
         // Boxed: only routes with a concurrency limit carry the decision's state.
         let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
-            Ok(slot) => return Ok(slot),
+            Ok(slot) => {
+                return Ok(slot.map(|mut slot| {
+                    slot.out = Some((self.out.count_out(), self.out.fallback.clone()));
+                    slot
+                }))
+            }
             Err(refused) => refused,
         };
         record_refusal(&refused);
@@ -173,6 +275,8 @@ pub struct Slot {
     limiter: Arc<Limiter>,
     account_id: u128,
     hold: Option<HoldReceipt>,
+    /// Counted out by its limits until given back, and their fallback runtime.
+    out: Option<(OutGuard, Option<tokio::runtime::Handle>)>,
 }
 
 impl Slot {
@@ -197,6 +301,7 @@ impl Slot {
                 limiter: limiter.clone(),
                 account_id: decision.account_id,
                 hold: decision.hold,
+                out: None,
             })),
             Outcome::FailedOpen(_) => Ok(None),
             _ if shadow => {
@@ -224,9 +329,18 @@ impl Drop for Slot {
         let Some(hold) = self.hold.take() else {
             return;
         };
-        let (limiter, account_id) = (self.limiter.clone(), self.account_id);
+        let (out, fallback) = self.out.take().unzip();
+        let give_back = GiveBack {
+            limiter: self.limiter.clone(),
+            account_id: self.account_id,
+            hold,
+            out,
+            fallback: fallback.flatten(),
+            done: false,
+        };
+        // Without a runtime here, dropped at once: sent from the fallback, if any.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { limiter.release_until_expired(account_id, hold).await });
+            runtime.spawn(give_back.run());
         }
     }
 }
