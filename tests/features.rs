@@ -1064,7 +1064,16 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
     let one = NonZeroU64::new(1).unwrap();
     let routes = [("/stream".to_owned(), one)];
     let timeout = NonZeroU32::new(60).unwrap();
-    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    // The service's main runtime: the limits are made on it, and it is not driven until the
+    // worker below is gone, so what it runs is what was handed to it.
+    let main = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let limits = {
+        let _made_on = main.enter();
+        ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap()
+    };
     let limits = Arc::new(limits);
     let out = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let key = fresh_key("k_");
@@ -1097,11 +1106,21 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
         1,
         "counted out while held"
     );
+    // Handed to the main runtime, and still out until it runs there.
     assert_eq!(
-        limits.slots_out().back(Duration::from_secs(10)).await,
-        0,
-        "back"
+        limits.slots_out().back(Duration::ZERO).await,
+        1,
+        "handed off"
     );
+    let back = {
+        let limits = limits.clone();
+        std::thread::spawn(move || {
+            let back = main.block_on(limits.slots_out().back(Duration::from_secs(10)));
+            drop(main);
+            back
+        })
+    };
+    assert_eq!(back.join().unwrap(), 0, "back");
     let slot_account = model::user_account_id(
         LEDGER_CONCURRENCY,
         &ledger_limiter::http::concurrency::plan_name("/stream"),

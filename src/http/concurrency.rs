@@ -44,9 +44,12 @@ pub struct ConcurrencyLimits {
 /// drain ends is dropped with its worker's runtime, which dropped its slot's give-back unrun,
 /// and the slot was held until its timeout, its caller refused, across a rolling deploy.
 #[derive(Clone, Default)]
-pub struct SlotsOut {
+pub struct SlotsOut(Arc<Out>);
+
+#[derive(Default)]
+struct Out {
     /// Slots held, or on their way back.
-    count: Arc<AtomicUsize>,
+    count: AtomicUsize,
     /// The runtime the limits were made on (the service's main one, which outlives its
     /// workers); `None` outside a runtime.
     fallback: Option<tokio::runtime::Handle>,
@@ -54,16 +57,16 @@ pub struct SlotsOut {
 
 impl SlotsOut {
     fn here() -> Self {
-        SlotsOut {
-            count: Arc::default(),
+        SlotsOut(Arc::new(Out {
+            count: AtomicUsize::new(0),
             fallback: tokio::runtime::Handle::try_current().ok(),
-        }
+        }))
     }
 
     /// Counts a slot out, until the guard is dropped.
     fn count_out(&self) -> OutGuard {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        OutGuard(self.count.clone())
+        self.0.count.fetch_add(1, Ordering::Relaxed);
+        OutGuard(self.0.clone())
     }
 
     /// Waits until every slot handed out is back, or `within`: how many are not. A stop waits
@@ -71,7 +74,7 @@ impl SlotsOut {
     pub async fn back(&self, within: Duration) -> usize {
         let until = Instant::now() + within;
         loop {
-            let out = self.count.load(Ordering::Relaxed);
+            let out = self.0.count.load(Ordering::Relaxed);
             if out == 0 || Instant::now() >= until {
                 return out;
             }
@@ -81,46 +84,56 @@ impl SlotsOut {
 }
 
 /// One slot counted out ([`SlotsOut`]), until dropped.
-struct OutGuard(Arc<AtomicUsize>);
+struct OutGuard(Arc<Out>);
 
 impl Drop for OutGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.count.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// A slot's give-back, run as a task on the runtime its slot is dropped on. Dropped unfinished
-/// (that runtime shutting down), it is sent again from the fallback runtime, once.
+/// (that runtime shutting down, or none there), it is sent again from its limits' fallback
+/// runtime, once.
 struct GiveBack {
     limiter: Arc<Limiter>,
     account_id: u128,
     hold: HoldReceipt,
     out: Option<OutGuard>,
-    fallback: Option<tokio::runtime::Handle>,
+    /// Finished, or given up on (a panic is not sent again: it would panic again).
     done: bool,
+    handed_off: bool,
 }
 
 impl GiveBack {
     async fn run(mut self) {
-        self.limiter
-            .release_until_expired(self.account_id, self.hold)
-            .await;
+        use futures_util::FutureExt;
+        let release = self
+            .limiter
+            .release_until_expired(self.account_id, self.hold);
+        let _ = std::panic::AssertUnwindSafe(release).catch_unwind().await;
         self.done = true;
     }
 }
 
 impl Drop for GiveBack {
     fn drop(&mut self) {
-        let Some(fallback) = self.fallback.take().filter(|_| !self.done) else {
+        if self.done || self.handed_off {
             return;
+        }
+        let Some(out) = self.out.take() else {
+            return;
+        };
+        let Some(fallback) = out.0.fallback.clone() else {
+            return; // the guard drops here: the hold's timeout gives the slot back
         };
         let again = GiveBack {
             limiter: self.limiter.clone(),
             account_id: self.account_id,
             hold: self.hold,
-            out: self.out.take(),
-            fallback: None,
+            out: Some(out),
             done: false,
+            handed_off: true,
         };
         fallback.spawn(again.run());
     }
@@ -203,7 +216,7 @@ impl ConcurrencyLimits {
         let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
             Ok(slot) => {
                 return Ok(slot.map(|mut slot| {
-                    slot.out = Some((self.out.count_out(), self.out.fallback.clone()));
+                    slot.out = Some(self.out.count_out());
                     slot
                 }))
             }
@@ -250,7 +263,6 @@ impl ConcurrencyLimits {
     }
 }
 
-/// A slot taken; given back by [`Slot::release`], or on drop.
 /// What the request's span says of a route's concurrency refusal: the rate's decision was
 /// recorded first (`admitted`), and the slot's limiter records nothing on the span (it would
 /// put its own plan where the caller's is).
@@ -271,12 +283,13 @@ fn record_refusal(refused: &Outcome) {
 /// named so).
 pub const CONCURRENCY_LIMIT_NAME: &str = "concurrency";
 
+/// A slot taken; given back by [`Slot::release`], or on drop.
 pub struct Slot {
     limiter: Arc<Limiter>,
     account_id: u128,
     hold: Option<HoldReceipt>,
-    /// Counted out by its limits until given back, and their fallback runtime.
-    out: Option<(OutGuard, Option<tokio::runtime::Handle>)>,
+    /// Counted out by its limits until given back (and their fallback runtime with it).
+    out: Option<OutGuard>,
 }
 
 impl Slot {
@@ -324,21 +337,20 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        // Dropped before release (the client went away, or the handler panicked): give it back
-        // from a task of its own; without a runtime, the hold's timeout does.
+        // Given back from a task of its own, on the runtime it is dropped on (the client went
+        // away, the body ended, or the handler panicked); without one, or with one shutting
+        // down, from its limits' fallback runtime; without that either, the hold's timeout does.
         let Some(hold) = self.hold.take() else {
             return;
         };
-        let (out, fallback) = self.out.take().unzip();
         let give_back = GiveBack {
             limiter: self.limiter.clone(),
             account_id: self.account_id,
             hold,
-            out,
-            fallback: fallback.flatten(),
+            out: self.out.take(),
             done: false,
+            handed_off: false,
         };
-        // Without a runtime here, dropped at once: sent from the fallback, if any.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(give_back.run());
         }
