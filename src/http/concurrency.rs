@@ -100,9 +100,9 @@ struct GiveBack {
     account_id: u128,
     hold: HoldReceipt,
     out: Option<OutGuard>,
-    /// Finished, or given up on (a panic is not sent again: it would panic again).
-    done: bool,
-    handed_off: bool,
+    /// Sent again from the fallback if dropped now: until it has run to its end (a panic
+    /// included: it would panic again), and never once it was sent again.
+    hand_off: bool,
 }
 
 impl GiveBack {
@@ -112,13 +112,13 @@ impl GiveBack {
             .limiter
             .release_until_expired(self.account_id, self.hold);
         let _ = std::panic::AssertUnwindSafe(release).catch_unwind().await;
-        self.done = true;
+        self.hand_off = false;
     }
 }
 
 impl Drop for GiveBack {
     fn drop(&mut self) {
-        if self.done || self.handed_off {
+        if !self.hand_off {
             return;
         }
         let Some(out) = self.out.take() else {
@@ -132,8 +132,7 @@ impl Drop for GiveBack {
             account_id: self.account_id,
             hold: self.hold,
             out: Some(out),
-            done: false,
-            handed_off: true,
+            hand_off: false,
         };
         fallback.spawn(again.run());
     }
@@ -348,8 +347,7 @@ impl Drop for Slot {
             account_id: self.account_id,
             hold,
             out: self.out.take(),
-            done: false,
-            handed_off: false,
+            hand_off: true,
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(give_back.run());
