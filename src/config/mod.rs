@@ -362,17 +362,14 @@ fn without_names(message: &str) -> String {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
     };
-    for (lead, shown) in [
-        ("unknown field `", &like_a_setting as &dyn Fn(&str) -> bool),
-        ("duplicate key `", &|_: &str| false),
-    ] {
+    for (lead, unknown) in [("unknown field `", true), ("duplicate key `", false)] {
         let Some(start) = message.find(lead).map(|at| at + lead.len()) else {
             continue;
         };
         let Some(length) = message[start..].find('`') else {
             continue;
         };
-        if shown(&message[start..start + length]) {
+        if unknown && like_a_setting(&message[start..start + length]) {
             return message.to_owned();
         }
         let (before, after) = (&message[..start], &message[start + length..]);
@@ -724,7 +721,7 @@ fn concurrency_limits(
     if let Some((route, earlier)) =
         crate::http::rules::first_twice(listed.keys().map(String::as_str))
     {
-        let why = format!("is {earlier:?} again (percent-escapes match in either case)");
+        let why = crate::http::rules::again(earlier);
         return Err(invalid(format!("routes.concurrency.\"{route}\""), why));
     }
     let mut limits = Vec::new();

@@ -142,7 +142,7 @@ impl Drop for GiveBack {
 pub enum ConcurrencyError {
     #[error("{0:?} {rule}", rule = super::rules::ROUTE_PATTERN_RULE)]
     Route(String),
-    #[error("{0:?} is {1:?} again (percent-escapes match in either case)")]
+    #[error("{:?} {}", .0, super::rules::again(.1))]
     Twice(String, String),
     #[error(transparent)]
     Plan(#[from] PlanError),

@@ -242,6 +242,11 @@ pub fn path_matches(pattern: &str, path: &str) -> bool {
 /// `text` with the hex digits of its percent-escapes in upper case (`%2f` → `%2F`): a path's
 /// kept escapes (`%2F`, `%25`, `%2B`) mean the same in either case. Borrowed when there is no
 /// `%` (nearly every path).
+/// Why a pattern is refused beside `earlier`, which [`first_twice`] found matching its paths.
+pub fn again(earlier: &str) -> String {
+    format!("is {earlier:?} again (percent-escapes match in either case)")
+}
+
 /// The first pattern of `patterns` that matches the same paths as one before it (they differ in
 /// the case of a percent-escape alone, `%2f` and `%2F`), with that earlier one: two such entries
 /// of one table were one rule, and which of them applied was the table's order's, silently.
@@ -477,7 +482,7 @@ pub enum RulesError {
     CostRoute(String),
     /// Two patterns one path matches alike (`%2f` and `%2F`): the last one's cost was kept,
     /// without a word.
-    #[error("route {0:?} is {1:?} again (percent-escapes match in either case)")]
+    #[error("route {:?} {}", .0, again(.1))]
     CostRouteTwice(String, String),
     #[error("route {0:?} {1}")]
     RouteLimits(String, String),
@@ -735,8 +740,7 @@ impl RequestRulesBuilder {
         }
         let limits = self.route_limits.iter().map(|(route, _)| route.as_str());
         if let Some((route, earlier)) = first_twice(limits) {
-            let why = format!("is {earlier:?} again (percent-escapes match in either case)");
-            return Err(RulesError::RouteLimits(route.to_owned(), why));
+            return Err(RulesError::RouteLimits(route.to_owned(), again(earlier)));
         }
         Ok(())
     }
