@@ -260,7 +260,11 @@ mod tests {
     #[test]
     fn a_hop_without_an_address_ends_the_walk_at_the_proxy_that_wrote_it() {
         let proxies = [Cidr::parse("10.0.0.0/8").unwrap()];
-        let from = |header: &str, value: &[u8], written| {
+        let from = |value: &[u8], written| {
+            let header = match written {
+                ForwardedHeader::XForwardedFor => "x-forwarded-for",
+                ForwardedHeader::Forwarded => "forwarded",
+            };
             let value = actix_web::http::header::HeaderValue::from_bytes(value).unwrap();
             let req = TestRequest::default()
                 .peer_addr("10.0.0.1:5000".parse().unwrap())
@@ -269,42 +273,55 @@ mod tests {
             client_ip(&req, &proxies, written).unwrap()
         };
         let (xff, fwd) = (ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded);
-        // The client wrote 6.6.6.6; the outer proxy (10.0.0.2) could not name the client.
-        let unknown = b"for=6.6.6.6, for=unknown, for=10.0.0.2";
-        assert_eq!(from("forwarded", unknown, fwd), ip("10.0.0.2"));
-        let no_for = b"for=6.6.6.6, proto=https;by=10.0.0.2";
-        assert_eq!(from("forwarded", no_for, fwd), ip("10.0.0.1"));
-        let hidden = b"for=6.6.6.6, _hidden";
-        assert_eq!(from("x-forwarded-for", hidden, xff), ip("10.0.0.1"));
-        // The client's own line had a byte that is not text: the address its proxy appended
-        // still counts.
-        let spoiled = b"\xff, 203.0.113.7";
-        assert_eq!(from("x-forwarded-for", spoiled, xff), ip("203.0.113.7"));
-        let spoiled = b"for=\xff, for=203.0.113.7";
-        assert_eq!(from("forwarded", spoiled, fwd), ip("203.0.113.7"));
-        // A proxy's quoted comma is part of its element, not a hop of its own.
-        let quoted = b"for=6.6.6.6, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
-        assert_eq!(from("forwarded", quoted, fwd), ip("203.0.113.7"));
-        // A quote the client left open swallows nothing its proxy appended to the line.
-        let open = b"for=1.2.3.4;by=\", for=203.0.113.7";
-        assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
-        let open = b"for=\"1.2.3.4, for=203.0.113.7";
-        assert_eq!(from("forwarded", open, fwd), ip("203.0.113.7"));
-        // Nor is a proxy's quoted value split after a client's open quote: its commas and
-        // semicolons (a `host=` carrying the client's own Host) are no hops.
-        let host = b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\", for=10.0.0.2";
-        assert_eq!(from("forwarded", host, fwd), ip("203.0.113.7"));
-        let by = b"for=\"x, for=203.0.113.7;by=\"a,b\", for=10.0.0.2";
-        assert_eq!(from("forwarded", by, fwd), ip("203.0.113.7"));
-        // A quote in that Host, escaped by the proxy, or enough commas to pass any bound on
-        // how far to look, no more.
-        let escaped = b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\\\"\", for=10.0.0.2";
-        assert_eq!(from("forwarded", escaped, fwd), ip("203.0.113.7"));
         let commas = format!(
             "a\";for=6.6.6.6;y=, for=203.0.113.7;host=\"{}\"",
             "a,".repeat(40)
         );
-        assert_eq!(from("forwarded", commas.as_bytes(), fwd), ip("203.0.113.7"));
+        let lines: [(ForwardedHeader, &[u8], &str); 13] = [
+            // The client wrote 6.6.6.6; the outer proxy (10.0.0.2) could not name the client.
+            (fwd, b"for=6.6.6.6, for=unknown, for=10.0.0.2", "10.0.0.2"),
+            (fwd, b"for=6.6.6.6, proto=https;by=10.0.0.2", "10.0.0.1"),
+            (xff, b"for=6.6.6.6, _hidden", "10.0.0.1"),
+            // The client's own line had a byte that is not text: the address its proxy
+            // appended still counts.
+            (xff, b"\xff, 203.0.113.7", "203.0.113.7"),
+            (fwd, b"for=\xff, for=203.0.113.7", "203.0.113.7"),
+            // A proxy's quoted comma is part of its element, not a hop of its own.
+            (
+                fwd,
+                b"for=6.6.6.6, for=203.0.113.7;by=\"a,b\", for=10.0.0.2",
+                "203.0.113.7",
+            ),
+            // A quote the client left open swallows nothing its proxy appended to the line.
+            (fwd, b"for=1.2.3.4;by=\", for=203.0.113.7", "203.0.113.7"),
+            (fwd, b"for=\"1.2.3.4, for=203.0.113.7", "203.0.113.7"),
+            // Nor is a proxy's quoted value split after a client's open quote: its commas and
+            // semicolons (a `host=` carrying the client's own Host) are no hops.
+            (
+                fwd,
+                b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\", for=10.0.0.2",
+                "203.0.113.7",
+            ),
+            (
+                fwd,
+                b"for=\"x, for=203.0.113.7;by=\"a,b\", for=10.0.0.2",
+                "203.0.113.7",
+            ),
+            // A quote in that Host, escaped by the proxy, or enough commas to pass any bound on
+            // how far to look, no more.
+            (
+                fwd,
+                b"for=\"x, for=203.0.113.7;host=\"a,for=6.6.6.6;x=\\\"\", for=10.0.0.2",
+                "203.0.113.7",
+            ),
+            (fwd, commas.as_bytes(), "203.0.113.7"),
+            // The same line as X-Forwarded-For has no quotes: its last item is the client.
+            (xff, b"6.6.6.6, 203.0.113.7", "203.0.113.7"),
+        ];
+        for (written, line, caller) in lines {
+            let shown = String::from_utf8_lossy(line);
+            assert_eq!(from(line, written), ip(caller), "{written:?}: {shown}");
+        }
     }
 
     /// Nodes as RFC 7239 and the usual X-Forwarded-For write them; anything malformed names
