@@ -40,7 +40,7 @@ use super::counts::ThreadCounts;
 use super::local_view::LocalQuota;
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
-use super::{Charge, Decided, LeaseReceipt, Limiter, Outcome, Reached, Timing};
+use super::{Charge, Decided, LeaseReceipt, Limiter, NotAdmitted, Outcome, Reached, Timing};
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::model::UserAccount;
 use crate::ledger::{HoldReply, LedgerError};
@@ -484,6 +484,22 @@ impl Drop for RenewalAhead {
     }
 }
 
+/// What a renewal came to.
+enum Renewed {
+    Leased,
+    /// No lease now (credit too low, or a new caller to provision): decide per request.
+    NoLease,
+    /// The ledger refused the lease on a closed account (a block, or a move away).
+    Closed,
+}
+
+/// What taking a lease came to.
+enum Taken {
+    Lease(Lease),
+    NoLease,
+    Closed,
+}
+
 /// What one look at the caller's lease came to.
 enum Look<'a> {
     Admitted(Decided, LeaseReceipt),
@@ -561,8 +577,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 // its own ledger path.)
                 Look::Renew(retired) => {
                     match Box::pin(self.renew(&slot, charge.cost, retired, deadline)).await {
-                        Ok(true) => {}
-                        Ok(false) => break,
+                        Ok(Renewed::Leased) => {}
+                        Ok(Renewed::NoLease) => break,
+                        // The ledger's word, whatever the policy: a hold per request that then
+                        // failed would have gone to the policy, which admits under fail-open.
+                        Ok(Renewed::Closed) => {
+                            return self.refused_closed_leased(charge, deadline).await
+                        }
                         Err(error) => return Ok((self.failed(error, charge), None, None)),
                     }
                 }
@@ -678,6 +699,22 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Look::Renew(caller.lease.take())
     }
 
+    /// The ledger refused a lease on `charge`'s closed account: refused as a hold per request
+    /// is ([`Limiter::refused_closed`]). Why not per request after it: a hold that then failed
+    /// (the third call in one deadline) went to the failure policy, which admits under fail-open
+    /// a caller the ledger has just said is blocked, and the view does not know yet.
+    async fn refused_closed_leased(
+        &self,
+        charge: &Charge<'_>,
+        deadline: Instant,
+    ) -> Result<Reached, u64> {
+        let read = self.local.generation(charge.account.id);
+        match Box::pin(self.refused_closed(charge, deadline, read)).await {
+            NotAdmitted::Refused(outcome, local) => Ok(((outcome, local, None), None, None)),
+            NotAdmitted::Moved(tag) => Err(tag),
+        }
+    }
+
     fn failed(&self, error: LedgerError, charge: &Charge<'_>) -> Decided {
         let (outcome, local) = self.fail(error, charge);
         (outcome, local, None)
@@ -698,15 +735,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// The renewal this request started: settles `retired` (a lease that can no longer admit)
     /// first, so its unused units count again, then takes the next lease; a lease it replaces
-    /// ahead of need is settled after. `Ok(false)`: no lease now (credit too low, or a new caller
-    /// to provision), decide per request. Always ends the renewal.
+    /// ahead of need is settled after. Always ends the renewal.
     async fn renew(
         &self,
         slot: &Slot,
         cost: u64,
         retired: Option<Lease>,
         deadline: Instant,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Renewed, LedgerError> {
         // Ends the renewal if this future is dropped (a client went away) before it does.
         let mut renewal = Renewal { slot, ending: true };
         let holder = {
@@ -719,29 +755,33 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .await;
         }
         let taken = self.take(slot, &holder, cost, deadline).await;
-        let replaced = {
+        let (renewed, replaced) = {
             let mut caller = slot.lock();
-            let replaced = match taken {
-                Ok(Some(lease))
-                    if caller
+            let (renewed, replaced) = match taken {
+                Ok(Taken::Lease(lease)) => {
+                    let stale = caller
                         .retire_renewed_before
-                        .is_some_and(|cutoff| lease.sent_at < cutoff) =>
-                {
-                    Some(lease)
+                        .is_some_and(|cutoff| lease.sent_at < cutoff);
+                    let replaced = match stale {
+                        true => Some(lease),
+                        false => caller.lease.replace(lease),
+                    };
+                    (Ok(Renewed::Leased), replaced)
                 }
-                Ok(Some(lease)) => caller.lease.replace(lease),
-                _ => None,
+                Ok(Taken::NoLease) => (Ok(Renewed::NoLease), None),
+                Ok(Taken::Closed) => (Ok(Renewed::Closed), None),
+                Err(error) => (Err(error), None),
             };
             slot.renewal_ended(&mut caller);
             renewal.ending = false;
-            replaced
+            (renewed, replaced)
         };
         // No admission from `replaced` after the lock above: its settlement is sent after its last.
         if let Some(lease) = replaced {
             self.settle_or_hand_over(slot, &holder, lease, deadline)
                 .await;
         }
-        taken.map(|lease| lease.is_some())
+        renewed
     }
 
     /// Settles `lease` by `deadline` if any of it is left; else hands it to the sweeper
@@ -795,21 +835,21 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         tracing::debug!("a lease's settlement could not be sent again; it expires window + L after it was placed");
     }
 
-    /// Takes a lease for `holder`: `Ok(None)` when the ledger refused it or the caller should
-    /// be decided per request.
+    /// Takes a lease for `holder`: [`Taken::NoLease`] when the caller should be decided per
+    /// request, [`Taken::Closed`] when the ledger refused it on a closed account.
     async fn take(
         &self,
         slot: &Slot,
         holder: &Holder,
         cost: u64,
         deadline: Instant,
-    ) -> Result<Option<Lease>, LedgerError> {
+    ) -> Result<Taken, LedgerError> {
         let sent_at = self.clock.now();
         let id = holder.account_id;
         let Some(units) = self.lease_units(slot, holder, cost, sent_at) else {
             // No room, as the view knows: else each later admission renews ahead for nothing.
             slot.lock().refused = true;
-            return Ok(None);
+            return Ok(Taken::NoLease);
         };
         let lease_seconds = holder.terms.seconds.get();
         let timeout_seconds = holder.window_seconds.saturating_add(lease_seconds);
@@ -831,14 +871,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 let mut caller = slot.lock();
                 caller.next_units = (units / 2).max(1);
                 caller.refused = true;
-                return Ok(None);
+                return Ok(Taken::NoLease);
             }
             HoldReply::Blocked => {
                 self.retire_closed(slot, holder, deadline).await;
-                return Ok(None);
+                return Ok(Taken::Closed);
             }
             // Not found after provisioning: decided per request.
-            HoldReply::AccountNotFound => return Ok(None),
+            HoldReply::AccountNotFound => return Ok(Taken::NoLease),
         };
         let timeout = Duration::from_secs(timeout_seconds.into());
         self.local.record_hold(
@@ -854,7 +894,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             caller.idle_sweeps = 0;
             caller.refused = false;
         }
-        Ok(Some(Lease {
+        Ok(Taken::Lease(Lease {
             transfer_id,
             units,
             units_used: 0,

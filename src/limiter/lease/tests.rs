@@ -83,6 +83,8 @@ struct Model {
     lease_calls: u64,
     /// The account is closed by an operator: every new hold and lease is refused so.
     blocked: bool,
+    /// Holds per request (not leases) are never applied: each times out.
+    holds_time_out: bool,
     /// How long after the ledger stamped it a lease's answer says it arrived: the proof's step
     /// "admit until sent + L", not until answered + L, is tested only when the two differ.
     lease_latency: Duration,
@@ -184,6 +186,9 @@ impl Store for ModelStore {
         _: Instant,
         _: bool,
     ) -> Result<HoldReply, LedgerError> {
+        if self.model.lock().unwrap().holds_time_out {
+            return Err(timeout());
+        }
         self.place(amount, timeout_seconds, false)
     }
 
@@ -631,6 +636,34 @@ fn a_block_retires_the_lease_at_its_next_renewal() {
     let after = runtime.block_on(limiter.check(&key, one)).unwrap();
     assert!(after.leased.is_none(), "admitted from a retired lease");
     assert_ne!(after.outcome, Outcome::Admitted);
+}
+
+/// A renewal that finds the account closed answers its request with the ledger's refusal, whatever
+/// the failure policy: decided per request after it, a hold that then failed went to the policy,
+/// and fail-open admitted the caller the ledger had just called blocked.
+#[test]
+fn a_lease_refused_on_a_closed_account_is_refused_under_fail_open() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = instance_with(&store, FailurePolicy::Open);
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    runtime.block_on(limiter.check(&key, one)).unwrap();
+    {
+        let mut model = store.model.lock().unwrap();
+        model.blocked = true;
+        model.holds_time_out = true;
+    }
+    // 2 and 3 from the lease; 4 starts the renewal ahead, which finds the account closed.
+    for _ in 2..=4 {
+        let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    let after = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(
+        matches!(after.outcome, Outcome::Blocked { .. }),
+        "{:?}",
+        after.outcome
+    );
 }
 
 /// Once this instance has read a caller's block, its requests are refused from memory: on a
