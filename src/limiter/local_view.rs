@@ -28,7 +28,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -51,6 +51,8 @@ const BLOCK_TRUSTED_FOR: Duration = Duration::from_secs(60);
 /// its bit set, so with thousands of them the filter saves less, and never refuses more.
 pub const VERIFIED_FILTER_BITS: usize = 4096;
 const VERIFIED_FILTER_WORDS: usize = VERIFIED_FILTER_BITS / 64;
+/// Blocks a clear keeps for the failure policy ([`LocalView::clear`]); more are not kept.
+pub const BLOCKS_KEPT_MAX: usize = 4096;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LocalHold {
@@ -286,6 +288,13 @@ pub struct LocalView {
     sweep_not_before: Box<[Mutex<Option<Instant>>]>,
     /// Added to every expiry: TigerBeetle releases a hold up to ~100 ms after it is due.
     expiry_margin: Duration,
+    /// Blocks read before a clear, until they end or the caller is heard of again: read by
+    /// [`LocalView::known_block`] alone, the failure policy's answer. Why: a clear follows any
+    /// operator act anywhere, and it dropped every block read, so a ledger outage after a
+    /// top-up of anyone admitted blocked callers under fail-open. At most [`BLOCKS_KEPT_MAX`].
+    blocks_kept: Mutex<HashMap<u128, Instant>>,
+    /// How many `blocks_kept` holds: a caller's hold recorded looks there only when some are.
+    blocks_kept_count: AtomicUsize,
 }
 
 impl LocalView {
@@ -305,6 +314,8 @@ impl LocalView {
             callers_per_shard_max: callers_max.div_ceil(SHARD_COUNT),
             sweep_not_before: (0..SHARD_COUNT).map(|_| Mutex::new(None)).collect(),
             expiry_margin,
+            blocks_kept: Mutex::new(HashMap::new()),
+            blocks_kept_count: AtomicUsize::new(0),
         }
     }
 
@@ -356,31 +367,81 @@ impl LocalView {
     /// The block this instance last read of `account_id`, while it lasts, trusted or not
     /// (a minute): the answer when the ledger cannot be asked, so that a failure
     /// policy never admits a caller an operator blocked.
+    /// A block read before a clear answers while the view has heard nothing newer of the caller.
     pub fn known_block(&self, account_id: u128, now: Instant) -> Option<LocalLimit> {
-        let mut shard = self.shard(account_id);
-        let holds = shard.get_mut(&account_id)?;
-        holds.prune(now);
-        let until = holds.blocked_until.filter(|until| *until > now)?;
+        {
+            let mut shard = self.shard(account_id);
+            if let Some(holds) = shard.get_mut(&account_id) {
+                holds.prune(now);
+                let until = holds.blocked_until.filter(|until| *until > now)?;
+                return Some(holds.block_limit(until, now));
+            }
+        }
+        let mut kept = lock(&self.blocks_kept);
+        let until = *kept.get(&account_id)?;
+        if until <= now {
+            kept.remove(&account_id);
+            self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+            return None;
+        }
+        let mut holds = CallerHolds::new(0);
+        holds.blocked_until = Some(until);
         Some(holds.block_limit(until, now))
+    }
+
+    /// Drops a block kept past a clear: the caller was heard of since (the ledger's listing, a
+    /// hold it admitted, an operator's act here), which is newer.
+    fn heard_of(&self, account_id: u128) {
+        if self.blocks_kept_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut kept = lock(&self.blocks_kept);
+        kept.remove(&account_id);
+        self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+    }
+
+    /// Keeps the blocks of `shard`, about to be cleared, in `kept` while they last.
+    fn keep_blocks(
+        kept: &mut HashMap<u128, Instant>,
+        shard: &HashMap<u128, CallerHolds>,
+        now: Instant,
+    ) {
+        for (account_id, holds) in shard {
+            let Some(until) = holds.blocked_until.filter(|until| *until > now) else {
+                continue;
+            };
+            if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(account_id) {
+                kept.insert(*account_id, until);
+            }
+        }
     }
 
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
     /// this instance cannot follow (voided by amount). Its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
-        let mut shard = self.shard(account_id);
-        // A listing read before the removal is not stored after it.
-        self.changed(account_id);
-        shard.remove(&account_id);
+        {
+            let mut shard = self.shard(account_id);
+            // A listing read before the removal is not stored after it.
+            self.changed(account_id);
+            shard.remove(&account_id);
+        }
+        self.heard_of(account_id);
     }
 
-    /// Forgets every caller (an operator acted somewhere: any credit or block may have changed).
-    pub fn clear(&self) {
+    /// Forgets every caller (an operator acted somewhere: any credit or block may have changed),
+    /// but for the blocks it read, which only the failure policy reads from now on.
+    pub fn clear(&self, now: Instant) {
+        let mut kept = lock(&self.blocks_kept);
+        kept.retain(|_, until| *until > now);
         for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {
             let mut shard = lock(shard);
             // A listing read before the clear is not stored after it.
             generation.fetch_add(1, Ordering::SeqCst);
+            Self::keep_blocks(&mut kept, &shard, now);
             shard.clear();
         }
+        self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+        drop(kept);
         // After the shards: a caller verified meanwhile may lose its bit; the ledger then refuses
         // it, as it refuses a caller the view does not know, and that refusal sets the bit again.
         for word in self.verified_filter.iter() {
@@ -412,6 +473,7 @@ impl LocalView {
             amount,
             expires_at: answered_at + timeout + self.expiry_margin,
         };
+        self.heard_of(account_id);
         let mut shard = self.shard(account_id);
         let holds = match shard.entry(account_id) {
             Entry::Occupied(e) => e.into_mut(),
@@ -522,6 +584,7 @@ impl LocalView {
             return None;
         }
         let Listing { view, read } = listing;
+        self.heard_of(account_id);
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
         holds.listed_at = Some(now);
@@ -909,7 +972,7 @@ mod tests {
         assert_eq!(limit.retry_after, WINDOW + MARGIN);
         assert_eq!(limit.quota.remaining, 0);
         assert!(!limit.blocked);
-        view.clear();
+        view.clear(t0);
         assert!(
             view.check(7, 1, t0).is_none(),
             "an operator acted: ask again"
@@ -944,6 +1007,36 @@ mod tests {
         let unknown_end = blocked_view(None, wall);
         list(&view, 3, &unknown_end, t0, wall);
         assert_eq!(view.check(3, 1, t0).unwrap().retry_after, WINDOW);
+    }
+
+    /// An operator acts anywhere and every instance clears its view: the blocks it read still
+    /// answer for the failure policy (and only there), until the caller is heard of again.
+    #[test]
+    fn a_block_outlives_a_clear_for_the_failure_policy_alone() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let hour = Duration::from_secs(3600);
+        for id in [3, 4, 5, 6] {
+            list(&view, id, &blocked_view(Some(wall + hour), wall), t0, wall);
+        }
+        view.clear(t0);
+        assert!(view.check(3, 1, t0).is_none(), "the ledger decides again");
+        assert!(view.known_block(3, t0).expect("kept").blocked);
+        // Heard of since: a listing that reads it unblocked, a hold the ledger admitted, an
+        // operator's act on it here. Each is newer than the block.
+        list(&view, 4, &ledger_view(5, &[], wall), t0, wall);
+        assert!(view.known_block(4, t0).is_none(), "listed unblocked");
+        view.record_hold(5, 5, 1, t0, hour, t0);
+        assert!(view.known_block(5, t0).is_none(), "a hold admitted");
+        view.forget(6);
+        assert!(view.known_block(6, t0).is_none(), "forgotten");
+        // A second clear keeps what the first kept, and the bound holds.
+        view.clear(t0);
+        assert!(view.known_block(3, t0).is_some());
+        assert_eq!(view.blocks_kept_count.load(Ordering::Relaxed), 1);
+        assert!(view.known_block(3, t0 + hour + MARGIN).is_none(), "over");
+        assert_eq!(view.blocks_kept_count.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -995,7 +1088,7 @@ mod tests {
         type Change = fn(&LocalView);
         let changes: [(&str, Change, bool); 4] = [
             // An operator unblocks it everywhere: the epoch follower clears the view.
-            ("a clear", |view| view.clear(), false),
+            ("a clear", |view| view.clear(Instant::now()), false),
             // Unblocked on this instance: the admin API forgets the caller.
             ("its forget", |view| view.forget(3), false),
             // Another shard's forget (Envoy's releases of other callers).
@@ -1215,7 +1308,7 @@ mod tests {
         assert_eq!(bits() as usize, VERIFIED_FILTER_BITS, "every bit set");
         let refused = (5 << 6) | 5;
         assert!(view.check(refused, 1, t0).is_some());
-        view.clear();
+        view.clear(t0);
         assert_eq!(bits(), 0);
         assert!(
             view.check(refused, 1, t0).is_none(),

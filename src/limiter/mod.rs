@@ -459,9 +459,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.local.forget(account_id);
     }
 
-    /// Forgets everything this instance knew of callers (an operator acted somewhere).
+    /// Forgets everything this instance knew of callers (an operator acted somewhere), but for
+    /// the blocks it read, which answer for the failure policy alone.
     pub fn forget_all_local(&self) {
-        self.local.clear();
+        self.local.clear(self.clock.now());
     }
 
     /// The ledger account `key` is charged to, if it has a plan, as far as this instance knows

@@ -199,7 +199,7 @@ impl super::Limiter {
                     // A lease sent from now on, after the ledger answered this read, is stamped
                     // after the act the read saw (one sent while it was out may not be).
                     let answered_at = std::time::Instant::now();
-                    self.local.clear();
+                    self.local.clear(answered_at);
                     // A lease admits from memory: end those that may predate the act, so a block
                     // or a move takes effect here now rather than when each one's time runs out.
                     self.settle_leases_sent_before(Some(answered_at)).await;

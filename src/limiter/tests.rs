@@ -462,6 +462,29 @@ async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fai
     );
 }
 
+/// An operator acts on anyone, anywhere: the epoch follower clears every instance's view. A
+/// block read before stands all the same when the ledger then cannot be asked (it was dropped
+/// with the view, and fail-open admitted the blocked caller).
+#[tokio::test]
+async fn a_block_read_before_any_operators_act_stands_when_the_ledger_fails() {
+    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
+    f.script_blocked_for_a_week();
+    assert!(matches!(
+        f.check(ONE).await.outcome,
+        Outcome::Blocked { .. }
+    ));
+    f.calls();
+    f.limiter.forget_all_local();
+    f.script(|s| s.holds.push_back(Err(timeout())));
+    let failed = f.check(ONE).await;
+    assert_eq!(f.calls(), ["hold"], "the ledger was asked again");
+    assert!(
+        matches!(failed.outcome, Outcome::Blocked { .. }),
+        "{:?}",
+        failed.outcome
+    );
+}
+
 #[tokio::test]
 async fn an_unblock_while_the_blocked_account_is_read_is_not_undone_by_the_read() {
     let f = Fixture::closed();
