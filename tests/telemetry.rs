@@ -267,6 +267,22 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         attribute(server, "trace_id").as_deref(),
         Some(&*queried_trace)
     );
+    // Nor more of a long path than a span's share (any path is traced, unknown ones too).
+    let long_trace = format!("{:032x}", rand::random::<u128>());
+    let long = app
+        .http
+        .get(format!("{}/{}", app.address, "p".repeat(4000)))
+        .header(
+            "traceparent",
+            format!("00-{long_trace}-00f067aa0ba902b7-01"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 401, "no key");
+    let spans = server_spans_of_trace(&long_trace).await;
+    let target = spans.iter().find_map(|s| attribute(s, "http.target"));
+    assert_eq!(target.map(|t| t.len()), Some(256));
 
     // The raw key is a secret: it is in no attribute or event of any span received; nor is a
     // query's token, nor a claimed address.

@@ -149,7 +149,7 @@ impl RootSpanBuilder for LimiterRootSpan {
             http.host = capped(host(request)),
             http.client_ip = peer.as_deref().unwrap_or(""),
             http.user_agent = user_agent,
-            http.target = request.path(),
+            http.target = capped(request.path()),
             http.status_code = tracing::field::Empty,
             otel.name = %format_args!("{method} {route}"),
             otel.kind = "server",
