@@ -2,7 +2,8 @@
 //!
 //! `metrics-exporter-prometheus` cannot emit exemplars (metrics-rs/metrics#175), so this one
 //! histogram is served on its own path (`/metrics/exemplars`). An exemplar is attached only when
-//! the request's trace is sampled, so every exemplar leads to a trace that was exported.
+//! the request's trace is sampled: sent for export, so its exemplar leads to it unless the
+//! exporter dropped it (its queue full, or the trace store not yet up).
 //!
 //! Each worker counts into series of its own, summed when the text is made: one series shared
 //! by every worker (as `prometheus-client`'s histograms are) takes two locks per request that

@@ -122,7 +122,11 @@ impl LedgerMetrics {
             LEDGER_ERRORS_TOTAL,
             "Ledger calls that failed (each one applies the failure policy), by kind"
         );
-        describe_gauge!(LEDGER_IN_FLIGHT, "TigerBeetle calls in flight");
+        describe_gauge!(
+            LEDGER_IN_FLIGHT,
+            "Ledger calls in flight, one per decision's call (holds batched into one \
+             create_transfers count one each)"
+        );
         describe_counter!(
             LEDGER_BATCHES_TOTAL,
             "create_transfers calls made by batches of single transfers (holds, voids, grants, \
