@@ -14,6 +14,7 @@
 
 use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -337,22 +338,35 @@ impl RateLimitServer {
         self.limiter.settings().ledger_timeout
     }
 
-    async fn decide(&self, matched: &[Matched]) -> Result<Decided, Status> {
+    /// The call's deadline: the decision's (`ledger.timeout_ms`), or sooner when Envoy gives up
+    /// sooner (`grpc-timeout`; Envoy's default is 20 ms). Decided by then, the failure policy
+    /// configured here answers; past it, tonic dropped the call (`CANCELLED`, counted nowhere)
+    /// and Envoy applied its own `failure_mode_deny` instead, whatever the policy here said.
+    fn call_deadline(&self, metadata: &tonic::metadata::MetadataMap) -> Instant {
+        let ledger = self.limiter.deadline();
+        let envoys = metadata.get("grpc-timeout").and_then(|value| {
+            let timeout = grpc_timeout(value.as_bytes())?;
+            // The answer's way back to Envoy.
+            let margin = (timeout / 5).min(ANSWER_MARGIN_MAX);
+            Instant::now().checked_add(timeout - margin)
+        });
+        envoys.map_or(ledger, |envoys| envoys.min(ledger))
+    }
+
+    async fn decide(&self, matched: &[Matched], deadline: Instant) -> Result<Decided, Status> {
         let (enforced, shadow, negative) = by_kind(matched);
-        let shadows = join_all(
-            shadow
-                .iter()
-                .map(|(_, limit)| self.limiter.check_all(std::slice::from_ref(limit))),
-        );
+        let shadows = join_all(shadow.iter().map(|(_, limit)| {
+            self.limiter
+                .check_all_by(std::slice::from_ref(limit), deadline)
+        }));
         let releases = join_all(
             negative
                 .iter()
-                .map(|(_, limit, hits)| self.release(limit, *hits)),
+                .map(|(_, limit, hits)| self.release(limit, *hits, deadline)),
         );
         let unknown = self.limiter.unknown_limits(&enforced.1);
-        let deadline = self.limiter.deadline();
-        let (decision, shadows, releases) =
-            futures_util::join!(self.limiter.check_all(&enforced.1), shadows, releases);
+        let checked = self.limiter.check_all_by(&enforced.1, deadline);
+        let (decision, shadows, releases) = futures_util::join!(checked, shadows, releases);
         let internal = |e: crate::limiter::LimitsError| Status::internal(e.to_string());
         let mut decision = decision.map_err(internal)?;
         // limit_remaining is the ledger's, not a guess, even right after a restart.
@@ -537,13 +551,12 @@ impl RateLimitServer {
 
     /// Gives back `hits` units of live holds (a negative hit). A ledger that fails here changes
     /// nothing: the holds expire by themselves after their window.
-    async fn release(&self, limit: &Limit, hits: u64) -> Option<u64> {
+    async fn release(&self, limit: &Limit, hits: u64, deadline: Instant) -> Option<u64> {
         // Nothing to give back (a refund of what was all used): no call, and no check either. As
         // a check it could refuse, and refuse the call's other descriptors their charges.
         if hits == 0 {
             return None;
         }
-        let deadline = self.limiter.deadline();
         let window = limit.account.window_seconds.get();
         let released = self
             .ledger()
@@ -579,6 +592,7 @@ impl RateLimitService for RateLimitServer {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let deadline = self.call_deadline(request.metadata());
         let request = request.into_inner();
         // The domain is configuration, never a secret; descriptor values can be (API keys). A
         // domain over the bound is refused below, and not copied into the span first.
@@ -601,7 +615,7 @@ impl RateLimitService for RateLimitServer {
         );
         let answer = async move {
             let matched = self.matched(&request)?;
-            let decided = self.decide(&matched).await?;
+            let decided = self.decide(&matched, deadline).await?;
             let response = self.respond(&matched, decided)?;
             let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);
             tracing::Span::current().record("ratelimit.overall_code", code.as_str_name());
@@ -612,6 +626,29 @@ impl RateLimitService for RateLimitServer {
         record_status(&span, answer.as_ref().err());
         answer
     }
+}
+
+/// What an answer needs to reach Envoy once decided, taken off its `grpc-timeout` (a fifth of
+/// it at most).
+const ANSWER_MARGIN_MAX: Duration = Duration::from_millis(5);
+
+/// A `grpc-timeout` value (gRPC over HTTP/2: 1 to 8 digits, then `H`, `M`, `S`, `m`, `u` or
+/// `n`); `None` when malformed, which tonic refuses anyway.
+fn grpc_timeout(text: &[u8]) -> Option<Duration> {
+    let (unit, digits) = text.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let value: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(value * 3600),
+        b'M' => Duration::from_secs(value * 60),
+        b'S' => Duration::from_secs(value),
+        b'm' => Duration::from_millis(value),
+        b'u' => Duration::from_micros(value),
+        b'n' => Duration::from_nanos(value),
+        _ => return None,
+    })
 }
 
 /// The call's gRPC status on its span, and an error status for the server's own failures
@@ -894,6 +931,28 @@ fn policy_name(rule: &Rule) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grpc_timeout_is_read_as_grpc_writes_it() {
+        let ms = Duration::from_millis;
+        let cases: [(&[u8], Option<Duration>); 11] = [
+            (b"20m", Some(ms(20))),
+            (b"1S", Some(ms(1_000))),
+            (b"2M", Some(ms(120_000))),
+            (b"1H", Some(ms(3_600_000))),
+            (b"250u", Some(Duration::from_micros(250))),
+            (b"99999999n", Some(Duration::from_nanos(99_999_999))),
+            (b"123456789m", None), // over 8 digits
+            (b"m", None),
+            (b"20", None),
+            (b"20x", None),
+            (b"-1m", None),
+        ];
+        for (text, expected) in cases {
+            let shown = String::from_utf8_lossy(text);
+            assert_eq!(grpc_timeout(text), expected, "{shown}");
+        }
+    }
 
     /// The fields recorded on spans, by name, as text.
     #[derive(Clone, Default)]
