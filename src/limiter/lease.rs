@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use metrics::{counter, describe_counter, Counter};
 use tokio::sync::futures::Notified;
@@ -517,14 +517,21 @@ enum Look<'a> {
 /// their unused units. Only earlier than the ledger's release, so the local view that learns from
 /// it knows fewer holds, never more: it refuses less, never wrongly. (The settlement holds the
 /// used units on; a lease whose instance died holds them until its timeout.)
+///
+/// A lease listed after its settlement was due (`now_wall`: its instance died, or its settlement
+/// is being sent again) counts for another L and a sweep from now. Shortened to its due time,
+/// already past, it was forgotten at once: each of the caller's requests then tried a lease, a
+/// hold and a listing, each refused, and was told `Retry-After: 1`, for the rest of the window.
 pub(super) fn settling_soon(
     mut view: crate::ledger::AccountView,
     terms: LeaseTerms,
+    now_wall: SystemTime,
 ) -> crate::ledger::AccountView {
     let settled_within = Duration::from_secs(terms.seconds.get().into()) + SETTLE_TICK;
     for hold in &mut view.holds {
         if let Some(leased_at) = hold.leased_at {
-            hold.expires_at = hold.expires_at.min(leased_at + settled_within);
+            let due = (leased_at + settled_within).max(now_wall + settled_within);
+            hold.expires_at = hold.expires_at.min(due);
         }
     }
     view.holds.sort_by_key(|hold| hold.expires_at);
@@ -537,9 +544,10 @@ pub(super) fn settling_soon(
 pub(super) fn listing_settling_soon(
     view: Result<Option<crate::ledger::AccountView>, LedgerError>,
     terms: Option<LeaseTerms>,
+    now_wall: SystemTime,
 ) -> Result<Option<crate::ledger::AccountView>, LedgerError> {
     match (view, terms) {
-        (Ok(Some(view)), Some(terms)) => Ok(Some(settling_soon(view, terms))),
+        (Ok(Some(view)), Some(terms)) => Ok(Some(settling_soon(view, terms, now_wall))),
         (view, _) => view,
     }
 }

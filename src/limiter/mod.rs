@@ -1208,7 +1208,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         read: Generation,
     ) -> (Duration, Option<LocalQuota>) {
         let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
-        let view = lease::listing_settling_soon(view, charge.plan.lease());
+        let view = lease::listing_settling_soon(view, charge.plan.lease(), self.clock.wall());
         self.retry_after_for(charge.account.id, charge.cost, window_max, (view, read))
     }
 

@@ -209,7 +209,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .filter(|i| unknown[*i])
             .map(|i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
         for (i, view) in futures_util::future::join_all(reads).await {
-            let Ok(Some(view)) = listing_settling_soon(view, limits[i].lease) else {
+            let Ok(Some(view)) = listing_settling_soon(view, limits[i].lease, self.clock.wall())
+            else {
                 continue;
             };
             let account = &limits[i].account;
@@ -580,7 +581,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let limit = &limits[i];
         let cost = cost_on_account(limits, limit.account.id);
         let window_max = self.window_max_of(&limit.account);
-        let view = listing_settling_soon(Ok(Some(view)), limit.lease);
+        let view = listing_settling_soon(Ok(Some(view)), limit.lease, self.clock.wall());
         let (retry_after, spent) =
             self.retry_after_for(limit.account.id, cost, window_max, (view, read));
         let Some(spent) = spent else { return };
@@ -617,7 +618,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let moved_to = super::moved_to(&view);
         let (retry_after, listed) = if limit.local_view {
             let window_max = self.window_max_of(&limit.account);
-            let view = listing_settling_soon(view, limit.lease);
+            let view = listing_settling_soon(view, limit.lease, self.clock.wall());
             self.retry_after_for(limit.account.id, cost, window_max, (view, read))
         } else {
             // Not remembered: a concurrency limit's slot, which comes back as soon as a call in

@@ -1108,18 +1108,31 @@ fn leases_end_at_their_settlement_for_retry_after() {
         complete: true,
         blocked: None,
     };
-    let soon = super::settling_soon(view, terms);
-    let settled_at = placed + Duration::from_secs(LEASE_SECONDS.into()) + super::SETTLE_TICK;
-    let expiries: Vec<(u64, SystemTime)> = soon
-        .holds
-        .iter()
-        .map(|h| (h.amount, h.expires_at))
-        .collect();
+    let settled_within = Duration::from_secs(LEASE_SECONDS.into()) + super::SETTLE_TICK;
+    let settled_at = placed + settled_within;
+    let expiries = |view: &AccountView| -> Vec<(u64, SystemTime)> {
+        view.holds
+            .iter()
+            .map(|h| (h.amount, h.expires_at))
+            .collect()
+    };
+    let soon = super::settling_soon(view.clone(), terms, placed);
     assert_eq!(
-        expiries,
+        expiries(&soon),
         [(20, settled_at), (4, placed + Duration::from_millis(1_500))]
     );
     assert!(settled_at < placed + lease_timeout);
+    // Listed after its settlement was due (its instance died): another L and a sweep from the
+    // listing, not forgotten at once.
+    let late = settled_at + Duration::from_secs(1);
+    let overdue = super::settling_soon(view, terms, late);
+    assert_eq!(
+        expiries(&overdue),
+        [
+            (4, placed + Duration::from_millis(1_500)),
+            (20, late + settled_within)
+        ]
+    );
 }
 
 /// A decision admitted from a lease, cloned: refunded from both copies, the lease gave its
