@@ -370,7 +370,7 @@ impl LeaseBook {
         }
     }
 
-    /// Takes out the leases whose time is over and that nobody is renewing, and the leases
+    /// Takes out the leases whose time is over, and the leases
     /// handed over by a renewal ([`CallerLease::handed_over`]), at most a batch; callers idle
     /// for two sweeps (and with nothing handed over) are forgotten. With `sent_before`, every
     /// lease sent before it too, renewing or not.
@@ -399,10 +399,11 @@ impl LeaseBook {
                     }
                 }
                 let Some(cutoff) = sent_before else {
-                    if caller.renewing {
-                        return true;
-                    }
-                    return self.take_if_due(&mut caller, slot, (now, None), &mut due);
+                    // Renewing: a lease whose time is over goes all the same (a renewal held
+                    // unrun, or at a slow ledger, kept its unused units held past L; `renew`
+                    // finds no lease to replace then); the caller is not forgotten.
+                    let kept = self.take_if_due(&mut caller, slot, (now, None), &mut due);
+                    return kept || caller.renewing;
                 };
                 // Renewing: the current lease goes now, and the next when it comes, if sent
                 // before the cutoff too.

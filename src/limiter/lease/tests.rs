@@ -1289,6 +1289,22 @@ fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
     assert_eq!(model.held(store.clock.now()), 1, "the unit used");
 }
 
+/// A renewal ahead held unrun (a library user's, or one at a slow ledger) does not keep the
+/// sweeper from settling the lease when its time is over: skipped while a renewal was due, its
+/// unused units stayed held from every instance past L.
+#[test]
+fn a_lease_over_is_settled_while_its_renewal_is_held() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let held = spend_the_first_lease(&limiter, &key);
+    assert!(held.is_some(), "the renewal ahead, held unrun");
+    store.past_l();
+    assert_eq!(runtime.block_on(limiter.settle_due_leases()), 1);
+    assert_eq!(store.model.lock().unwrap().settlements, 1);
+    // The renewal, run late, takes the next lease as usual.
+    runtime.block_on(limiter.renew_lease_ahead(held.unwrap()));
+    assert!(leased_from_memory(&limiter, &key, NonZeroU64::MIN).is_some());
+}
+
 /// A renewal ahead its request holds unrun (a library user's, run after a slow handler): a
 /// request that finds the lease spent waits for it half its time left at most, then is decided
 /// per request. It went to the failure policy (here closed: a 503), the ledger healthy.
