@@ -259,7 +259,14 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
             }
         }
     };
-    drop(in_flight); // the ledger has answered, or the batch was given up
+    // The ledger has answered, or the batch was given up: the places go back before the answers
+    // do, but for those of the holds voided below (their callers left), taken until the voids
+    // are answered: the bound counts that work too.
+    let mut in_flight = in_flight;
+    let voiding = answer
+        .is_some()
+        .then(|| in_flight.split(abandoned(&members)));
+    drop(in_flight);
     let Some(answer) = answer else {
         return; // its outcome is unknown: its holds, if placed, expire on their own
     };
@@ -284,6 +291,15 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
     if !voids.is_empty() {
         connection.void_abandoned(voids).await;
     }
+    drop(voiding);
+}
+
+/// How many members' holds are voided if created: their callers left (answered `Timeout`, or
+/// gone since). One that leaves after this count is voided without a place of its own.
+fn abandoned(members: &[Member]) -> usize {
+    let left = |m: &&Member| m.reply.as_ref().is_none_or(oneshot::Sender::is_closed);
+    let voided = members.iter().filter(|m| m.void_if_abandoned.is_some());
+    voided.filter(left).count()
 }
 
 /// Closes the batch to newcomers and takes what it holds.
@@ -352,5 +368,36 @@ fn results(
             let error = client_error(Operation::CreateTransfers, error);
             vec![Err(error); count]
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(reply: Option<oneshot::Sender<TransferResult>>, void: Option<u16>) -> Member {
+        Member {
+            reply,
+            deadline: Instant::now(),
+            void_if_abandoned: void,
+        }
+    }
+
+    /// The places kept for the voids are those of members whose callers left (timed out, or gone
+    /// since) and whose holds are voided if created; no more, no fewer.
+    #[test]
+    fn the_places_kept_for_voids_are_the_abandoned_holds() {
+        let (waiting, _kept) = oneshot::channel();
+        let (gone, dropped) = oneshot::channel();
+        drop(dropped);
+        let (unvoided, _kept_too) = oneshot::channel();
+        let members = [
+            member(None, Some(9)),          // timed out
+            member(Some(gone), Some(9)),    // gone since
+            member(Some(waiting), Some(9)), // still waiting
+            member(None, None),             // timed out, but not voided (an operator's)
+            member(Some(unvoided), None),
+        ];
+        assert_eq!(abandoned(&members), 2);
     }
 }

@@ -15,7 +15,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,9 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::watch;
 
 use super::ConnectError;
+
+/// When a failed void of abandoned holds was last logged (seconds since the epoch).
+static VOID_FAILURE_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
 
 /// How long a replaced client's unanswered calls still get, once their callers have left: a
 /// client that can reach its cluster answers in milliseconds, one that cannot never does.
@@ -132,8 +135,16 @@ impl Connection {
     /// after its timeout. Nobody waits for it, so it is given up like any such call.
     pub(crate) async fn void_abandoned(&self, voids: Vec<tb::Transfer>) {
         let void = self.client.create_transfers(voids);
-        if let Some(Err(error)) = self.unless_given_up(void).await {
-            tracing::warn!(%error, "could not void holds whose callers left; they will expire");
+        let Some(Err(error)) = self.unless_given_up(void).await else {
+            return;
+        };
+        // Evicted: no other call may be in flight to tell (every later one then timed out).
+        if is_client_gone(&error) {
+            self.mark_gone();
+        }
+        // At most once a second: a slow ledger fails every batch's.
+        if crate::telemetry::log_throttle(&VOID_FAILURE_LOGGED_SECOND) {
+            tracing::warn!(%error, "could not void holds whose callers left; they will expire (logged at most once a second)");
         }
     }
 }

@@ -1226,6 +1226,13 @@ impl InFlight {
     pub fn calls(&self) -> usize {
         self.permit.num_permits()
     }
+
+    /// Takes `calls` of this place's calls into a place of their own.
+    pub fn split(&mut self, calls: usize) -> InFlight {
+        assert!(calls <= self.calls());
+        let permit = self.permit.split(calls).expect("checked above");
+        InFlight { permit }
+    }
 }
 
 #[cfg(test)]
