@@ -490,7 +490,8 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
 async fn a_sweep_settles_every_lease_that_is_due() {
     let limiter = limiter(100, 10);
     let callers: Vec<_> = (0..300).map(|_| caller(&common::fresh_key("k_"))).collect();
-    for chunk in callers.chunks(50) {
+    // Twice each: a caller's second request within L takes its lease (its demand seen).
+    for chunk in callers.chunks(50).flat_map(|chunk| [chunk, chunk]) {
         let checks = chunk.iter().map(|who| limiter.check(who, NonZeroU64::MIN));
         for decision in futures_util::future::join_all(checks).await {
             assert_eq!(decision.unwrap().outcome, Outcome::Admitted);
@@ -515,11 +516,13 @@ async fn a_sweep_under_a_full_bound_tries_each_lease_once() {
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
     let plan = Plan::new("hot", NonZeroU64::new(100).unwrap(), window).unwrap();
     let limiter = common::one_plan_limiter(ledger.clone(), plan.with_lease(terms).unwrap());
-    // One at a time: the bound is 1.
+    // One at a time: the bound is 1. Twice each: the second request takes the lease.
     for _ in 0..300 {
         let who = caller(&common::fresh_key("k_"));
-        let decision = limiter.check(&who, NonZeroU64::MIN).await;
-        assert_eq!(decision.unwrap().outcome, Outcome::Admitted);
+        for _ in 0..2 {
+            let decision = limiter.check(&who, NonZeroU64::MIN).await;
+            assert_eq!(decision.unwrap().outcome, Outcome::Admitted);
+        }
     }
     // A hold takes the only place, and keeps it while the ledger is stopped.
     process.pause(true);
@@ -578,9 +581,13 @@ async fn a_move_carries_a_lease_older_than_its_window() {
     let name = common::fresh_key("k_");
     let key = caller(&name);
     let dies = limiter();
-    let decision = dies.check(&key, NonZeroU64::MIN).await.unwrap();
-    assert_eq!(decision.outcome, Outcome::Admitted);
-    let leased = u64::try_from(audit(&dies, &name).await.debits_pending).unwrap();
+    // Twice: the second request takes the lease (its demand seen).
+    for _ in 0..2 {
+        let decision = dies.check(&key, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    // Less the first request's own hold (a unit for its window, 1 s), gone by the move.
+    let leased = u64::try_from(audit(&dies, &name).await.debits_pending).unwrap() - 1;
     assert!(leased > 1, "a lease: {leased}");
     drop(dies); // its lease stays, for 1 + 30 s
                 // Past the look-back of a window (1 s) and 5 s, the lease still held.
@@ -625,15 +632,18 @@ async fn a_sweep_under_a_small_in_flight_bound_settles_every_lease() {
     let limiter = &common::one_plan_limiter(ledger, plan);
     let keys: Vec<String> = (0..40).map(|_| common::fresh_key("k_")).collect();
     for chunk in keys.chunks(4) {
+        // Twice each: the second request takes the lease (its demand seen).
         let checks = chunk.iter().map(|key| async move {
-            let decision = limiter.check(&caller(key), NonZeroU64::MIN).await.unwrap();
-            assert_eq!(decision.outcome, Outcome::Admitted);
+            for _ in 0..2 {
+                let decision = limiter.check(&caller(key), NonZeroU64::MIN).await.unwrap();
+                assert_eq!(decision.outcome, Outcome::Admitted);
+            }
         });
         futures_util::future::join_all(checks).await;
     }
     tokio::time::sleep(Duration::from_millis(u64::from(LEASE_SECONDS) * 1000 + 200)).await;
     // Decisions made while the sweep runs keep the places it leaves them: new callers, each a
-    // lookup, a provisioning and a lease at the ledger.
+    // hold, a provisioning and a hold again at the ledger.
     let newcomers: Vec<String> = (0..4).map(|_| common::fresh_key("k_")).collect();
     let decisions = newcomers.iter().map(|key| async move {
         let decision = limiter.check(&caller(key), NonZeroU64::MIN).await;

@@ -136,6 +136,8 @@ struct CallerLease {
     next_units: u64,
     /// Sweeps that found no lease: the caller is forgotten after two.
     idle_sweeps: u8,
+    /// When a request last found no lease and no renewal ([`CallerLease::demand`]).
+    unleased_at: Option<Instant>,
     /// The ledger refused the last lease asked for (credit held elsewhere), or it was refused a
     /// place under a full in-flight bound: no renewal ahead of need until a lease is taken
     /// again, or each admission from the current lease's second half would ask again, a ledger
@@ -196,6 +198,17 @@ impl CallerLease {
         };
         let half_time = lease.sent_at + (lease.admit_until - lease.sent_at) / 2;
         !self.renewing && !self.refused && (now >= half_time || lease.units_used * 2 >= lease.units)
+    }
+
+    /// Whether a request that finds no lease comes soon enough after the last such one (within
+    /// L, and before the sweeper forgot the caller, two sweeps idle) to take a lease: a caller's
+    /// demand rising. Why not at every first request: a caller's lone request took a lease of
+    /// [`LEASE_UNITS_FIRST`] units, three transfers (the lease, its void and the hold of the unit
+    /// used) where one does, and held the rest from every instance for L.
+    fn demand(&mut self, now: Instant) -> bool {
+        let lease_time = Duration::from_secs(self.holder.terms.seconds.get().into());
+        let last = self.unleased_at.replace(now);
+        last.is_some_and(|at| now.saturating_duration_since(at) < lease_time)
     }
 
     /// Starts a renewal, sizing the next lease at twice the demand the current one saw over L.
@@ -277,6 +290,10 @@ impl LeaseMetrics {
 pub(super) struct LeaseBook {
     shards: Box<[Mutex<Shard>]>,
     metrics: LeaseMetrics,
+    /// A caller's first request takes a lease, its demand unseen: tests of what a lease does,
+    /// once it is taken, start from one (the gate has tests of its own).
+    #[cfg(test)]
+    lease_at_first_request: bool,
 }
 
 impl LeaseBook {
@@ -287,7 +304,17 @@ impl LeaseBook {
         LeaseBook {
             shards,
             metrics: LeaseMetrics::register(plans),
+            #[cfg(test)]
+            lease_at_first_request: false,
         }
+    }
+
+    /// Whether a first request takes a lease without demand seen (tests only).
+    fn lease_at_first_request(&self) -> bool {
+        #[cfg(test)]
+        return self.lease_at_first_request;
+        #[cfg(not(test))]
+        false
     }
 
     fn shard(&self, account_id: u128) -> MutexGuard<'_, Shard> {
@@ -320,6 +347,7 @@ impl LeaseBook {
                 retire_renewed_before: None,
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
+                unleased_at: None,
                 handed_over: Vec::new(),
                 refused: false,
             }),
@@ -510,6 +538,8 @@ enum Look<'a> {
     Renew(Option<Lease>),
     /// Another request renews: wait for it (`true`: its ledger calls have started).
     Wait(Pin<Box<Notified<'a>>>, bool),
+    /// No lease, and no demand for one yet: decided per request.
+    PerRequest,
 }
 
 /// `view` with every lease ending when its instance settles it (L after it was placed, plus a
@@ -554,6 +584,14 @@ pub(super) fn listing_settling_soon(
 }
 
 impl<S: Store, C: Clock> Limiter<S, C> {
+    /// A caller's first request takes a lease from now on, its demand unseen (tests of what a
+    /// lease does once taken start from one).
+    #[cfg(test)]
+    pub(super) fn leasing_at_first_request(mut self) -> Self {
+        self.leases.lease_at_first_request = true;
+        self
+    }
+
     /// A decision on a lease plan: from the caller's lease in memory when it has room (the request
     /// that finds it half spent also gets the renewal of the next one, to run); else after a
     /// renewal, its own or another request's (one not started yet is waited for half the time
@@ -584,6 +622,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 // Renewals are boxed: inline, their kilobytes of state would make every lease
                 // admission's future (and its copies) that large. (A decision per request boxes
                 // its own ledger path.)
+                Look::PerRequest => break,
                 Look::Renew(retired) => {
                     match Box::pin(self.renew(&slot, charge.cost, retired, deadline)).await {
                         Ok(Renewed::Leased) => {}
@@ -703,6 +742,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let mut renewed = Box::pin(slot.renewed.notified());
             renewed.as_mut().enable();
             return Look::Wait(renewed, caller.renewal_running);
+        }
+        if caller.lease.is_none() && !caller.demand(now) && !self.leases.lease_at_first_request() {
+            return Look::PerRequest;
         }
         caller.start_renewal(now);
         Look::Renew(caller.lease.take())

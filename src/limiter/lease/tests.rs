@@ -379,6 +379,15 @@ fn instance_timed(
     failure_policy: FailurePolicy,
     ledger_timeout: Duration,
 ) -> Instance {
+    gated_instance(store, failure_policy, ledger_timeout).leasing_at_first_request()
+}
+
+/// [`instance_timed`] whose callers take a lease only once their demand is seen, as in service.
+fn gated_instance(
+    store: &ModelStore,
+    failure_policy: FailurePolicy,
+    ledger_timeout: Duration,
+) -> Instance {
     let lease = terms();
     let capacity = NonZeroU64::new(CAPACITY).unwrap();
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
@@ -472,7 +481,9 @@ fn as_the_middleware(
 fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
     let (runtime, store) = runtime_and_store();
     let clock = store.clock.clone();
-    let mut instances = [instance(&store), instance(&store)];
+    // The second instance as in service: a caller's lease waits for its demand to be seen.
+    let gated = || gated_instance(&store, FailurePolicy::Closed, Duration::from_millis(500));
+    let mut instances = [instance(&store), gated()];
     let key = hot_key();
     let mut admitted: Vec<(Instant, u64)> = Vec::new();
     let check = |at: Instant, admitted: &[(Instant, u64)]| -> Result<(), TestCaseError> {
@@ -525,7 +536,8 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
             Event::Sweep { instance } => {
                 runtime.block_on(instances[*instance].settle_due_leases());
             }
-            Event::Kill { instance } => instances[*instance] = self::instance(&store),
+            Event::Kill { instance: 0 } => instances[0] = self::instance(&store),
+            Event::Kill { instance } => instances[*instance] = gated(),
             Event::Fault(fault) => store.next_call(*fault),
             Event::LeaseLatency { ms } => {
                 store.model.lock().unwrap().lease_latency = Duration::from_millis(*ms);
@@ -1287,6 +1299,32 @@ fn a_clean_shutdown_sends_a_settlement_waiting_for_its_retry() {
     let model = store.model.lock().unwrap();
     assert_eq!(model.settlements, 1);
     assert_eq!(model.held(store.clock.now()), 1, "the unit used");
+}
+
+/// A caller's lone request is decided per request: one transfer, where a lease took three (the
+/// lease, its void and the hold of the unit used) and held the rest from every instance for L.
+/// A second request within L takes the lease; a caller back after L shows its demand again.
+#[test]
+fn a_lease_waits_for_the_callers_demand() {
+    let (runtime, store) = runtime_and_store();
+    let limiter = gated_instance(&store, FailurePolicy::Closed, Duration::from_millis(500));
+    let key = hot_key();
+    let one = NonZeroU64::MIN;
+    let lease_calls = || store.model.lock().unwrap().lease_calls;
+    let lone = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert_eq!(lone.outcome, Outcome::Admitted);
+    assert!(lone.leased.is_none(), "decided per request");
+    assert_eq!(lease_calls(), 0);
+    let second = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(second.leased.is_some(), "its demand seen: a lease");
+    assert_eq!(lease_calls(), 1);
+    // Back after the lease is over and settled: decided per request first, again.
+    store.past_l();
+    runtime.block_on(limiter.settle_due_leases());
+    store.past_l();
+    let back = runtime.block_on(limiter.check(&key, one)).unwrap();
+    assert!(back.leased.is_none(), "decided per request");
+    assert_eq!(lease_calls(), 1);
 }
 
 /// A renewal ahead held unrun (a library user's, or one at a slow ledger) does not keep the
