@@ -225,6 +225,7 @@ async fn kill_a_backup(cluster: &mut TestCluster, load: &Load) -> Vec<Sample> {
 /// The primary dies: the others elect a new one; decisions fail over to the policy meanwhile.
 async fn kill_the_primary(cluster: &mut TestCluster, load: &Load) {
     let primary = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
+    let view = cluster.view(primary).expect("the primary's view");
     let killed_at = load.now();
     cluster.kill(primary);
     // Recovered: admitting again, with no failed decision in the last two seconds. (A later
@@ -249,6 +250,14 @@ async fn kill_the_primary(cluster: &mut TestCluster, load: &Load) {
             "no recovery within 60 s after the primary died (primary now: {primary_now:?})"
         );
     };
+    // A view change happened: another replica leads a later view (a backup killed for a
+    // primary misread from the logs would pass everything above without one).
+    let next = tokio::task::block_in_place(|| cluster.wait_for_primary(Duration::from_secs(20)));
+    let next_view = cluster.view(next).expect("the new primary's view");
+    assert!(
+        next != primary && next_view > view,
+        "primary {primary} of view {view} killed; primary now {next} of view {next_view}"
+    );
     let failing = load.between(killed_at, recovered_at);
     report(&format!("primary {primary} killed"), &failing);
     let failed: Vec<_> = failing.iter().filter(|s| s.status == 503).collect();
