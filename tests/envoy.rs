@@ -977,15 +977,39 @@ fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
         !rate_limits.is_empty(),
         "the demo's routes send descriptors"
     );
-    for rate_limit in rate_limits {
-        let key = rate_limit["actions"][0]["request_headers"]["descriptor_key"]
-            .as_str()
-            .unwrap();
+    for rate_limit in &rate_limits {
+        let actions = rate_limit["actions"].as_sequence().unwrap();
+        let entries: Vec<(&str, &str)> = actions.iter().map(descriptor_entry).collect();
         assert!(
-            rules.rule_for(domain, [(key, "k")].into_iter()).is_some(),
-            "{key}"
+            rules.rule_for(domain, entries.iter().copied()).is_some(),
+            "{entries:?}"
         );
     }
+    // A request without a key is limited too (by its address): an entry of `request_headers`
+    // alone makes no descriptor when the header is absent.
+    let keyless = rate_limits.iter().any(|limit| {
+        let actions = limit["actions"].as_sequence().unwrap();
+        actions
+            .iter()
+            .all(|action| action.get("request_headers").is_none())
+    });
+    assert!(keyless, "a request without X-Api-Key would go unlimited");
+}
+
+/// The descriptor entry an Envoy rate-limit action makes (a sample value where Envoy supplies
+/// it), for the actions the demo uses.
+fn descriptor_entry(action: &serde_norway::Value) -> (&str, &str) {
+    if let Some(headers) = action.get("request_headers") {
+        return (headers["descriptor_key"].as_str().unwrap(), "k");
+    }
+    if let Some(matched) = action.get("header_value_match") {
+        let key = matched["descriptor_key"].as_str().unwrap_or("header_match");
+        return (key, matched["descriptor_value"].as_str().unwrap());
+    }
+    if action.get("remote_address").is_some() {
+        return ("remote_address", "203.0.113.9");
+    }
+    panic!("an action the demo does not use: {action:?}")
 }
 
 /// Decisions are counted in the middleware's families with `frontend="envoy"`, labelled by rule;
