@@ -83,6 +83,9 @@ struct Model {
     lease_calls: u64,
     /// The account is closed by an operator: every new hold and lease is refused so.
     blocked: bool,
+    /// Every call yields once before it is applied, so requests decided together interleave at
+    /// the ledger as they do in service (the property test's).
+    yields: bool,
     /// Holds per request (not leases) are never applied: each times out.
     holds_time_out: bool,
     /// How long after the ledger stamped it a lease's answer says it arrived: the proof's step
@@ -128,6 +131,13 @@ impl ModelStore {
     fn past_l(&self) {
         let after_l = self.clock.now() + Duration::from_secs(u64::from(LEASE_SECONDS));
         self.clock.advance_to(after_l);
+    }
+
+    async fn yield_if_asked(&self) {
+        let yields = self.model.lock().unwrap().yields;
+        if yields {
+            tokio::task::yield_now().await;
+        }
     }
 
     /// The next ledger call meets `fault`.
@@ -186,6 +196,7 @@ impl Store for ModelStore {
         _: Instant,
         _: bool,
     ) -> Result<HoldReply, LedgerError> {
+        self.yield_if_asked().await;
         if self.model.lock().unwrap().holds_time_out {
             return Err(timeout());
         }
@@ -193,6 +204,7 @@ impl Store for ModelStore {
     }
 
     async fn void(&self, pending_id: u128, _: Instant) -> Result<bool, LedgerError> {
+        self.yield_if_asked().await;
         self.faulty(|model, now| match model.pendings.get_mut(&pending_id) {
             Some((_, expires_at, voided)) if !*voided && *expires_at > now => {
                 *voided = true;
@@ -262,6 +274,7 @@ impl Store for ModelStore {
         timeout_seconds: u32,
         _: Instant,
     ) -> Result<HoldReply, LedgerError> {
+        self.yield_if_asked().await;
         let (hang, answer_on) = {
             let mut model = self.model.lock().unwrap();
             model.lease_calls += 1;
@@ -305,6 +318,7 @@ impl Store for ModelStore {
         if self.clock.now() >= deadline {
             return Err(timeout());
         }
+        self.yield_if_asked().await;
         if std::mem::take(&mut self.model.lock().unwrap().overload_next_settlement) {
             return Err(LedgerError::Overloaded { in_flight_max: 1 });
         }
@@ -421,6 +435,11 @@ enum Event {
         instance: usize,
         cost: u64,
     },
+    /// Two requests decided together (joined), each on its instance.
+    Together {
+        instances: (usize, usize),
+        costs: (u64, u64),
+    },
     Advance {
         ms: u64,
     },
@@ -443,6 +462,8 @@ fn event() -> impl Strategy<Value = Event> {
         4 => (0..2usize, 1..4u64).prop_map(|(instance, cost)| Event::Request { instance, cost }),
         4 => (0..2usize, 1..4u64)
             .prop_map(|(instance, cost)| Event::FastRequest { instance, cost }),
+        3 => ((0..2usize, 0..2usize), (1..4u64, 1..4u64))
+            .prop_map(|(instances, costs)| Event::Together { instances, costs }),
         3 => (0..400u64).prop_map(|ms| Event::Advance { ms }),
         1 => (400..4000u64).prop_map(|ms| Event::Advance { ms }),
         2 => (0..2usize).prop_map(|instance| Event::Sweep { instance }),
@@ -480,6 +501,7 @@ fn as_the_middleware(
 /// Runs `events`; checks the invariant at each event and at every expiry in between.
 fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
     let (runtime, store) = runtime_and_store();
+    store.model.lock().unwrap().yields = true;
     let clock = store.clock.clone();
     // The second instance as in service: a caller's lease waits for its demand to be seen.
     let gated = || gated_instance(&store, FailurePolicy::Closed, Duration::from_millis(500));
@@ -515,6 +537,22 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
                 let outcome = as_the_middleware(&runtime, &instances[*instance], &key, cost);
                 if outcome == Outcome::Admitted {
                     admitted.push((clock.now(), cost.get()));
+                }
+            }
+            Event::Together {
+                instances: (a, b),
+                costs,
+            } => {
+                let (one, two) = (NonZeroU64::new(costs.0), NonZeroU64::new(costs.1));
+                let (one, two) = runtime.block_on(async {
+                    let one = instances[*a].check(&key, one.unwrap());
+                    let two = instances[*b].check(&key, two.unwrap());
+                    tokio::join!(one, two)
+                });
+                for (decision, cost) in [(one, costs.0), (two, costs.1)] {
+                    if decision.unwrap().outcome == Outcome::Admitted {
+                        admitted.push((clock.now(), cost));
+                    }
                 }
             }
             Event::Advance { ms } => {
