@@ -5,8 +5,9 @@
 //   RUN_ID    prefix that keeps each run's callers (and so their ledger accounts) apart;
 //             default: a random string made once per run in setup()
 //
-// k6 1.x has no k6/experimental/tracing, so every request carries a W3C `traceparent` header made
-// here, with the sampled flag set, so that the service records a trace for it.
+// No `traceparent` is sent: the service samples a request without one (its sampler is parent-based,
+// always on by default) and its span is the trace's root. A made-up parent left every trace
+// reached from an exemplar without its root span.
 
 import http from 'k6/http';
 import { check } from 'k6';
@@ -32,28 +33,6 @@ export const unexpectedStatus = new Rate('unexpected_status'); // true unless 20
 export const rateLimitHeaders = new Rate('ratelimit_headers'); // RateLimit + RateLimit-Policy present
 export const retryAfterHeader = new Rate('retry_after_header'); // 429 carries Retry-After
 
-const HEX = '0123456789abcdef';
-
-function randomHex(bytes) {
-  let out = '';
-  for (let i = 0; i < bytes * 2; i++) out += HEX[Math.floor(Math.random() * 16)];
-  return out;
-}
-
-function nonZeroHex(bytes) {
-  // An all-zero trace or span id is invalid in W3C Trace Context.
-  for (;;) {
-    const h = randomHex(bytes);
-    if (/[^0]/.test(h)) return h;
-  }
-}
-
-// A W3C traceparent: version 00, random 16-byte trace id, random 8-byte parent (span) id, flags 01
-// (sampled).
-export function traceparent() {
-  return `00-${nonZeroHex(16)}-${nonZeroHex(8)}-01`;
-}
-
 // A short random [a-z0-9] string, e.g. for a run id.
 export function randomId(length = 8) {
   const alphabet = 'abcdefghijklmnopqrstuvwxyz0123456789';
@@ -75,10 +54,10 @@ export function apiKey(plan, run, caller) {
   return `${plan}_${run}_${caller}`;
 }
 
-// Request parameters for GET /greeting as `key`, with a fresh traceparent.
+// Request parameters for GET /greeting as `key`.
 export function greetingParams(key, tags = {}) {
   return {
-    headers: { 'X-Api-Key': key, traceparent: traceparent() },
+    headers: { 'X-Api-Key': key },
     tags: Object.assign({ name: 'GET /greeting' }, tags),
   };
 }
