@@ -240,8 +240,41 @@ async fn assert_every_panel_has_data(http: &reqwest::Client, prometheus_port: u1
                 missing.insert(format!("{panel:?}: {name}"));
             }
         }
+        // Each selector with its matchers: a misspelt label or value is no series (every
+        // decision, source and plan is exported at 0 from the start).
+        for selector in selectors(&expr) {
+            // The demo configures no concurrency limit: a selector of those plans alone has no
+            // series; its prefix is checked against the code's instead.
+            let prefix = ledger_limiter::limiter::metrics::CONCURRENCY_PLAN_PREFIX;
+            if selector.contains("concurrency") {
+                assert!(selector.contains(&format!("\"{prefix}.*\"")), "{selector}");
+            }
+            if selector.contains("plan=~\"concurrency") {
+                continue;
+            }
+            let query = [("query", format!("count({selector})"))];
+            let data = prometheus_query(http, prometheus_port, "/api/v1/query", &query).await;
+            if data["result"].as_array().unwrap().is_empty() {
+                missing.insert(format!("{panel:?}: {selector}"));
+            }
+        }
     }
     assert!(missing.is_empty(), "no series: {missing:#?}");
+}
+
+/// The selectors with matchers an expression reads (`name{label="value",...}`).
+fn selectors(expr: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for name in metric_names(expr) {
+        let mut rest = expr;
+        while let Some(at) = rest.find(&format!("{name}{{")) {
+            let tail = &rest[at..];
+            let end = tail.find('}').expect("a selector's matchers end");
+            found.push(tail[..=end].to_owned());
+            rest = &tail[end..];
+        }
+    }
+    found
 }
 
 /// The metric names an expression reads (this service's and the HTTP server's).
