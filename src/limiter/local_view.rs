@@ -377,6 +377,9 @@ impl LocalView {
                 return Some(holds.block_limit(until, now));
             }
         }
+        if self.blocks_kept_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
         let mut kept = lock(&self.blocks_kept);
         let until = *kept.get(&account_id)?;
         if until <= now {
@@ -384,9 +387,12 @@ impl LocalView {
             self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
             return None;
         }
+        // The act behind the clear may have been its unblock: told to come back within a
+        // minute, not at the block's end (a week), the ledger then asked again.
         let mut holds = CallerHolds::new(0);
-        holds.blocked_until = Some(until);
-        Some(holds.block_limit(until, now))
+        let told_until = until.min(now + BLOCK_TRUSTED_FOR);
+        holds.blocked_until = Some(told_until);
+        Some(holds.block_limit(told_until, now))
     }
 
     /// Drops a block kept past a clear: the caller was heard of since (the ledger's listing, a
@@ -408,6 +414,8 @@ impl LocalView {
     ) {
         for (account_id, holds) in shard {
             let Some(until) = holds.blocked_until.filter(|until| *until > now) else {
+                // Heard of since its block was kept, unblocked: newer.
+                kept.remove(account_id);
                 continue;
             };
             if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(account_id) {
@@ -419,12 +427,17 @@ impl LocalView {
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
     /// this instance cannot follow (voided by amount). Its next request asks the ledger.
     pub fn forget(&self, account_id: u128) {
-        {
-            let mut shard = self.shard(account_id);
-            // A listing read before the removal is not stored after it.
-            self.changed(account_id);
-            shard.remove(&account_id);
-        }
+        let mut shard = self.shard(account_id);
+        // A listing read before the removal is not stored after it.
+        self.changed(account_id);
+        shard.remove(&account_id);
+    }
+
+    /// [`LocalView::forget`] for an operator's act on the caller here (its block may be lifted):
+    /// a block kept past a clear goes too. (Other forgets, of holds this instance cannot follow,
+    /// keep it: the failure policy must not admit a blocked caller for them.)
+    pub fn forget_acted_on(&self, account_id: u128) {
+        self.forget(account_id);
         self.heard_of(account_id);
     }
 
@@ -432,6 +445,9 @@ impl LocalView {
     /// but for the blocks it read, which only the failure policy reads from now on.
     pub fn clear(&self, now: Instant) {
         let mut kept = lock(&self.blocks_kept);
+        // While the shards are cleared, a caller heard of waits for the lock, whatever is kept:
+        // skipped, its block kept below would outlive what was heard.
+        self.blocks_kept_count.store(usize::MAX, Ordering::Relaxed);
         kept.retain(|_, until| *until > now);
         for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {
             let mut shard = lock(shard);
@@ -584,7 +600,6 @@ impl LocalView {
             return None;
         }
         let Listing { view, read } = listing;
-        self.heard_of(account_id);
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
         holds.listed_at = Some(now);
@@ -592,6 +607,11 @@ impl LocalView {
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
         let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
+        // Read unblocked: a block kept past a clear is over, stored or not. (Read blocked, the
+        // kept one stays: this listing may not be stored, and the shard's entry wins while it is.)
+        if blocks.is_none() {
+            self.heard_of(account_id);
+        }
         holds.blocked_until = blocks.map(|blocked| match blocked.until {
             Some(until) => {
                 let remaining = until.duration_since(now_wall).unwrap_or(Duration::ZERO);
@@ -1017,26 +1037,57 @@ mod tests {
         let t0 = Instant::now();
         let wall = SystemTime::now();
         let hour = Duration::from_secs(3600);
-        for id in [3, 4, 5, 6] {
+        for id in [3, 4, 5, 6, 7, 8] {
             list(&view, id, &blocked_view(Some(wall + hour), wall), t0, wall);
         }
         view.clear(t0);
         assert!(view.check(3, 1, t0).is_none(), "the ledger decides again");
-        assert!(view.known_block(3, t0).expect("kept").blocked);
+        let kept = view.known_block(3, t0).expect("kept");
+        assert!(kept.blocked);
+        // The act behind the clear may have lifted it: asked again within a minute.
+        assert_eq!(kept.retry_after, BLOCK_TRUSTED_FOR);
+        // A forget of holds this instance cannot follow keeps it; a listing that reads the block
+        // again keeps it too, stored or not (here not: a forget in its shard since it was read).
+        view.forget(7);
+        assert!(view.known_block(7, t0).is_some(), "a forget of holds");
+        let read = view.generation(8);
+        view.forget(8 + 64);
+        let listed = Listing {
+            view: &blocked_view(Some(wall + hour), wall),
+            read,
+        };
+        view.replace(8, listed, 0, WINDOW, t0, wall);
+        assert!(
+            view.known_block(8, t0).is_some(),
+            "read blocked again, not stored"
+        );
         // Heard of since: a listing that reads it unblocked, a hold the ledger admitted, an
         // operator's act on it here. Each is newer than the block.
         list(&view, 4, &ledger_view(5, &[], wall), t0, wall);
         assert!(view.known_block(4, t0).is_none(), "listed unblocked");
         view.record_hold(5, 5, 1, t0, hour, t0);
         assert!(view.known_block(5, t0).is_none(), "a hold admitted");
-        view.forget(6);
-        assert!(view.known_block(6, t0).is_none(), "forgotten");
+        view.forget_acted_on(6);
+        assert!(
+            view.known_block(6, t0).is_none(),
+            "an operator acted on it here"
+        );
         // A second clear keeps what the first kept, and the bound holds.
         view.clear(t0);
         assert!(view.known_block(3, t0).is_some());
-        assert_eq!(view.blocks_kept_count.load(Ordering::Relaxed), 1);
+        assert_eq!(view.blocks_kept_count.load(Ordering::Relaxed), 3);
         assert!(view.known_block(3, t0 + hour + MARGIN).is_none(), "over");
-        assert_eq!(view.blocks_kept_count.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            view.blocks_kept_count.load(Ordering::Relaxed),
+            2,
+            "3 is gone"
+        );
+        view.clear(t0 + hour + MARGIN);
+        assert_eq!(
+            view.blocks_kept_count.load(Ordering::Relaxed),
+            0,
+            "all over"
+        );
     }
 
     #[test]

@@ -456,7 +456,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Forgets what this instance knew of an account (an operator just changed its credit or
     /// block): its next request asks the ledger.
     pub fn forget_local(&self, account_id: u128) {
-        self.local.forget(account_id);
+        self.local.forget_acted_on(account_id);
     }
 
     /// Forgets everything this instance knew of callers (an operator acted somewhere), but for
@@ -969,18 +969,34 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         deadline: Instant,
         read: Generation,
     ) -> NotAdmitted {
+        let refused = self.refused_if_closed(charge, (deadline, read), true).await;
+        refused.expect("refused whatever the account reads")
+    }
+
+    /// [`Limiter::refused_closed`], or with `just_refused` false (the ledger refused a lease on
+    /// the closed account a while ago, `lease.rs`), `None` when the account now reads open: an
+    /// unblock since, decided per request.
+    async fn refused_if_closed(
+        &self,
+        charge: &Charge<'_>,
+        (deadline, read): (Instant, Generation),
+        just_refused: bool,
+    ) -> Option<NotAdmitted> {
         let view = self.view(charge, deadline).await;
         if let Some(tag) = moved_to(&view) {
-            return NotAdmitted::Moved(tag);
+            return Some(NotAdmitted::Moved(tag));
         }
         let error = match view {
             Err(error) => error,
-            view => return self.limited_by_ledger(charge, view, read).into(),
+            Ok(open) if !just_refused && open.as_ref().is_none_or(|v| v.blocked.is_none()) => {
+                return None;
+            }
+            view => return Some(self.limited_by_ledger(charge, view, read).into()),
         };
         tracing::debug!(%error, "a closed account could not be read; refused for a second");
         let now = self.clock.now();
         if let Some(blocked) = self.known_block_refusal(charge.account.id, now) {
-            return blocked.into();
+            return Some(blocked.into());
         }
         let capacity = charge.account.capacity.get();
         let known = self.local.quota(charge.account.id, capacity, now);
@@ -989,7 +1005,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             reset_after: known.reset_after.max(CLOSED_UNREAD_RETRY),
         };
         let outcome = refused(CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false);
-        (outcome, local).into()
+        Some((outcome, local).into())
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
