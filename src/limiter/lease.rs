@@ -138,6 +138,11 @@ struct CallerLease {
     idle_sweeps: u8,
     /// When a request last found no lease and no renewal ([`CallerLease::demand`]).
     unleased_at: Option<Instant>,
+    /// A renewal found the account closed (a block, or a move away): the next request is refused
+    /// as the ledger refused it, whatever the policy. Why: a renewal ahead runs after its
+    /// request's answer, and its word was lost; the next request, decided per request, failed
+    /// to the policy when its hold failed, and fail-open admitted the blocked caller.
+    closed: bool,
     /// The ledger refused the last lease asked for (credit held elsewhere), or it was refused a
     /// place under a full in-flight bound: no renewal ahead of need until a lease is taken
     /// again, or each admission from the current lease's second half would ask again, a ledger
@@ -348,6 +353,7 @@ impl LeaseBook {
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
                 unleased_at: None,
+                closed: false,
                 handed_over: Vec::new(),
                 refused: false,
             }),
@@ -529,6 +535,15 @@ enum Taken {
     Closed,
 }
 
+/// What waiting for another request's renewal came to.
+enum Waited {
+    /// Ended (whatever it brought): look again.
+    Renewed,
+    PerRequest,
+    /// The renewal at the ledger outlasted the deadline: the failure policy's answer.
+    Failed(Decided),
+}
+
 /// What one look at the caller's lease came to.
 enum Look<'a> {
     Admitted(Decided, LeaseReceipt),
@@ -540,6 +555,8 @@ enum Look<'a> {
     Wait(Pin<Box<Notified<'a>>>, bool),
     /// No lease, and no demand for one yet: decided per request.
     PerRequest,
+    /// A renewal found the account closed ([`CallerLease::closed`]).
+    Closed,
 }
 
 /// `view` with every lease ending when its instance settles it (L after it was placed, plus a
@@ -561,7 +578,12 @@ pub(super) fn settling_soon(
     let settled_within = Duration::from_secs(terms.seconds.get().into()) + SETTLE_TICK;
     for hold in &mut view.holds {
         if let Some(leased_at) = hold.leased_at {
-            let due = (leased_at + settled_within).max(now_wall + settled_within);
+            let due = leased_at + settled_within;
+            let due = if due > now_wall {
+                due
+            } else {
+                now_wall + settled_within
+            };
             hold.expires_at = hold.expires_at.min(due);
         }
     }
@@ -619,10 +641,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                     };
                     return Ok((decided, Some(leased), Some(renewal)));
                 }
+                Look::PerRequest => break,
+                // Unblocked since: per request.
+                Look::Closed => match self.refused_closed_leased(charge, deadline, false).await {
+                    Some(refused) => return refused,
+                    None => break,
+                },
                 // Renewals are boxed: inline, their kilobytes of state would make every lease
                 // admission's future (and its copies) that large. (A decision per request boxes
                 // its own ledger path.)
-                Look::PerRequest => break,
                 Look::Renew(retired) => {
                     match Box::pin(self.renew(&slot, charge.cost, retired, deadline)).await {
                         Ok(Renewed::Leased) => {}
@@ -630,39 +657,55 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         // The ledger's word, whatever the policy: a hold per request that then
                         // failed would have gone to the policy, which admits under fail-open.
                         Ok(Renewed::Closed) => {
-                            return self.refused_closed_leased(charge, deadline).await
+                            let refused = self.refused_closed_leased(charge, deadline, true);
+                            return refused.await.expect("refused whatever the account reads");
                         }
                         Err(error) => return Ok((self.failed(error, charge), None, None)),
                     }
                 }
                 Look::Wait(renewed, running) => {
-                    self.leases.count_wait(charge.plan_id);
-                    // A renewal at the ledger is waited for until the deadline: it brings the
-                    // lease sooner than a hold of this request's own would land. One not started
-                    // (a renewal ahead its request holds unrun: a library user's, run after a
-                    // slow handler) half the time left at most, then decided per request with
-                    // the rest: every request waiting on it went to the failure policy.
-                    let now = self.clock.now();
-                    let waited_until = match running {
-                        true => deadline,
-                        false => now + deadline.saturating_duration_since(now) / 2,
-                    };
-                    let timed_out = tokio::time::timeout_at(waited_until.into(), renewed)
+                    match self
+                        .wait_for_renewal(charge, (renewed, running), deadline)
                         .await
-                        .is_err();
-                    match (timed_out, running) {
-                        (false, _) => {}
-                        (true, false) => break,
-                        (true, true) => {
-                            let operation = crate::ledger::metrics::Operation::CreateTransfers;
-                            let failed = self.failed(LedgerError::Timeout { operation }, charge);
-                            return Ok((failed, None, None));
-                        }
+                    {
+                        Waited::Renewed => {}
+                        Waited::PerRequest => break,
+                        Waited::Failed(failed) => return Ok((failed, None, None)),
                     }
                 }
             }
         }
         self.decide_per_request_counted(charge, at).await
+    }
+
+    /// Waits for another request's renewal. One at the ledger (`running`) is waited for until
+    /// the deadline: it brings the lease sooner than a hold of this request's own would land.
+    /// One not started (a renewal ahead its request holds unrun: a library user's, run after a
+    /// slow handler) half the time left at most, then decided per request with the rest: every
+    /// request waiting on it went to the failure policy.
+    async fn wait_for_renewal(
+        &self,
+        charge: &Charge<'_>,
+        (renewed, running): (Pin<Box<Notified<'_>>>, bool),
+        deadline: Instant,
+    ) -> Waited {
+        self.leases.count_wait(charge.plan_id);
+        let now = self.clock.now();
+        let waited_until = match running {
+            true => deadline,
+            false => now + deadline.saturating_duration_since(now) / 2,
+        };
+        let timed_out = tokio::time::timeout_at(waited_until.into(), renewed)
+            .await
+            .is_err();
+        match (timed_out, running) {
+            (false, _) => Waited::Renewed,
+            (true, false) => Waited::PerRequest,
+            (true, true) => {
+                let operation = crate::ledger::metrics::Operation::CreateTransfers;
+                Waited::Failed(self.failed(LedgerError::Timeout { operation }, charge))
+            }
+        }
     }
 
     /// [`Limiter::decide_leased`]'s first look, without waiting: admits `cost` from the caller's
@@ -730,6 +773,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// One look at the caller's lease, under its lock (never held across a ledger call).
     fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
         let mut caller = slot.lock();
+        if std::mem::take(&mut caller.closed) {
+            return Look::Closed;
+        }
         // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
         let now = self.clock.now();
         match self.admit_locked(&mut caller, cost, now) {
@@ -750,19 +796,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Look::Renew(caller.lease.take())
     }
 
-    /// The ledger refused a lease on `charge`'s closed account: refused as a hold per request
-    /// is ([`Limiter::refused_closed`]). Why not per request after it: a hold that then failed
-    /// (the third call in one deadline) went to the failure policy, which admits under fail-open
-    /// a caller the ledger has just said is blocked, and the view does not know yet.
+    /// The ledger refused a lease on `charge`'s closed account (`just_refused`: for this
+    /// request; else a renewal ahead did, [`CallerLease::closed`]): refused as a hold per request
+    /// is ([`Limiter::refused_closed`]); `None` if the account reads open now, and `just_refused`
+    /// is false (unblocked since). Why not per request after it: a hold that then failed went to
+    /// the failure policy, which admits under fail-open a caller the ledger has said is blocked,
+    /// and the view does not know yet.
     async fn refused_closed_leased(
         &self,
         charge: &Charge<'_>,
         deadline: Instant,
-    ) -> Result<Reached, u64> {
+        just_refused: bool,
+    ) -> Option<Result<Reached, u64>> {
         let read = self.local.generation(charge.account.id);
-        match Box::pin(self.refused_closed(charge, deadline, read)).await {
-            NotAdmitted::Refused(outcome, local) => Ok(((outcome, local, None), None, None)),
-            NotAdmitted::Moved(tag) => Err(tag),
+        let refused = self.refused_if_closed(charge, (deadline, read), just_refused);
+        match Box::pin(refused).await? {
+            NotAdmitted::Refused(outcome, local) => Some(Ok(((outcome, local, None), None, None))),
+            NotAdmitted::Moved(tag) => Some(Err(tag)),
         }
     }
 
@@ -925,6 +975,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 return Ok(Taken::NoLease);
             }
             HoldReply::Blocked => {
+                slot.lock().closed = true;
                 self.retire_closed(slot, holder, deadline).await;
                 return Ok(Taken::Closed);
             }

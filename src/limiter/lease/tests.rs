@@ -501,29 +501,69 @@ fn as_the_middleware(
     decision.outcome
 }
 
+/// The invariant at `at`: the ledger holds at least the units admitted in the last window.
+fn invariant(
+    store: &ModelStore,
+    at: Instant,
+    admitted: &[(Instant, u64)],
+) -> Result<(), TestCaseError> {
+    let due: u64 = (admitted.iter())
+        .filter(|(t, _)| *t + WINDOW > at)
+        .map(|(_, c)| c)
+        .sum();
+    let held = store.model.lock().unwrap().held(at);
+    prop_assert!(
+        held >= due,
+        "held {held} < admitted in the last window {due}"
+    );
+    Ok(())
+}
+
+/// When the model's pendings expire from now until `to`, in order.
+fn expiries_until(store: &ModelStore, to: Instant) -> Vec<Instant> {
+    let now = store.clock.now();
+    let model = store.model.lock().unwrap();
+    let mut expiries: Vec<Instant> = (model.pendings.values())
+        .map(|p| p.1)
+        .filter(|e| *e > now && *e <= to)
+        .collect();
+    expiries.sort();
+    expiries
+}
+
+/// Two requests of `costs` decided together (joined) on `instances`: the costs admitted.
+fn together(
+    runtime: &tokio::runtime::Runtime,
+    instances: (&Instance, &Instance),
+    key: &CallerKey,
+    costs: (u64, u64),
+) -> Vec<u64> {
+    let (one, two) = runtime.block_on(async {
+        let one = instances.0.check(key, NonZeroU64::new(costs.0).unwrap());
+        let two = instances.1.check(key, NonZeroU64::new(costs.1).unwrap());
+        tokio::join!(one, two)
+    });
+    [(one, costs.0), (two, costs.1)]
+        .into_iter()
+        .filter(|(decision, _)| decision.as_ref().unwrap().outcome == Outcome::Admitted)
+        .map(|(_, cost)| cost)
+        .collect()
+}
+
 /// Runs `events`; checks the invariant at each event and at every expiry in between.
 fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
     let (runtime, store) = runtime_and_store();
     store.model.lock().unwrap().yields = true;
     let clock = store.clock.clone();
     // The second instance as in service: a caller's lease waits for its demand to be seen.
-    let gated = || gated_instance(&store, FailurePolicy::Closed, Duration::from_millis(500));
-    let mut instances = [instance(&store), gated()];
+    let instance_of = |i: usize| match i {
+        0 => instance(&store),
+        _ => gated_instance(&store, FailurePolicy::Closed, Duration::from_millis(500)),
+    };
+    let mut instances = [instance_of(0), instance_of(1)];
     let key = hot_key();
     let mut admitted: Vec<(Instant, u64)> = Vec::new();
-    let check = |at: Instant, admitted: &[(Instant, u64)]| -> Result<(), TestCaseError> {
-        let due: u64 = admitted
-            .iter()
-            .filter(|(t, _)| *t + WINDOW > at)
-            .map(|(_, c)| c)
-            .sum();
-        let held = store.model.lock().unwrap().held(at);
-        prop_assert!(
-            held >= due,
-            "held {held} < admitted in the last window {due}"
-        );
-        Ok(())
-    };
+    let check = |at: Instant, admitted: &[(Instant, u64)]| invariant(&store, at, admitted);
     for event in events {
         match event {
             Event::Request { instance, cost } => {
@@ -546,30 +586,14 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
                 instances: (a, b),
                 costs,
             } => {
-                let (one, two) = (NonZeroU64::new(costs.0), NonZeroU64::new(costs.1));
-                let (one, two) = runtime.block_on(async {
-                    let one = instances[*a].check(&key, one.unwrap());
-                    let two = instances[*b].check(&key, two.unwrap());
-                    tokio::join!(one, two)
-                });
-                for (decision, cost) in [(one, costs.0), (two, costs.1)] {
-                    if decision.unwrap().outcome == Outcome::Admitted {
-                        admitted.push((clock.now(), cost));
-                    }
+                let pair = (&instances[*a], &instances[*b]);
+                for cost in together(&runtime, pair, &key, *costs) {
+                    admitted.push((clock.now(), cost));
                 }
             }
             Event::Advance { ms } => {
                 let to = clock.now() + Duration::from_millis(*ms);
-                let model = store.model.lock().unwrap();
-                let mut expiries: Vec<Instant> = model
-                    .pendings
-                    .values()
-                    .map(|p| p.1)
-                    .filter(|e| *e > clock.now() && *e <= to)
-                    .collect();
-                drop(model);
-                expiries.sort();
-                for at in expiries {
+                for at in expiries_until(&store, to) {
                     check(at, &admitted)?;
                 }
                 clock.advance_to(to);
@@ -577,8 +601,7 @@ fn run(events: &[Event]) -> Result<(u64, Model), TestCaseError> {
             Event::Sweep { instance } => {
                 runtime.block_on(instances[*instance].settle_due_leases());
             }
-            Event::Kill { instance: 0 } => instances[0] = self::instance(&store),
-            Event::Kill { instance } => instances[*instance] = gated(),
+            Event::Kill { instance } => instances[*instance] = instance_of(*instance),
             Event::Fault(fault) => store.next_call(*fault),
             Event::LeaseLatency { ms } => {
                 store.model.lock().unwrap().lease_latency = Duration::from_millis(*ms);
@@ -719,6 +742,49 @@ fn a_lease_refused_on_a_closed_account_is_refused_under_fail_open() {
     );
 }
 
+/// A hot caller as in service (its lease taken once its demand was seen), blocked: the renewal
+/// ahead that finds the account closed runs after its request's answer, and its word is kept for
+/// the next request, however late: decided per request instead (no demand seen within L), its
+/// hold failed and fail-open admitted the blocked caller. Unblocked meanwhile, it is decided per
+/// request, not refused.
+#[test]
+fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
+    for unblocked in [false, true] {
+        let (runtime, store) = runtime_and_store();
+        let timeout = Duration::from_millis(500);
+        let limiter = gated_instance(&store, FailurePolicy::Open, timeout);
+        let key = hot_key();
+        let one = NonZeroU64::MIN;
+        runtime.block_on(limiter.check(&key, one)).unwrap(); // per request
+        let leased = runtime.block_on(limiter.check(&key, one)).unwrap();
+        assert!(leased.leased.is_some(), "its demand seen: a lease");
+        store.model.lock().unwrap().blocked = true;
+        // From the lease until the renewal ahead (at half its units) finds the account closed.
+        for _ in 0..3 {
+            let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
+            assert!(decision.leased.is_some());
+        }
+        store.past_l();
+        store.past_l();
+        {
+            let mut model = store.model.lock().unwrap();
+            model.holds_time_out = true;
+            model.blocked = !unblocked;
+        }
+        let next = runtime.block_on(limiter.check(&key, one)).unwrap();
+        let blocked = matches!(next.outcome, Outcome::Blocked { .. });
+        assert_eq!(blocked, !unblocked, "{:?}", next.outcome);
+        if unblocked {
+            // Per request, its hold timed out: the policy's answer, not a refusal.
+            assert!(
+                matches!(next.outcome, Outcome::FailedOpen(_)),
+                "{:?}",
+                next.outcome
+            );
+        }
+    }
+}
+
 /// Once this instance has read a caller's block, its requests are refused from memory: on a
 /// lease plan, each first tried a lease (a ledger write, refused `Blocked`) before the view's 403,
 /// so a blocked caller drove a write per request where a per-request plan's drives none.
@@ -818,12 +884,13 @@ fn requests(instance: usize, count: usize) -> Vec<Event> {
 #[test]
 fn a_hot_caller_is_admitted_from_leases() {
     // 4 requests per second, half the plan's rate, on one instance for 12 s: all admitted, and
-    // most from leases in memory.
+    // most from leases in memory. On the instance as in service (its first lease once the
+    // caller's demand is seen).
     let mut events = Vec::new();
     for _ in 0..48 {
-        events.extend(requests(0, 1));
+        events.extend(requests(1, 1));
         events.push(Event::Advance { ms: 250 });
-        events.push(Event::Sweep { instance: 0 });
+        events.push(Event::Sweep { instance: 1 });
     }
     let (admitted, model) = run(&events).unwrap();
     let transfers = model.pendings.len() as u64;
@@ -1173,6 +1240,10 @@ fn leases_end_at_their_settlement_for_retry_after() {
         expiries(&soon),
         [(20, settled_at), (4, placed + Duration::from_millis(1_500))]
     );
+    // Listed while its settlement is still to come: that is when it ends, not L from the listing.
+    let meanwhile =
+        super::settling_soon(view.clone(), terms, settled_at - Duration::from_millis(1));
+    assert_eq!(expiries(&meanwhile), expiries(&soon));
     assert!(settled_at < placed + lease_timeout);
     // Listed after its settlement was due (its instance died): another L and a sweep from the
     // listing, not forgotten at once.
