@@ -455,7 +455,8 @@ async fn a_call_whose_body_never_ends_is_ended_in_time() {
     assert_eq!(status.code(), tonic::Code::Cancelled, "{status:?}");
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_millis(500) && took < Duration::from_millis(500 + 1_000 + 700),
+        took >= Duration::from_millis(500 + 1_000)
+            && took < Duration::from_millis(500 + 1_000 + 700),
         "took {took:?}"
     );
 }
@@ -986,14 +987,22 @@ fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
         );
     }
     // A request without a key is limited too (by its address): an entry of `request_headers`
-    // alone makes no descriptor when the header is absent.
+    // alone makes no descriptor when the header is absent. The keyless entry is sent only when
+    // the key's header is absent (a keyed caller limited per address too shared its budget),
+    // and the address is the connection's (else the client picks it in X-Forwarded-For).
+    let key_header = rate_limits[0]["actions"][0]["request_headers"]["header_name"].clone();
+    let absent = |action: &Value| {
+        let matched = &action["header_value_match"];
+        matched["expect_match"].as_bool() == Some(false)
+            && matched["headers"][0]["name"] == key_header
+            && matched["headers"][0]["present_match"].as_bool() == Some(true)
+    };
     let keyless = rate_limits.iter().any(|limit| {
         let actions = limit["actions"].as_sequence().unwrap();
-        actions
-            .iter()
-            .all(|action| action.get("request_headers").is_none())
+        absent(&actions[0]) && actions.iter().any(|a| a.get("remote_address").is_some())
     });
     assert!(keyless, "a request without X-Api-Key would go unlimited");
+    assert_eq!(manager["use_remote_address"].as_bool(), Some(true));
 }
 
 /// The descriptor entry an Envoy rate-limit action makes (a sample value where Envoy supplies

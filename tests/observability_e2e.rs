@@ -241,8 +241,17 @@ async fn assert_every_panel_has_data(http: &reqwest::Client, prometheus_port: u1
             }
         }
         // Each selector with its matchers: a misspelt label or value is no series (every
-        // decision, source and plan is exported at 0 from the start).
+        // decision, source and plan is exported at 0 from the start); and each label it names,
+        // alone (a negative matcher on a label no series has matches every series).
         for selector in selectors(&expr) {
+            let name = &selector[..selector.find('{').unwrap()];
+            for label in matcher_labels(&selector) {
+                let query = [("query", format!("count({name}{{{label}!=\"\"}})"))];
+                let data = prometheus_query(http, prometheus_port, "/api/v1/query", &query).await;
+                if data["result"].as_array().unwrap().is_empty() {
+                    missing.insert(format!("{panel:?}: {name} has no label {label}"));
+                }
+            }
             // The demo configures no concurrency limit: a selector of those plans alone has no
             // series; its prefix is checked against the code's instead.
             let prefix = ledger_limiter::limiter::metrics::CONCURRENCY_PLAN_PREFIX;
@@ -260,6 +269,19 @@ async fn assert_every_panel_has_data(http: &reqwest::Client, prometheus_port: u1
         }
     }
     assert!(missing.is_empty(), "no series: {missing:#?}");
+}
+
+/// The labels a selector's matchers name (`plan` and `decision` of
+/// `x{plan!~"a.*",decision="b"}`).
+fn matcher_labels(selector: &str) -> Vec<String> {
+    let inside = &selector[selector.find('{').unwrap() + 1..selector.len() - 1];
+    let label_end = |m: &str| m.find(['=', '!', '~']).unwrap_or(m.len());
+    inside
+        .split(',')
+        .map(|m| m.trim())
+        .filter(|m| !m.is_empty())
+        .map(|m| m[..label_end(m)].trim().to_owned())
+        .collect()
 }
 
 /// The selectors with matchers an expression reads (`name{label="value",...}`).
@@ -369,6 +391,8 @@ async fn assert_exemplar_traces_exported(
         );
         assert_eq!(span.kind, "SPAN_KIND_SERVER");
         assert_eq!(span.name, "GET /greeting", "{span:?}");
+        // k6 sends no traceparent: the server span is its trace's root, which Tempo shows.
+        assert_eq!(span.parent_span_id, "", "{span:?}");
     }
 }
 

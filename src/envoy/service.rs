@@ -629,12 +629,15 @@ impl RateLimitService for RateLimitServer {
 }
 
 /// What an answer needs to reach Envoy once decided, taken off its `grpc-timeout` (a fifth of
-/// it at most).
-const ANSWER_MARGIN_MAX: Duration = Duration::from_millis(5);
+/// it at most): the call's decoding before the deadline is set, the timer's millisecond, the
+/// answer's way back.
+const ANSWER_MARGIN_MAX: Duration = Duration::from_millis(10);
 
 /// A `grpc-timeout` value (gRPC over HTTP/2: 1 to 8 digits, then `H`, `M`, `S`, `m`, `u` or
-/// `n`); `None` when malformed, which tonic refuses anyway.
+/// `n`; a leading `+`, which tonic's own parse takes too); `None` when malformed, which tonic
+/// ignores too (no timeout).
 fn grpc_timeout(text: &[u8]) -> Option<Duration> {
+    let text = text.strip_prefix(b"+").unwrap_or(text);
     let (unit, digits) = text.split_last()?;
     if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
@@ -935,8 +938,10 @@ mod tests {
     #[test]
     fn a_grpc_timeout_is_read_as_grpc_writes_it() {
         let ms = Duration::from_millis;
-        let cases: [(&[u8], Option<Duration>); 11] = [
+        let cases: [(&[u8], Option<Duration>); 13] = [
             (b"20m", Some(ms(20))),
+            (b"+5m", Some(ms(5))),
+            (b"++5m", None),
             (b"1S", Some(ms(1_000))),
             (b"2M", Some(ms(120_000))),
             (b"1H", Some(ms(3_600_000))),

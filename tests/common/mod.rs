@@ -327,14 +327,14 @@ impl TestCluster {
         self.dir.path().join(format!("replica-{replica}.log"))
     }
 
-    /// What a replica last logged of its VSR status since it (re)started: `(normal, view,
-    /// primary)`. TigerBeetle logs every transition at info level, e.g.
-    /// `info(replica): 2N: transition_to_normal_from_view_change_status: view=1..2 primary`.
     /// The view `replica` last moved to, from its log.
     pub fn view(&self, replica: usize) -> Option<u64> {
         self.status(replica).map(|(_, view, _)| view)
     }
 
+    /// What a replica last logged of its VSR status since it (re)started: `(normal, view,
+    /// primary)`. TigerBeetle logs every transition at info level, e.g.
+    /// `info(replica): 2N: transition_to_normal_from_view_change_status: view=1..2 primary`.
     fn status(&self, replica: usize) -> Option<(bool, u64, bool)> {
         let log = self.log_since_restart(replica)?;
         let line = log.lines().rfind(|l| l.contains(" transition_to_"))?;
