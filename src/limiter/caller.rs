@@ -140,7 +140,8 @@ impl CallerKey {
         &self.secret
     }
 
-    /// A short, non-reversible identifier for logs and traces.
+    /// A short one-way identifier for logs and traces (a guessable key can still be found by
+    /// hashing candidates: README, "Observability").
     pub fn key_id(&self) -> KeyId {
         let digest = Sha256::digest(self.secret.as_bytes());
         let mut id = [0u8; 8];
