@@ -33,7 +33,7 @@ use crate::ledger::model::{
 };
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
 use crate::limiter::caller::CallerKey;
-use crate::limiter::Limiter;
+use crate::limiter::{BlockAct, Limiter};
 
 pub use crate::ledger::model::REASON_LENGTH_MAX;
 /// No single adjustment may move more than this much credit.
@@ -502,9 +502,10 @@ fn unavailable(error: &LedgerError) -> HttpResponse {
 }
 
 /// The account's audit after a change (200), or 200 without a body if it cannot be read now.
-async fn changed(state: &AdminState, id: u128, deadline: Instant) -> HttpResponse {
+/// `act`: what the change did to the caller's block.
+async fn changed(state: &AdminState, id: u128, act: BlockAct, deadline: Instant) -> HttpResponse {
     // This instance forgets what it knew; the others when they read the operator epoch (1 s).
-    state.limiter.forget_local(id);
+    state.limiter.forget_acted_on(id, act);
     // The action may have spent its deadline: the audit that answers it has time of its own.
     let deadline = crate::ledger::follow_up_deadline(deadline);
     match state.limiter.ledger().audit_caller(id, deadline).await {
@@ -601,7 +602,7 @@ async fn adjust(
                 (false, true) => "credit top-up retried: applied before, nothing changed",
             };
             tracing::info!(account_id = %format_args!("{id:032x}"), amount, secret = who, reason = %body.reason, "{action}");
-            Ok(changed(state, id, deadline).await)
+            Ok(changed(state, id, BlockAct::Unchanged, deadline).await)
         }
         Ok(other) => Ok(adjusted_problem(other)),
         Err(error) => Ok(unavailable(&error)),
@@ -653,7 +654,8 @@ async fn block(
             match ledger.block(id, body.seconds, actor, deadline).await {
                 Ok(Blocking::Done { .. }) => {
                     tracing::info!(account_id = %format_args!("{id:032x}"), seconds = body.seconds, secret = who, reason = %body.reason, "caller blocked");
-                    changed(&state, id, deadline).await
+                    let until = Instant::now() + Duration::from_secs(body.seconds.into());
+                    changed(&state, id, BlockAct::Blocked(until), deadline).await
                 }
                 Ok(Blocking::AlreadyBlocked) => {
                     state.limiter.forget_local(id);
@@ -685,11 +687,11 @@ async fn unblock(
     match state.limiter.ledger().unblock(id, actor, deadline).await {
         Ok(Unblocking::Done) => {
             tracing::info!(account_id = %format_args!("{id:032x}"), secret = who, reason = %reason, "caller unblocked");
-            changed(&state, id, deadline).await
+            changed(&state, id, BlockAct::Lifted, deadline).await
         }
         Ok(Unblocking::NotBlocked) => {
             // A retry of an unblock that was done: this instance forgets the block too.
-            state.limiter.forget_local(id);
+            state.limiter.forget_acted_on(id, BlockAct::Lifted);
             conflict(Conflict::NotBlocked, "the caller is not blocked")
         }
         Ok(Unblocking::Moved) => conflict(Conflict::Moved, MOVED),

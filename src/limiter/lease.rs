@@ -52,6 +52,9 @@ pub const LEASE_CALLERS_MAX: usize = 16_384;
 pub const LEASE_UNITS_FIRST: u64 = 8;
 /// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
 pub const SETTLE_TICK: Duration = Duration::from_millis(100);
+/// How long past its due time a lease listed is still taken to be settling ([`settling_soon`]):
+/// its sweep, and a slow round trip; later, its instance is taken to be gone.
+const SETTLE_LATE_GRACE: Duration = Duration::from_millis(500);
 /// The least time a settle of every lease gets, whatever `ledger.timeout_ms`: up to 65 batches.
 const SETTLE_ALL_TIME_MIN: Duration = Duration::from_secs(1);
 /// Leases settled at once by one sweep, so a sweep's ledger calls stay bounded.
@@ -474,9 +477,11 @@ impl LeaseBook {
                 caller.idle_sweeps += 1;
                 // Only the book holds it (checked under the shard lock, where `slot` clones
                 // it): no request is about to use a forgotten caller.
+                // A closed account's word is kept for the caller's next request, however late.
                 caller.idle_sweeps < 2
                     || Arc::strong_count(slot) > 1
                     || !caller.handed_over.is_empty()
+                    || caller.closed
             }
         }
     }
@@ -581,6 +586,9 @@ pub(super) fn settling_soon(
             let due = leased_at + settled_within;
             let due = if due > now_wall {
                 due
+            } else if now_wall < due + SETTLE_LATE_GRACE {
+                // Just due: its settlement is on its way, a sweep and a round trip.
+                now_wall + SETTLE_TICK
             } else {
                 now_wall + settled_within
             };

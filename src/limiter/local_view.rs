@@ -54,6 +54,17 @@ const VERIFIED_FILTER_WORDS: usize = VERIFIED_FILTER_BITS / 64;
 /// Blocks a clear keeps for the failure policy ([`LocalView::clear`]); more are not kept.
 pub const BLOCKS_KEPT_MAX: usize = 4096;
 
+/// What an operator's act here did to a caller's block ([`LocalView::forget_acted_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockAct {
+    /// A top-up, a reduction, a retried block: whatever block there was stands.
+    Unchanged,
+    /// Blocked until then.
+    Blocked(Instant),
+    /// Unblocked.
+    Lifted,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct LocalHold {
     amount: u64,
@@ -374,7 +385,15 @@ impl LocalView {
             if let Some(holds) = shard.get_mut(&account_id) {
                 holds.prune(now);
                 let until = holds.blocked_until.filter(|until| *until > now)?;
-                return Some(holds.block_limit(until, now));
+                // Read over a minute ago, perhaps lifted since: come back within a minute.
+                let trusted = holds
+                    .listed_at
+                    .is_some_and(|at| now < at + BLOCK_TRUSTED_FOR);
+                let told_until = match trusted {
+                    true => until,
+                    false => until.min(now + BLOCK_TRUSTED_FOR),
+                };
+                return Some(holds.block_limit(told_until, now));
             }
         }
         if self.blocks_kept_count.load(Ordering::Relaxed) == 0 {
@@ -433,12 +452,30 @@ impl LocalView {
         shard.remove(&account_id);
     }
 
-    /// [`LocalView::forget`] for an operator's act on the caller here (its block may be lifted):
-    /// a block kept past a clear goes too. (Other forgets, of holds this instance cannot follow,
-    /// keep it: the failure policy must not admit a blocked caller for them.)
-    pub fn forget_acted_on(&self, account_id: u128) {
-        self.forget(account_id);
-        self.heard_of(account_id);
+    /// [`LocalView::forget`] for an operator's act on the caller here. What it did to a block
+    /// decides what the failure policy keeps: none once lifted; the new one, until its end; the
+    /// one read, if any, when the act left it alone (a top-up of a blocked caller). (Other
+    /// forgets, of holds this instance cannot follow, keep a kept block too.)
+    pub fn forget_acted_on(&self, account_id: u128, act: BlockAct, now: Instant) {
+        let read = {
+            let mut shard = self.shard(account_id);
+            self.changed(account_id);
+            let removed = shard.remove(&account_id);
+            removed.and_then(|holds| holds.blocked_until.filter(|until| *until > now))
+        };
+        let until = match act {
+            BlockAct::Lifted => return self.heard_of(account_id),
+            BlockAct::Blocked(until) => until,
+            BlockAct::Unchanged => match read {
+                Some(until) => until,
+                None => return,
+            },
+        };
+        let mut kept = lock(&self.blocks_kept);
+        if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(&account_id) {
+            kept.insert(account_id, until);
+        }
+        self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
     }
 
     /// Forgets every caller (an operator acted somewhere: any credit or block may have changed),
@@ -489,7 +526,20 @@ impl LocalView {
             amount,
             expires_at: answered_at + timeout + self.expiry_margin,
         };
+        let quota = self.record_hold_in_shard(account_id, credit, hold, answered_at, now);
+        // After the shard: a clear between the two then finds the caller unblocked there.
         self.heard_of(account_id);
+        quota
+    }
+
+    fn record_hold_in_shard(
+        &self,
+        account_id: u128,
+        credit: u64,
+        hold: LocalHold,
+        answered_at: Instant,
+        now: Instant,
+    ) -> LocalQuota {
         let mut shard = self.shard(account_id);
         let holds = match shard.entry(account_id) {
             Entry::Occupied(e) => e.into_mut(),
@@ -510,6 +560,9 @@ impl LocalView {
         let listed = holds.listed_at.is_some_and(|at| answered_at <= at);
         if !listed {
             holds.push(hold);
+            // Admitted after the block was read: lifted since (kept, a later clear would keep
+            // it, and an outage refuse the caller on a stale word).
+            holds.blocked_until = None;
         }
         holds.quota(now)
     }
@@ -1067,11 +1120,8 @@ mod tests {
         assert!(view.known_block(4, t0).is_none(), "listed unblocked");
         view.record_hold(5, 5, 1, t0, hour, t0);
         assert!(view.known_block(5, t0).is_none(), "a hold admitted");
-        view.forget_acted_on(6);
-        assert!(
-            view.known_block(6, t0).is_none(),
-            "an operator acted on it here"
-        );
+        view.forget_acted_on(6, BlockAct::Lifted, t0);
+        assert!(view.known_block(6, t0).is_none(), "unblocked here");
         // A second clear keeps what the first kept, and the bound holds.
         view.clear(t0);
         assert!(view.known_block(3, t0).is_some());
@@ -1088,6 +1138,39 @@ mod tests {
             0,
             "all over"
         );
+    }
+
+    /// An operator's act here tells the failure policy what became of the caller's block: a top-up
+    /// leaves the block read, a block made here stands at once (the ledger unread), an unblock
+    /// ends it. A kept block the shard has newer word of (unblocked: a race of a hold admitted
+    /// with a clear) is not kept again by the next clear.
+    #[test]
+    fn an_operators_act_here_says_what_became_of_the_block() {
+        let view = LocalView::new(100, MARGIN);
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let hour = Duration::from_secs(3600);
+        list(&view, 3, &blocked_view(Some(wall + hour), wall), t0, wall);
+        view.forget_acted_on(3, BlockAct::Unchanged, t0);
+        assert!(view.check(3, 1, t0).is_none(), "the ledger decides again");
+        assert!(
+            view.known_block(3, t0).is_some(),
+            "a top-up of a blocked caller"
+        );
+        view.forget_acted_on(4, BlockAct::Blocked(t0 + hour), t0);
+        assert!(view.known_block(4, t0).is_some(), "blocked here, unread");
+        view.forget_acted_on(4, BlockAct::Lifted, t0);
+        assert!(view.known_block(4, t0).is_none(), "unblocked here");
+        view.forget_acted_on(5, BlockAct::Unchanged, t0);
+        assert!(view.known_block(5, t0).is_none(), "no block read");
+        list(&view, 6, &ledger_view(5, &[], wall), t0, wall);
+        view.blocks_kept.lock().unwrap().insert(6, t0 + hour);
+        view.clear(t0);
+        assert!(
+            view.known_block(6, t0).is_none(),
+            "the shard's word was newer"
+        );
+        assert!(view.known_block(3, t0).is_some());
     }
 
     #[test]

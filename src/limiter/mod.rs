@@ -34,6 +34,7 @@ use crate::telemetry::span::fields;
 use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
 pub use lease::RenewalAhead;
+pub use local_view::BlockAct;
 use local_view::{Generation, Listing, LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
 pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
@@ -456,7 +457,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Forgets what this instance knew of an account (an operator just changed its credit or
     /// block): its next request asks the ledger.
     pub fn forget_local(&self, account_id: u128) {
-        self.local.forget_acted_on(account_id);
+        self.forget_acted_on(account_id, BlockAct::Unchanged);
+    }
+
+    /// [`Limiter::forget_local`] after an operator's act here that did `act` to the caller's
+    /// block: the failure policy keeps refusing a caller blocked (a block just made included),
+    /// and stops once unblocked.
+    pub fn forget_acted_on(&self, account_id: u128, act: BlockAct) {
+        let now = self.clock.now();
+        self.local.forget_acted_on(account_id, act, now);
     }
 
     /// Forgets everything this instance knew of callers (an operator acted somewhere), but for

@@ -764,8 +764,18 @@ fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
             let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
             assert!(decision.leased.is_some());
         }
-        store.past_l();
-        store.past_l();
+        assert_eq!(
+            store.model.lock().unwrap().lease_calls,
+            2,
+            "the renewal ran"
+        );
+        // Idle past L, and past the sweeps that forget a caller without a lease.
+        for _ in 0..2 {
+            store.past_l();
+            for _ in 0..3 {
+                runtime.block_on(limiter.settle_due_leases());
+            }
+        }
         {
             let mut model = store.model.lock().unwrap();
             model.holds_time_out = true;
@@ -1245,8 +1255,12 @@ fn leases_end_at_their_settlement_for_retry_after() {
         super::settling_soon(view.clone(), terms, settled_at - Duration::from_millis(1));
     assert_eq!(expiries(&meanwhile), expiries(&soon));
     assert!(settled_at < placed + lease_timeout);
-    // Listed after its settlement was due (its instance died): another L and a sweep from the
-    // listing, not forgotten at once.
+    // Listed just after it was due: its settlement is on its way, a tick at most.
+    let just = settled_at + Duration::from_millis(1);
+    let just_due = super::settling_soon(view.clone(), terms, just);
+    assert_eq!(expiries(&just_due)[0], (20, just + super::SETTLE_TICK));
+    // Listed well after its settlement was due (its instance died): another L and a sweep from
+    // the listing, not forgotten at once.
     let late = settled_at + Duration::from_secs(1);
     let overdue = super::settling_soon(view, terms, late);
     assert_eq!(
