@@ -602,7 +602,13 @@ async fn adjust(
                 (false, true) => "credit top-up retried: applied before, nothing changed",
             };
             tracing::info!(account_id = %format_args!("{id:032x}"), amount, secret = who, reason = %body.reason, "{action}");
-            Ok(changed(state, id, BlockAct::Unchanged, deadline).await)
+            // Done: the ledger took a transfer on the account, so it is open (a closed one
+            // refuses it, `Adjusted::Blocked`). A retry's proves nothing now.
+            let act = match done {
+                Adjusted::Done => BlockAct::Lifted,
+                _ => BlockAct::Unchanged,
+            };
+            Ok(changed(state, id, act, deadline).await)
         }
         Ok(other) => Ok(adjusted_problem(other)),
         Err(error) => Ok(unavailable(&error)),

@@ -52,6 +52,10 @@ pub const LEASE_CALLERS_MAX: usize = 16_384;
 pub const LEASE_UNITS_FIRST: u64 = 8;
 /// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
 pub const SETTLE_TICK: Duration = Duration::from_millis(100);
+/// How long a renewal's word that the account is closed waits for the caller's next request
+/// ([`CallerLease::closed_at`]); by then the local view has read the block, or the caller is
+/// long gone (a moved caller never comes back to this account).
+const CLOSED_WORD_KEPT: Duration = Duration::from_secs(60);
 /// How long past its due time a lease listed is still taken to be settling ([`settling_soon`]):
 /// its sweep, and a slow round trip; later, its instance is taken to be gone.
 const SETTLE_LATE_GRACE: Duration = Duration::from_millis(500);
@@ -141,11 +145,12 @@ struct CallerLease {
     idle_sweeps: u8,
     /// When a request last found no lease and no renewal ([`CallerLease::demand`]).
     unleased_at: Option<Instant>,
-    /// A renewal found the account closed (a block, or a move away): the next request is refused
-    /// as the ledger refused it, whatever the policy. Why: a renewal ahead runs after its
-    /// request's answer, and its word was lost; the next request, decided per request, failed
-    /// to the policy when its hold failed, and fail-open admitted the blocked caller.
-    closed: bool,
+    /// When a renewal found the account closed (a block, or a move away): the next request
+    /// within [`CLOSED_WORD_KEPT`] is refused as the ledger refused it, whatever the policy.
+    /// Why: a renewal ahead runs after its request's answer, and its word was lost; the next
+    /// request, decided per request, failed to the policy when its hold failed, and fail-open
+    /// admitted the blocked caller.
+    closed_at: Option<Instant>,
     /// The ledger refused the last lease asked for (credit held elsewhere), or it was refused a
     /// place under a full in-flight bound: no renewal ahead of need until a lease is taken
     /// again, or each admission from the current lease's second half would ask again, a ledger
@@ -356,7 +361,7 @@ impl LeaseBook {
                 next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
                 idle_sweeps: 0,
                 unleased_at: None,
-                closed: false,
+                closed_at: None,
                 handed_over: Vec::new(),
                 refused: false,
             }),
@@ -477,11 +482,14 @@ impl LeaseBook {
                 caller.idle_sweeps += 1;
                 // Only the book holds it (checked under the shard lock, where `slot` clones
                 // it): no request is about to use a forgotten caller.
-                // A closed account's word is kept for the caller's next request, however late.
+                // A closed account's word is kept for the caller's next request, a while.
+                let closed = caller
+                    .closed_at
+                    .is_some_and(|at| now < at + CLOSED_WORD_KEPT);
                 caller.idle_sweeps < 2
                     || Arc::strong_count(slot) > 1
                     || !caller.handed_over.is_empty()
-                    || caller.closed
+                    || closed
             }
         }
     }
@@ -560,7 +568,7 @@ enum Look<'a> {
     Wait(Pin<Box<Notified<'a>>>, bool),
     /// No lease, and no demand for one yet: decided per request.
     PerRequest,
-    /// A renewal found the account closed ([`CallerLease::closed`]).
+    /// A renewal found the account closed ([`CallerLease::closed_at`]).
     Closed,
 }
 
@@ -571,8 +579,9 @@ enum Look<'a> {
 /// it knows fewer holds, never more: it refuses less, never wrongly. (The settlement holds the
 /// used units on; a lease whose instance died holds them until its timeout.)
 ///
-/// A lease listed after its settlement was due (`now_wall`: its instance died, or its settlement
-/// is being sent again) counts for another L and a sweep from now. Shortened to its due time,
+/// A lease listed just after its settlement was due ([`SETTLE_LATE_GRACE`]) counts for one more
+/// sweep; one listed later (`now_wall`: its instance died, or its settlement is being sent
+/// again) for another L and a sweep from now. Shortened to its due time,
 /// already past, it was forgotten at once: each of the caller's requests then tried a lease, a
 /// hold and a listing, each refused, and was told `Retry-After: 1`, for the rest of the window.
 pub(super) fn settling_soon(
@@ -781,7 +790,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// One look at the caller's lease, under its lock (never held across a ledger call).
     fn look<'a>(&self, slot: &'a Slot, cost: u64) -> Look<'a> {
         let mut caller = slot.lock();
-        if std::mem::take(&mut caller.closed) {
+        if caller.closed_at.take().is_some() {
             return Look::Closed;
         }
         // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
@@ -805,7 +814,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// The ledger refused a lease on `charge`'s closed account (`just_refused`: for this
-    /// request; else a renewal ahead did, [`CallerLease::closed`]): refused as a hold per request
+    /// request; else a renewal ahead did, [`CallerLease::closed_at`]): refused as a hold per request
     /// is ([`Limiter::refused_closed`]); `None` if the account reads open now, and `just_refused`
     /// is false (unblocked since). Why not per request after it: a hold that then failed went to
     /// the failure policy, which admits under fail-open a caller the ledger has said is blocked,
@@ -983,7 +992,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 return Ok(Taken::NoLease);
             }
             HoldReply::Blocked => {
-                slot.lock().closed = true;
+                slot.lock().closed_at = Some(self.clock.now());
                 self.retire_closed(slot, holder, deadline).await;
                 return Ok(Taken::Closed);
             }
@@ -1160,8 +1169,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if lease.units_used > 0 {
             let now = self.clock.now();
             let window = Duration::from_secs(holder.window_seconds.into());
+            let used = lease.units_used;
             self.local
-                .record_hold(id, holder.capacity, lease.units_used, now, window, now);
+                .record_settled_hold(id, holder.capacity, used, window, now);
         }
     }
 

@@ -54,10 +54,19 @@ const VERIFIED_FILTER_WORDS: usize = VERIFIED_FILTER_BITS / 64;
 /// Blocks a clear keeps for the failure policy ([`LocalView::clear`]); more are not kept.
 pub const BLOCKS_KEPT_MAX: usize = 4096;
 
+/// A block kept for the failure policy: until when, and when this instance learned it (a
+/// listing, or an operator's act here). Word of the caller from before that is older.
+#[derive(Debug, Clone, Copy)]
+struct KeptBlock {
+    until: Instant,
+    learned_at: Instant,
+}
+
 /// What an operator's act here did to a caller's block ([`LocalView::forget_acted_on`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockAct {
-    /// A top-up, a reduction, a retried block: whatever block there was stands.
+    /// A retried act (a top-up applied before, a block already made): whatever block there was
+    /// stands.
     Unchanged,
     /// Blocked until then.
     Blocked(Instant),
@@ -303,7 +312,7 @@ pub struct LocalView {
     /// [`LocalView::known_block`] alone, the failure policy's answer. Why: a clear follows any
     /// operator act anywhere, and it dropped every block read, so a ledger outage after a
     /// top-up of anyone admitted blocked callers under fail-open. At most [`BLOCKS_KEPT_MAX`].
-    blocks_kept: Mutex<HashMap<u128, Instant>>,
+    blocks_kept: Mutex<HashMap<u128, KeptBlock>>,
     /// How many `blocks_kept` holds: a caller's hold recorded looks there only when some are.
     blocks_kept_count: AtomicUsize,
 }
@@ -382,7 +391,9 @@ impl LocalView {
     pub fn known_block(&self, account_id: u128, now: Instant) -> Option<LocalLimit> {
         {
             let mut shard = self.shard(account_id);
-            if let Some(holds) = shard.get_mut(&account_id) {
+            // A listing's word; an entry of holds recorded alone says nothing of a block.
+            let listed = shard.get_mut(&account_id).filter(|h| h.listed_at.is_some());
+            if let Some(holds) = listed {
                 holds.prune(now);
                 let until = holds.blocked_until.filter(|until| *until > now)?;
                 // Read over a minute ago, perhaps lifted since: come back within a minute.
@@ -400,7 +411,7 @@ impl LocalView {
             return None;
         }
         let mut kept = lock(&self.blocks_kept);
-        let until = *kept.get(&account_id)?;
+        let until = kept.get(&account_id)?.until;
         if until <= now {
             kept.remove(&account_id);
             self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
@@ -414,68 +425,100 @@ impl LocalView {
         Some(holds.block_limit(told_until, now))
     }
 
-    /// Drops a block kept past a clear: the caller was heard of since (the ledger's listing, a
-    /// hold it admitted, an operator's act here), which is newer.
-    fn heard_of(&self, account_id: u128) {
+    /// Drops a kept block if the caller was heard of (`at`: a listing that read it unblocked, a
+    /// hold the ledger admitted) after the block was learned: newer word.
+    fn heard_of(&self, account_id: u128, at: Instant) {
         if self.blocks_kept_count.load(Ordering::Relaxed) == 0 {
             return;
         }
         let mut kept = lock(&self.blocks_kept);
-        kept.remove(&account_id);
+        if kept.get(&account_id).is_some_and(|k| k.learned_at < at) {
+            kept.remove(&account_id);
+        }
         self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+    }
+
+    /// Keeps `block` for the failure policy (never under a shard's lock: `clear` takes them
+    /// after `blocks_kept`).
+    fn keep(&self, account_id: u128, block: KeptBlock) {
+        let mut kept = lock(&self.blocks_kept);
+        if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(&account_id) {
+            kept.insert(account_id, block);
+        }
+        self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+    }
+
+    /// The block of a caller's entry taken out of its shard, to keep (`None`: it had none).
+    fn block_of(removed: Option<CallerHolds>, now: Instant) -> Option<KeptBlock> {
+        let holds = removed?;
+        let until = holds.blocked_until?;
+        let learned_at = holds.listed_at.unwrap_or(now);
+        Some(KeptBlock { until, learned_at })
     }
 
     /// Keeps the blocks of `shard`, about to be cleared, in `kept` while they last.
     fn keep_blocks(
-        kept: &mut HashMap<u128, Instant>,
+        kept: &mut HashMap<u128, KeptBlock>,
         shard: &HashMap<u128, CallerHolds>,
         now: Instant,
     ) {
         for (account_id, holds) in shard {
             let Some(until) = holds.blocked_until.filter(|until| *until > now) else {
-                // Heard of since its block was kept, unblocked: newer.
-                kept.remove(account_id);
+                // Listed unblocked since its block was kept: newer.
+                let newer = |k: &KeptBlock| holds.listed_at.is_some_and(|at| at > k.learned_at);
+                if kept.get(account_id).is_some_and(newer) {
+                    kept.remove(account_id);
+                }
                 continue;
             };
             if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(account_id) {
-                kept.insert(*account_id, until);
+                let learned_at = holds.listed_at.unwrap_or(now);
+                kept.insert(*account_id, KeptBlock { until, learned_at });
             }
         }
     }
 
     /// Forgets a caller: an operator changed its credit or block here, or its holds changed in ways
     /// this instance cannot follow (voided by amount). Its next request asks the ledger.
+    /// A block it had read is kept for the failure policy.
     pub fn forget(&self, account_id: u128) {
-        let mut shard = self.shard(account_id);
-        // A listing read before the removal is not stored after it.
-        self.changed(account_id);
-        shard.remove(&account_id);
+        let removed = {
+            let mut shard = self.shard(account_id);
+            // A listing read before the removal is not stored after it.
+            self.changed(account_id);
+            shard.remove(&account_id)
+        };
+        if let Some(block) = Self::block_of(removed, Instant::now()) {
+            self.keep(account_id, block);
+        }
     }
 
     /// [`LocalView::forget`] for an operator's act on the caller here. What it did to a block
     /// decides what the failure policy keeps: none once lifted; the new one, until its end; the
-    /// one read, if any, when the act left it alone (a top-up of a blocked caller). (Other
+    /// one read, if any, when the act proved nothing (a retry). (Other
     /// forgets, of holds this instance cannot follow, keep a kept block too.)
     pub fn forget_acted_on(&self, account_id: u128, act: BlockAct, now: Instant) {
-        let read = {
+        let removed = {
             let mut shard = self.shard(account_id);
             self.changed(account_id);
-            let removed = shard.remove(&account_id);
-            removed.and_then(|holds| holds.blocked_until.filter(|until| *until > now))
+            shard.remove(&account_id)
         };
-        let until = match act {
-            BlockAct::Lifted => return self.heard_of(account_id),
-            BlockAct::Blocked(until) => until,
-            BlockAct::Unchanged => match read {
-                Some(until) => until,
-                None => return,
-            },
+        let block = match act {
+            BlockAct::Lifted => {
+                let mut kept = lock(&self.blocks_kept);
+                kept.remove(&account_id);
+                self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
+                return;
+            }
+            BlockAct::Blocked(until) => Some(KeptBlock {
+                until,
+                learned_at: now,
+            }),
+            BlockAct::Unchanged => Self::block_of(removed, now),
         };
-        let mut kept = lock(&self.blocks_kept);
-        if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(&account_id) {
-            kept.insert(account_id, until);
+        if let Some(block) = block {
+            self.keep(account_id, block);
         }
-        self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
     }
 
     /// Forgets every caller (an operator acted somewhere: any credit or block may have changed),
@@ -485,7 +528,7 @@ impl LocalView {
         // While the shards are cleared, a caller heard of waits for the lock, whatever is kept:
         // skipped, its block kept below would outlive what was heard.
         self.blocks_kept_count.store(usize::MAX, Ordering::Relaxed);
-        kept.retain(|_, until| *until > now);
+        kept.retain(|_, kept| kept.until > now);
         for (shard, generation) in self.shards.iter().zip(self.generations.iter()) {
             let mut shard = lock(shard);
             // A listing read before the clear is not stored after it.
@@ -526,19 +569,37 @@ impl LocalView {
             amount,
             expires_at: answered_at + timeout + self.expiry_margin,
         };
-        let quota = self.record_hold_in_shard(account_id, credit, hold, answered_at, now);
+        let quota = self.record_hold_in_shard(account_id, credit, hold, (answered_at, now), true);
         // After the shard: a clear between the two then finds the caller unblocked there.
-        self.heard_of(account_id);
+        self.heard_of(account_id, answered_at);
         quota
     }
 
+    /// [`LocalView::record_hold`] of a lease's settlement whose answer may not have come (its
+    /// outcome unknown): no word that the account is open, so no block read is dropped for it.
+    pub fn record_settled_hold(
+        &self,
+        account_id: u128,
+        credit: u64,
+        amount: u64,
+        timeout: Duration,
+        now: Instant,
+    ) {
+        let hold = LocalHold {
+            amount,
+            expires_at: now + timeout + self.expiry_margin,
+        };
+        self.record_hold_in_shard(account_id, credit, hold, (now, now), false);
+    }
+
+    /// `proves_open`: the ledger admitted the hold, so the caller's account was open then.
     fn record_hold_in_shard(
         &self,
         account_id: u128,
         credit: u64,
         hold: LocalHold,
-        answered_at: Instant,
-        now: Instant,
+        (answered_at, now): (Instant, Instant),
+        proves_open: bool,
     ) -> LocalQuota {
         let mut shard = self.shard(account_id);
         let holds = match shard.entry(account_id) {
@@ -562,7 +623,9 @@ impl LocalView {
             holds.push(hold);
             // Admitted after the block was read: lifted since (kept, a later clear would keep
             // it, and an outage refuse the caller on a stale word).
-            holds.blocked_until = None;
+            if proves_open {
+                holds.blocked_until = None;
+            }
         }
         holds.quota(now)
     }
@@ -596,7 +659,11 @@ impl LocalView {
                 return true;
             }
             None if holds.listed_at.is_some() => {
-                shard.remove(&account_id);
+                let removed = shard.remove(&account_id);
+                drop(shard);
+                if let Some(block) = Self::block_of(removed, Instant::now()) {
+                    self.keep(account_id, block);
+                }
             }
             None => {}
         }
@@ -616,7 +683,11 @@ impl LocalView {
         if !found {
             // Not a hold this view can tell apart (merged with others at the bound of holds
             // per caller, or never recorded): the new one beside it would count it twice.
-            shard.remove(&account_id);
+            let removed = shard.remove(&account_id);
+            drop(shard);
+            if let Some(block) = Self::block_of(removed, now) {
+                self.keep(account_id, block);
+            }
             return;
         }
         let Some(holds) = shard.get_mut(&account_id) else {
@@ -663,7 +734,7 @@ impl LocalView {
         // Read unblocked: a block kept past a clear is over, stored or not. (Read blocked, the
         // kept one stays: this listing may not be stored, and the shard's entry wins while it is.)
         if blocks.is_none() {
-            self.heard_of(account_id);
+            self.heard_of(account_id, now);
         }
         holds.blocked_until = blocks.map(|blocked| match blocked.until {
             Some(until) => {
@@ -1115,11 +1186,15 @@ mod tests {
             "read blocked again, not stored"
         );
         // Heard of since: a listing that reads it unblocked, a hold the ledger admitted, an
-        // operator's act on it here. Each is newer than the block.
-        list(&view, 4, &ledger_view(5, &[], wall), t0, wall);
-        assert!(view.known_block(4, t0).is_none(), "listed unblocked");
-        view.record_hold(5, 5, 1, t0, hour, t0);
-        assert!(view.known_block(5, t0).is_none(), "a hold admitted");
+        // operator's unblock here. Each is newer than the block; a hold answered before the
+        // block was read is not.
+        let t1 = t0 + Duration::from_millis(1);
+        list(&view, 4, &ledger_view(5, &[], wall), t1, wall);
+        assert!(view.known_block(4, t1).is_none(), "listed unblocked");
+        view.record_hold(5, 5, 1, t0 - Duration::from_millis(1), hour, t1);
+        assert!(view.known_block(5, t1).is_some(), "a hold answered before");
+        view.record_hold(5, 5, 1, t1, hour, t1);
+        assert!(view.known_block(5, t1).is_none(), "a hold admitted since");
         view.forget_acted_on(6, BlockAct::Lifted, t0);
         assert!(view.known_block(6, t0).is_none(), "unblocked here");
         // A second clear keeps what the first kept, and the bound holds.
@@ -1140,7 +1215,7 @@ mod tests {
         );
     }
 
-    /// An operator's act here tells the failure policy what became of the caller's block: a top-up
+    /// An operator's act here tells the failure policy what became of the caller's block: a retry
     /// leaves the block read, a block made here stands at once (the ledger unread), an unblock
     /// ends it. A kept block the shard has newer word of (unblocked: a race of a hold admitted
     /// with a clear) is not kept again by the next clear.
@@ -1155,7 +1230,7 @@ mod tests {
         assert!(view.check(3, 1, t0).is_none(), "the ledger decides again");
         assert!(
             view.known_block(3, t0).is_some(),
-            "a top-up of a blocked caller"
+            "a retried act proves nothing"
         );
         view.forget_acted_on(4, BlockAct::Blocked(t0 + hour), t0);
         assert!(view.known_block(4, t0).is_some(), "blocked here, unread");
@@ -1164,7 +1239,12 @@ mod tests {
         view.forget_acted_on(5, BlockAct::Unchanged, t0);
         assert!(view.known_block(5, t0).is_none(), "no block read");
         list(&view, 6, &ledger_view(5, &[], wall), t0, wall);
-        view.blocks_kept.lock().unwrap().insert(6, t0 + hour);
+        let before = t0 - Duration::from_millis(1);
+        let stale = KeptBlock {
+            until: t0 + hour,
+            learned_at: before,
+        };
+        view.blocks_kept.lock().unwrap().insert(6, stale);
         view.clear(t0);
         assert!(
             view.known_block(6, t0).is_none(),
@@ -1195,6 +1275,9 @@ mod tests {
         // Yet while the ledger cannot be asked, the block it last said stands.
         let known = view.known_block(4, t0 + BLOCK_TRUSTED_FOR).expect("known");
         assert!(known.blocked);
+        // Read over a minute ago, perhaps lifted since: told to come back within a minute, not
+        // at the block's end (a week).
+        assert_eq!(known.retry_after, BLOCK_TRUSTED_FOR);
         assert!(view.known_block(4, t0 + week + MARGIN).is_none(), "over");
         // A fresh listing of the same block refuses from memory again, until its own end.
         let then = t0 + BLOCK_TRUSTED_FOR;
