@@ -37,7 +37,7 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use super::counts::ThreadCounts;
-use super::local_view::LocalQuota;
+use super::local_view::{Listing, LocalQuota};
 use super::plan::{LeaseTerms, PlanBook, PlanId};
 use super::store::{Clock, Store};
 use super::{Charge, Decided, LeaseReceipt, Limiter, NotAdmitted, Outcome, Reached, Timing};
@@ -53,8 +53,8 @@ pub const LEASE_UNITS_FIRST: u64 = 8;
 /// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
 pub const SETTLE_TICK: Duration = Duration::from_millis(100);
 /// How long a renewal's word that the account is closed waits for the caller's next request
-/// ([`CallerLease::closed_at`]); by then the local view has read the block, or the caller is
-/// long gone (a moved caller never comes back to this account).
+/// ([`CallerLease::closed_at`]); the local view keeps the block for the failure policy as well
+/// (`LocalView::closed_seen`), and a moved caller never comes back to this account.
 const CLOSED_WORD_KEPT: Duration = Duration::from_secs(60);
 /// How long past its due time a lease listed is still taken to be settling ([`settling_soon`]):
 /// its sweep, and a slow round trip; later, its instance is taken to be gone.
@@ -991,11 +991,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 caller.refused = true;
                 return Ok(Taken::NoLease);
             }
-            HoldReply::Blocked => {
-                slot.lock().closed_at = Some(self.clock.now());
-                self.retire_closed(slot, holder, deadline).await;
-                return Ok(Taken::Closed);
-            }
+            HoldReply::Blocked => return Ok(self.taken_closed(slot, holder, deadline).await),
             // Not found after provisioning: decided per request.
             HoldReply::AccountNotFound => return Ok(Taken::NoLease),
         };
@@ -1057,6 +1053,39 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             self.settle_or_hand_over(slot, holder, lease, deadline)
                 .await;
         }
+    }
+
+    /// The ledger refused a lease on `holder`'s closed account: its next request hears of it
+    /// ([`CallerLease::closed_at`]), and so does the failure policy (the next request may find
+    /// the ledger down after that word is gone, an idle caller forgotten); the current lease
+    /// admits no more.
+    async fn taken_closed(&self, slot: &Slot, holder: &Holder, deadline: Instant) -> Taken {
+        slot.lock().closed_at = Some(self.clock.now());
+        self.read_closed(holder, deadline).await;
+        self.retire_closed(slot, holder, deadline).await;
+        Taken::Closed
+    }
+
+    /// Reads `holder`'s account, which the ledger just called closed, into the local view: its
+    /// block, until its end, answers for the failure policy. Not read by `deadline`: kept for a
+    /// window from now (`LocalView::closed_seen`).
+    async fn read_closed(&self, holder: &Holder, deadline: Instant) {
+        let id = holder.account_id;
+        let read = self.local.generation(id);
+        let window_max = self.plans.window_seconds_max();
+        let view = self
+            .store
+            .account_view(id, window_max.get(), deadline)
+            .await;
+        let (now, wall) = (self.clock.now(), self.clock.wall());
+        if let Ok(Some(view)) = view {
+            let listing = Listing { view: &view, read };
+            let window_max = Duration::from_secs(window_max.get().into());
+            self.local.replace(id, listing, 0, window_max, now, wall);
+            return;
+        }
+        let window = Duration::from_secs(holder.window_seconds.into());
+        self.local.closed_seen(id, window, now);
     }
 
     /// Places a lease of `units` for `holder`, provisioning a new caller first if need be.

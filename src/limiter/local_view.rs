@@ -442,16 +442,37 @@ impl LocalView {
     /// after `blocks_kept`).
     fn keep(&self, account_id: u128, block: KeptBlock) {
         let mut kept = lock(&self.blocks_kept);
+        if kept.len() >= BLOCKS_KEPT_MAX {
+            // Full: what ended goes first (else ended blocks kept live ones out until a clear).
+            kept.retain(|_, k| k.until > block.learned_at);
+        }
         if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(&account_id) {
             kept.insert(account_id, block);
         }
         self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
     }
 
-    /// The block of a caller's entry taken out of its shard, to keep (`None`: it had none).
+    /// The ledger refused `account_id`'s hold or lease on its closed account just now, and this
+    /// instance did not read the block (a renewal ahead, after its request's answer): kept for
+    /// the failure policy for a window, until the caller is heard of again. (A kept block tells
+    /// the caller to come back within a minute.)
+    pub fn closed_seen(&self, account_id: u128, window: Duration, now: Instant) {
+        let block = KeptBlock {
+            until: now + window,
+            learned_at: now,
+        };
+        self.keep(account_id, block);
+    }
+
+    /// The caller's account read open just now: a kept block learned before goes.
+    pub fn read_open(&self, account_id: u128, now: Instant) {
+        self.heard_of(account_id, now);
+    }
+
+    /// The live block of a caller's entry taken out of its shard, to keep (`None`: none).
     fn block_of(removed: Option<CallerHolds>, now: Instant) -> Option<KeptBlock> {
         let holds = removed?;
-        let until = holds.blocked_until?;
+        let until = holds.blocked_until.filter(|until| *until > now)?;
         let learned_at = holds.listed_at.unwrap_or(now);
         Some(KeptBlock { until, learned_at })
     }
@@ -759,17 +780,37 @@ impl LocalView {
         // they lasted a whole window refused callers for up to the longest plan's window after
         // the ledger would admit them (an Envoy rule of a second under an hour-long plan).
         let limit = holds.limit(cost, now);
+        let blocked_until = holds.blocked_until;
+        let stored = self.store_listed(account_id, holds, read, now);
+        // A block read and not stored is kept for the failure policy all the same.
+        if let (false, Some(until)) = (stored, blocked_until) {
+            let learned_at = now;
+            self.keep(account_id, KeptBlock { until, learned_at });
+        }
+        limit
+    }
+
+    /// Stores a listing's `holds` unless something it may predate happened in its shard since
+    /// it was asked for (`read`), or the shard is full of active callers: `false` then (the
+    /// ledger's next refusal lists the account again).
+    fn store_listed(
+        &self,
+        account_id: u128,
+        holds: CallerHolds,
+        read: Generation,
+        now: Instant,
+    ) -> bool {
         let mut shard = self.shard(account_id);
         if self.generation(account_id) != read {
-            return limit; // the next refusal by the ledger lists the account again
+            return false;
         }
         if !shard.contains_key(&account_id) && !self.has_room(&mut shard, account_id, now) {
-            return limit; // full of active callers: the ledger goes on refusing this one
+            return false;
         }
         let (word, bit) = self.verified_bit(account_id);
         word.fetch_or(bit, Ordering::Relaxed);
         shard.insert(account_id, holds);
-        limit
+        true
     }
 
     /// Whether `shard` (`account_id`'s) has room for one more caller, once callers with nothing
@@ -1238,6 +1279,11 @@ mod tests {
         assert!(view.known_block(4, t0).is_none(), "unblocked here");
         view.forget_acted_on(5, BlockAct::Unchanged, t0);
         assert!(view.known_block(5, t0).is_none(), "no block read");
+        // Any other forget (a void that failed, a release) keeps the block it read, too.
+        list(&view, 9, &blocked_view(Some(wall + hour), wall), t0, wall);
+        view.forget(9);
+        assert!(view.check(9, 1, t0).is_none(), "the ledger decides again");
+        assert!(view.known_block(9, t0).is_some(), "a block read, forgotten");
         list(&view, 6, &ledger_view(5, &[], wall), t0, wall);
         let before = t0 - Duration::from_millis(1);
         let stale = KeptBlock {

@@ -998,6 +998,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let error = match view {
             Err(error) => error,
             Ok(open) if !just_refused && open.as_ref().is_none_or(|v| v.blocked.is_none()) => {
+                // Unblocked since: newer than the block the renewal saw.
+                self.local.read_open(charge.account.id, self.clock.now());
                 return None;
             }
             view => return Some(self.limited_by_ledger(charge, view, read).into()),

@@ -90,6 +90,8 @@ struct Model {
     yields: bool,
     /// Holds per request (not leases) are never applied: each times out.
     holds_time_out: bool,
+    /// How long a block lasts as the account reads (a minute if `None`).
+    block_seconds: Option<u64>,
     /// How long after the ledger stamped it a lease's answer says it arrived: the proof's step
     /// "admit until sent + L", not until answered + L, is tested only when the two differ.
     lease_latency: Duration,
@@ -239,9 +241,10 @@ impl Store for ModelStore {
             })
             .collect();
         holds.sort_by_key(|h| h.expires_at);
-        // A block lasts a minute here.
+        // A block lasts a minute here, unless a test says otherwise.
+        let block = Duration::from_secs(model.block_seconds.unwrap_or(60));
         let blocked = (model.blocked).then(|| crate::ledger::Blocked {
-            until: Some(wall + Duration::from_secs(60)),
+            until: Some(wall + block),
             moved_to: None,
         });
         Ok(Some(AccountView {
@@ -744,12 +747,12 @@ fn a_lease_refused_on_a_closed_account_is_refused_under_fail_open() {
 
 /// A hot caller as in service (its lease taken once its demand was seen), blocked: the renewal
 /// ahead that finds the account closed runs after its request's answer, and its word is kept for
-/// the next request, however late: decided per request instead (no demand seen within L), its
-/// hold failed and fail-open admitted the blocked caller. Unblocked meanwhile, it is decided per
-/// request, not refused.
+/// the next request (and, past a minute idle, for the failure policy): decided per request
+/// instead (no demand seen within L), its hold failed and fail-open admitted the blocked caller.
+/// Unblocked meanwhile (the account reads open), it is decided per request, not refused.
 #[test]
 fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
-    for unblocked in [false, true] {
+    for (unblocked, idle_s) in [(false, 2), (true, 2), (false, 61)] {
         let (runtime, store) = runtime_and_store();
         let timeout = Duration::from_millis(500);
         let limiter = gated_instance(&store, FailurePolicy::Open, timeout);
@@ -758,7 +761,11 @@ fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
         runtime.block_on(limiter.check(&key, one)).unwrap(); // per request
         let leased = runtime.block_on(limiter.check(&key, one)).unwrap();
         assert!(leased.leased.is_some(), "its demand seen: a lease");
-        store.model.lock().unwrap().blocked = true;
+        {
+            let mut model = store.model.lock().unwrap();
+            model.blocked = true;
+            model.block_seconds = Some(3_600);
+        }
         // From the lease until the renewal ahead (at half its units) finds the account closed.
         for _ in 0..3 {
             let decision = runtime.block_on(limiter.check(&key, one)).unwrap();
@@ -770,7 +777,7 @@ fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
             "the renewal ran"
         );
         // Idle past L, and past the sweeps that forget a caller without a lease.
-        for _ in 0..2 {
+        for _ in 0..idle_s {
             store.past_l();
             for _ in 0..3 {
                 runtime.block_on(limiter.settle_due_leases());
@@ -780,6 +787,10 @@ fn a_renewal_ahead_that_finds_the_account_closed_refuses_the_next_request() {
             let mut model = store.model.lock().unwrap();
             model.holds_time_out = true;
             model.blocked = !unblocked;
+        }
+        if unblocked {
+            // The unblock's operator epoch reaches this instance: its view is cleared.
+            limiter.forget_all_local();
         }
         let next = runtime.block_on(limiter.check(&key, one)).unwrap();
         let blocked = matches!(next.outcome, Outcome::Blocked { .. });
