@@ -53,8 +53,8 @@ pub const LEASE_UNITS_FIRST: u64 = 8;
 /// How often the sweeper settles leases whose time L is over (so idle leases give credit back).
 pub const SETTLE_TICK: Duration = Duration::from_millis(100);
 /// How long a renewal's word that the account is closed waits for the caller's next request
-/// ([`CallerLease::closed_at`]); the local view keeps the block for the failure policy as well
-/// (`LocalView::closed_seen`), and a moved caller never comes back to this account.
+/// ([`CallerLease::closed_at`]); the renewal read the block into the local view as well
+/// (`Limiter::read_closed`), and a moved caller never comes back to this account.
 const CLOSED_WORD_KEPT: Duration = Duration::from_secs(60);
 /// How long past its due time a lease listed is still taken to be settling ([`settling_soon`]):
 /// its sweep, and a slow round trip; later, its instance is taken to be gone.
@@ -1043,32 +1043,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Some(units)
     }
 
-    /// The caller's account was closed by an operator (a block, a move) while a lease admits from
-    /// memory: that lease admits no more (it would for up to L). Its settlement can only void it
-    /// when it admitted nothing; else it holds on to its timeout (`Settled::AccountClosed`). The
-    /// request is decided per request, which knows what to do.
-    async fn retire_closed(&self, slot: &Slot, holder: &Holder, deadline: Instant) {
-        let current = slot.lock().lease.take();
+    /// The ledger refused a lease on `holder`'s closed account (a block, a move): its next
+    /// request hears of it ([`CallerLease::closed_at`]), and so does the failure policy (the next
+    /// request may find the ledger down after that word is gone, an idle caller forgotten). The
+    /// current lease admits no more (it would for up to L); its settlement can only void it when
+    /// it admitted nothing, else it holds on to its timeout (`Settled::AccountClosed`).
+    async fn taken_closed(&self, slot: &Slot, holder: &Holder, deadline: Instant) -> Taken {
+        // The word and the lease's end under one lock: nothing admits from it after.
+        let current = {
+            let mut caller = slot.lock();
+            caller.closed_at = Some(self.clock.now());
+            caller.lease.take()
+        };
+        self.read_closed(holder, deadline).await;
         if let Some(lease) = current {
             self.settle_or_hand_over(slot, holder, lease, deadline)
                 .await;
         }
-    }
-
-    /// The ledger refused a lease on `holder`'s closed account: its next request hears of it
-    /// ([`CallerLease::closed_at`]), and so does the failure policy (the next request may find
-    /// the ledger down after that word is gone, an idle caller forgotten); the current lease
-    /// admits no more.
-    async fn taken_closed(&self, slot: &Slot, holder: &Holder, deadline: Instant) -> Taken {
-        slot.lock().closed_at = Some(self.clock.now());
-        self.read_closed(holder, deadline).await;
-        self.retire_closed(slot, holder, deadline).await;
         Taken::Closed
     }
 
     /// Reads `holder`'s account, which the ledger just called closed, into the local view: its
-    /// block, until its end, answers for the failure policy. Not read by `deadline`: kept for a
-    /// window from now (`LocalView::closed_seen`).
+    /// block, until its end, answers for the failure policy. (Not read by `deadline`, nothing:
+    /// a guess would refuse a caller that moved away, where it should follow the move.)
     async fn read_closed(&self, holder: &Holder, deadline: Instant) {
         let id = holder.account_id;
         let read = self.local.generation(id);
@@ -1077,15 +1074,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             .store
             .account_view(id, window_max.get(), deadline)
             .await;
-        let (now, wall) = (self.clock.now(), self.clock.wall());
+        let wall = self.clock.wall();
+        let view = listing_settling_soon(view, Some(holder.terms), wall);
         if let Ok(Some(view)) = view {
             let listing = Listing { view: &view, read };
             let window_max = Duration::from_secs(window_max.get().into());
-            self.local.replace(id, listing, 0, window_max, now, wall);
-            return;
+            self.local
+                .replace(id, listing, 0, window_max, self.clock.now(), wall);
         }
-        let window = Duration::from_secs(holder.window_seconds.into());
-        self.local.closed_seen(id, window, now);
     }
 
     /// Places a lease of `units` for `holder`, provisioning a new caller first if need be.

@@ -62,6 +62,16 @@ struct KeptBlock {
     learned_at: Instant,
 }
 
+/// What became of a listing ([`LocalView::store_listed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Yes,
+    /// Something it may predate happened in its shard since it was asked for.
+    Stale,
+    /// The shard is full of active callers.
+    NoRoom,
+}
+
 /// What an operator's act here did to a caller's block ([`LocalView::forget_acted_on`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockAct {
@@ -440,33 +450,16 @@ impl LocalView {
 
     /// Keeps `block` for the failure policy (never under a shard's lock: `clear` takes them
     /// after `blocks_kept`).
-    fn keep(&self, account_id: u128, block: KeptBlock) {
+    fn keep(&self, account_id: u128, block: KeptBlock, now: Instant) {
         let mut kept = lock(&self.blocks_kept);
         if kept.len() >= BLOCKS_KEPT_MAX {
             // Full: what ended goes first (else ended blocks kept live ones out until a clear).
-            kept.retain(|_, k| k.until > block.learned_at);
+            kept.retain(|_, k| k.until > now);
         }
         if kept.len() < BLOCKS_KEPT_MAX || kept.contains_key(&account_id) {
             kept.insert(account_id, block);
         }
         self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
-    }
-
-    /// The ledger refused `account_id`'s hold or lease on its closed account just now, and this
-    /// instance did not read the block (a renewal ahead, after its request's answer): kept for
-    /// the failure policy for a window, until the caller is heard of again. (A kept block tells
-    /// the caller to come back within a minute.)
-    pub fn closed_seen(&self, account_id: u128, window: Duration, now: Instant) {
-        let block = KeptBlock {
-            until: now + window,
-            learned_at: now,
-        };
-        self.keep(account_id, block);
-    }
-
-    /// The caller's account read open just now: a kept block learned before goes.
-    pub fn read_open(&self, account_id: u128, now: Instant) {
-        self.heard_of(account_id, now);
     }
 
     /// The live block of a caller's entry taken out of its shard, to keep (`None`: none).
@@ -509,8 +502,9 @@ impl LocalView {
             self.changed(account_id);
             shard.remove(&account_id)
         };
-        if let Some(block) = Self::block_of(removed, Instant::now()) {
-            self.keep(account_id, block);
+        let now = Instant::now();
+        if let Some(block) = Self::block_of(removed, now) {
+            self.keep(account_id, block, now);
         }
     }
 
@@ -538,7 +532,7 @@ impl LocalView {
             BlockAct::Unchanged => Self::block_of(removed, now),
         };
         if let Some(block) = block {
-            self.keep(account_id, block);
+            self.keep(account_id, block, now);
         }
     }
 
@@ -682,8 +676,9 @@ impl LocalView {
             None if holds.listed_at.is_some() => {
                 let removed = shard.remove(&account_id);
                 drop(shard);
-                if let Some(block) = Self::block_of(removed, Instant::now()) {
-                    self.keep(account_id, block);
+                let now = Instant::now();
+                if let Some(block) = Self::block_of(removed, now) {
+                    self.keep(account_id, block, now);
                 }
             }
             None => {}
@@ -707,7 +702,7 @@ impl LocalView {
             let removed = shard.remove(&account_id);
             drop(shard);
             if let Some(block) = Self::block_of(removed, now) {
-                self.keep(account_id, block);
+                self.keep(account_id, block, now);
             }
             return;
         }
@@ -782,35 +777,37 @@ impl LocalView {
         let limit = holds.limit(cost, now);
         let blocked_until = holds.blocked_until;
         let stored = self.store_listed(account_id, holds, read, now);
-        // A block read and not stored is kept for the failure policy all the same.
-        if let (false, Some(until)) = (stored, blocked_until) {
+        // A block read and not stored for want of room is kept for the failure policy all the
+        // same. (Not stored because something changed since it was asked for, an unblock here
+        // perhaps, it is stale.)
+        if let (Stored::NoRoom, Some(until)) = (stored, blocked_until) {
             let learned_at = now;
-            self.keep(account_id, KeptBlock { until, learned_at });
+            self.keep(account_id, KeptBlock { until, learned_at }, now);
         }
         limit
     }
 
     /// Stores a listing's `holds` unless something it may predate happened in its shard since
-    /// it was asked for (`read`), or the shard is full of active callers: `false` then (the
-    /// ledger's next refusal lists the account again).
+    /// it was asked for (`read`), or the shard is full of active callers (the ledger's next
+    /// refusal lists the account again).
     fn store_listed(
         &self,
         account_id: u128,
         holds: CallerHolds,
         read: Generation,
         now: Instant,
-    ) -> bool {
+    ) -> Stored {
         let mut shard = self.shard(account_id);
         if self.generation(account_id) != read {
-            return false;
+            return Stored::Stale;
         }
         if !shard.contains_key(&account_id) && !self.has_room(&mut shard, account_id, now) {
-            return false;
+            return Stored::NoRoom;
         }
         let (word, bit) = self.verified_bit(account_id);
         word.fetch_or(bit, Ordering::Relaxed);
         shard.insert(account_id, holds);
-        true
+        Stored::Yes
     }
 
     /// Whether `shard` (`account_id`'s) has room for one more caller, once callers with nothing
@@ -1284,6 +1281,17 @@ mod tests {
         view.forget(9);
         assert!(view.check(9, 1, t0).is_none(), "the ledger decides again");
         assert!(view.known_block(9, t0).is_some(), "a block read, forgotten");
+        // A listing asked for before an unblock here reads the block: stale, neither stored nor
+        // kept.
+        view.forget_acted_on(12, BlockAct::Blocked(t0 + hour), t0);
+        let read = view.generation(12);
+        view.forget_acted_on(12, BlockAct::Lifted, t0);
+        let listed = Listing {
+            view: &blocked_view(Some(wall + hour), wall),
+            read,
+        };
+        view.replace(12, listed, 0, WINDOW, t0, wall);
+        assert!(view.known_block(12, t0).is_none(), "a stale listing");
         list(&view, 6, &ledger_view(5, &[], wall), t0, wall);
         let before = t0 - Duration::from_millis(1);
         let stale = KeptBlock {

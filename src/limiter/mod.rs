@@ -998,8 +998,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let error = match view {
             Err(error) => error,
             Ok(open) if !just_refused && open.as_ref().is_none_or(|v| v.blocked.is_none()) => {
-                // Unblocked since: newer than the block the renewal saw.
-                self.local.read_open(charge.account.id, self.clock.now());
+                // Unblocked since: newer than the block the renewal read into the view.
+                self.remember_open(charge, open.as_ref(), read);
                 return None;
             }
             view => return Some(self.limited_by_ledger(charge, view, read).into()),
@@ -1017,6 +1017,17 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         };
         let outcome = refused(CLOSED_UNREAD_RETRY, DecisionSource::Ledger, false);
         Some((outcome, local).into())
+    }
+
+    /// Stores a listing that reads `charge`'s account open (`None`: not found) in the local view,
+    /// in place of a block read before.
+    fn remember_open(&self, charge: &Charge<'_>, open: Option<&AccountView>, read: Generation) {
+        let Some(view) = open else { return };
+        let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        let (now, wall) = (self.clock.now(), self.clock.wall());
+        let listing = Listing { view, read };
+        self.local
+            .replace(charge.account.id, listing, 0, window_max, now, wall);
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
