@@ -1055,11 +1055,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             caller.closed_at = Some(self.clock.now());
             caller.lease.take()
         };
-        self.read_closed(holder, deadline).await;
         if let Some(lease) = current {
             self.settle_or_hand_over(slot, holder, lease, deadline)
                 .await;
         }
+        self.read_closed(holder, deadline).await;
         Taken::Closed
     }
 

@@ -747,11 +747,6 @@ impl LocalView {
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
         let blocks = view.blocked.filter(|closed| closed.moved_to.is_none());
-        // Read unblocked: a block kept past a clear is over, stored or not. (Read blocked, the
-        // kept one stays: this listing may not be stored, and the shard's entry wins while it is.)
-        if blocks.is_none() {
-            self.heard_of(account_id, now);
-        }
         holds.blocked_until = blocks.map(|blocked| match blocked.until {
             Some(until) => {
                 let remaining = until.duration_since(now_wall).unwrap_or(Duration::ZERO);
@@ -777,12 +772,22 @@ impl LocalView {
         let limit = holds.limit(cost, now);
         let blocked_until = holds.blocked_until;
         let stored = self.store_listed(account_id, holds, read, now);
-        // A block read and not stored for want of room is kept for the failure policy all the
-        // same. (Not stored because something changed since it was asked for, an unblock here
-        // perhaps, it is stale.)
-        if let (Stored::NoRoom, Some(until)) = (stored, blocked_until) {
-            let learned_at = now;
-            self.keep(account_id, KeptBlock { until, learned_at }, now);
+        match (stored, blocked_until) {
+            // Read unblocked, and not stale: a block kept past a clear is over.
+            (Stored::Yes | Stored::NoRoom, None) => self.heard_of(account_id, now),
+            // A block read and not stored is kept for the failure policy all the same; stale (a
+            // change in its shard since it was asked for, an unblock here perhaps), for a minute
+            // at most.
+            (Stored::NoRoom, Some(until)) => {
+                let learned_at = now;
+                self.keep(account_id, KeptBlock { until, learned_at }, now);
+            }
+            (Stored::Stale, Some(until)) => {
+                let until = until.min(now + BLOCK_TRUSTED_FOR);
+                let learned_at = now;
+                self.keep(account_id, KeptBlock { until, learned_at }, now);
+            }
+            (Stored::Yes, Some(_)) | (Stored::Stale, None) => {}
         }
         limit
     }
@@ -806,6 +811,11 @@ impl LocalView {
         }
         let (word, bit) = self.verified_bit(account_id);
         word.fetch_or(bit, Ordering::Relaxed);
+        if holds.blocked_until.is_some() {
+            // An older listing, read open before this one, comes back stale: it must not
+            // overwrite the block.
+            self.changed(account_id);
+        }
         shard.insert(account_id, holds);
         Stored::Yes
     }
@@ -1281,8 +1291,8 @@ mod tests {
         view.forget(9);
         assert!(view.check(9, 1, t0).is_none(), "the ledger decides again");
         assert!(view.known_block(9, t0).is_some(), "a block read, forgotten");
-        // A listing asked for before an unblock here reads the block: stale, neither stored nor
-        // kept.
+        // A listing asked for before an unblock here reads the block: stale, not stored, and
+        // kept a minute at most (stale from any change in its shard, it may be a block still).
         view.forget_acted_on(12, BlockAct::Blocked(t0 + hour), t0);
         let read = view.generation(12);
         view.forget_acted_on(12, BlockAct::Lifted, t0);
@@ -1291,7 +1301,26 @@ mod tests {
             read,
         };
         view.replace(12, listed, 0, WINDOW, t0, wall);
-        assert!(view.known_block(12, t0).is_none(), "a stale listing");
+        let stale = view.known_block(12, t0).expect("a minute at most");
+        assert_eq!(stale.retry_after, BLOCK_TRUSTED_FOR);
+        let later = t0 + BLOCK_TRUSTED_FOR;
+        assert!(
+            view.known_block(12, later).is_none(),
+            "a stale listing, over"
+        );
+        // A listing asked for before a block made here reads the account open: stale, it does
+        // not end the block.
+        let read = view.generation(13);
+        view.forget_acted_on(13, BlockAct::Blocked(t0 + hour), t0);
+        let listed = Listing {
+            view: &ledger_view(5, &[], wall),
+            read,
+        };
+        view.replace(13, listed, 0, WINDOW, t0 + Duration::from_millis(1), wall);
+        assert!(
+            view.known_block(13, t0).is_some(),
+            "read open before the block"
+        );
         list(&view, 6, &ledger_view(5, &[], wall), t0, wall);
         let before = t0 - Duration::from_millis(1);
         let stale = KeptBlock {
