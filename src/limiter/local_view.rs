@@ -462,12 +462,15 @@ impl LocalView {
         self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
     }
 
-    /// The live block of a caller's entry taken out of its shard, to keep (`None`: none).
-    fn block_of(removed: Option<CallerHolds>, now: Instant) -> Option<KeptBlock> {
-        let holds = removed?;
-        let until = holds.blocked_until.filter(|until| *until > now)?;
+    /// Keeps the live block, if any, of a caller's entry taken out of its shard (after its
+    /// lock is let go).
+    fn keep_block_of(&self, account_id: u128, removed: Option<CallerHolds>, now: Instant) {
+        let Some(holds) = removed else { return };
+        let Some(until) = holds.blocked_until.filter(|until| *until > now) else {
+            return;
+        };
         let learned_at = holds.listed_at.unwrap_or(now);
-        Some(KeptBlock { until, learned_at })
+        self.keep(account_id, KeptBlock { until, learned_at }, now);
     }
 
     /// Keeps the blocks of `shard`, about to be cleared, in `kept` while they last.
@@ -502,10 +505,7 @@ impl LocalView {
             self.changed(account_id);
             shard.remove(&account_id)
         };
-        let now = Instant::now();
-        if let Some(block) = Self::block_of(removed, now) {
-            self.keep(account_id, block, now);
-        }
+        self.keep_block_of(account_id, removed, Instant::now());
     }
 
     /// [`LocalView::forget`] for an operator's act on the caller here. What it did to a block
@@ -518,21 +518,17 @@ impl LocalView {
             self.changed(account_id);
             shard.remove(&account_id)
         };
-        let block = match act {
+        match act {
             BlockAct::Lifted => {
                 let mut kept = lock(&self.blocks_kept);
                 kept.remove(&account_id);
                 self.blocks_kept_count.store(kept.len(), Ordering::Relaxed);
-                return;
             }
-            BlockAct::Blocked(until) => Some(KeptBlock {
-                until,
-                learned_at: now,
-            }),
-            BlockAct::Unchanged => Self::block_of(removed, now),
-        };
-        if let Some(block) = block {
-            self.keep(account_id, block, now);
+            BlockAct::Blocked(until) => {
+                let learned_at = now;
+                self.keep(account_id, KeptBlock { until, learned_at }, now);
+            }
+            BlockAct::Unchanged => self.keep_block_of(account_id, removed, now),
         }
     }
 
@@ -676,10 +672,7 @@ impl LocalView {
             None if holds.listed_at.is_some() => {
                 let removed = shard.remove(&account_id);
                 drop(shard);
-                let now = Instant::now();
-                if let Some(block) = Self::block_of(removed, now) {
-                    self.keep(account_id, block, now);
-                }
+                self.keep_block_of(account_id, removed, Instant::now());
             }
             None => {}
         }
@@ -701,9 +694,7 @@ impl LocalView {
             // per caller, or never recorded): the new one beside it would count it twice.
             let removed = shard.remove(&account_id);
             drop(shard);
-            if let Some(block) = Self::block_of(removed, now) {
-                self.keep(account_id, block, now);
-            }
+            self.keep_block_of(account_id, removed, now);
             return;
         }
         let Some(holds) = shard.get_mut(&account_id) else {
@@ -778,12 +769,11 @@ impl LocalView {
             // A block read and not stored is kept for the failure policy all the same; stale (a
             // change in its shard since it was asked for, an unblock here perhaps), for a minute
             // at most.
-            (Stored::NoRoom, Some(until)) => {
-                let learned_at = now;
-                self.keep(account_id, KeptBlock { until, learned_at }, now);
-            }
-            (Stored::Stale, Some(until)) => {
-                let until = until.min(now + BLOCK_TRUSTED_FOR);
+            (Stored::NoRoom | Stored::Stale, Some(until)) => {
+                let until = match stored {
+                    Stored::Stale => until.min(now + BLOCK_TRUSTED_FOR),
+                    _ => until,
+                };
                 let learned_at = now;
                 self.keep(account_id, KeptBlock { until, learned_at }, now);
             }
