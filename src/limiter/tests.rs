@@ -433,11 +433,9 @@ async fn a_blocked_caller_is_refused_until_the_block_ends() {
     assert!(f.calls().is_empty());
 }
 
-/// A block is refused from memory for a minute, then the ledger decides again (an unblock this
-/// instance missed ends there); but when the ledger cannot be asked, the block it last said
-/// stands, whatever the failure policy: an operator's block is never failed open.
-#[tokio::test]
-async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fails() {
+/// A caller read blocked (fail-open), then `between`, then a hold the ledger does not answer: the
+/// request's outcome, once the ledger was asked again.
+async fn blocked_then_the_ledger_fails(between: impl FnOnce(&Fixture)) -> Outcome {
     let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
     f.script_blocked_for_a_week();
     assert!(matches!(
@@ -445,21 +443,28 @@ async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fai
         Outcome::Blocked { .. }
     ));
     f.calls();
-    f.clock.advance(Duration::from_secs(61));
+    between(&f);
     f.script(|s| s.holds.push_back(Err(timeout())));
     let failed = f.check(ONE).await;
     assert_eq!(f.calls(), ["hold"], "the ledger was asked again");
-    assert!(
-        matches!(
-            failed.outcome,
-            Outcome::Blocked {
-                source: DecisionSource::LocalView,
-                ..
-            }
-        ),
-        "{:?}",
-        failed.outcome
+    failed.outcome
+}
+
+/// A block is refused from memory for a minute, then the ledger decides again (an unblock this
+/// instance missed ends there); but when the ledger cannot be asked, the block it last said
+/// stands, whatever the failure policy: an operator's block is never failed open.
+#[tokio::test]
+async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fails() {
+    let later = |f: &Fixture| f.clock.advance(Duration::from_secs(61));
+    let outcome = blocked_then_the_ledger_fails(later).await;
+    let from_memory = matches!(
+        outcome,
+        Outcome::Blocked {
+            source: DecisionSource::LocalView,
+            ..
+        }
     );
+    assert!(from_memory, "{outcome:?}");
 }
 
 /// An operator acts on anyone, anywhere: the epoch follower clears every instance's view. A
@@ -467,22 +472,9 @@ async fn a_block_read_a_minute_ago_is_asked_again_and_stands_when_the_ledger_fai
 /// with the view, and fail-open admitted the blocked caller).
 #[tokio::test]
 async fn a_block_read_before_any_operators_act_stands_when_the_ledger_fails() {
-    let f = Fixture::new(FailurePolicy::Open, UnknownKeys::DefaultPlan);
-    f.script_blocked_for_a_week();
-    assert!(matches!(
-        f.check(ONE).await.outcome,
-        Outcome::Blocked { .. }
-    ));
-    f.calls();
-    f.limiter.forget_all_local();
-    f.script(|s| s.holds.push_back(Err(timeout())));
-    let failed = f.check(ONE).await;
-    assert_eq!(f.calls(), ["hold"], "the ledger was asked again");
-    assert!(
-        matches!(failed.outcome, Outcome::Blocked { .. }),
-        "{:?}",
-        failed.outcome
-    );
+    let cleared = |f: &Fixture| f.limiter.forget_all_local();
+    let outcome = blocked_then_the_ledger_fails(cleared).await;
+    assert!(matches!(outcome, Outcome::Blocked { .. }), "{outcome:?}");
 }
 
 #[tokio::test]
