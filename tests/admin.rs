@@ -218,6 +218,45 @@ async fn a_top_up_raises_the_limit_on_every_instance() {
     other.stop().await;
 }
 
+/// A top-up of a caller whose grant never landed grants it first: the caller has its capacity
+/// and the top-up. (The top-up counted as the grant, which no request then finished: the caller
+/// kept 3 in place of 2 + 3, for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_of_an_account_never_granted_grants_it_first() {
+    use ledger_limiter::ledger::model;
+    use tigerbeetle_unofficial as tb;
+    let app = spawn_app(config(2)).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    let (id, _) = admin.account_of_plan(&key).await;
+    // The account as a first request whose grant failed leaves it: created, never credited.
+    let account = model::UserAccount {
+        id: u128::from_str_radix(&id, 16).unwrap(),
+        capacity: 2.try_into().unwrap(),
+        window_seconds: 60.try_into().unwrap(),
+    };
+    let ledger = model::LEDGER_REQUEST_RATE;
+    let raw = tb::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let accounts = vec![
+        model::operator_account(ledger),
+        model::user_account(&account, ledger),
+    ];
+    let _ = raw.create_accounts(accounts).await; // the operator's exists: the caller's is new
+    let (_, seen) = admin
+        .send("GET", &format!("/admin/callers/{id}"), Some(SECRET), None)
+        .await;
+    assert_eq!(seen["grants"].as_u64(), Some(0), "{seen}");
+    let body = json!({"amount": 3, "reason": "goodwill"});
+    let path = format!("/admin/callers/{id}/credit");
+    let (status, done) = admin.send("POST", &path, Some(SECRET), Some(body)).await;
+    assert_eq!(status, 200, "{done}");
+    for _ in 0..5 {
+        assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    }
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 429);
+    app.stop().await;
+}
+
 /// An adjustment retried with its `Idempotency-Key` (its first answer lost, say) is applied once;
 /// the key reused for a different adjustment changes nothing (422); a malformed one is a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -898,7 +937,7 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     );
     // Errors: the same plan, a plan that does not exist, an unblock of a moved account.
     let (status, problem) = send_move("pro").await;
-    assert_eq!(status, 409, "{problem}");
+    assert_eq!((status, &problem["cause"]), (409, &json!("same_plan")));
     // An instance that never met the caller looks its key up in the ledger: the moved-to
     // account, not the closed one its key derives.
     let fresh = spawn_app(two_plans()).await;
@@ -939,6 +978,60 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     );
     app.stop().await;
     other.stop().await;
+}
+
+/// A caller moved through every plan is followed to its end: a fifth move, a lookup and a
+/// request, each on an instance that never heard of the moves. (One decision or lookup followed at
+/// most three moves: the fifth move was refused as "moved elsewhere", the lookup failed, and the
+/// request was refused as blocked.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_moved_through_every_plan_is_followed_to_its_end() {
+    let names = ["p0", "p1", "p2", "p3", "p4"];
+    let five_plans = || {
+        let mut config = config(2);
+        let plans = names.iter().zip(2..);
+        config.plans = Some(plans.map(|(n, c)| (n.to_string(), plan(c, 60))).collect());
+        config.default_plan = Some("p0".into());
+        config
+    };
+    let app = spawn_app(five_plans()).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let send_move = |app, plan: &str| {
+        let body = json!({"key": key, "plan": plan, "reason": "upgrade"});
+        let path = "/admin/callers/move";
+        async move {
+            Admin { app }
+                .send("POST", path, Some(SECRET), Some(body))
+                .await
+        }
+    };
+    for (from, to) in names.iter().zip(&names[1..]) {
+        let (status, moved) = send_move(&app, to).await;
+        assert_eq!(status, 200, "{from} to {to}: {moved}");
+        assert_eq!(moved["from_plan"], *from, "{moved}");
+    }
+    // A lookup, then a request, on an instance that learns the moves from the ledger.
+    let looking = spawn_app(five_plans()).await;
+    let (_, plan) = Admin { app: &looking }.account_of_plan(&key).await;
+    assert_eq!(plan, "p4");
+    let admitted = looking.get("/greeting", Some(&key)).await;
+    assert_eq!(admitted.status(), 200);
+    let policy = admitted.headers()["ratelimit-policy"].to_str().unwrap();
+    assert!(policy.contains("\"p4\""), "{policy}");
+    let fresh = spawn_app(five_plans()).await;
+    assert_eq!(fresh.get("/greeting", Some(&key)).await.status(), 200);
+    // A fifth move, by an instance that walks the whole chain to find where the caller is.
+    let moving = spawn_app(five_plans()).await;
+    let (status, back) = send_move(&moving, "p0").await;
+    assert_eq!(status, 200, "{back}");
+    assert_eq!(
+        (&back["from_plan"], &back["to_plan"]),
+        (&json!("p4"), &json!("p0"))
+    );
+    for app in [app, looking, fresh, moving] {
+        app.stop().await;
+    }
 }
 
 /// An application dropped without being run stops what it started beside its server: its admin

@@ -112,7 +112,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             // The plan's account closed: a block, or a move this instance has not learnt yet (as
             // the refusal's own read of the account says: a second read had a deadline of its
             // own, and a blocked caller's decision took two).
-            if followed < moves::MOVES_FOLLOWED_MAX && closed_by_ledger(&multi) {
+            if followed < moves::moves_followed_max(&self.plans) && closed_by_ledger(&multi) {
                 if let Some(plan) = multi
                     .moved_to
                     .and_then(|tag| moves::plan_of_tag(&self.plans, tag))

@@ -491,7 +491,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         key: &CallerKey,
         deadline: Instant,
     ) -> Result<Option<(u128, &Plan)>, LedgerError> {
-        for _ in 0..=moves::MOVES_FOLLOWED_MAX {
+        for _ in 0..=moves::moves_followed_max(&self.plans) {
             let Some(charge) = self.charge(key, NonZeroU64::MIN) else {
                 return Ok(None);
             };
@@ -752,7 +752,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             match self.decide(&charge, deadline).await {
                 Ok(decided) => break decided,
                 Err(tag) => match moves::plan_of_tag(&self.plans, tag) {
-                    Some(plan) if followed < moves::MOVES_FOLLOWED_MAX => {
+                    Some(plan) if followed < moves::moves_followed_max(&self.plans) => {
                         followed += 1;
                         self.moves
                             .learn(charge.home_account_id, plan, charge.home_plan_id);

@@ -12,8 +12,14 @@ use crate::ledger::model;
 /// How many moved callers an instance remembers; past that it forgets them all (each then pays
 /// its extra round trip again).
 pub const MOVES_REMEMBERED_MAX: usize = 65_536;
-/// How many moves one decision follows (a caller moved again while a request was deciding).
-pub const MOVES_FOLLOWED_MAX: usize = 3;
+/// How many moves one decision or lookup follows: one per plan of `plans`. Why: the moves from a
+/// caller's home account never pass through a plan twice (a move back reopens the account it
+/// left), so the whole chain has fewer hops than there are plans. A fixed bound of 3 left a
+/// caller moved four times unmovable (`LostTrack`), unfound by a lookup, and refused as blocked
+/// at its first request on each new instance. A longer walk means moves made while it walked.
+pub fn moves_followed_max(plans: &super::PlanBook) -> usize {
+    plans.plans().len()
+}
 
 /// Home account (the one its configured plan derives) → the plan it moved to.
 #[derive(Default)]
@@ -103,7 +109,13 @@ impl super::Limiter {
             .by_name(plan_name)
             .ok_or_else(|| MoveError::UnknownPlan(plan_name.to_owned()))?;
         let (home_plan, home_account) = self.home(key).ok_or(MoveError::UnknownKey)?;
-        let (from_plan, from) = self.current(key, home_plan, home_account, deadline).await?;
+        // From the moves this instance has learnt: reads the ledger from where it last found
+        // the caller, not its whole chain again.
+        let known_plan = self.moves.get(home_account).unwrap_or(home_plan);
+        let known_account = self.account_on(key, self.plan(known_plan));
+        let (from_plan, from) = self
+            .current(key, known_plan, known_account, deadline)
+            .await?;
         let plan = self.plan(target);
         let to = self.account_on(key, plan);
         if from_plan == target {
@@ -157,7 +169,7 @@ impl super::Limiter {
         deadline: std::time::Instant,
     ) -> Result<(PlanId, u128), MoveError> {
         let window_max = self.plans.window_seconds_max().get();
-        for _ in 0..=MOVES_FOLLOWED_MAX {
+        for _ in 0..=moves_followed_max(&self.plans) {
             let view = self
                 .store
                 .account_view(account, window_max, deadline)
