@@ -30,7 +30,7 @@ pub fn policy_value(plan: &Plan) -> String {
     )
 }
 
-/// `"<plan>";r=<remaining>;t=<seconds until the quota is whole again>`.
+/// `"<plan>";r=<remaining>;t=<seconds until more of the quota is back>`.
 pub fn ratelimit_value(plan: &str, quota: &Quota) -> String {
     format!("\"{plan}\";r={};t={}", quota.remaining, quota.reset_seconds)
 }

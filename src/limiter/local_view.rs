@@ -127,10 +127,17 @@ impl CallerHolds {
         if self.available() >= cost {
             return None;
         }
-        let fits_at = self.fits_at(cost, now);
+        let retry_after = self.fits_at(cost, now).saturating_duration_since(now);
+        // A refusal's `t` is never before its `Retry-After` (as the ledger's refusal says too):
+        // more may be back sooner, but not enough for this request.
+        let quota = self.quota(now);
+        let quota = LocalQuota {
+            reset_after: quota.reset_after.max(retry_after),
+            ..quota
+        };
         Some(LocalLimit {
-            retry_after: fits_at.saturating_duration_since(now),
-            quota: self.quota(now),
+            retry_after,
+            quota,
             blocked: false,
         })
     }
@@ -249,10 +256,15 @@ impl CallerHolds {
             self.latest_expiry,
             self.holds.iter().map(|h| h.expires_at).max()
         );
-        let reset_at = self.latest_expiry.unwrap_or(now);
+        // The first hold (in expiry order) that holds something: its release makes more of the
+        // quota available, which is what draft -10's `t` says. Not the last: `t` said when the
+        // quota is whole again, later than more is back whenever holds are spread over the
+        // window (a 429's `t` then said a later time than its `Retry-After`).
+        let more_at = self.holds.iter().find(|hold| hold.amount > 0);
+        let more_at = more_at.map_or(now, |hold| hold.expires_at);
         LocalQuota {
             remaining: self.available(),
-            reset_after: reset_at.saturating_duration_since(now),
+            reset_after: more_at.saturating_duration_since(now),
         }
     }
 }
@@ -268,7 +280,7 @@ pub struct LocalRecharge {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalQuota {
     pub remaining: u64,
-    /// Until every known hold is released (the quota is whole again).
+    /// Until more of the quota is back: the first known hold's release (zero when none is).
     pub reset_after: Duration,
 }
 
@@ -1419,7 +1431,10 @@ mod tests {
         list(&view, 1, &ledger_view(3, &expiries, wall), t0, wall);
         let limit = view.check(1, 2, t0).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(20) + MARGIN);
-        assert_eq!(limit.quota.reset_after, Duration::from_secs(30) + MARGIN);
+        // Its `t`: when enough is back for it, as its Retry-After (more is back at 10 s).
+        assert_eq!(limit.quota.reset_after, limit.retry_after);
+        let quota = view.quota(1, 3, t0);
+        assert_eq!(quota.reset_after, Duration::from_secs(10) + MARGIN);
         // More than the whole credit never fits: when all is back, not "now".
         let limit = view.check(1, 4, t0).unwrap();
         assert_eq!(limit.retry_after, Duration::from_secs(30) + MARGIN);

@@ -636,7 +636,8 @@ async fn a_second_refusal_is_a_429_timed_by_the_listed_holds() {
     let decision = f.check(ONE).await;
     assert_eq!(limited_by(&decision), Some((7, DecisionSource::Ledger)));
     assert_eq!(decision.quota.remaining, 0);
-    assert_eq!(decision.quota.reset_seconds, 12);
+    // When the first hold is released, as its Retry-After says (not when all are, at 12 s).
+    assert_eq!(decision.quota.reset_seconds, 7);
     assert_eq!(f.calls(), ["hold", "view", "hold", "view"]);
     // Remembered: the next request is refused without a call.
     assert_eq!(
