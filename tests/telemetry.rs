@@ -553,6 +553,33 @@ async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_ar
     app.stop().await;
 }
 
+/// A refusal let through on a shadow route is no 429: its span says `ratelimit.shadow` and has
+/// no `limited` event (the README's "on every 429"); it had one, as the refusal was built first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_pass_has_no_limited_event() {
+    telemetry(); // first: it sets the environment, before this test starts anything
+    let mut config = test_config(shared_ledger().address);
+    config.plans = Some([("shadowed".to_owned(), plan(1, 30))].into());
+    config.default_plan = Some("shadowed".to_owned());
+    config.routes.shadow = Some(vec!["/*".to_owned()]);
+    let (app, _) = spawn_observed_app(config).await;
+    let key = fresh_key("secret_");
+    let traces = [0, 1].map(|_| format!("{:032x}", rand::random::<u128>()));
+    for trace in &traces {
+        assert_eq!(traced_get(&app, &key, trace).await.status(), 200);
+    }
+    let spans = server_spans_of_trace(&traces[1]).await;
+    let server = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some())
+        .expect("a server span with the decision");
+    assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
+    assert_eq!(attribute(server, "ratelimit.shadow").unwrap(), "true");
+    let events: Vec<_> = server.events.iter().map(|e| &e.name).collect();
+    assert!(!events.iter().any(|name| *name == "limited"), "{events:?}");
+    app.stop().await;
+}
+
 /// 40 requests of `key` at once.
 async fn burst(app: &TestApp, key: &str) -> Vec<reqwest::StatusCode> {
     let requests = (0..40).map(|_| async { app.get("/greeting", Some(key)).await.status() });

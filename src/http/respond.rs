@@ -118,8 +118,12 @@ fn add_route_limits(headers: &mut HeaderMap, fields: &Fields, decision: &Decisio
         let ratelimit = HeaderValue::try_from(ratelimit).expect(ascii);
         headers.insert(headers::RATELIMIT, ratelimit);
     }
+    let refused = !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_));
     let binding = match decision.refused_by {
         Some(index) => Some(&decision.route_limits[index]),
+        // The plan refused: its fields, as the `Retry-After` and the problem's detail say. A
+        // route limit with less left showed instead, its reset before the `Retry-After`.
+        None if refused => None,
         None => decision
             .route_limits
             .iter()
@@ -242,6 +246,77 @@ pub fn refusal(decision: &Decision<'_>, fields: &Fields) -> Option<HttpResponse>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The single-valued styles show the limit that binds: on a refusal by the plan, the plan,
+    /// even beside a route limit with less left.
+    #[test]
+    fn a_refusal_by_the_plan_binds_the_single_valued_fields_to_it() {
+        use crate::limiter::extra::RouteLimitStatus;
+        use crate::limiter::plan::{PlanBook, UnknownKeys};
+        use crate::limiter::DecisionSource;
+        let plan = |name, capacity| {
+            let capacity = std::num::NonZeroU64::new(capacity).unwrap();
+            Plan::new(name, capacity, std::num::NonZeroU32::new(30).unwrap()).unwrap()
+        };
+        let (none, keys) = (
+            Vec::<(String, String)>::new(),
+            Vec::<(String, String)>::new(),
+        );
+        let book = PlanBook::new(
+            vec![plan("free", 5)],
+            "free",
+            none,
+            keys,
+            UnknownKeys::Reject,
+        );
+        let book = book.unwrap();
+        let fields = Fields {
+            policies: PolicyHeaders::new(&book),
+            styles: HeaderStyles {
+                ietf: false,
+                github: true,
+                bucket4j: false,
+            },
+        };
+        let quota = |limit, remaining, reset_seconds| Quota {
+            limit,
+            window_seconds: 30,
+            remaining,
+            reset_seconds,
+        };
+        let mut decision = Decision {
+            outcome: Outcome::Admitted,
+            plan: &book.plans()[0],
+            plan_id: book.default_plan(),
+            account_id: 1,
+            quota: quota(5, 2, 20),
+            hold: None,
+            leased: None,
+            route_limits: vec![RouteLimitStatus {
+                limit: plan("per_day", 100),
+                account_id: 2,
+                quota: quota(100, 1, 5),
+                hold: None,
+            }],
+            refused_by: None,
+        };
+        let limit_shown = |decision: &Decision<'_>| {
+            let mut headers = HeaderMap::new();
+            add_fields(&mut headers, &fields, decision, None);
+            let shown = headers.get("x-ratelimit-limit").expect("github style");
+            shown.to_str().unwrap().to_owned()
+        };
+        assert_eq!(
+            limit_shown(&decision),
+            "100",
+            "admitted: the least left binds"
+        );
+        decision.outcome = Outcome::Limited {
+            retry_after_seconds: 20,
+            source: DecisionSource::Ledger,
+        };
+        assert_eq!(limit_shown(&decision), "5", "the plan refused");
+    }
 
     #[test]
     fn reported_costs_are_digits_up_to_the_bound() {

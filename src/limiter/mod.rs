@@ -542,9 +542,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         });
         let plan = self.release_by(decision.account_id, hold, deadline);
         let (routes, plan) = futures_util::future::join(join_all(routes), plan).await;
+        // A route limit's hold given back is a refund too: its window may outlast the plan's,
+        // whose hold had expired (a day's limit, a slow handler on a plan of a second).
+        let mut routes_given = false;
         for (limit, released) in decision.route_limits.iter_mut().zip(routes) {
             match (limit.hold, released) {
-                (Some(hold), Some(Ok(true))) => credit_back(&mut limit.quota, hold.amount),
+                (Some(hold), Some(Ok(true))) => {
+                    credit_back(&mut limit.quota, hold.amount);
+                    routes_given = true;
+                }
                 (_, Some(Err(error))) => {
                     tracing::debug!(%error, "could not give a route limit's hold back; it expires with its window");
                 }
@@ -555,7 +561,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if given {
             credit_back(&mut decision.quota, hold.amount);
         }
-        Ok(given)
+        Ok(given || routes_given)
     }
 
     /// The lease units that admitted `decision` back to its caller's lease, in memory, and in

@@ -29,6 +29,11 @@ pub struct LeaseTerms {
     pub seconds: NonZeroU32,
 }
 
+/// Bound on a plan's capacity: the largest integer a structured field carries (RFC 9651: 15
+/// digits). Why: a larger `q` or `r` made a strict parser reject the whole `RateLimit-Policy`
+/// list, every policy in it lost.
+pub const CAPACITY_MAX: u64 = 999_999_999_999_999;
+
 /// Bound on a lease's time L: unused leased units return within it, so it stays short.
 pub const LEASE_SECONDS_MAX: u32 = 60;
 
@@ -46,6 +51,9 @@ impl Plan {
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
         if !name_valid {
             return Err(PlanError::InvalidName(name.to_owned()));
+        }
+        if capacity.get() > CAPACITY_MAX {
+            return Err(PlanError::Capacity(name.to_owned()));
         }
         Ok(Plan {
             name: name.into(),
@@ -96,6 +104,8 @@ pub const PLAN_COUNT_MAX: usize = 64;
 pub enum PlanError {
     #[error("plan name {0:?} must be 1-{PLAN_NAME_LENGTH_MAX} characters of [A-Za-z0-9_-]")]
     InvalidName(String),
+    #[error("plan {0:?}: a capacity is at most {CAPACITY_MAX} (15 digits, what a rate-limit field carries)")]
+    Capacity(String),
     #[error("plan {0:?} is defined twice")]
     Duplicate(String),
     #[error("there must be between 1 and {PLAN_COUNT_MAX} plans")]
@@ -363,6 +373,19 @@ mod tests {
         assert_eq!(name("pro_1"), "pro");
         assert_eq!(name("pro_basic_1"), "basic");
         assert_eq!(name("anything"), "free");
+    }
+
+    #[test]
+    fn a_capacity_fits_a_structured_fields_integer() {
+        let plan = |capacity: u64| {
+            let window = NonZeroU32::new(60).unwrap();
+            Plan::new("p", NonZeroU64::new(capacity).unwrap(), window)
+        };
+        assert!(plan(CAPACITY_MAX).is_ok());
+        assert_eq!(CAPACITY_MAX.to_string().len(), 15);
+        let err = plan(CAPACITY_MAX + 1).unwrap_err();
+        assert_eq!(err, PlanError::Capacity("p".to_owned()));
+        assert!(err.to_string().contains("999999999999999"), "{err}");
     }
 
     #[test]

@@ -846,6 +846,29 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
     assert_eq!(f.check(ONE).await.quota.remaining, CAPACITY - 1);
 }
 
+/// The plan's hold expired (a short window), a route limit's had not (a day's): the refund gave
+/// that back, and said it gave nothing, so it went uncounted.
+#[tokio::test]
+async fn a_refund_of_a_route_limits_hold_alone_is_a_refund() {
+    let f = Fixture::closed();
+    let answered_at = f.clock.now();
+    f.script(|s| {
+        s.chains.push_back(Ok(ChainReply::Held {
+            answered_at,
+            transfer_ids: vec![41, 42],
+        }));
+        // The route limit's void (sent first) gives its hold back; the plan's had expired.
+        s.voids.extend([Ok(true), Ok(false)]);
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let per_day = [test_plan("per_day", 10)];
+    let (mut decision, _) = f.limiter.check_with(&key, ONE, &per_day).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(decision.route_limits[0].quota.remaining, 9);
+    assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
+    assert_eq!(decision.route_limits[0].quota.remaining, 10);
+}
+
 #[tokio::test]
 async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
     let f = Fixture::closed();
