@@ -269,6 +269,26 @@ impl StopSignals {
     }
 }
 
+/// The `LEDGER_LIMITER_*` names among `names` that no setting reads: a misspelling, or a
+/// file-only setting (`LEDGER_LIMITER_IN_FLIGHT_MAX`), which was ignored without a word. Not
+/// the scripts' own: `LEDGER_LIMITER_CACHE` (`scripts/setup`), `_BIN` and `_CLUSTER_DIR`
+/// (`scripts/cluster`).
+fn unread_variables(names: impl Iterator<Item = String>) -> Vec<String> {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    let flags = command.get_arguments().filter_map(|arg| arg.get_env());
+    let mut read: Vec<String> = flags
+        .map(|env| env.to_string_lossy().into_owned())
+        .collect();
+    let others = ["ADMIN_SECRETS", "CACHE", "BIN", "CLUSTER_DIR"];
+    read.extend(others.map(|name| format!("LEDGER_LIMITER_{name}")));
+    let mut unread: Vec<String> = names
+        .filter(|name| name.starts_with("LEDGER_LIMITER_") && !read.contains(name))
+        .collect();
+    unread.sort();
+    unread
+}
+
 /// Starts the service and serves until stopped. A stop signal while the application is built
 /// drops what was built (an embedded ledger is killed with it); one while the ledger is awaited
 /// stops the built servers gracefully.
@@ -278,6 +298,10 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
         version = env!("CARGO_PKG_VERSION"),
         "ledger-limiter starting"
     );
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    for variable in unread_variables(names) {
+        tracing::warn!(%variable, "no setting reads this variable: it is ignored (file-only settings are read from the --config file)");
+    }
     let exporting_traces = telemetry.exporting();
     let served = serve_exporting(settings, signals, exporting_traces).await;
     if let Err(error) = &served {
@@ -376,4 +400,28 @@ async fn flush_telemetry(
         .await
         .context("flushing traces")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn variables_no_setting_reads_are_named() {
+        let names = [
+            "LEDGER_LIMITER_LISTEN",
+            "LEDGER_LIMITER_IN_FLIGHT_MAX",
+            "LEDGER_LIMITER_ADMIN_SECRETS",
+            "LEDGER_LIMITER_CACHE",
+            "LEDGER_LIMITER_LEDGER_TIMEOUT",
+            "LEDGER_LIMITER_METRICS_LISTEN",
+            "RUST_LOG",
+        ];
+        let unread = super::unread_variables(names.into_iter().map(str::to_owned));
+        assert_eq!(
+            unread,
+            [
+                "LEDGER_LIMITER_IN_FLIGHT_MAX",
+                "LEDGER_LIMITER_LEDGER_TIMEOUT"
+            ]
+        );
+    }
 }

@@ -431,6 +431,16 @@ fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
     value.ok_or_else(|| invalid(setting, "is required"))
 }
 
+/// A path that must be given, and not empty. Why: the file's `data_dir = ""` was taken as the
+/// working directory, where the data file was then made (the flag's empty value is refused).
+fn require_path(value: Option<PathBuf>, setting: &str) -> Result<PathBuf, ConfigError> {
+    let path = require(value, setting)?;
+    if path.as_os_str().is_empty() {
+        return Err(invalid(setting, "must not be empty"));
+    }
+    Ok(path)
+}
+
 /// `value` must be one of `choices` (setting value, result).
 fn one_of<T: Copy>(value: String, setting: &str, choices: &[(&str, T)]) -> Result<T, ConfigError> {
     match choices.iter().find(|(name, _)| *name == value) {
@@ -996,8 +1006,8 @@ fn ledger_location(
     let addresses = addresses.unwrap_or_default();
     if addresses.is_empty() {
         return Ok(LedgerLocation::Embedded {
-            data_dir: require(embedded.data_dir, "embedded.data_dir")?,
-            tigerbeetle_bin: require(embedded.tigerbeetle_bin, "embedded.tigerbeetle_bin")?,
+            data_dir: require_path(embedded.data_dir, "embedded.data_dir")?,
+            tigerbeetle_bin: require_path(embedded.tigerbeetle_bin, "embedded.tigerbeetle_bin")?,
             development: embedded.development.unwrap_or(true),
         });
     }
@@ -1702,6 +1712,15 @@ mod tests {
                 addresses: expected
             }
         );
+    }
+
+    /// An empty path in the file was the working directory, where the data file was made.
+    #[test]
+    fn an_empty_embedded_path_is_refused() {
+        for path in ["data_dir", "tigerbeetle_bin"] {
+            let err = with(&format!("[embedded]\n{path} = \"\"")).unwrap_err();
+            assert_eq!(err.setting, format!("embedded.{path}"));
+        }
     }
 
     #[test]

@@ -102,9 +102,13 @@ impl EmbeddedLedger {
         let file = options
             .data_dir
             .join(format!("{}_0.tigerbeetle", options.cluster_id));
+        // Said before each wait: a slow disk kept the service silent between "starting" and
+        // "started", for as long as the format and the start took.
         if !file.exists() {
+            tracing::info!(file = %file.display(), "formatting the embedded TigerBeetle's data file");
             format(&options, &file).await?;
         }
+        tracing::info!(file = %file.display(), "starting the embedded TigerBeetle");
         let (child, stdin, port) = spawn(&options, &file).await?;
         let (moved, address) = watch::channel(loopback(port));
         tracing::info!(address = %loopback(port), file = %file.display(), "embedded TigerBeetle started");
@@ -170,9 +174,15 @@ async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), EmbeddedEr
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         // A stop during start-up drops this future: the format must not outlive the service.
+        // So does the deadline: a format is seconds, and one that hangs (a stalled disk) must
+        // end the start with an error, not keep the service waiting without a word.
         .kill_on_drop(true)
-        .status()
+        .status();
+    let status = tokio::time::timeout(START_TIMEOUT, status)
         .await
+        .map_err(|_| EmbeddedError::Format {
+            status: format!("not done within {START_TIMEOUT:?}"),
+        })?
         .map_err(|source| EmbeddedError::Spawn {
             bin: options.bin.clone(),
             source,

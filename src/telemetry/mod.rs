@@ -81,7 +81,8 @@ pub fn prometheus_builder(
 /// Whether the environment asks for OTLP trace export.
 pub fn otlp_requested() -> bool {
     let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true"))
-        || std::env::var("OTEL_TRACES_EXPORTER").is_ok_and(|v| v == "none");
+        || std::env::var("OTEL_TRACES_EXPORTER")
+            .is_ok_and(|v| v.trim().eq_ignore_ascii_case("none"));
     !disabled
         && (env_set("OTEL_EXPORTER_OTLP_ENDPOINT") || env_set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 }
@@ -163,6 +164,24 @@ impl<S> tracing_subscriber::layer::Filter<S> for EventsOnly {
     }
 }
 
+/// The log's filter from `RUST_LOG`'s value: `info` when it is unset or empty, and when it does
+/// not parse, which is said on stderr (the log is not up yet). Why: an empty value parsed as no
+/// directive at all, which drops every line, errors too; a misspelt one fell back without a word.
+fn log_filter(value: Result<String, std::env::VarError>) -> EnvFilter {
+    let value = match value {
+        Ok(value) if !value.trim().is_empty() => value,
+        Ok(_) | Err(std::env::VarError::NotPresent) => return EnvFilter::new("info"),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            eprintln!("RUST_LOG is not UTF-8: logging at info");
+            return EnvFilter::new("info");
+        }
+    };
+    EnvFilter::try_new(&value).unwrap_or_else(|error| {
+        eprintln!("RUST_LOG={value:?} is not a log filter ({error}): logging at info");
+        EnvFilter::new("info")
+    })
+}
+
 /// Installs the global subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`), and
 /// spans to OTLP when [`otlp_requested`]. W3C `traceparent` from callers is honoured.
 pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
@@ -172,13 +191,11 @@ pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError
     // The log: events only (RUST_LOG, default info), never the per-request span events. Spans
     // are for traces: keeping them from the log layer spares formatting their fields on every
     // request, and without OTLP export they are not even created.
-    let log_filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info"))
-        .add_directive(
-            format!("{SPAN_EVENTS_TARGET}=off")
-                .parse()
-                .expect("a valid directive"),
-        );
+    let log_filter = log_filter(std::env::var("RUST_LOG")).add_directive(
+        format!("{SPAN_EVENTS_TARGET}=off")
+            .parse()
+            .expect("a valid directive"),
+    );
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -225,6 +242,24 @@ mod tests {
             "service.namespace=shop,service.instance.id=a"
         ));
         assert!(!names_the_service("service.name="));
+    }
+
+    /// An empty `RUST_LOG` logs at info (it dropped every line, errors too), as does one that
+    /// does not parse; a valid one is used.
+    #[test]
+    fn rust_log_empty_or_invalid_logs_at_info() {
+        use std::env::VarError;
+        use tracing_subscriber::filter::LevelFilter;
+        let hint = |value: Result<&str, VarError>| {
+            super::log_filter(value.map(str::to_owned)).max_level_hint()
+        };
+        let info = Some(LevelFilter::INFO);
+        assert_eq!(hint(Err(VarError::NotPresent)), info);
+        assert_eq!(hint(Ok("")), info);
+        assert_eq!(hint(Ok("  ")), info);
+        assert_eq!(hint(Ok("debug,x=bogus")), info);
+        assert_eq!(hint(Ok("debug")), Some(LevelFilter::DEBUG));
+        assert_eq!(hint(Ok("warn")), Some(LevelFilter::WARN));
     }
 
     /// With the collector down the SDK logs an error per failed batch: at most one a second
