@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -97,15 +97,16 @@ descriptors:
         - name: general
 "#;
 
-/// A directory with the three rule files.
-fn rules_dir() -> PathBuf {
-    let dir = tempfile::tempdir().expect("tempdir").keep();
+/// A directory with the three rule files, removed when dropped (each test's stays for its whole
+/// run: kept for good, every run left one behind per test in the temporary directory).
+fn rules_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
     for (name, text) in [
         ("another.yaml", ANOTHER),
         ("basic.yaml", BASIC),
         ("extra.yaml", EXTRA),
     ] {
-        std::fs::write(dir.join(name), text).unwrap();
+        std::fs::write(dir.path().join(name), text).unwrap();
     }
     dir
 }
@@ -195,7 +196,8 @@ fn overall(response: &RateLimitResponse) -> Code {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wire_parity_with_envoyproxy_ratelimit_integration_cases() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -300,7 +302,8 @@ async fn wire_parity_with_envoyproxy_ratelimit_integration_cases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_hourly_descriptor_leaves_the_minute_one_untouched() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -344,7 +347,8 @@ async fn an_exhausted_hourly_descriptor_leaves_the_minute_one_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_admit_exactly_the_limit_in_every_window() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let ledger = shared_ledger().address;
     let mut clients = Vec::new();
     let mut apps = Vec::new();
@@ -412,7 +416,8 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
 /// one the refusal names (as envoyproxy/ratelimit marks each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_spent_descriptor_of_a_refused_call_is_over_its_limit() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -438,7 +443,8 @@ async fn every_spent_descriptor_of_a_refused_call_is_over_its_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_whose_body_never_ends_is_ended_in_time() {
     use ledger_limiter::envoy::wire::WireRequest;
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let config = rls_config(shared_ledger().address, &rules, "closed", 500);
     let (_app, port) = spawn_rls_port(config).await;
     let mut grpc = tonic::client::Grpc::new(connect(port).await);
@@ -466,7 +472,8 @@ async fn a_call_whose_body_never_ends_is_ended_in_time() {
 /// and Envoy then lets the request through with none of its limits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let config = rls_config(shared_ledger().address, &rules, "closed", 5_000);
     let (app, port) = spawn_rls_port(config).await;
     let channel = connect(port).await;
@@ -489,7 +496,8 @@ async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_addend_precedence_and_costs_above_what_remains() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -566,7 +574,8 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
 /// counting the over-charge, rather than when the over-charge itself expires (10 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_charge_is_counted_in_when_the_charge_fits() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -598,7 +607,8 @@ async fn an_over_charge_is_counted_in_when_the_charge_fits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let ledger = shared_ledger().address;
     let (_a, mut a) = spawn_rls(rls_config(ledger, &rules, "closed", 5_000)).await;
     let (_b, mut b) = spawn_rls(rls_config(ledger, &rules, "closed", 5_000)).await;
@@ -656,7 +666,8 @@ async fn negative_hits_enforce_a_concurrency_limit_whose_lost_slots_expire() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("v");
@@ -792,7 +803,8 @@ const ANSWER_SLACK: Duration = Duration::from_millis(700);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let ledger = TestLedger::start();
     let timeout_ms = DEAD_LEDGER_TIMEOUT.as_millis() as u64;
     let (_closed, mut closed) =
@@ -846,7 +858,8 @@ async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
 #[test]
 fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
     let ledger = shared_ledger();
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let value = fresh_key("v");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let remaining_after = |guard_port: u16| {
@@ -1028,7 +1041,8 @@ async fn decisions_are_counted_with_the_envoy_frontend_label() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .expect("the only recorder of this test binary");
-    let rules = rules_dir();
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
         spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
     let value = fresh_key("secret_");

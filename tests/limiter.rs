@@ -482,17 +482,25 @@ async fn a_full_in_flight_bound_refuses_at_once_and_holds_nothing() {
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     let requests = (0..64).map(|_| async {
+        let sent = std::time::Instant::now();
         let response = app.get("/greeting", Some(&key)).await;
         let status = response.status().as_u16();
-        (status, response.text().await.unwrap())
+        let body = response.text().await.unwrap();
+        ((status, body), sent.elapsed())
     });
-    let results = join_all(requests).await;
+    let (results, took): (Vec<_>, Vec<_>) = join_all(requests).await.into_iter().unzip();
     let admitted = results.iter().filter(|(s, _)| *s == 200).count();
     let overloaded = results
         .iter()
         .filter(|(s, body)| *s == 503 && body.contains("(overloaded)"))
         .count();
     assert!(overloaded > 0, "one call in flight at most: {results:?}");
+    // At once: not after waiting for a place until the deadline (5 s here), as a give-back does.
+    let slowest = (results.iter().zip(&took))
+        .filter(|((status, _), _)| *status == 503)
+        .map(|(_, took)| *took)
+        .max();
+    assert!(slowest < Some(Duration::from_millis(2_500)), "{slowest:?}");
     assert_eq!(admitted + overloaded, results.len(), "{results:?}");
     // Exact: a refused request holds nothing, every admitted one holds one unit.
     let client = tb::Client::new(0, ledger.address.to_string()).unwrap();

@@ -425,8 +425,11 @@ impl TestCluster {
         self.addresses.iter().map(|a| a.to_string()).collect()
     }
 
-    /// Starts (or starts again) one replica on its port and data file. Its stdin is a pipe held
-    /// here: TigerBeetle exits when that closes, so nothing outlives the test.
+    /// Starts (or starts again) one replica on its port and data file. The kernel kills it when
+    /// the thread that started it ends (the test's own, which outlives the cluster), however the
+    /// test process died: a SIGKILL runs no `Drop`. (TigerBeetle watches its stdin only when
+    /// started with `--addresses=0`: a pipe held here stopped nothing, and three replicas of
+    /// 1.5 GiB each outlived a killed test.)
     pub fn restart(&mut self, replica: usize) {
         assert!(self.replicas[replica].is_none(), "replica {replica} runs");
         let addresses = self.address_list().join(",");
@@ -436,16 +439,25 @@ impl TestCluster {
             .open(self.log(replica))
             .expect("replica log");
         std::io::Write::write_all(&mut log, RESTART_MARK.as_bytes()).unwrap();
-        let child = Command::new(tigerbeetle_bin())
+        let mut command = Command::new(tigerbeetle_bin());
+        command
             .arg("start")
             .arg(format!("--addresses={addresses}"))
             .arg("--development")
             .arg(self.file(replica))
-            .stdin(Stdio::piped())
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("run tigerbeetle start");
+            .stderr(log);
+        // SAFETY: between fork and exec, only `prctl`, which is async-signal-safe.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                match libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) {
+                    -1 => Err(std::io::Error::last_os_error()),
+                    _ => Ok(()),
+                }
+            });
+        }
+        let child = command.spawn().expect("run tigerbeetle start");
         self.replicas[replica] = Some(child);
     }
 
