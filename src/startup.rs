@@ -292,21 +292,20 @@ impl Application {
         if out > 0 {
             tracing::warn!(out, "concurrency slots not given back; their timeout will");
         }
-        if let Some((admin, _)) = self.companions.admin.take() {
-            admin.stop(true).await;
-        }
-        if let Some((metrics, _)) = self.companions.metrics.take() {
-            metrics.stop(true).await;
-        }
-        if let Some(rls) = self.companions.rls.take() {
-            // Graceful: no new calls, the ones in flight finish (each within the decision deadline).
-            let _ = rls.stop.send(());
-            match tokio::task::spawn_blocking(move || rls.thread.join()).await {
-                Ok(Ok(Ok(()))) => tracing::info!("Envoy rate-limit service stopped"),
-                Ok(Ok(Err(error))) => tracing::warn!(%error, "Envoy rate-limit service failed"),
-                _ => tracing::warn!("Envoy rate-limit service thread failed"),
+        // At once: one after another, their drains (at most 8 s, 1 s and 10 s) added up past
+        // the stop grace an orchestrator gives (compose's 30 s, with the HTTP drain before).
+        let (admin, metrics) = (self.companions.admin.take(), self.companions.metrics.take());
+        let admin = async {
+            if let Some((admin, _)) = admin {
+                admin.stop(true).await;
             }
-        }
+        };
+        let metrics = async {
+            if let Some((metrics, _)) = metrics {
+                metrics.stop(true).await;
+            }
+        };
+        tokio::join!(admin, metrics, stop_rls(self.companions.rls.take()));
         // The address and epoch followers.
         drop(self.companions);
         if let Some(embedded) = self.embedded {
@@ -314,6 +313,20 @@ impl Application {
             tracing::info!("embedded TigerBeetle stopped");
         }
         result
+    }
+}
+
+/// Stops the Envoy front end, if it runs. Graceful: no new calls, the ones in flight finish
+/// (each within the decision deadline).
+async fn stop_rls(rls: Option<RlsServer>) {
+    let Some(rls) = rls else {
+        return;
+    };
+    let _ = rls.stop.send(());
+    match tokio::task::spawn_blocking(move || rls.thread.join()).await {
+        Ok(Ok(Ok(()))) => tracing::info!("Envoy rate-limit service stopped"),
+        Ok(Ok(Err(error))) => tracing::warn!(%error, "Envoy rate-limit service failed"),
+        _ => tracing::warn!("Envoy rate-limit service thread failed"),
     }
 }
 
