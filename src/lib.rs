@@ -8,7 +8,8 @@
 //!
 //! The layers, each depending only on the ones below it:
 //! - [`startup`] and [`config`]: wiring and validated settings (the binary's concern);
-//! - [`http`]: the actix-web adapter ([`http::RateLimit`], [`http::RequestRules`]);
+//! - [`http`]: the actix-web adapter ([`http::RateLimit`], [`http::RequestRules`]); beside it,
+//!   [`envoy`]: Envoy's rate-limit service (gRPC), a second adapter over the same decision;
 //! - [`limiter`]: one decision, "limited" being a value, never an error; plans, caller keys, the
 //!   local view;
 //! - [`ledger`]: every TigerBeetle call, each with a deadline and a bound; the model; the embedded

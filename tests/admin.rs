@@ -120,6 +120,14 @@ async fn an_operator_looks_up_inspects_and_reduces_a_callers_credit() {
     assert_eq!(status, 409, "{problem}");
     assert_eq!(problem["type"], "urn:ledger-limiter:problem:admin");
     assert_eq!(problem["cause"], "not_enough_credit", "{problem}");
+    let (_, after) = admin
+        .send("GET", &format!("/admin/callers/{id}"), Some(SECRET), None)
+        .await;
+    assert_eq!(
+        (&after["available"], &after["holds"], &after["reductions"]),
+        (&json!(0), &json!(2), &json!(0)),
+        "{after}"
+    );
 
     // On a caller with credit free, a reduction is an operator transfer in the audit trail, and
     // the ledger admits that much less from then on.
@@ -1059,7 +1067,7 @@ async fn an_application_dropped_unrun_stops_its_admin_api() {
     }
 }
 
-/// A caller known by its address (no key) is found, and blocked, by that address: the callers
+/// A caller known by its address (no key) is found, and moved, by that address: the callers
 /// most often abusive could be found only by an id read from a trace. An IPv4-mapped address
 /// names the same caller, as the middleware counts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
