@@ -988,10 +988,10 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     other.stop().await;
 }
 
-/// A caller moved through every plan is followed to its end: a fifth move, a lookup and a
-/// request, each on an instance that never heard of the moves. (One decision or lookup followed at
-/// most three moves: the fifth move was refused as "moved elsewhere", the lookup failed, and the
-/// request was refused as blocked.)
+/// A caller moved through every plan is followed to its end: a lookup, a request and a move, each
+/// on an instance that never heard of the moves (one decision or lookup followed at most three
+/// moves: the lookup failed, the request was refused as blocked, and a fifth move as "moved
+/// elsewhere"); and a move by an instance that knows where the caller is reads from there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_moved_through_every_plan_is_followed_to_its_end() {
     let names = ["p0", "p1", "p2", "p3", "p4"];
@@ -1029,14 +1029,27 @@ async fn a_caller_moved_through_every_plan_is_followed_to_its_end() {
     assert!(policy.contains("\"p4\""), "{policy}");
     let fresh = spawn_app(five_plans()).await;
     assert_eq!(fresh.get("/greeting", Some(&key)).await.status(), 200);
-    // A fifth move, by an instance that walks the whole chain to find where the caller is.
-    let moving = spawn_app(five_plans()).await;
-    let (status, back) = send_move(&moving, "p0").await;
+    // A move back, from where this instance last found the caller, then another by an instance
+    // that walks the whole chain from the caller's home to find it: the walk's listings, each
+    // closed account's, are the difference.
+    let listings = |app: &TestApp| {
+        let operation = ledger_limiter::ledger::metrics::Operation::GetAccountTransfers;
+        app.limiter.ledger().calls_started_of(operation)
+    };
+    let before = listings(&app);
+    let (status, back) = send_move(&app, "p3").await;
     assert_eq!(status, 200, "{back}");
+    let from_known = listings(&app) - before;
+    let moving = spawn_app(five_plans()).await;
+    let before = listings(&moving);
+    let (status, back) = send_move(&moving, "p2").await;
+    assert_eq!(status, 200, "{back}");
+    let from_home = listings(&moving) - before;
     assert_eq!(
         (&back["from_plan"], &back["to_plan"]),
-        (&json!("p4"), &json!("p0"))
+        (&json!("p3"), &json!("p2"))
     );
+    assert!(from_known < from_home, "{from_known} against {from_home}");
     for app in [app, looking, fresh, moving] {
         app.stop().await;
     }

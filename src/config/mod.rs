@@ -19,7 +19,7 @@ use crate::http::{ForwardedHeader, RequestRules, RequestRulesBuilder, RulesError
 use crate::ledger::{model, LedgerSettings, BATCH_LINGER_MAX};
 use crate::limiter::caller::{KEY_LENGTH_MAX_DEFAULT, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::metrics::{CONCURRENCY_PLAN_PREFIX, PLAN_NONE};
-use crate::limiter::plan::{Plan, PlanBook, UnknownKeys};
+use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
 use crate::limiter::{FailurePolicy, LimiterSettings};
 
 mod keys_file;
@@ -986,16 +986,17 @@ fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, Co
     // one named `concurrency-…` was left out of the dashboard's request panels.
     // And `concurrency` names the slots in a refusal: the `ratelimit.limit` of its span, and
     // the item of its RateLimit fields beside the plan's (two items of one name otherwise).
-    let slot_label = name == CONCURRENCY_LIMIT_NAME;
-    if name == PLAN_NONE || name.starts_with(CONCURRENCY_PLAN_PREFIX) || slot_label {
+    if crate::http::concurrency::reserved_name(name) {
         let why = format!(
             "the name is reserved: \"{PLAN_NONE}\", \"{CONCURRENCY_LIMIT_NAME}\" and names \
              starting \"{CONCURRENCY_PLAN_PREFIX}\" are labels of their own"
         );
         return Err(invalid(format!("{section}.{name}"), why));
     }
-    Plan::new(name, capacity, window)
-        .map_err(|e| invalid(format!("{section}.{name}"), e.to_string()))
+    Plan::new(name, capacity, window).map_err(|e| match e {
+        PlanError::Capacity(_) => invalid(setting("capacity"), e.to_string()),
+        _ => invalid(format!("{section}.{name}"), e.to_string()),
+    })
 }
 
 /// Replica addresses when given, else the embedded ledger.
@@ -1712,6 +1713,15 @@ mod tests {
                 addresses: expected
             }
         );
+    }
+
+    /// A capacity past what a field's integer carries names its setting.
+    #[test]
+    fn a_capacity_past_15_digits_names_the_setting() {
+        let err = with("[plans.free]\ncapacity = 1000000000000000\nwindow_seconds = 30");
+        let err = err.unwrap_err();
+        assert_eq!(err.setting, "plans.free.capacity");
+        assert!(with("[plans.free]\ncapacity = 999999999999999\nwindow_seconds = 30").is_ok());
     }
 
     /// An empty path in the file was the working directory, where the data file was made.

@@ -282,6 +282,14 @@ fn record_refusal(refused: &Outcome) {
 /// named so).
 pub const CONCURRENCY_LIMIT_NAME: &str = "concurrency";
 
+/// Whether `name` is reserved, for a plan or a route limit: `none` (the `plan` label of keys
+/// refused before any plan), `concurrency` (a slot refusal's item and `ratelimit.limit`) and
+/// names starting `concurrency-` (the slots' own plans).
+pub fn reserved_name(name: &str) -> bool {
+    use crate::limiter::metrics::PLAN_NONE;
+    name == PLAN_NONE || name == CONCURRENCY_LIMIT_NAME || name.starts_with(CONCURRENCY_PLAN_PREFIX)
+}
+
 /// A slot taken; given back by [`Slot::release`], or on drop.
 pub struct Slot {
     limiter: Arc<Limiter>,

@@ -845,6 +845,12 @@ fn checked_limits(
         if limits[..index].iter().any(|l| l.name() == limit.name()) {
             return invalid(format!("names limit {:?} twice", limit.name()));
         }
+        // The configuration refused these; a library user's builder did not, and a slot's
+        // refusal then listed two items named `concurrency`.
+        if super::concurrency::reserved_name(limit.name()) {
+            let why = "is reserved (none, concurrency, concurrency-…: labels of their own)";
+            return invalid(format!("names limit {:?}, which {why}", limit.name()));
+        }
         if plans.by_name(limit.name()).is_some() {
             let why = "is also a plan's name: responses could not tell the two policies apart";
             return invalid(format!("names limit {:?}, which {why}", limit.name()));
@@ -1201,5 +1207,15 @@ mod tests {
         let e = named_free.build(&plans()).unwrap_err();
         assert!(e.to_string().contains("plan's name"), "{e}");
         assert_eq!(e.setting(), "routes.limits");
+    }
+
+    /// As the configuration refuses them: a library user's builder took them.
+    #[test]
+    fn a_route_limit_with_a_reserved_name_is_refused() {
+        for name in ["none", "concurrency", "concurrency-1"] {
+            let reserved = RequestRules::builder().limits("/api/*", vec![test_plan(name, 10)]);
+            let e = reserved.build(&plans()).unwrap_err();
+            assert!(e.to_string().contains("reserved"), "{name}: {e}");
+        }
     }
 }

@@ -223,36 +223,37 @@ impl Ledger {
         (actor, once): (Actor, Option<&IdempotencyKey>),
         deadline: Instant,
     ) -> Result<Adjusted, LedgerError> {
-        self.grant_if_never_granted(account_id, deadline).await?;
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
         let kind = self.operator_action(transfer, deadline).await?;
-        self.bumped_if(account_id, adjusted(kind, "top-up: "), deadline)
-            .await
+        let adjusted = adjusted(kind, "top-up: ");
+        if let Ok(Adjusted::Done | Adjusted::AlreadyDone) = adjusted {
+            // Before the announcement: instances then read the account granted.
+            let follow_up = super::follow_up_deadline(deadline);
+            if let Err(error) = self.finish_grant(account_id, follow_up).await {
+                tracing::warn!(%error, "topped up, but whether the caller's grant landed is unknown");
+            }
+        }
+        self.bumped_if(account_id, adjusted, deadline).await
     }
 
-    /// Grants a caller's account its plan's capacity if it was never credited (its first
-    /// request's grant failed, and no request since finished it). Why: a top-up counts as
-    /// credit posted, which is how a request tells a granted account, so the grant was never
-    /// finished and the caller kept the top-up in place of its capacity and the top-up. What
-    /// to grant is on the account itself (`user_data_64` and `user_data_32`).
-    async fn grant_if_never_granted(
-        &self,
-        account_id: u128,
-        deadline: Instant,
-    ) -> Result<(), LedgerError> {
-        // None: the top-up itself answers that there is no such account.
+    /// Grants a caller's account its plan's capacity if that never landed (its first request's
+    /// grant failed, and no request since finished it). Why: a top-up counts as credit posted,
+    /// which is how a request tells a granted account, so the grant was never finished and the
+    /// caller kept the top-up in place of its capacity and the top-up. Idempotent, as every
+    /// provisioning is: a grant that landed answers `exists`. What to grant is on the account
+    /// itself (`user_data_64` and `user_data_32`). After the top-up, not before: a read first
+    /// spent the top-up's deadline on a stalled ledger, and the top-up was never sent.
+    async fn finish_grant(&self, account_id: u128, deadline: Instant) -> Result<(), LedgerError> {
         let Some(account) = self.lookup_account(account_id, deadline).await? else {
             return Ok(());
         };
-        let never_granted = account.code() == model::ACCOUNT_CODE_USER
+        let callers = account.code() == model::ACCOUNT_CODE_USER
             && account.ledger() == self.ledger_id
-            && account.credits_posted() == 0
             && !account.flags().contains(tb::account::Flags::CLOSED);
         let capacity = std::num::NonZeroU64::new(account.user_data_64());
         let window_seconds = std::num::NonZeroU32::new(account.user_data_32());
-        let (true, Some(capacity), Some(window_seconds)) =
-            (never_granted, capacity, window_seconds)
+        let (true, Some(capacity), Some(window_seconds)) = (callers, capacity, window_seconds)
         else {
             return Ok(());
         };

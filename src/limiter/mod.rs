@@ -557,7 +557,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 _ => {}
             }
         }
-        let given = plan?;
+        // A route limit's hold given back is given back whatever became of the plan's.
+        let given = match plan {
+            Ok(given) => given,
+            Err(error) if routes_given => {
+                tracing::debug!(%error, "could not give the plan's hold back; it expires with its window");
+                false
+            }
+            Err(error) => return Err(error),
+        };
         if given {
             credit_back(&mut decision.quota, hold.amount);
         }
