@@ -374,7 +374,7 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                 ],
                 // The plans of this binary's tests (the recorder is the process'), and none.
                 "plan" if value == concurrency::plan_name("/greeting") => continue,
-                "plan" => &["free", "basic", "pro", "slots", "none"],
+                "plan" => &["free", "basic", "pro", "slots", "shadowed", "none"],
                 "source" => &["ledger", "local_view", "none"],
                 "kind" => &["timeout", "overloaded", "client", "unexpected"],
                 "operation" => &[
