@@ -109,7 +109,7 @@ async fn a_denied_request_consumes_nothing_on_any_limit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_limit_that_costs_nothing_never_reaches_the_ledger() {
+async fn a_limit_that_costs_nothing_holds_nothing_and_opens_no_account() {
     let limiter = limiter(ledger_client(vec![shared_ledger().address]));
     let free = fresh_limit(5, 60, 0);
     let counted = fresh_limit(5, 60, 1);

@@ -523,6 +523,25 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         Ok(given)
     }
 
+    /// Caps a decision's quotas at what this instance's view holds free now, with the view's
+    /// `t` where it caps: what the caller's other requests took while this one ran counts
+    /// (a refund's fields said the quota was whole, `r=q;t=0`, while the others held all but
+    /// the unit it gave back).
+    pub(super) fn within_view(&self, decision: &mut Decision<'_>) {
+        let now = self.clock.now();
+        let within_view = |account_id: u128, quota: &mut Quota| {
+            let known = self.local.quota(account_id, quota.limit, now);
+            if known.remaining < quota.remaining {
+                quota.remaining = known.remaining;
+                quota.reset_seconds = whole_seconds_up(known.reset_after);
+            }
+        };
+        within_view(decision.account_id, &mut decision.quota);
+        for limit in &mut decision.route_limits {
+            within_view(limit.account_id, &mut limit.quota);
+        }
+    }
+
     /// [`Limiter::refund`] without counting it as one. What is given back is in the decision's
     /// quotas too, so the response's rate-limit fields say what the caller has left after it.
     async fn give_back(&self, decision: &mut Decision<'_>) -> Result<bool, LedgerError> {
@@ -569,6 +588,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         if given {
             credit_back(&mut decision.quota, hold.amount);
         }
+        self.within_view(decision);
         Ok(given || routes_given)
     }
 

@@ -102,7 +102,8 @@ enum Chained {
 
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// Decides one request against every limit of `limits` (at most [`LIMITS_PER_CHECK_MAX`]):
-    /// all hold, or none does. No limits, or none that costs anything: admitted, no ledger call.
+    /// all hold, or none does. No limits: admitted, no ledger call. A limit that costs nothing is
+    /// a check: its account is looked up, and refuses when nothing is free.
     pub async fn check_all(&self, limits: &[Limit]) -> Result<MultiDecision, LimitsError> {
         let deadline = self.deadline();
         self.check_all_by(limits, deadline).await
@@ -777,11 +778,8 @@ fn validate(limits: &[Limit]) -> Result<(), LimitsError> {
     Ok(())
 }
 
-/// The request's whole cost on one account (two limits of a request may share one).
-/// What the request costs on one account: its limits' costs, and at least 1, as a check (a
-/// cost of 0) asks for a unit to be free.
-/// What one request charges `account_id` across its limits (at least 1): two limits may share
-/// an account (the same descriptor twice).
+/// What one request charges `account_id` across its limits: two limits may share an account
+/// (the same descriptor twice). At least 1: a check (a cost of 0) asks for a unit to be free.
 pub fn cost_on_account(limits: &[Limit], account_id: u128) -> u64 {
     limits
         .iter()

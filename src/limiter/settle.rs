@@ -76,15 +76,7 @@ impl Limiter {
     /// caller did not have.
     pub fn recharged(&self, decision: &mut Decision<'_>, actual: u64, done: &[bool]) {
         decision.recharged(actual, done);
-        let now = self.clock.now();
-        let within_view = |account_id: u128, quota: &mut super::Quota| {
-            let known = self.local.quota(account_id, quota.limit, now);
-            quota.remaining = quota.remaining.min(known.remaining);
-        };
-        within_view(decision.account_id, &mut decision.quota);
-        for limit in &mut decision.route_limits {
-            within_view(limit.account_id, &mut limit.quota);
-        }
+        self.within_view(decision);
     }
 
     /// Recharges every hold of `live` in one linked chain; if one of them expired at the ledger

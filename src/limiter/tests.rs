@@ -846,6 +846,34 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
     assert_eq!(f.check(ONE).await.quota.remaining, CAPACITY - 1);
 }
 
+/// A refund's fields count what the caller's other requests took while it ran: they said the
+/// whole quota was back (`r=5;t=0`) while the others held all but the unit it gave back.
+#[tokio::test]
+async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
+    let f = Fixture::closed();
+    let answered_at = f.clock.now();
+    f.script(|s| {
+        for id in 0..CAPACITY {
+            let transfer_id = 100 + u128::from(id);
+            let held = HoldReply::Held {
+                answered_at,
+                transfer_id,
+            };
+            s.holds.push_back(Ok(held));
+        }
+        s.voids.push_back(Ok(true));
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let mut slow = f.limiter.check(&key, ONE).await.unwrap();
+    for _ in 1..CAPACITY {
+        let other = f.limiter.check(&key, ONE).await.unwrap();
+        assert_eq!(other.outcome, Outcome::Admitted);
+    }
+    assert_eq!(f.limiter.refund(&mut slow).await, Ok(true));
+    assert_eq!(slow.quota.remaining, 1);
+    assert_eq!(slow.quota.reset_seconds, WINDOW.as_secs());
+}
+
 /// The plan's hold expired (a short window), a route limit's had not (a day's): the refund gave
 /// that back, and said it gave nothing, so it went uncounted.
 #[tokio::test]
