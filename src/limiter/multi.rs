@@ -510,6 +510,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 expires_at: answered_at + window + self.settings.expiry_margin,
             });
         }
+        same_account_same_quota(limits, links, &mut statuses);
         MultiDecision {
             outcome: Outcome::Admitted,
             refused_by: None,
@@ -776,6 +777,27 @@ fn validate(limits: &[Limit]) -> Result<(), LimitsError> {
         }
     }
     Ok(())
+}
+
+/// Limits of one request on one account (the same descriptor twice) say what the account has
+/// left after all of their holds: each said what was left after its own, the first one unit
+/// more than the account had. The last link's quota (recorded after every hold) is the
+/// account's; without a local view, the capacity less every cost on the account.
+fn same_account_same_quota(limits: &[Limit], links: &[usize], statuses: &mut [LimitStatus]) {
+    for &link in links {
+        let account = limits[link].account;
+        let Some(&last) =
+            (links.iter().rev()).find(|&&other| limits[other].account.id == account.id)
+        else {
+            continue;
+        };
+        let mut quota = statuses[last].quota;
+        if !limits[last].local_view {
+            let cost = cost_on_account(limits, account.id);
+            quota.remaining = account.capacity.get().saturating_sub(cost);
+        }
+        statuses[link].quota = quota;
+    }
 }
 
 /// What one request charges `account_id` across its limits: two limits may share an account

@@ -157,6 +157,29 @@ async fn an_exhausted_limit_is_refused_locally_and_the_others_are_untouched() {
     assert_eq!(decision.limits[1].quota.remaining, 0);
 }
 
+/// Admitted, both say what the account has left after both holds (the first said one unit more).
+#[tokio::test]
+async fn two_limits_on_one_account_say_what_is_left_after_both() {
+    let f = Fixture::closed();
+    let answer = held(&f, &[1, 2]);
+    f.script(|s| s.chains.push_back(answer));
+    let limits = [limit(A, 5, 60, 1), limit(A, 5, 60, 2)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    let left: Vec<u64> = decision.limits.iter().map(|l| l.quota.remaining).collect();
+    assert_eq!(left, [2, 2]);
+    // Without a local view: the capacity less both costs.
+    let unviewed = limits.map(|limit| Limit {
+        local_view: false,
+        ..limit
+    });
+    let answer = held(&f, &[3, 4]);
+    f.script(|s| s.chains.push_back(answer));
+    let decision = f.limiter.check_all(&unviewed).await.unwrap();
+    let left: Vec<u64> = decision.limits.iter().map(|l| l.quota.remaining).collect();
+    assert_eq!(left, [2, 2]);
+}
+
 #[tokio::test]
 async fn two_limits_on_one_account_are_refused_locally_on_their_sum() {
     let f = Fixture::closed();
