@@ -235,9 +235,8 @@ where
     };
     // Shadow mode tries limits out; an operator's block is meant at once. Let through before
     // any refusal is built: building one records the `limited` event, said to be on 429s.
-    let refuses = !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_));
     let blocked = matches!(decision.outcome, Outcome::Blocked { .. });
-    if refuses && shadow && !blocked {
+    if decision.outcome.refuses() && shadow && !blocked {
         inner.limiter.pass_in_shadow(&decision);
     } else if let Some(response) = respond::refusal(&decision, &inner.fields) {
         return Ok(req.into_response(response).map_into_right_body());

@@ -118,12 +118,11 @@ fn add_route_limits(headers: &mut HeaderMap, fields: &Fields, decision: &Decisio
         let ratelimit = HeaderValue::try_from(ratelimit).expect(ascii);
         headers.insert(headers::RATELIMIT, ratelimit);
     }
-    let refused = !matches!(decision.outcome, Outcome::Admitted | Outcome::FailedOpen(_));
     let binding = match decision.refused_by {
         Some(index) => Some(&decision.route_limits[index]),
         // The plan refused: its fields, as the `Retry-After` and the problem's detail say. A
         // route limit with less left showed instead, its reset before the `Retry-After`.
-        None if refused => None,
+        None if decision.outcome.refuses() => None,
         None => decision
             .route_limits
             .iter()

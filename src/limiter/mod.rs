@@ -107,6 +107,14 @@ pub enum Outcome {
     FailedClosed(LedgerError),
 }
 
+impl Outcome {
+    /// Whether the request is refused (limited, blocked, failed closed): every outcome but an
+    /// admission and a failure the policy lets through.
+    pub fn refuses(&self) -> bool {
+        !matches!(self, Outcome::Admitted | Outcome::FailedOpen(_))
+    }
+}
+
 /// The longest wait between two tries of a give-back ([`Limiter::release_until_expired`]).
 pub const RELEASE_RETRY_WAIT_MAX: Duration = Duration::from_secs(10);
 
