@@ -108,13 +108,13 @@ impl super::Limiter {
             .plans
             .by_name(plan_name)
             .ok_or_else(|| MoveError::UnknownPlan(plan_name.to_owned()))?;
-        let (home_plan, home_account) = self.home(key).ok_or(MoveError::UnknownKey)?;
-        // From the moves this instance has learnt: reads the ledger from where it last found
-        // the caller, not its whole chain again.
-        let known_plan = self.moves.get(home_account).unwrap_or(home_plan);
-        let known_account = self.account_on(key, self.plan(known_plan));
+        // Where this instance last found the caller (its charge follows the moves it learnt):
+        // the ledger is read from there, not along the whole chain from its home again.
+        let known = self
+            .charge(key, std::num::NonZeroU64::MIN)
+            .ok_or(MoveError::UnknownKey)?;
         let (from_plan, from) = self
-            .current(key, known_plan, known_account, deadline)
+            .current(key, known.plan_id, known.account.id, deadline)
             .await?;
         let plan = self.plan(target);
         let to = self.account_on(key, plan);
@@ -141,7 +141,8 @@ impl super::Limiter {
             Moving::MovedMeanwhile => return Err(MoveError::MovedMeanwhile),
         };
         self.local.forget(from);
-        self.moves.learn(home_account, target, home_plan);
+        self.moves
+            .learn(known.home_account_id, target, known.home_plan_id);
         Ok(MoveReport {
             from_account_id: format!("{from:032x}"),
             from_plan: self.plan(from_plan).name().to_owned(),
@@ -149,11 +150,6 @@ impl super::Limiter {
             to_plan: plan.name().to_owned(),
             carried,
         })
-    }
-
-    fn home(&self, key: &super::CallerKey) -> Option<(PlanId, u128)> {
-        let plan = self.plans.plan_for(key)?;
-        Some((plan, self.account_on(key, self.plan(plan))))
     }
 
     fn plan(&self, id: PlanId) -> &super::Plan {
