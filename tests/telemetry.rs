@@ -91,6 +91,14 @@ async fn spawn_observed_app(
     (run(application), http_metrics)
 }
 
+/// The server span of a request's trace: the one that carries the limiter's decision.
+fn decided_span(spans: &[ExportedSpan]) -> &ExportedSpan {
+    let decided = spans
+        .iter()
+        .find(|s| attribute(s, "ratelimit.decision").is_some());
+    decided.expect("a server span with the decision")
+}
+
 /// The spans of `trace_id` the receiver got over OTLP, once the one with the decision is among
 /// them: the provider is flushed (it exports in batches), then the receiver polled, at most 10 s.
 async fn server_spans_of_trace(trace_id: &str) -> Vec<ExportedSpan> {
@@ -150,10 +158,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(traced_get(&app, &key, &limited_trace).await.status(), 429);
 
     let spans = server_spans_of_trace(&admitted_trace).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "admitted");
     assert_eq!(attribute(server, "ratelimit.plan").unwrap(), "free");
     assert_eq!(attribute(server, "ratelimit.cost").unwrap(), "1");
@@ -178,10 +183,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert!(ledger_spans.iter().any(|s| s.name == "create_transfers"));
 
     let spans = server_spans_of_trace(&limited_trace).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
     assert_eq!(
         attribute(server, "user.id").unwrap(),
@@ -210,10 +212,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         .unwrap();
     assert_eq!(invented.status(), 429, "charged as any request");
     let spans = server_spans_of_trace(&invented_trace).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(server.name, "_OTHER /greeting");
     assert_eq!(attribute(server, "http.method").as_deref(), Some("_OTHER"));
 
@@ -240,10 +239,7 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         .unwrap();
     assert_eq!(queried.status(), 429);
     let spans = server_spans_of_trace(&queried_trace).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(
         attribute(server, "http.target").as_deref(),
         Some("/greeting")
@@ -489,10 +485,7 @@ async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_ar
     let trace = format!("{:032x}", rand::random::<u128>());
     assert_eq!(traced_get(&app, &key, &trace).await.status(), 200);
     let spans = server_spans_of_trace(&trace).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some());
-    let server = server.expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(attribute(server, "ratelimit.plan").unwrap(), plan_name);
     let account = app.limiter.account_of(&caller(&key)).unwrap();
     let user_id = attribute(server, "user.id").unwrap();
@@ -516,10 +509,7 @@ async fn concurrency_slots_keep_the_callers_span_and_are_counted_as_what_they_ar
     assert!(refused > 0, "40 requests at once on one slot: none refused");
     // Its span says so: the rate's decision on it (admitted) was recorded first.
     let spans = server_spans_of_trace(refused_traces[0]).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
     assert_eq!(attribute(server, "ratelimit.limit").unwrap(), "concurrency");
     assert_eq!(attribute(server, "ratelimit.plan").unwrap(), plan_name);
@@ -569,10 +559,7 @@ async fn a_shadow_pass_has_no_limited_event() {
         assert_eq!(traced_get(&app, &key, trace).await.status(), 200);
     }
     let spans = server_spans_of_trace(&traces[1]).await;
-    let server = spans
-        .iter()
-        .find(|s| attribute(s, "ratelimit.decision").is_some())
-        .expect("a server span with the decision");
+    let server = decided_span(&spans);
     assert_eq!(attribute(server, "ratelimit.decision").unwrap(), "limited");
     assert_eq!(attribute(server, "ratelimit.shadow").unwrap(), "true");
     let events: Vec<_> = server.events.iter().map(|e| &e.name).collect();

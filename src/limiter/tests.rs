@@ -879,40 +879,41 @@ async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
 #[tokio::test]
 async fn a_refund_of_a_route_limits_hold_alone_is_a_refund() {
     let f = Fixture::closed();
-    let answered_at = f.clock.now();
-    f.script(|s| {
-        s.chains.push_back(Ok(ChainReply::Held {
-            answered_at,
-            transfer_ids: vec![41, 42],
-        }));
-        // The route limit's void (sent first) gives its hold back; the plan's had expired.
-        s.voids.extend([Ok(true), Ok(false)]);
-    });
-    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let per_day = [test_plan("per_day", 10)];
-    let (mut decision, _) = f.limiter.check_with(&key, ONE, &per_day).await.unwrap();
-    assert_eq!(decision.outcome, Outcome::Admitted);
+    // The route limit's void (sent first) gives its hold back; the plan's had expired.
+    let mut decision = admitted_with_a_route_limit(&f, "per_day", [Ok(true), Ok(false)]).await;
     assert_eq!(decision.route_limits[0].quota.remaining, 9);
     assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
     assert_eq!(decision.route_limits[0].quota.remaining, 10);
 }
 
-#[tokio::test]
-async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
-    let f = Fixture::closed();
+/// A request admitted on the plan and one route limit named `limit` (of 10), with the two voids
+/// a refund of it meets scripted: the route limit's is sent first.
+async fn admitted_with_a_route_limit<'f>(
+    f: &'f Fixture,
+    limit: &str,
+    voids: [Reply<bool>; 2],
+) -> Decision<'f> {
     let answered_at = f.clock.now();
     f.script(|s| {
         s.chains.push_back(Ok(ChainReply::Held {
             answered_at,
             transfer_ids: vec![41, 42],
         }));
-        // The route limit's void (sent first) times out; the plan's goes through.
-        s.voids.extend([Err(timeout()), Ok(true)]);
+        s.voids.extend(voids);
     });
     let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let per_second = [test_plan("per_second", 10)];
-    let (mut decision, _) = f.limiter.check_with(&key, ONE, &per_second).await.unwrap();
+    let limits = [test_plan(limit, 10)];
+    let (decision, _) = f.limiter.check_with(&key, ONE, &limits).await.unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
+    decision
+}
+
+#[tokio::test]
+async fn a_refund_gives_back_every_hold_it_can_even_when_one_void_fails() {
+    let f = Fixture::closed();
+    // The route limit's void (sent first) times out; the plan's goes through.
+    let voids = [Err(timeout()), Ok(true)];
+    let mut decision = admitted_with_a_route_limit(&f, "per_second", voids).await;
     assert_eq!(decision.quota.remaining, CAPACITY - 1);
     f.calls();
     assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
