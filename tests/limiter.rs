@@ -826,7 +826,11 @@ async fn provisioned_account() -> (ledger::Ledger, model::UserAccount) {
 /// A hold answered just as its request went away (the answer sent, never read) is voided: the
 /// batch saw it delivered and voided nothing, so the receiving end's drop does. Before, it stayed
 /// held for its whole timeout (a concurrency slot for a minute, a lease for window + L).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+///
+/// On one thread: the batch's task and the chain's call then run only once this test awaits.
+/// With worker threads they could send, and the ledger answer, while this thread was descheduled
+/// between its two first polls (a CI run saw it): the hold was then read, not left unread.
+#[tokio::test]
 async fn a_hold_answered_as_its_request_went_away_is_voided() {
     use ledger_limiter::ledger::ChainLink;
 
