@@ -24,13 +24,22 @@ const LEASE_SECONDS: u32 = 1;
 const SETTLED_WITHIN: Duration = Duration::from_secs(10);
 
 fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
+    limiter_with_window(capacity, lease_units_max, WINDOW_SECONDS)
+}
+
+/// A window longer than [`WINDOW_SECONDS`], for a test that reads what is held after the
+/// settler's L: with a window of 2 s, the first holds could expire before a slow machine read
+/// them.
+const LONG_WINDOW_SECONDS: u32 = 30;
+
+fn limiter_with_window(capacity: u64, lease_units_max: u64, window_seconds: u32) -> Arc<Limiter> {
     let ledger = common::ledger_client(vec![common::shared_ledger().address]);
     let terms = LeaseTerms {
         units_max: NonZeroU64::new(lease_units_max).unwrap(),
         seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
     };
     let capacity = NonZeroU64::new(capacity).unwrap();
-    let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    let window = NonZeroU32::new(window_seconds).unwrap();
     let plan = Plan::new("hot", capacity, window)
         .unwrap()
         .with_lease(terms)
@@ -382,7 +391,8 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
 async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back() {
     let ledger = common::shared_ledger().address;
     let mut config = common::test_config(ledger);
-    let mut hot = common::plan(100, WINDOW_SECONDS);
+    // Its holds outlive the settler's L by far: the reads below count every one.
+    let mut hot = common::plan(100, LONG_WINDOW_SECONDS);
     const LEASE_UNITS_MAX: u64 = 50;
     hot.lease_units_max = Some(LEASE_UNITS_MAX);
     hot.lease_seconds = Some(LEASE_SECONDS);
@@ -409,7 +419,7 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
             );
         }
         let policy = response.headers().get("ratelimit-policy");
-        assert_eq!(policy.unwrap(), "\"hot\";q=100;w=2", "{sent}");
+        assert_eq!(policy.unwrap(), "\"hot\";q=100;w=30", "{sent}");
     }
     // The settler (started by the service) settles the last lease once its L is over (the first
     // was replaced ahead of need, half spent): only the five units used stay held.
@@ -433,7 +443,7 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_what_stayed_used() {
     const SENT: u64 = 40;
-    let a = limiter(1_000_000, 1_000);
+    let a = limiter_with_window(1_000_000, 1_000, LONG_WINDOW_SECONDS);
     let settler = spawn_settler(&a).unwrap();
     let key = common::fresh_key("hot_");
     let who = caller(&key);
@@ -621,10 +631,11 @@ async fn a_sweep_under_a_small_in_flight_bound_settles_every_lease() {
         units_max: NonZeroU64::new(10).unwrap(),
         seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
     };
+    // A lease lives window + L: the first ones must outlive the rest's decisions and the sweep.
     let plan = Plan::new(
         "hot",
         NonZeroU64::new(100).unwrap(),
-        NonZeroU32::new(WINDOW_SECONDS).unwrap(),
+        NonZeroU32::new(LONG_WINDOW_SECONDS).unwrap(),
     )
     .unwrap()
     .with_lease(terms)
