@@ -740,27 +740,43 @@ async fn a_batch_takes_a_place_per_transfer_and_gives_them_back_when_answered() 
 /// Two holds a millisecond apart on one thread: without a linger each goes in a call of its own
 /// (the first batch went before the second hold came); with one, the second joins the first's
 /// batch, and both get their own answers.
+///
+/// Up to three tries each: the millisecond apart is a timer's, and a thread descheduled for a
+/// few milliseconds (a loaded machine) moves the second hold across the first batch's send.
 #[tokio::test]
 async fn a_linger_lets_transfers_that_come_apart_share_one_call() {
     for (linger, calls_expected) in [(Duration::ZERO, 2), (ledger::BATCH_LINGER_MAX, 1)] {
-        let ledger = ledger_client_with(vec![shared_ledger().address], 8, linger);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let first = ledger.hold(fresh_id(), 1, 30, deadline, true);
-        let second = async {
-            // Well inside the linger: the timer wheel's 1 ms granularity leaves 3 ms of slack.
-            tokio::time::sleep(Duration::from_millis(1)).await;
-            ledger.hold(fresh_id(), 1, 30, deadline, true).await
-        };
-        let (first, second) = tokio::join!(first, second);
-        for result in [first, second] {
-            assert!(
-                matches!(result, Ok(ledger::HoldReply::AccountNotFound)),
-                "{result:?}"
-            );
+        let mut calls = Vec::new();
+        while calls.len() < 3 && !calls.contains(&calls_expected) {
+            calls.push(two_holds_apart(linger).await);
         }
-        assert_eq!(ledger.batches_sent(), calls_expected, "linger {linger:?}");
-        assert_eq!(ledger.calls_in_flight(), 0, "every place given back");
+        assert_eq!(
+            calls.last(),
+            Some(&calls_expected),
+            "linger {linger:?}: {calls:?}"
+        );
     }
+}
+
+/// Two holds 1 ms apart on this thread, through a new client with `linger`: the calls it made.
+async fn two_holds_apart(linger: Duration) -> u64 {
+    let ledger = ledger_client_with(vec![shared_ledger().address], 8, linger);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let first = ledger.hold(fresh_id(), 1, 30, deadline, true);
+    let second = async {
+        // Well inside the linger: the timer wheel's 1 ms granularity leaves 3 ms of slack.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        ledger.hold(fresh_id(), 1, 30, deadline, true).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    for result in [first, second] {
+        assert!(
+            matches!(result, Ok(ledger::HoldReply::AccountNotFound)),
+            "{result:?}"
+        );
+    }
+    assert_eq!(ledger.calls_in_flight(), 0, "every place given back");
+    ledger.batches_sent()
 }
 
 /// A transfer due before a lingering batch goes does not join it (it would be answered late, and

@@ -800,7 +800,11 @@ pub async fn take_the_only_place(
         let deadline = Instant::now() + Duration::from_secs(5);
         busy.hold(account_id, 1, 60, deadline, false).await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Until the task has run, however late on a loaded machine (within its hold's deadline).
+    let by = Instant::now() + Duration::from_secs(4);
+    while ledger.calls_in_flight() == 0 && Instant::now() < by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(ledger.calls_in_flight(), 1, "the place is taken");
     other
 }
