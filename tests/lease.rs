@@ -28,8 +28,8 @@ fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
 }
 
 /// A window longer than [`WINDOW_SECONDS`], for a test that reads what is held after the
-/// settler's L: with a window of 2 s, the first holds could expire before a slow machine read
-/// them.
+/// settler's L, or settles leases made over seconds: with a window of 2 s, the first holds or
+/// leases could expire before a slow machine read or settled them (CI-like load saw both).
 const LONG_WINDOW_SECONDS: u32 = 30;
 
 fn limiter_with_window(capacity: u64, lease_units_max: u64, window_seconds: u32) -> Arc<Limiter> {
@@ -498,7 +498,8 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
 /// the last shards waited for as long as the first ones had a batch due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_settles_every_lease_that_is_due() {
-    let limiter = limiter(100, 10);
+    // A lease lives window + L: the first ones must outlive the rest's decisions.
+    let limiter = limiter_with_window(100, 10, LONG_WINDOW_SECONDS);
     let callers: Vec<_> = (0..300).map(|_| caller(&common::fresh_key("k_"))).collect();
     // Twice each: a caller's second request within L takes its lease (its demand seen).
     for chunk in callers.chunks(50).flat_map(|chunk| [chunk, chunk]) {
@@ -523,7 +524,9 @@ async fn a_sweep_under_a_full_bound_tries_each_lease_once() {
         units_max: NonZeroU64::new(10).unwrap(),
         seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
     };
-    let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
+    // A lease lives window + L: the first ones must outlive 600 decisions made one at a time
+    // (seconds on a loaded machine), the stop and the sweeps.
+    let window = NonZeroU32::new(LONG_WINDOW_SECONDS).unwrap();
     let plan = Plan::new("hot", NonZeroU64::new(100).unwrap(), window).unwrap();
     let limiter = common::one_plan_limiter(ledger.clone(), plan.with_lease(terms).unwrap());
     // One at a time: the bound is 1. Twice each: the second request takes the lease.
