@@ -387,6 +387,76 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     assert!(after.leases > after.leases_settled, "{after:?}");
 }
 
+/// A lease an instance left to expire lives window + L. Past a window and 5 s it was no longer
+/// listed: another instance's refusal read room the ledger did not have (its 429 said
+/// `Retry-After: 1`, and it kept nothing, so every later request went to the ledger again).
+/// Listings read back as far as a lease lives now, and the caller's next refusal comes from
+/// memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_left_to_expire_is_listed_for_as_long_as_it_lives() {
+    use ledger_limiter::limiter::DecisionSource;
+    const CAPACITY: u64 = 20;
+    // Window + 5 s = 7 s; window + L = 22 s.
+    const WINDOW: u32 = 2;
+    const L: u32 = 20;
+    let limiter = || {
+        let ledger = common::ledger_client(vec![common::shared_ledger().address]);
+        let terms = LeaseTerms {
+            units_max: NonZeroU64::new(10).unwrap(),
+            seconds: NonZeroU32::new(L).unwrap(),
+        };
+        let window = NonZeroU32::new(WINDOW).unwrap();
+        let plan = Plan::new("hot", NonZeroU64::new(CAPACITY).unwrap(), window).unwrap();
+        Arc::new(common::one_plan_limiter(
+            ledger,
+            plan.with_lease(terms).unwrap(),
+        ))
+    };
+    let (name, b) = (common::fresh_key("hot_"), limiter());
+    let key = caller(&name);
+    let dies = limiter();
+    // Twice: the second request takes the lease (its demand seen). No settler: it dies.
+    for _ in 0..2 {
+        let decision = dies.check(&key, NonZeroU64::MIN).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    let leased_at = Instant::now();
+    drop(dies);
+    b.ready(Duration::from_secs(10)).await.unwrap();
+    // Past the old look-back (window + 5 s), long before the lease's timeout.
+    tokio::time::sleep(
+        (leased_at + Duration::from_secs(8)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    let leased = u64::try_from(audit(&b, &name).await.debits_pending).unwrap();
+    assert!(
+        (1..CAPACITY).contains(&leased),
+        "only the lease is held: {leased}"
+    );
+    // B takes the rest at once, then is refused by the ledger, and then from memory.
+    let rest = NonZeroU64::new(CAPACITY - leased).unwrap();
+    assert_eq!(
+        b.check(&key, rest).await.unwrap().outcome,
+        Outcome::Admitted
+    );
+    let mut refusals = Vec::new();
+    for _ in 0..2 {
+        match b.check(&key, NonZeroU64::MIN).await.unwrap().outcome {
+            Outcome::Limited { source, .. } => refusals.push(source),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+    assert!(
+        leased_at.elapsed() < Duration::from_secs(u64::from(WINDOW + L)),
+        "the lease lived"
+    );
+    assert_eq!(
+        refusals,
+        [DecisionSource::Ledger, DecisionSource::LocalView],
+        "the listing counted the lease"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back() {
     let ledger = common::shared_ledger().address;

@@ -806,7 +806,8 @@ impl Ledger {
         placed: (Place, Instant),
         pick: impl Fn(&tb::Transfer, SystemTime) -> Option<(u128, T)>,
     ) -> Result<(Vec<(u128, T)>, bool), LedgerError> {
-        // Every live hold was created within the longest window (plus clock slack) of now.
+        // Every live hold was created within the longest a hold lives (the caller's
+        // `window_seconds_max`: a window, or a lease's window + L) of now, plus clock slack.
         let now = SystemTime::now();
         // A window of decades (a lifetime quota) reaches before 1970: no minimum then (the
         // client's filter panics on a time before the epoch).

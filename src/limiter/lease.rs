@@ -1069,18 +1069,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     async fn read_closed(&self, holder: &Holder, deadline: Instant) {
         let id = holder.account_id;
         let read = self.local.generation(id);
-        let window_max = self.plans.window_seconds_max();
+        let hold_seconds_max = self.plans.hold_seconds_max();
         let view = self
             .store
-            .account_view(id, window_max.get(), deadline)
+            .account_view(id, hold_seconds_max.get(), deadline)
             .await;
         let wall = self.clock.wall();
         let view = listing_settling_soon(view, Some(holder.terms), wall);
         if let Ok(Some(view)) = view {
             let listing = Listing { view: &view, read };
-            let window_max = Duration::from_secs(window_max.get().into());
+            let hold_max = Duration::from_secs(hold_seconds_max.get().into());
             self.local
-                .replace(id, listing, 0, window_max, self.clock.now(), wall);
+                .replace(id, listing, 0, hold_max, self.clock.now(), wall);
         }
     }
 

@@ -1065,11 +1065,18 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// in place of a block read before.
     fn remember_open(&self, charge: &Charge<'_>, open: Option<&AccountView>, read: Generation) {
         let Some(view) = open else { return };
-        let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
+        let hold_max = self.hold_max();
         let (now, wall) = (self.clock.now(), self.clock.wall());
         let listing = Listing { view, read };
         self.local
-            .replace(charge.account.id, listing, 0, window_max, now, wall);
+            .replace(charge.account.id, listing, 0, hold_max, now, wall);
+    }
+
+    /// The longest any hold of these plans lasts (a lease's window + L): how far back a listing
+    /// reads. A window alone missed a lease an instance left to expire for its last L − 5 s,
+    /// and a refusal then read room the ledger did not have (`Retry-After: 1`, nothing kept).
+    fn hold_max(&self) -> Duration {
+        Duration::from_secs(self.plans.hold_seconds_max().get().into())
     }
 
     /// One hold; a caller the ledger does not know yet is provisioned (at most once per decision)
@@ -1136,9 +1143,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
-        let window_seconds_max = self.plans.window_seconds_max().get();
+        let hold_seconds_max = self.plans.hold_seconds_max().get();
         self.store
-            .account_view(charge.account.id, window_seconds_max, deadline)
+            .account_view(charge.account.id, hold_seconds_max, deadline)
             .await
     }
 
@@ -1148,9 +1155,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         deadline: Instant,
     ) -> Result<Option<AccountView>, LedgerError> {
-        let window_seconds_max = self.plans.window_seconds_max().get();
+        let hold_seconds_max = self.plans.hold_seconds_max().get();
         let account = (charge.account.id, true);
-        (self.refusal_read(account, window_seconds_max, deadline)).await
+        (self.refusal_read(account, hold_seconds_max, deadline)).await
     }
 
     /// What a refusal for want of credit reads of `account_id`: its holds listed (a lookup and
@@ -1287,9 +1294,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         view: Result<Option<AccountView>, LedgerError>,
         read: Generation,
     ) -> (Duration, Option<LocalQuota>) {
-        let window_max = Duration::from_secs(self.plans.window_seconds_max().get().into());
         let view = lease::listing_settling_soon(view, charge.plan.lease(), self.clock.wall());
-        self.retry_after_for(charge.account.id, charge.cost, window_max, (view, read))
+        let hold_max = self.hold_max();
+        self.retry_after_for(charge.account.id, charge.cost, hold_max, (view, read))
     }
 
     /// [`Limiter::retry_after`] for `cost` units of account `id`, whose holds last at most

@@ -164,11 +164,11 @@ impl super::Limiter {
         mut account: u128,
         deadline: std::time::Instant,
     ) -> Result<(PlanId, u128), MoveError> {
-        let window_max = self.plans.window_seconds_max().get();
+        let hold_seconds_max = self.plans.hold_seconds_max().get();
         for _ in 0..=moves_followed_max(&self.plans) {
             let view = self
                 .store
-                .account_view(account, window_max, deadline)
+                .account_view(account, hold_seconds_max, deadline)
                 .await?;
             let Some(view) = view else {
                 return Err(MoveError::NoSuchAccount);

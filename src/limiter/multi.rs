@@ -454,11 +454,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         u32::try_from(seconds).unwrap_or(u32::MAX)
     }
 
-    /// How long any hold of this account may last: its own window, or a plan's if longer.
+    /// How long any hold of this account may last: its own window, or a plan's hold (a
+    /// lease's window + L) if longer.
     fn window_max_of(&self, account: &UserAccount) -> Duration {
         let seconds = self
             .plans
-            .window_seconds_max()
+            .hold_seconds_max()
             .get()
             .max(account.window_seconds.get());
         Duration::from_secs(seconds.into())
