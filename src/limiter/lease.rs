@@ -1078,7 +1078,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let view = listing_settling_soon(view, Some(holder.terms), wall);
         if let Ok(Some(view)) = view {
             let listing = Listing { view: &view, read };
-            let hold_max = Duration::from_secs(hold_seconds_max.get().into());
+            let hold_max = self.hold_max();
             self.local
                 .replace(id, listing, 0, hold_max, self.clock.now(), wall);
         }
