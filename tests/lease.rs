@@ -24,7 +24,7 @@ const LEASE_SECONDS: u32 = 1;
 const SETTLED_WITHIN: Duration = Duration::from_secs(10);
 
 fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
-    limiter_with_window(capacity, lease_units_max, WINDOW_SECONDS)
+    limiter_with(capacity, lease_units_max, WINDOW_SECONDS, LEASE_SECONDS)
 }
 
 /// A window longer than [`WINDOW_SECONDS`], for a test that reads what is held after the
@@ -32,11 +32,17 @@ fn limiter(capacity: u64, lease_units_max: u64) -> Arc<Limiter> {
 /// leases could expire before a slow machine read or settled them (CI-like load saw both).
 const LONG_WINDOW_SECONDS: u32 = 30;
 
-fn limiter_with_window(capacity: u64, lease_units_max: u64, window_seconds: u32) -> Arc<Limiter> {
+/// A limiter of its own client, with one plan `hot` of these terms.
+fn limiter_with(
+    capacity: u64,
+    lease_units_max: u64,
+    window_seconds: u32,
+    lease_seconds: u32,
+) -> Arc<Limiter> {
     let ledger = common::ledger_client(vec![common::shared_ledger().address]);
     let terms = LeaseTerms {
         units_max: NonZeroU64::new(lease_units_max).unwrap(),
-        seconds: NonZeroU32::new(LEASE_SECONDS).unwrap(),
+        seconds: NonZeroU32::new(lease_seconds).unwrap(),
     };
     let capacity = NonZeroU64::new(capacity).unwrap();
     let window = NonZeroU32::new(window_seconds).unwrap();
@@ -399,19 +405,7 @@ async fn a_lease_left_to_expire_is_listed_for_as_long_as_it_lives() {
     // Window + 5 s = 7 s; window + L = 22 s.
     const WINDOW: u32 = 2;
     const L: u32 = 20;
-    let limiter = || {
-        let ledger = common::ledger_client(vec![common::shared_ledger().address]);
-        let terms = LeaseTerms {
-            units_max: NonZeroU64::new(10).unwrap(),
-            seconds: NonZeroU32::new(L).unwrap(),
-        };
-        let window = NonZeroU32::new(WINDOW).unwrap();
-        let plan = Plan::new("hot", NonZeroU64::new(CAPACITY).unwrap(), window).unwrap();
-        Arc::new(common::one_plan_limiter(
-            ledger,
-            plan.with_lease(terms).unwrap(),
-        ))
-    };
+    let limiter = || limiter_with(CAPACITY, 10, WINDOW, L);
     let (name, b) = (common::fresh_key("hot_"), limiter());
     let key = caller(&name);
     let dies = limiter();
@@ -513,7 +507,7 @@ async fn the_service_serves_a_lease_plan_and_its_settler_gives_unused_units_back
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_what_stayed_used() {
     const SENT: u64 = 40;
-    let a = limiter_with_window(1_000_000, 1_000, LONG_WINDOW_SECONDS);
+    let a = limiter_with(1_000_000, 1_000, LONG_WINDOW_SECONDS, LEASE_SECONDS);
     let settler = spawn_settler(&a).unwrap();
     let key = common::fresh_key("hot_");
     let who = caller(&key);
@@ -569,7 +563,7 @@ async fn a_refund_gives_units_back_to_the_open_lease_and_the_trail_keeps_only_wh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_settles_every_lease_that_is_due() {
     // A lease lives window + L: the first ones must outlive the rest's decisions.
-    let limiter = limiter_with_window(100, 10, LONG_WINDOW_SECONDS);
+    let limiter = limiter_with(100, 10, LONG_WINDOW_SECONDS, LEASE_SECONDS);
     let callers: Vec<_> = (0..300).map(|_| caller(&common::fresh_key("k_"))).collect();
     // Twice each: a caller's second request within L takes its lease (its demand seen).
     for chunk in callers.chunks(50).flat_map(|chunk| [chunk, chunk]) {
