@@ -18,7 +18,8 @@ use crate::config::{
 };
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
-use crate::http::concurrency::{ConcurrencyError, SlotsOut};
+use crate::http::concurrency::ConcurrencyError;
+use crate::http::outstanding::Outstanding;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
@@ -72,7 +73,9 @@ pub struct Application {
     port: u16,
     limiter: Arc<Limiter>,
     /// The concurrency slots handed out, waited for at the end of a stop.
-    slots_out: SlotsOut,
+    slots_out: Outstanding,
+    /// The lease renewals ahead of need running, waited for before a stop settles leases.
+    renewals: Outstanding,
     embedded: Option<EmbeddedLedger>,
     companions: Companions,
 }
@@ -179,6 +182,7 @@ impl Application {
         let slots_out = concurrency.slots_out();
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
+        let renewals = rate_limit.renewals();
         let app_limiter = limiter.clone();
         let metrics_here = settings.metrics_listen.is_none();
         let served = (rate_limit.clone(), exporters.clone());
@@ -223,6 +227,7 @@ impl Application {
             port,
             limiter,
             slots_out,
+            renewals,
             embedded,
             companions,
         })
@@ -281,6 +286,16 @@ impl Application {
     /// ledger.
     pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
         let result = self.server.finished().await;
+        // A renewal still running would take its lease after the settling below: wait for it,
+        // a decision's deadline at most (its own), with room for its last settlement's task.
+        let within = self.limiter.settings().ledger_timeout + RENEWALS_END_GRACE;
+        let running = self.renewals.back(within).await;
+        if running > 0 {
+            tracing::warn!(
+                running,
+                "lease renewals still running; their leases will expire"
+            );
+        }
         // No request is decided any more: give leased units back now, not window + L later.
         let settled = self.limiter.settle_all_leases().await;
         if settled > 0 {
@@ -434,6 +449,10 @@ fn metrics_server(
 
 /// How long a stop waits for concurrency slots to come back, at most.
 const SLOTS_BACK_WAIT: Duration = Duration::from_secs(3);
+
+/// How long past its deadline a stop waits for a lease renewal still running: the deadline
+/// bounds its ledger calls, and this its scheduling on a busy machine.
+const RENEWALS_END_GRACE: Duration = Duration::from_secs(1);
 
 /// How long a stopping admin API waits for the actions in flight, at most.
 const ADMIN_DRAIN_SECONDS: u64 = 8;

@@ -393,6 +393,60 @@ async fn an_instance_killed_mid_lease_leaves_its_lease_to_expire() {
     assert!(after.leases > after.leases_settled, "{after:?}");
 }
 
+/// A renewal ahead of need still running when a stop ended the server's workers ran as a task
+/// of its worker, and was dropped with it: the lease it had sent was taken at the ledger, with
+/// no instance to settle it (its unused units held window + L). It runs on the service's main
+/// runtime now, and a stop waits for it before it settles every lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_settles_the_lease_a_renewal_still_running_takes() {
+    let process = common::TestLedger::start();
+    let mut config = common::test_config(process.address);
+    let mut hot = common::plan(100, LONG_WINDOW_SECONDS);
+    hot.lease_units_max = Some(50);
+    // Longer than the test: only the stop settles a lease.
+    hot.lease_seconds = Some(LONG_WINDOW_SECONDS);
+    config.plans.as_mut().unwrap().insert("hot".to_owned(), hot);
+    config.key_prefixes = Some([("hot_".to_owned(), "hot".to_owned())].into());
+    let app = common::spawn_app(config).await;
+    let key = common::fresh_key("hot_");
+    // The first per request, the second takes a lease of 8 units, and the fifth half-spends it
+    // (from memory): its renewal waits on the stopped ledger.
+    for _ in 0..4 {
+        assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    }
+    process.pause(true);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let by = Instant::now() + Duration::from_secs(4);
+    while app.limiter.ledger().calls_in_flight() == 0 && Instant::now() < by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        app.limiter.ledger().calls_in_flight() > 0,
+        "the renewal is at the ledger"
+    );
+    // The server and its workers end while the renewal waits.
+    app.stop().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    process.pause(false);
+    app.ended().await;
+    let settled = |audit: &AccountAudit| {
+        audit.leases == 2 && audit.leases_settled == 2 && audit.debits_pending == 5
+    };
+    let audit = audit_when(&app.limiter, &key, Duration::from_secs(3), settled).await;
+    assert_eq!(
+        audit.leases, 2,
+        "the first lease and its renewal's: {audit:?}"
+    );
+    assert_eq!(
+        audit.leases_settled, 2,
+        "both settled by the stop: {audit:?}"
+    );
+    assert_eq!(
+        audit.debits_pending, 5,
+        "only the units used stay held: {audit:?}"
+    );
+}
+
 /// A lease an instance left to expire lives window + L. Past a window and 5 s it was no longer
 /// listed: another instance's refusal read room the ledger did not have (its 429 said
 /// `Retry-After: 1`, and it kept nothing, so every later request went to the ledger again).

@@ -6,14 +6,14 @@
 //! hold's timeout, `timeout_seconds`.
 
 use std::num::{NonZeroU32, NonZeroU64};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use thiserror::Error;
 
 use actix_web::HttpResponse;
 
+use super::outstanding::{OutGuard, Outstanding};
 use super::problem::{self, ProblemKind};
 use super::rules::{is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
@@ -36,60 +36,8 @@ pub fn plan_name(pattern: &str) -> String {
 #[derive(Default)]
 pub struct ConcurrencyLimits {
     routes: Vec<(String, Arc<Limiter>)>,
-    out: SlotsOut,
-}
-
-/// The slots a service's limits handed out and has not given back yet, and the runtime that
-/// gives back those whose worker's runtime went away first: a stream still running when a stop's
-/// drain ends is dropped with its worker's runtime, which dropped its slot's give-back unrun,
-/// and the slot was held until its timeout, its caller refused, across a rolling deploy.
-#[derive(Clone, Default)]
-pub struct SlotsOut(Arc<Out>);
-
-#[derive(Default)]
-struct Out {
-    /// Slots held, or on their way back.
-    count: AtomicUsize,
-    /// The runtime the limits were made on (the service's main one, which outlives its
-    /// workers); `None` outside a runtime.
-    fallback: Option<tokio::runtime::Handle>,
-}
-
-impl SlotsOut {
-    fn here() -> Self {
-        SlotsOut(Arc::new(Out {
-            count: AtomicUsize::new(0),
-            fallback: tokio::runtime::Handle::try_current().ok(),
-        }))
-    }
-
-    /// Counts a slot out, until the guard is dropped.
-    fn count_out(&self) -> OutGuard {
-        self.0.count.fetch_add(1, Ordering::Relaxed);
-        OutGuard(self.0.clone())
-    }
-
-    /// Waits until every slot handed out is back, or `within`: how many are not. A stop waits
-    /// here once its server has ended, for the slots of the requests its drain cut short.
-    pub async fn back(&self, within: Duration) -> usize {
-        let until = Instant::now() + within;
-        loop {
-            let out = self.0.count.load(Ordering::Relaxed);
-            if out == 0 || Instant::now() >= until {
-                return out;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-/// One slot counted out ([`SlotsOut`]), until dropped.
-struct OutGuard(Arc<Out>);
-
-impl Drop for OutGuard {
-    fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::Relaxed);
-    }
+    /// The slots handed out and not given back yet ([`Outstanding`]).
+    out: Outstanding,
 }
 
 /// A slot's give-back, run as a task on the runtime its slot is dropped on. Dropped unfinished
@@ -124,7 +72,7 @@ impl Drop for GiveBack {
         let Some(out) = self.out.take() else {
             return;
         };
-        let Some(fallback) = out.0.fallback.clone() else {
+        let Some(fallback) = out.home().cloned() else {
             return; // the guard drops here: the hold's timeout gives the slot back
         };
         let again = GiveBack {
@@ -189,12 +137,12 @@ impl ConcurrencyLimits {
         most_specific_first(&mut limits);
         Ok(ConcurrencyLimits {
             routes: limits,
-            out: SlotsOut::here(),
+            out: Outstanding::here(),
         })
     }
 
-    /// The slots handed out and not back yet (see [`SlotsOut::back`]).
-    pub fn slots_out(&self) -> SlotsOut {
+    /// The slots handed out and not back yet (see [`Outstanding::back`]).
+    pub fn slots_out(&self) -> Outstanding {
         self.out.clone()
     }
 

@@ -37,6 +37,7 @@ use futures_util::future::{Either, LocalBoxFuture};
 
 use super::concurrency::{ConcurrencyLimits, Slot};
 use super::headers::PolicyHeaders;
+use super::outstanding::Outstanding;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
@@ -52,6 +53,7 @@ struct Inner {
     rules: Arc<RequestRules>,
     fields: Fields,
     concurrency: Arc<ConcurrencyLimits>,
+    renewals: Outstanding,
 }
 
 /// The middleware factory: `.wrap(RateLimit::new(limiter, rules))`. Each worker makes its own
@@ -61,15 +63,28 @@ pub struct RateLimit {
     limiter: Arc<Limiter>,
     rules: Arc<RequestRules>,
     concurrency: Arc<ConcurrencyLimits>,
+    /// Lease renewals ahead of need, run on the runtime this was made on
+    /// ([`Inner::renew_ahead`]).
+    renewals: Outstanding,
 }
 
 impl RateLimit {
+    /// Made on the runtime that outlives the server's workers (the service's main one): lease
+    /// renewals ahead of need run there, and a stop waits for them ([`RateLimit::renewals`]).
     pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
         RateLimit {
             limiter,
             rules,
             concurrency: Arc::new(ConcurrencyLimits::default()),
+            renewals: Outstanding::here(),
         }
+    }
+
+    /// The lease renewals ahead of need still running: a stop waits for them
+    /// ([`Outstanding::back`]) before it settles every lease, so that none takes a lease after
+    /// that settling, unknown to any instance then, its units held window + L.
+    pub fn renewals(&self) -> Outstanding {
+        self.renewals.clone()
     }
 
     /// Adds concurrency limits: after the rate limit admits a request, it also takes a slot
@@ -435,12 +450,25 @@ impl Inner {
         }
     }
 
-    /// Runs the renewal ahead of need an admission made due, if any, as a task of this worker:
-    /// the request is answered without waiting for the ledger.
+    /// Runs the renewal ahead of need an admission made due, if any, as a task apart: the
+    /// request is answered without waiting for the ledger. On the runtime the middleware was
+    /// made on, when it was made on one: a task of this worker was dropped unfinished when a
+    /// stop ended the worker, and a lease it had sent was taken at the ledger with no instance
+    /// to settle it (held window + L). Counted until it ends, for the stop to wait for.
     fn renew_ahead(&self, renewal: Option<RenewalAhead>) {
-        if let Some(renewal) = renewal {
-            let limiter = self.limiter.clone();
-            actix_web::rt::spawn(async move { limiter.renew_lease_ahead(renewal).await });
+        let Some(renewal) = renewal else {
+            return;
+        };
+        let limiter = self.limiter.clone();
+        let running = self.renewals.count_out();
+        let home = running.home().cloned();
+        let renew = async move {
+            limiter.renew_lease_ahead(renewal).await;
+            drop(running);
+        };
+        match home {
+            Some(home) => drop(home.spawn(renew)),
+            None => drop(actix_web::rt::spawn(renew)),
         }
     }
 
@@ -459,6 +487,7 @@ impl Inner {
                 styles: factory.rules.header_styles(),
             },
             concurrency: factory.concurrency.clone(),
+            renewals: factory.renewals.clone(),
         }
     }
 

@@ -8,6 +8,7 @@ pub mod concurrency;
 pub mod guesses;
 pub mod headers;
 pub mod middleware;
+pub mod outstanding;
 pub mod problem;
 mod repeats;
 pub mod request_metrics;

@@ -558,6 +558,8 @@ pub struct TestApp {
     pub http: reqwest::Client,
     pub limiter: Arc<Limiter>,
     handle: actix_web::dev::ServerHandle,
+    /// The application's run, when this serves one ([`run`]): [`TestApp::ended`] waits for it.
+    running: Mutex<Option<tokio::task::JoinHandle<std::io::Result<()>>>>,
 }
 
 impl TestApp {
@@ -573,6 +575,7 @@ impl TestApp {
                 .unwrap(),
             limiter,
             handle,
+            running: Mutex::new(None),
         }
     }
 
@@ -586,6 +589,17 @@ impl TestApp {
 
     pub async fn stop(&self) {
         self.handle.stop(true).await;
+    }
+
+    /// Waits for the application's run to end (after [`TestApp::stop`]): what a stop does
+    /// after its server ended (settling leases, giving slots back) is done by then.
+    pub async fn ended(&self) {
+        let running = self.running.lock().unwrap().take();
+        let running = running.expect("an application run, once");
+        running
+            .await
+            .expect("the run did not panic")
+            .expect("the run ended well");
     }
 }
 
@@ -657,10 +671,11 @@ pub fn run(application: Application) -> TestApp {
     let metrics_port = application.metrics_port();
     let limiter = application.limiter();
     let handle = application.server_handle();
-    tokio::spawn(application.run_until_stopped());
+    let running = tokio::spawn(application.run_until_stopped());
     TestApp {
         admin_port,
         metrics_port,
+        running: Mutex::new(Some(running)),
         ..TestApp::new(port, limiter, handle)
     }
 }
