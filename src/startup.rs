@@ -216,7 +216,6 @@ impl Application {
             source,
         })?
         .run();
-
         start_listeners(&settings, (&limiter, served), &mut companions)?;
         let epoch = limiter
             .clone()
