@@ -102,6 +102,10 @@ struct Lease {
     /// retry each sweep (100 ms) piled copies onto a ledger that was slow already.
     unknown_tries: u8,
     retry_not_before: Option<Instant>,
+    /// When its settlement was first tried. Nothing is admitted from a lease once it is
+    /// settled (it is out of its caller's state by then), so its used units need holding for a
+    /// window from this instant, not from a later send ([`Holder::settlement`]).
+    settling_since: Option<Instant>,
 }
 
 impl Lease {
@@ -251,13 +255,23 @@ impl Holder {
         }
     }
 
-    fn settlement(&self, lease: &Lease) -> Settlement {
+    /// The settlement of `lease`, sent `now`. Its hold of the units used lasts a window from
+    /// the first try, whole seconds rounded in its favour (the ledger stamps it no earlier than
+    /// `now`, so it ends no sooner than a window after the last admission): a settlement sent
+    /// again, seconds later, held them a window from the resend, up to a window past the
+    /// bound the README states. At least a second: a timeout of 0 would never end.
+    fn settlement(&self, lease: &Lease, now: Instant) -> Settlement {
+        let since = lease
+            .settling_since
+            .expect("a settlement is tried from then on");
+        let late_seconds = now.saturating_duration_since(since).as_secs();
+        let late_seconds = u32::try_from(late_seconds).unwrap_or(u32::MAX);
         Settlement {
             account_id: self.account_id,
             lease_id: lease.transfer_id,
             units_used: lease.units_used,
             requests: lease.requests,
-            window_seconds: self.window_seconds,
+            window_seconds: self.window_seconds.saturating_sub(late_seconds).max(1),
         }
     }
 }
@@ -1019,6 +1033,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             local_expires_at: answered_at + timeout + self.settings.expiry_margin,
             unknown_tries: 0,
             retry_not_before: None,
+            settling_since: None,
         }))
     }
 
@@ -1121,7 +1136,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ///   [`Limiter::unknown_settlement`].
     async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Lease> {
         assert!(lease.units_used <= lease.units);
-        let settlement = holder.settlement(&lease);
+        let now = self.clock.now();
+        let lease = Lease {
+            settling_since: lease.settling_since.or(Some(now)),
+            ..lease
+        };
+        let settlement = holder.settlement(&lease, now);
         let transfers = if lease.units_used == 0 { 1 } else { 2 };
         // Dropped before the answer (a renewing request's client went away): the settlement
         // may land all the same (the call runs in a task of its own) and nothing below runs, so

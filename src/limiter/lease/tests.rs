@@ -1336,6 +1336,34 @@ fn a_settlement_of_unknown_outcome_is_sent_again() {
     }
 }
 
+/// A settlement sent again, seconds after its first try, holds the units used for a window
+/// from that first try (nothing was admitted from the lease after it), not from the resend: it
+/// held them up to a window past the bound the README states.
+#[test]
+fn a_settlement_sent_again_holds_the_units_used_a_window_from_its_first_try() {
+    let mut events = requests(0, 3);
+    events.push(Event::Advance { ms: 1000 });
+    events.push(Event::Fault(Fault::NotApplied));
+    events.push(Event::Sweep { instance: 0 });
+    events.push(Event::Advance { ms: 2000 });
+    events.push(Event::Sweep { instance: 0 });
+    let (admitted, model) = run(&events).unwrap();
+    assert_eq!((admitted, model.settlements), (3, 1));
+    // Tried first at 1 s and sent again at 3 s: held until 1 s + the window (3 s), not 6 s.
+    let ended_at = model.ended_at.unwrap();
+    assert_eq!(
+        model.held(ended_at),
+        3,
+        "the units used, still in their window"
+    );
+    let window_from_first_try = ended_at - Duration::from_secs(2) + WINDOW;
+    assert_eq!(
+        model.held(window_from_first_try),
+        0,
+        "not a window from the resend"
+    );
+}
+
 /// A settlement whose outcome is unknown: the local view counts its lower bound (the units
 /// used, as if it landed), neither the whole lease (which could refuse from memory what the
 /// ledger admits) nor nothing. It forgot the caller, and with it what it had read of the
