@@ -302,6 +302,9 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     for variable in unread_variables(names) {
         tracing::warn!(%variable, "no setting reads this variable: it is ignored (file-only settings are read from the --config file)");
     }
+    for setting in &settings.unread {
+        tracing::warn!(%setting, "this setting is ignored: ledger.addresses names the ledger, so none is embedded");
+    }
     let exporting_traces = telemetry.exporting();
     let served = serve_exporting(settings, signals, exporting_traces).await;
     if let Err(error) = &served {

@@ -425,6 +425,10 @@ pub struct Settings {
     pub rls: Option<RlsSettings>,
     /// The metrics' own listener (`metrics.listen`); `None`: they are served on `listen`.
     pub metrics_listen: Option<String>,
+    /// Settings given (in the file, a flag or the environment) that nothing reads: the
+    /// embedded ledger's beside `ledger.addresses`. Warned of at start, not refused: an
+    /// environment shared by instances of a cluster and of an embedded ledger is fine.
+    pub unread: Vec<&'static str>,
 }
 
 fn require<T>(value: Option<T>, setting: &str) -> Result<T, ConfigError> {
@@ -524,6 +528,7 @@ impl Settings {
             admin,
             rls,
             metrics_listen,
+            unread: Vec::new(),
         })
     }
 
@@ -541,6 +546,7 @@ impl Settings {
         let own_prefixes = overrides.key_prefixes.is_some();
         let defaults = FileConfig::defaults()?;
         let own_caller = beside_defaults(overrides.caller.clone(), &defaults.caller);
+        let own_embedded = embedded_given(&overrides.embedded);
         let listed_prefixes = overrides
             .key_prefixes
             .as_ref()
@@ -556,7 +562,11 @@ impl Settings {
             merged.key_prefixes = Some(BTreeMap::new());
         }
         refuses_every_key(&merged)?;
-        Self::from_file_config(merged)
+        let mut settings = Self::from_file_config(merged)?;
+        if matches!(settings.ledger, LedgerLocation::Cluster { .. }) {
+            settings.unread = own_embedded;
+        }
+        Ok(settings)
     }
 
     /// What [`Ledger::connect`](crate::ledger::Ledger::connect) needs from this configuration,
@@ -997,6 +1007,23 @@ fn plan_from_file(name: &str, plan: &PlanFile, section: &str) -> Result<Plan, Co
         PlanError::Capacity(_) => invalid(setting("capacity"), e.to_string()),
         _ => invalid(format!("{section}.{name}"), e.to_string()),
     })
+}
+
+/// The embedded ledger's settings given (not the defaults'), by name.
+fn embedded_given(embedded: &EmbeddedFile) -> Vec<&'static str> {
+    let given = [
+        ("embedded.data_dir", embedded.data_dir.is_some()),
+        (
+            "embedded.tigerbeetle_bin",
+            embedded.tigerbeetle_bin.is_some(),
+        ),
+        ("embedded.development", embedded.development.is_some()),
+    ];
+    given
+        .iter()
+        .filter(|(_, set)| *set)
+        .map(|(name, _)| *name)
+        .collect()
 }
 
 /// Replica addresses when given, else the embedded ledger.
@@ -1677,6 +1704,23 @@ mod tests {
             "{exempt}[routes.costs]\n\"/pub*\" = 3\n\"/ping*\" = 2"
         ))
         .is_ok());
+    }
+
+    /// The embedded ledger's settings given beside `ledger.addresses` are named as unread (the
+    /// binary warns of each): they were ignored without a word. Not the defaults', nor any
+    /// without addresses.
+    #[test]
+    fn embedded_settings_beside_ledger_addresses_are_named_unread() {
+        let cluster = "[ledger]\naddresses = [\"127.0.0.1:3000\"]\n";
+        assert!(
+            with(cluster).unwrap().unread.is_empty(),
+            "the defaults' are not named"
+        );
+        let given = format!("{cluster}[embedded]\ndata_dir = \"d\"\ndevelopment = false\n");
+        let unread = with(&given).unwrap().unread;
+        assert_eq!(unread, ["embedded.data_dir", "embedded.development"]);
+        let embedded = with("[embedded]\ndata_dir = \"d\"\n").unwrap();
+        assert!(embedded.unread.is_empty(), "read by the embedded ledger");
     }
 
     /// None of these can reach a replica: refused here, not stood in for at the start.
