@@ -1132,6 +1132,49 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
     assert_eq!((audit.holds, audit.voids), (1, 1), "given back: {audit:?}");
 }
 
+/// A slot's `release` dropped before its give-back is sent (it waits to be sent again: the
+/// in-flight bound was full) goes on from the runtime the limits were made on. It was lost with
+/// the future, and the slot held until its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_release_dropped_before_it_is_sent_goes_on() {
+    use ledger_limiter::http::ConcurrencyLimits;
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    use std::num::{NonZeroU32, NonZeroU64};
+    let process = TestLedger::start();
+    let ledger = Arc::new(ledger_client_bounded(vec![process.address], 1));
+    let one = NonZeroU64::new(1).unwrap();
+    let routes = [("/stream".to_owned(), one)];
+    let timeout = NonZeroU32::new(60).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let key = fresh_key("k_");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let slot = limits.take("/stream", &caller(&key), false, deadline).await;
+    let slot = slot.ok().flatten().expect("a slot");
+    // The bound's only place taken, at a stopped ledger: the give-back cannot be sent, and
+    // waits a ledger timeout (5 s) to be sent again.
+    let other = take_the_only_place(&process, &ledger, 1).await;
+    let release = tokio::time::timeout(Duration::from_millis(200), slot.release()).await;
+    assert!(release.is_err(), "not sent: the bound is full");
+    assert_eq!(
+        limits.slots_out().back(Duration::ZERO).await,
+        1,
+        "handed on"
+    );
+    process.pause(false);
+    let _ = other.await;
+    let back = limits.slots_out().back(Duration::from_secs(20)).await;
+    assert_eq!(back, 0, "given back");
+    let slot_account = model::user_account_id(
+        LEDGER_CONCURRENCY,
+        &ledger_limiter::http::concurrency::plan_name("/stream"),
+        one,
+        key.as_bytes(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let audit = ledger.audit(slot_account, deadline).await.unwrap().unwrap();
+    assert_eq!((audit.holds, audit.voids), (1, 1), "given back: {audit:?}");
+}
+
 /// A cost reported after other requests took what was free: the ledger charges what is free
 /// (capped), and the response's `r` says what is left, not the admission's quota less the
 /// difference (it said 4 of 10 with nothing left).

@@ -280,13 +280,26 @@ impl Slot {
         }
     }
 
-    /// Gives the slot back now, sent again until it lands or expires.
+    /// Gives the slot back now, sent again until it lands or expires. Dropped before it ends
+    /// (its caller's future was), the give-back goes on from the limits' fallback runtime, as a
+    /// dropped slot's does: it was lost while it waited to be sent again, the slot held until
+    /// its timeout.
     pub async fn release(mut self) {
-        if let Some(hold) = self.hold.take() {
-            self.limiter
-                .release_until_expired(self.account_id, hold)
-                .await;
+        if let Some(give_back) = self.give_back() {
+            give_back.run().await;
         }
+    }
+
+    /// The give-back of the slot's hold, once (`None` if nothing is held).
+    fn give_back(&mut self) -> Option<GiveBack> {
+        let hold = self.hold.take()?;
+        Some(GiveBack {
+            limiter: self.limiter.clone(),
+            account_id: self.account_id,
+            hold,
+            out: self.out.take(),
+            hand_off: true,
+        })
     }
 }
 
@@ -295,15 +308,8 @@ impl Drop for Slot {
         // Given back from a task of its own, on the runtime it is dropped on (the client went
         // away, the body ended, or the handler panicked); without one, or with one shutting
         // down, from its limits' fallback runtime; without that either, the hold's timeout does.
-        let Some(hold) = self.hold.take() else {
+        let Some(give_back) = self.give_back() else {
             return;
-        };
-        let give_back = GiveBack {
-            limiter: self.limiter.clone(),
-            account_id: self.account_id,
-            hold,
-            out: self.out.take(),
-            hand_off: true,
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(give_back.run());
