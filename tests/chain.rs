@@ -766,3 +766,47 @@ async fn a_ping_waits_for_a_place_under_a_full_bound() {
     assert_eq!(pinged, Ok(()));
     let _ = full.other.await;
 }
+
+/// A recharge whose one linked chain fails (an operator blocked one of the request's limits
+/// meanwhile) recharges each hold alone, so that the others still are: the plan's hold is
+/// replaced by one of the actual cost, and the blocked limit's estimate stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recharge_whose_chain_fails_recharges_each_hold_alone() {
+    use ledger_limiter::ledger::model::Actor;
+    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+    let route = Plan::new(
+        "burst",
+        NonZeroU64::new(10).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    )
+    .unwrap();
+    let key = caller(&fresh_key("k_"));
+    let cost = NonZeroU64::new(2).unwrap();
+    let checked = limiter.check_with(&key, cost, std::slice::from_ref(&route));
+    let (decision, _) = checked.await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    let route_account = decision.route_limits[0].account_id;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let ledger = limiter.ledger();
+    ledger
+        .block(route_account, 600, actor, deadline)
+        .await
+        .unwrap();
+    let done = limiter.recharge(&decision, 1).await.unwrap();
+    assert_eq!(
+        done,
+        [true, false],
+        "the plan's alone, the blocked limit's not"
+    );
+    let plan = ledger.audit(decision.account_id, deadline).await.unwrap();
+    let plan = plan.unwrap();
+    assert_eq!((plan.holds, plan.voids), (2, 1), "recharged: {plan:?}");
+    assert_eq!(plan.debits_pending, 1, "the actual cost: {plan:?}");
+    let blocked = ledger
+        .audit(route_account, deadline)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((blocked.holds, blocked.voids), (1, 0), "{blocked:?}");
+}
