@@ -507,33 +507,66 @@ async fn a_top_up_whose_answer_is_lost_is_announced_all_the_same() {
         .await
         .unwrap();
     let epoch = ledger.operator_epoch(deadline).await.unwrap();
-    own.pause(true);
-    let id = limit.account.id;
-    let lost = ledger.top_up(
-        id,
-        3,
-        (actor, None),
-        Instant::now() + Duration::from_millis(200),
+    let lost = lose_a_top_up(&own, &ledger, limit.account.id, 3).await;
+    assert!(lost.is_err(), "answered past its deadline: {lost:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    assert_eq!(available(&ledger, &limit).await, Some(9), "it landed");
+    let announced = ledger.operator_epoch(deadline).await.unwrap();
+    assert!(announced > epoch, "announced: {announced} after {epoch}");
+}
+
+/// A top-up whose answer is lost, of a caller whose grant never landed, finishes the grant, as
+/// a top-up answered does: nothing else did without a retry (a request takes the top-up's
+/// credit for the grant), and the caller kept 3 in place of 5 + 3, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_top_up_whose_answer_is_lost_finishes_a_grant_that_never_landed() {
+    use ledger_limiter::ledger::model;
+    let own = TestLedger::start(); // its own: stopped for a while below
+    let ledger = ledger_client(vec![own.address]);
+    let limit = fresh_limit(5, 60, 1);
+    // The accounts alone, as a first request whose grant failed leaves them.
+    let raw = tigerbeetle_unofficial::Client::new(0, own.address.to_string()).unwrap();
+    let accounts = vec![
+        model::operator_account(ledger.ledger_id()),
+        model::user_account(&limit.account, ledger.ledger_id()),
+    ];
+    raw.create_accounts(accounts).await.unwrap();
+    assert_eq!(available(&ledger, &limit).await, Some(0), "never granted");
+    let lost = lose_a_top_up(&own, &ledger, limit.account.id, 3).await;
+    assert!(lost.is_err(), "answered past its deadline: {lost:?}");
+    assert_eq!(
+        available(&ledger, &limit).await,
+        Some(8),
+        "granted, and topped up"
     );
-    // Continued once the announcement has started (its accounts' call), past the top-up's
-    // deadline: the announcement has a second of its own from there.
+}
+
+/// Tops `account_id` up by `amount` with the ledger stopped past the top-up's deadline, and
+/// lets the ledger go on once what follows a lost answer has started (its first call: the
+/// grant's look-up); what follows has a second of its own from its start.
+async fn lose_a_top_up(
+    own: &TestLedger,
+    ledger: &Ledger,
+    account_id: u128,
+    amount: u64,
+) -> Result<ledger_limiter::ledger::Adjusted, ledger_limiter::ledger::LedgerError> {
+    use ledger_limiter::ledger::metrics::Operation;
+    use ledger_limiter::ledger::model::Actor;
+    let actor = Actor::from_reason(1, "test").unwrap();
+    own.pause(true);
+    let by = Instant::now() + Duration::from_millis(200);
+    let lost = ledger.top_up(account_id, amount, (actor, None), by);
     let go_on = async {
-        use ledger_limiter::ledger::metrics::Operation;
-        let accounts = ledger.calls_started_of(Operation::CreateAccounts);
+        let lookups = ledger.calls_started_of(Operation::LookupAccounts);
         let waited = Instant::now() + Duration::from_secs(5);
-        while ledger.calls_started_of(Operation::CreateAccounts) == accounts
+        while ledger.calls_started_of(Operation::LookupAccounts) == lookups
             && Instant::now() < waited
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         own.pause(false);
     };
-    let (lost, ()) = tokio::join!(lost, go_on);
-    assert!(lost.is_err(), "answered past its deadline: {lost:?}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    assert_eq!(available(&ledger, &limit).await, Some(9), "it landed");
-    let announced = ledger.operator_epoch(deadline).await.unwrap();
-    assert!(announced > epoch, "announced: {announced} after {epoch}");
+    tokio::join!(lost, go_on).0
 }
 
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a

@@ -225,14 +225,22 @@ impl Ledger {
     ) -> Result<Adjusted, LedgerError> {
         let transfer = model::top_up_transfer(account_id, self.ledger_id, amount, actor);
         let transfer = once_only(transfer, account_id, once);
-        let kind = self.operator_action(transfer, deadline).await?;
-        let adjusted = adjusted(kind, "top-up: ");
-        if let Ok(Adjusted::Done | Adjusted::AlreadyDone) = adjusted {
-            // Before the announcement: instances then read the account granted.
+        let created = self.operator_transfer(transfer, deadline).await;
+        // Its answer lost: it may have landed all the same.
+        let lost = created.is_err();
+        let adjusted = created.and_then(|kind| adjusted(kind, "top-up: "));
+        // Landed, or maybe (without a retry, nothing finished the grant then, and the caller
+        // kept the top-up in place of its capacity and the top-up). Before the announcement:
+        // instances then read the account granted.
+        if lost || matches!(adjusted, Ok(Adjusted::Done | Adjusted::AlreadyDone)) {
             let follow_up = super::follow_up_deadline(deadline);
             if let Err(error) = self.finish_grant(account_id, follow_up).await {
                 tracing::warn!(%error, "topped up, but whether the caller's grant landed is unknown");
             }
+        }
+        if lost {
+            // As [`Ledger::operator_action`]'s: announced all the same.
+            self.bump_operator_epoch(deadline).await;
         }
         self.bumped_if(account_id, adjusted, deadline).await
     }
