@@ -19,7 +19,8 @@ use super::{client_error, model, nothing_if_abandoned, HoldReply, Ledger, Ledger
 
 /// A lease: a pending debit of the leased units, timeout = window + L.
 pub const TRANSFER_CODE_LEASE: u16 = 9;
-/// A settlement's hold of the units a lease admitted, timeout = the window.
+/// A settlement's hold of the units a lease admitted, timeout = the window (less the whole seconds
+/// since its first try, for one sent again: `Settlement::window_seconds`).
 pub const TRANSFER_CODE_LEASE_SETTLEMENT: u16 = 10;
 
 /// What a lease admitted, to settle it.
@@ -31,13 +32,15 @@ pub struct Settlement {
     pub units_used: u64,
     /// Requests admitted from the lease (the audit trail records it).
     pub requests: u64,
+    /// The settlement hold's timeout: the window, less the whole seconds since the
+    /// settlement's first try for one sent again (at least 1).
     pub window_seconds: u32,
 }
 
 /// How a settlement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
-    /// The lease is void and its used units are held for a window from now.
+    /// The lease is void and its used units are held for `Settlement::window_seconds` from now.
     Done,
     /// The lease had expired (or was voided already): nothing was changed. It expires window + L
     /// after it was placed, and nothing was admitted from it after L, so its units are out of

@@ -13,7 +13,9 @@
 //! - The settlement is stamped at `S ≥` its sending, which is after every admission from the lease
 //!   (a lease is taken out of the caller's state, under its lock, before its settlement is sent;
 //!   nothing admits from it after), and holds the used units until `S + window`: each
-//!   unit stays held at least a window after its admission. Void and hold are one linked chain,
+//!   unit stays held at least a window after its admission. A settlement sent again at `S'`
+//!   holds them `window` less the whole seconds since its first try `F`, so until at least
+//!   `F + window`; `F` too is after every admission. Void and hold are one linked chain,
 //!   so no instant sees the units released and not yet held again.
 //! - A settlement that fails or is lost leaves the lease pending; it covers every unit until
 //!   `T0 + window + L`. A lease found expired needs nothing: its units are out of the window.
@@ -1207,16 +1209,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// What the local view knows of a settled lease: its units released, and the units it
-    /// admitted held for a window from now (the settlement's hold ends no sooner).
+    /// admitted held for a window from its settlement's first try (the settlement's hold ends
+    /// no sooner, [`Holder::settlement`]). From now, a settlement sent again seconds after its
+    /// first try was counted past the ledger's hold, and refused from memory what the ledger
+    /// admits.
     fn count_settled(&self, holder: &Holder, lease: &Lease) {
         let id = holder.account_id;
         self.local.release(id, lease.units, lease.local_expires_at);
         if lease.units_used > 0 {
+            let since = lease
+                .settling_since
+                .expect("counted once its settlement is tried");
             let now = self.clock.now();
             let window = Duration::from_secs(holder.window_seconds.into());
+            let left = window.saturating_sub(now.saturating_duration_since(since));
             let used = lease.units_used;
             self.local
-                .record_settled_hold(id, holder.capacity, used, window, now);
+                .record_settled_hold(id, holder.capacity, used, left, now);
         }
     }
 

@@ -1404,6 +1404,49 @@ fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
     assert_eq!(remaining(&limiter), CAPACITY - 3, "counted once");
 }
 
+/// A settlement sent again seconds after its first try (refused a place then) is counted by
+/// the local view for a window from that first try, as the ledger holds it: counted for a window
+/// from the resend, it outlived the ledger's hold, and refused from memory what the ledger
+/// admits.
+#[test]
+fn a_settlement_sent_again_is_counted_as_long_as_the_ledger_holds_it() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    runtime.block_on(async {
+        for _ in 0..2 {
+            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+    });
+    let id = limiter.account_of(&key).unwrap();
+    let remaining = || {
+        limiter
+            .local
+            .quota(id, CAPACITY, store.clock.now())
+            .remaining
+    };
+    store.past_l();
+    let first_try = store.clock.now();
+    store.model.lock().unwrap().overload_next_settlement = true;
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(
+        store.model.lock().unwrap().settlements,
+        0,
+        "refused a place"
+    );
+    store.clock.advance_to(first_try + Duration::from_secs(2));
+    runtime.block_on(limiter.settle_due_leases());
+    assert_eq!(store.model.lock().unwrap().settlements, 1, "sent again");
+    assert_eq!(remaining(), CAPACITY - 3, "the units used");
+    // Past a window from the first try, and the margin: the ledger holds them no more.
+    let margin = Duration::from_millis(250);
+    store
+        .clock
+        .advance_to(first_try + WINDOW + margin + Duration::from_millis(10));
+    let ledger_held = store.model.lock().unwrap().held(store.clock.now());
+    assert_eq!(ledger_held, 0, "the ledger's hold ended");
+    assert_eq!(remaining(), CAPACITY, "nor does the view count them");
+}
+
 /// A renewal ahead that finds no room for a lease (the view knows the caller's credit is all
 /// held) takes none, and no other starts from the same lease: each admission from its second
 /// half started one, each for nothing.
