@@ -54,15 +54,12 @@ fn serve_library(
 ) -> (u16, actix_web::dev::ServerHandle) {
     use actix_web::{App, HttpServer};
     use ledger_limiter::http::RateLimit;
-    let (limiter, rules) = (limiter.clone(), Arc::new(rules));
-    let server = HttpServer::new(move || {
-        App::new()
-            .wrap(RateLimit::new(limiter.clone(), rules.clone()))
-            .configure(routes)
-    })
-    .workers(1)
-    .bind(("127.0.0.1", 0))
-    .unwrap();
+    // Made outside the workers, as the README wires it.
+    let rate_limit = RateLimit::new(limiter.clone(), Arc::new(rules));
+    let server = HttpServer::new(move || App::new().wrap(rate_limit.clone()).configure(routes))
+        .workers(1)
+        .bind(("127.0.0.1", 0))
+        .unwrap();
     let port = server.addrs()[0].port();
     let server = server.run();
     let handle = server.handle();
@@ -1151,7 +1148,7 @@ async fn a_slot_release_dropped_before_it_is_sent_goes_on() {
     let slot = limits.take("/stream", &caller(&key), false, deadline).await;
     let slot = slot.ok().flatten().expect("a slot");
     // The bound's only place taken, at a stopped ledger: the give-back cannot be sent, and
-    // waits a ledger timeout (5 s) to be sent again.
+    // waits for a place (up to a ledger timeout, 5 s).
     let other = take_the_only_place(&process, &ledger, 1).await;
     let release = tokio::time::timeout(Duration::from_millis(200), slot.release()).await;
     assert!(release.is_err(), "not sent: the bound is full");

@@ -281,9 +281,10 @@ impl Slot {
     }
 
     /// Gives the slot back now, sent again until it lands or expires. Dropped before it ends
-    /// (its caller's future was), the give-back goes on from the limits' fallback runtime, as a
-    /// dropped slot's does: it was lost while it waited to be sent again, the slot held until
-    /// its timeout.
+    /// (its caller's future was), the give-back of a slot of [`ConcurrencyLimits::take`] goes
+    /// on from the limits' fallback runtime, as a dropped slot's does: it was lost while it
+    /// waited for a place or to be sent again, the slot held until its timeout. (A slot of
+    /// [`Slot::take`] has no such runtime: its hold's timeout gives it back then.)
     pub async fn release(mut self) {
         if let Some(give_back) = self.give_back() {
             give_back.run().await;

@@ -10,14 +10,20 @@
 //!
 //! # async fn run(limiter: Arc<Limiter>) -> anyhow::Result<()> {
 //! let rules = Arc::new(RequestRules::builder().cost("/reports", 5).build(limiter.plans())?);
+//! // Made outside the workers: lease renewals run on the runtime it is made on.
+//! let rate_limit = RateLimit::new(limiter.clone(), rules);
+//! let renewals = rate_limit.renewals();
 //! HttpServer::new(move || {
 //!     App::new()
-//!         .wrap(RateLimit::new(limiter.clone(), rules.clone()))
+//!         .wrap(rate_limit.clone())
 //!         .route("/greeting", web::get().to(|| async { "hello" }))
 //! })
 //! .bind(("127.0.0.1", 8080))?
 //! .run()
 //! .await?;
+//! // Renewals still running end, then leased units go back (lease plans).
+//! renewals.back(std::time::Duration::from_secs(2)).await;
+//! limiter.settle_all_leases().await;
 //! # Ok(())
 //! # }
 //! ```
@@ -69,8 +75,10 @@ pub struct RateLimit {
 }
 
 impl RateLimit {
-    /// Made on the runtime that outlives the server's workers (the service's main one): lease
-    /// renewals ahead of need run there, and a stop waits for them ([`RateLimit::renewals`]).
+    /// Make it on the runtime that outlives the server's workers (the main one, outside
+    /// `HttpServer::new`'s closure, which runs on each worker's): lease renewals ahead of need
+    /// run on the runtime it is made on, and one made in the closure runs them on a worker's,
+    /// which a stop ends, dropping them ([`RateLimit::renewals`]).
     pub fn new(limiter: Arc<Limiter>, rules: Arc<RequestRules>) -> Self {
         RateLimit {
             limiter,
@@ -81,8 +89,10 @@ impl RateLimit {
     }
 
     /// The lease renewals ahead of need still running: a stop waits for them
-    /// ([`Outstanding::back`]) before it settles every lease, so that none takes a lease after
-    /// that settling, unknown to any instance then, its units held window + L.
+    /// ([`Outstanding::back`]) before it settles every lease, so that none of them takes a
+    /// lease after that settling, unknown to any instance then, its units held window + L. (A
+    /// renewal a request runs itself ends with the request, within the stop's drain unless
+    /// `ledger.timeout_ms` is longer.)
     pub fn renewals(&self) -> Outstanding {
         self.renewals.clone()
     }
