@@ -370,7 +370,11 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                 ],
                 // The plans of this binary's tests (the recorder is the process'), and none.
                 "plan" if value == concurrency::plan_name("/greeting") => continue,
-                "plan" => &["free", "basic", "pro", "slots", "shadowed", "none"],
+                // The Envoy front end's: `<domain>.<rule>` (`an_envoy_call_continues_...`).
+                "plan" => &[
+                    "free", "basic", "pro", "slots", "shadowed", "none", "traced.k",
+                ],
+                "frontend" => &["envoy"],
                 "source" => &["ledger", "local_view", "none"],
                 "kind" => &["timeout", "overloaded", "client", "unexpected"],
                 "operation" => &[
@@ -656,4 +660,74 @@ async fn a_request_failed_closed_is_an_error_in_its_trace() {
     let spans = server_spans_of_trace(&admitted).await;
     assert_ne!(status_of(&spans, "SPAN_KIND_SERVER"), error, "{spans:#?}");
     app.stop().await;
+}
+
+/// The Envoy front end's span continues the trace Envoy sends (`traceparent` in the call's
+/// metadata), as the HTTP front end's does: each call was the root of a trace of its own, apart
+/// from the request it decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envoy_call_continues_the_trace_envoy_sends() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    telemetry(); // first: it sets the environment, before this test starts anything
+    let rules = tempfile::tempdir().unwrap();
+    let rule = "domain: traced\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 5\n";
+    std::fs::write(rules.path().join("traced.yaml"), rule).unwrap();
+    let mut config = test_config(shared_ledger().address);
+    config.rls = ledger_limiter::config::RlsFile {
+        listen: Some("127.0.0.1:0".to_owned()),
+        config: Some(rules.path().to_owned()),
+    };
+    let (app, _) = spawn_observed_app(config).await;
+    let port = app.rls_port.expect("the Envoy front end on");
+    let address = format!("http://127.0.0.1:{port}");
+    let mut client = RateLimitServiceClient::connect(address).await.unwrap();
+    let descriptor = RateLimitDescriptor {
+        entries: vec![Entry {
+            key: "k".to_owned(),
+            value: fresh_key("v_"),
+        }],
+        ..RateLimitDescriptor::default()
+    };
+    let mut call = tonic::Request::new(RateLimitRequest {
+        domain: "traced".to_owned(),
+        descriptors: vec![descriptor],
+        hits_addend: 0,
+    });
+    let trace_id = format!("{:032x}", rand::random::<u128>());
+    let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    call.metadata_mut()
+        .insert("traceparent", traceparent.parse().unwrap());
+    client.should_rate_limit(call).await.unwrap();
+    let span = envoy_span_of_trace(&trace_id).await;
+    assert_eq!(span.parent_span_id, "00f067aa0ba902b7", "in Envoy's trace");
+    assert_eq!(span.kind, "SPAN_KIND_SERVER");
+    app.stop().await;
+}
+
+/// The Envoy front end's span of `trace_id`, once the receiver got it over OTLP (at most 10 s).
+async fn envoy_span_of_trace(trace_id: &str) -> ExportedSpan {
+    let t = telemetry();
+    let flushed = tokio::task::spawn_blocking(|| telemetry().provider.force_flush()).await;
+    flushed.unwrap().expect("the spans are exported over OTLP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = {
+            let spans = t.spans.lock().unwrap();
+            let found = spans
+                .iter()
+                .find(|s| s.trace_id == trace_id && s.name == "ShouldRateLimit");
+            found.cloned()
+        };
+        if let Some(span) = found {
+            return span;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Envoy span of trace {trace_id}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

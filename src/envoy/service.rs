@@ -27,6 +27,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGTH_MAX};
 use super::metrics::RlsMetrics;
@@ -586,6 +587,23 @@ impl RateLimitServer {
     }
 }
 
+/// A gRPC call's metadata read as W3C trace context (`traceparent`, `tracestate`).
+struct MetadataCarrier<'a>(&'a tonic::metadata::MetadataMap);
+
+impl opentelemetry::propagation::Extractor for MetadataCarrier<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        let keys = self.0.keys().filter_map(|key| match key {
+            tonic::metadata::KeyRef::Ascii(key) => Some(key.as_str()),
+            tonic::metadata::KeyRef::Binary(_) => None,
+        });
+        keys.collect()
+    }
+}
+
 #[tonic::async_trait]
 impl RateLimitService for RateLimitServer {
     async fn should_rate_limit(
@@ -593,6 +611,11 @@ impl RateLimitService for RateLimitServer {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let deadline = self.call_deadline(request.metadata());
+        // Envoy sends its request's trace context: this span is that request's child, in its
+        // trace (each call was a trace of its own, apart from the request it decided).
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&MetadataCarrier(request.metadata()))
+        });
         let request = request.into_inner();
         // The domain is configuration, never a secret; descriptor values can be (API keys). A
         // domain over the bound is refused below, and not copied into the span first.
@@ -613,6 +636,7 @@ impl RateLimitService for RateLimitServer {
             rpc.grpc.status_code = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,
         );
+        let _ = span.set_parent(parent);
         let answer = async move {
             let matched = self.matched(&request)?;
             let decided = self.decide(&matched, deadline).await?;

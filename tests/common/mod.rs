@@ -555,6 +555,8 @@ pub struct TestApp {
     pub admin_port: Option<u16>,
     /// The metrics' own port, when `metrics.listen` is set.
     pub metrics_port: Option<u16>,
+    /// The Envoy front end's port, when `rls.listen` is set.
+    pub rls_port: Option<u16>,
     pub http: reqwest::Client,
     pub limiter: Arc<Limiter>,
     handle: actix_web::dev::ServerHandle,
@@ -569,6 +571,7 @@ impl TestApp {
             port,
             admin_port: None,
             metrics_port: None,
+            rls_port: None,
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
                 .build()
@@ -669,12 +672,14 @@ pub fn run(application: Application) -> TestApp {
     let port = application.port();
     let admin_port = application.admin_port();
     let metrics_port = application.metrics_port();
+    let rls_port = application.rls_port();
     let limiter = application.limiter();
     let handle = application.server_handle();
     let running = tokio::spawn(application.run_until_stopped());
     TestApp {
         admin_port,
         metrics_port,
+        rls_port,
         running: Mutex::new(Some(running)),
         ..TestApp::new(port, limiter, handle)
     }
