@@ -18,7 +18,8 @@ use std::time::Duration;
 pub use service::RateLimitServer;
 
 /// A request message larger than this is refused (`OUT_OF_RANGE`): 64 descriptors of 16 entries
-/// of 256-byte keys and values fit with room to spare.
+/// of 256-byte keys and values fit with room to spare. Values have no bound of their own: one
+/// header at Envoy's default limit (60 KiB) read into 18 entries passes it (README).
 pub const REQUEST_BYTES_MAX: usize = 1 << 20;
 
 /// Calls in flight on one connection, at most. Envoy multiplexes its calls over a few
