@@ -67,6 +67,13 @@ fn serve_library(
     (port, handle)
 }
 
+/// The account of `key`'s slots on the concurrency limit of route `pattern` (`slots` in flight).
+fn slot_account(pattern: &str, slots: std::num::NonZeroU64, key: &str) -> u128 {
+    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
+    let plan = ledger_limiter::http::concurrency::plan_name(pattern);
+    model::user_account_id(LEDGER_CONCURRENCY, &plan, slots, key.as_bytes())
+}
+
 async fn held(app: &TestApp, key: &str) -> ledger_limiter::ledger::audit::AccountAudit {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     app.limiter
@@ -658,7 +665,6 @@ async fn a_request_dropped_while_its_slot_is_decided_gives_its_rate_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() {
-    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
     use std::num::NonZeroU64;
     use std::time::Duration;
 
@@ -718,12 +724,7 @@ async fn a_concurrency_limit_holds_slots_across_instances_and_gives_them_back() 
     // void sent as the body is dropped), so the ledger is asked until none is held.
     let ledger = ledger_client(vec![shared_ledger().address]);
     let caller = caller(&key);
-    let slot_account = model::user_account_id(
-        LEDGER_CONCURRENCY,
-        &ledger_limiter::http::concurrency::plan_name("/slow"),
-        NonZeroU64::new(2).unwrap(),
-        key.as_bytes(),
-    );
+    let slot_account = slot_account("/slow", NonZeroU64::new(2).unwrap(), &key);
     let no_slot_held = || async {
         let given_back = std::time::Instant::now() + Duration::from_secs(10);
         loop {
@@ -934,13 +935,7 @@ async fn a_streamed_response_holds_its_slot_until_the_body_ends() {
     assert_eq!(second.text().await.unwrap().len(), 12);
     // Every body ended, so both slots come back (each by a void at the ledger: soon, not at once,
     // and long before the slots' 30 s timeout).
-    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
-    let slots = model::user_account_id(
-        LEDGER_CONCURRENCY,
-        &ledger_limiter::http::concurrency::plan_name("/stream"),
-        std::num::NonZeroU64::new(2).unwrap(),
-        key.as_bytes(),
-    );
+    let slots = slot_account("/stream", std::num::NonZeroU64::new(2).unwrap(), &key);
     let ledger = ledger_client(vec![shared_ledger().address]);
     let given_back_by = std::time::Instant::now() + Duration::from_secs(5);
     let audit = loop {
@@ -1055,7 +1050,6 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
     use ledger_limiter::http::ConcurrencyLimits;
-    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
     use std::num::{NonZeroU32, NonZeroU64};
     let ledger = ledger_client(vec![shared_ledger().address]);
     let one = NonZeroU64::new(1).unwrap();
@@ -1118,14 +1112,9 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
         })
     };
     assert_eq!(back.join().unwrap(), 0, "back");
-    let slot_account = model::user_account_id(
-        LEDGER_CONCURRENCY,
-        &ledger_limiter::http::concurrency::plan_name("/stream"),
-        one,
-        key.as_bytes(),
-    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let audit = ledger.audit(slot_account, deadline).await.unwrap().unwrap();
+    let audit = ledger.audit(slot_account("/stream", one, &key), deadline);
+    let audit = audit.await.unwrap().unwrap();
     assert_eq!((audit.holds, audit.voids), (1, 1), "given back: {audit:?}");
 }
 
@@ -1135,7 +1124,6 @@ async fn a_slot_cut_short_by_a_worker_shutting_down_is_given_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_release_dropped_before_it_is_sent_goes_on() {
     use ledger_limiter::http::ConcurrencyLimits;
-    use ledger_limiter::ledger::model::{self, LEDGER_CONCURRENCY};
     use std::num::{NonZeroU32, NonZeroU64};
     let process = TestLedger::start();
     let ledger = Arc::new(ledger_client_bounded(vec![process.address], 1));
@@ -1161,14 +1149,9 @@ async fn a_slot_release_dropped_before_it_is_sent_goes_on() {
     let _ = other.await;
     let back = limits.slots_out().back(Duration::from_secs(20)).await;
     assert_eq!(back, 0, "given back");
-    let slot_account = model::user_account_id(
-        LEDGER_CONCURRENCY,
-        &ledger_limiter::http::concurrency::plan_name("/stream"),
-        one,
-        key.as_bytes(),
-    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let audit = ledger.audit(slot_account, deadline).await.unwrap().unwrap();
+    let audit = ledger.audit(slot_account("/stream", one, &key), deadline);
+    let audit = audit.await.unwrap().unwrap();
     assert_eq!((audit.holds, audit.voids), (1, 1), "given back: {audit:?}");
 }
 

@@ -1364,6 +1364,24 @@ fn a_settlement_sent_again_holds_the_units_used_a_window_from_its_first_try() {
     );
 }
 
+/// [`with_a_first_lease`] and two more requests admitted from its lease: 3 units used.
+fn with_three_units_used() -> (tokio::runtime::Runtime, ModelStore, Instance, CallerKey) {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    runtime.block_on(async {
+        for _ in 0..2 {
+            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
+            assert_eq!(decision.outcome, Outcome::Admitted);
+        }
+    });
+    (runtime, store, limiter, key)
+}
+
+/// What the local view says account `id` has left now.
+fn local_remaining(limiter: &Instance, store: &ModelStore, id: u128) -> u64 {
+    let now = store.clock.now();
+    limiter.local.quota(id, CAPACITY, now).remaining
+}
+
 /// A settlement whose outcome is unknown: the local view counts its lower bound (the units
 /// used, as if it landed), neither the whole lease (which could refuse from memory what the
 /// ledger admits) nor nothing. It forgot the caller, and with it what it had read of the
@@ -1372,36 +1390,23 @@ fn a_settlement_sent_again_holds_the_units_used_a_window_from_its_first_try() {
 /// not count the units again.
 #[test]
 fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
-    let (runtime, store, limiter, key) = with_a_first_lease();
-    runtime.block_on(async {
-        for _ in 0..2 {
-            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
-            assert_eq!(decision.outcome, Outcome::Admitted);
-        }
-    });
+    let (runtime, store, limiter, key) = with_three_units_used();
     let id = limiter.account_of(&key).unwrap();
-    let remaining = |limiter: &Instance| {
-        let now = store.clock.now();
-        limiter.local.quota(id, CAPACITY, now).remaining
-    };
+    let remaining = || local_remaining(&limiter, &store, id);
     let first = super::LEASE_UNITS_FIRST;
-    assert_eq!(
-        remaining(&limiter),
-        CAPACITY - first,
-        "the lease counts whole"
-    );
+    assert_eq!(remaining(), CAPACITY - first, "the lease counts whole");
     store.past_l();
     // Not applied: the retry settles it, and must not count its units a second time.
     store.next_call(Fault::NotApplied);
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(limiter.local_callers(), 1, "still known");
-    assert_eq!(remaining(&limiter), CAPACITY - 3, "the units used");
+    assert_eq!(remaining(), CAPACITY - 3, "the units used");
     store
         .clock
         .advance_to(store.clock.now() + Duration::from_secs(1));
     runtime.block_on(limiter.settle_due_leases());
     assert_eq!(store.model.lock().unwrap().settlements, 1);
-    assert_eq!(remaining(&limiter), CAPACITY - 3, "counted once");
+    assert_eq!(remaining(), CAPACITY - 3, "counted once");
 }
 
 /// A settlement sent again seconds after its first try (refused a place then) is counted by
@@ -1410,20 +1415,9 @@ fn a_settlement_of_unknown_outcome_counts_the_units_used_once() {
 /// admits.
 #[test]
 fn a_settlement_sent_again_is_counted_as_long_as_the_ledger_holds_it() {
-    let (runtime, store, limiter, key) = with_a_first_lease();
-    runtime.block_on(async {
-        for _ in 0..2 {
-            let decision = limiter.check(&key, NonZeroU64::MIN).await.unwrap();
-            assert_eq!(decision.outcome, Outcome::Admitted);
-        }
-    });
+    let (runtime, store, limiter, key) = with_three_units_used();
     let id = limiter.account_of(&key).unwrap();
-    let remaining = || {
-        limiter
-            .local
-            .quota(id, CAPACITY, store.clock.now())
-            .remaining
-    };
+    let remaining = || local_remaining(&limiter, &store, id);
     store.past_l();
     let first_try = store.clock.now();
     store.model.lock().unwrap().overload_next_settlement = true;
