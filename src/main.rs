@@ -143,6 +143,7 @@ impl Cli {
             rls: RlsFile {
                 listen: self.rls_listen.clone(),
                 config: self.rls_config.clone(),
+                connections_max: None,
             },
             metrics: MetricsFile {
                 listen: self.metrics_listen.clone(),

@@ -126,6 +126,7 @@ fn rls_config(
     config.rls = RlsFile {
         listen: Some("127.0.0.1:0".to_owned()),
         config: Some(rules.to_owned()),
+        connections_max: None,
     };
     config
 }
@@ -410,6 +411,39 @@ async fn call_raw(channel: Channel, value: &[u8]) -> Result<RateLimitResponse, t
     let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
     let answer = grpc.unary(tonic::Request::new(request), path, codec).await;
     answer.map(tonic::Response::into_inner)
+}
+
+/// At most `rls.connections_max` connections are served at once: one more waits (in the listen
+/// backlog) until one of them ends, then is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_bound_wait_until_one_ends() {
+    let rules_kept = rules_dir();
+    let mut config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    config.rls.connections_max = Some(2);
+    let (_app, port) = spawn_rls_port(config).await;
+    let value = fresh_key("bounded");
+    let one = || request("another", vec![descriptor(&[("key2", &value)])]);
+    let (mut first, mut second) = (client(port).await, client(port).await);
+    assert_eq!(overall(&call(&mut first, one()).await), Code::Ok);
+    assert_eq!(overall(&call(&mut second, one()).await), Code::Ok);
+    let mut third = client(port).await;
+    let waiting = tokio::time::timeout(Duration::from_secs(1), third.should_rate_limit(one()));
+    assert!(
+        waiting.await.is_err(),
+        "a third connection is not served while two are open"
+    );
+    drop(first);
+    let served = tokio::time::timeout(Duration::from_secs(5), third.should_rate_limit(one()));
+    let served = served.await.expect("served once a connection ended");
+    assert_eq!(overall(&served.expect("an answer").into_inner()), Code::Ok);
+    // The bound holds again: the second and third are open.
+    let mut fourth = client(port).await;
+    let waiting = tokio::time::timeout(Duration::from_secs(1), fourth.should_rate_limit(one()));
+    assert!(
+        waiting.await.is_err(),
+        "the bound holds after a connection ended"
+    );
+    assert_eq!(overall(&call(&mut second, one()).await), Code::Ok);
 }
 
 /// A refused call marks each descriptor with no room for its hits over its limit, not only the
@@ -917,6 +951,105 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
 /// Envoy cannot run here: the compose stack's envoy.yaml is checked statically against what the
 /// app serves (the filter, its gRPC cluster on HTTP/2 at the app's RLS port, a timeout above the
 /// decision deadline, failure_mode_deny, a domain the rules define).
+/// Out of file descriptors, the Envoy front end pauses accepting: it tried again at once, and
+/// every try failed the same way (the connection stays in the listen backlog), a core spun for as
+/// long as the shortage lasted. Once connections end, it serves again.
+#[test]
+fn out_of_file_descriptors_the_envoy_front_end_pauses_and_serves_again() {
+    use std::os::unix::process::CommandExt;
+    let ledger = shared_ledger();
+    let rules_kept = rules_dir();
+    let mut command = binary_command();
+    command
+        .arg("--listen=127.0.0.1:0")
+        .arg(format!("--ledger-addresses={}", ledger.address))
+        .arg("--ledger-timeout-ms=5000")
+        .arg("--rls-listen=127.0.0.1:0")
+        .arg(format!("--rls-config={}", rules_kept.path().display()));
+    // The process's own descriptors, and a few dozen for connections.
+    const DESCRIPTORS_MAX: libc::rlim_t = 128;
+    // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: DESCRIPTORS_MAX,
+                rlim_max: DESCRIPTORS_MAX,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let (guard, port, log) =
+        start_binary_logged(command, "Envoy rate-limit service listening on port ");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // Everything started first (its ledger connection, the HTTP workers): the shortage is the
+    // connections'.
+    runtime.block_on(ready(&log));
+    let connections: Vec<_> = (0..DESCRIPTORS_MAX)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("in the backlog"))
+        .collect();
+    let pausing = "the Envoy front end cannot accept a connection; pausing";
+    assert!(
+        wait_logged(&log, pausing, Duration::from_secs(10)),
+        "{}",
+        log.lock().unwrap()
+    );
+    let before = cpu_ticks(guard.pid());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(guard.pid()) - before;
+    // A tick is 10 ms of CPU (USER_HZ 100): trying again at once takes about 200 in 2 s.
+    assert!(used < 50, "{used} ticks of CPU in 2 s out of descriptors");
+    drop(connections);
+    runtime.block_on(async {
+        let mut client = client(port).await;
+        let answer = client.should_rate_limit(request(
+            "another",
+            vec![descriptor(&[("key2", &fresh_key("fd"))])],
+        ));
+        let answer = tokio::time::timeout(Duration::from_secs(5), answer).await;
+        let answer = answer.unwrap_or_else(|_| panic!("not served:\n{}", log.lock().unwrap()));
+        let answer = answer.expect("an answer").into_inner();
+        assert_eq!(overall(&answer), Code::Ok);
+    });
+}
+
+/// Once the binary whose log is `log` answers `/readyz` with a 200.
+async fn ready(log: &Log) {
+    let marker = "ledger-limiter listening on port ";
+    assert!(
+        wait_logged(log, marker, Duration::from_secs(20)),
+        "{}",
+        log.lock().unwrap()
+    );
+    let text = log.lock().unwrap().clone();
+    let port = text
+        .split(marker)
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next());
+    let url = format!("http://127.0.0.1:{}/readyz", port.expect("a port"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !reqwest::get(&url).await.is_ok_and(|r| r.status() == 200) {
+        assert!(Instant::now() < deadline, "never ready:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The CPU time `pid` has used, in clock ticks (user and system, `/proc/<pid>/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process runs");
+    // The fields after the command's name, which ends with the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    // utime and stime: fields 14 and 15 of the file, 12 and 13 after the name.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
 #[test]
 fn the_compose_envoy_configuration_points_at_the_rate_limit_service() {
     use ledger_limiter::envoy::config::RlsConfig;

@@ -103,6 +103,7 @@ pub struct MetricsFile {
 pub struct RlsFile {
     pub listen: Option<String>,
     pub config: Option<PathBuf>,
+    pub connections_max: Option<usize>,
 }
 
 /// The Envoy front end's validated settings.
@@ -110,6 +111,8 @@ pub struct RlsFile {
 pub struct RlsSettings {
     pub listen: String,
     pub config: Arc<RlsConfig>,
+    /// Connections open at once; beyond, new ones wait in the listen backlog.
+    pub connections_max: NonZeroUsize,
 }
 
 /// The admin API: on when `listen` is set and at least one secret is given.
@@ -344,6 +347,7 @@ impl FileConfig {
         take!(admin.secrets);
         take!(rls.listen);
         take!(rls.config);
+        take!(rls.connections_max);
         take!(metrics.listen);
         self
     }
@@ -680,11 +684,15 @@ fn clash(a: &str, b: &str) -> bool {
 fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     let Some(listen) = rls.listen else {
         // Rules given and never read was a surprise found only when Envoy got no answers.
-        if rls.config.is_some() {
-            return Err(invalid(
-                "rls.config",
-                "the Envoy front end is off: set rls.listen too (or remove rls.config)",
-            ));
+        for (key, given) in [
+            ("rls.config", rls.config.is_some()),
+            ("rls.connections_max", rls.connections_max.is_some()),
+        ] {
+            if given {
+                let off =
+                    format!("the Envoy front end is off: set rls.listen too (or remove {key})");
+                return Err(invalid(key, off));
+            }
         }
         return Ok(None);
     };
@@ -693,9 +701,19 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
         .config
         .ok_or_else(|| invalid("rls.config", "is required when rls.listen is set"))?;
     let config = RlsConfig::load(&path).map_err(|e| invalid("rls.config", e.to_string()))?;
+    let connections_max = rls
+        .connections_max
+        .unwrap_or(crate::envoy::CONNECTIONS_MAX_DEFAULT);
+    let connections_max = NonZeroUsize::new(connections_max)
+        .filter(|max| max.get() <= crate::envoy::CONNECTIONS_MAX_MAX)
+        .ok_or_else(|| {
+            let max = crate::envoy::CONNECTIONS_MAX_MAX;
+            invalid("rls.connections_max", format!("must be 1 to {max}"))
+        })?;
     Ok(Some(RlsSettings {
         listen,
         config: Arc::new(config),
+        connections_max,
     }))
 }
 
@@ -1416,6 +1434,30 @@ mod tests {
                 panic!("{error}, in the README's example:\n{block}");
             }
         }
+    }
+
+    /// `rls.connections_max`: 4,096 by default, 1 to 2^20, and an error without the listener,
+    /// as `rls.config` is.
+    #[test]
+    fn the_envoy_front_ends_connection_bound_is_checked() {
+        let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/ratelimit");
+        let rls = |extra: &str| {
+            with(&format!(
+                "[rls]\nlisten = \"127.0.0.1:0\"\nconfig = {rules:?}\n{extra}"
+            ))
+        };
+        let bound = |settings: Settings| settings.rls.expect("on").connections_max.get();
+        assert_eq!(bound(rls("").unwrap()), 4096);
+        assert_eq!(bound(rls("connections_max = 1").unwrap()), 1);
+        assert_eq!(bound(rls("connections_max = 1048576").unwrap()), 1 << 20);
+        for bad in ["0", "1048577"] {
+            let err = rls(&format!("connections_max = {bad}")).unwrap_err();
+            assert_eq!(err.setting, "rls.connections_max", "{bad}");
+            assert!(err.message.contains("1 to 1048576"), "{err}");
+        }
+        let off = with("[rls]\nconnections_max = 8").unwrap_err();
+        assert_eq!(off.setting, "rls.connections_max");
+        assert!(off.message.contains("set rls.listen"), "{off}");
     }
 
     #[test]

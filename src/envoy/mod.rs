@@ -3,16 +3,19 @@
 //! limiter and the ledger know nothing of it.
 //!
 //! - [`config`]: envoyproxy/ratelimit's YAML rules, strictly read;
+//! - [`incoming`]: the connections, bounded in number, accepted with a pause on a shortage;
 //! - [`service`]: `ShouldRateLimit`: descriptors → rules → accounts → one linked chain of holds;
 //! - [`metrics`]: the decision counters with `frontend="envoy"`;
 //! - [`wire`]: the gRPC service, reading the request's strings as bytes.
 
 pub mod config;
+pub mod incoming;
 pub mod metrics;
 pub mod service;
 pub mod wire;
 
 use std::future::Future;
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 pub use service::RateLimitServer;
@@ -27,6 +30,12 @@ pub const REQUEST_BYTES_MAX: usize = 1 << 20;
 /// calls and their buffers.
 pub const STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
+/// Connections open at once by default (`rls.connections_max`): Envoy opens about one per worker
+/// thread to each rate-limit service host, so a few hundred proxies fit.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
+/// The most `rls.connections_max` may be: each connection is a file descriptor.
+pub const CONNECTIONS_MAX_MAX: usize = 1 << 20;
+
 /// What a call may take beyond the decision's deadline (`ledger.timeout_ms`): its body's arrival
 /// and the answer's encoding.
 const CALL_SLACK: Duration = Duration::from_secs(1);
@@ -36,16 +45,17 @@ const CALL_SLACK: Duration = Duration::from_secs(1);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `server` on `listener` (HTTP/2, plaintext) until `shutdown` completes, then lets calls in
-/// flight finish.
+/// Serves `server` on `listener` (HTTP/2, plaintext), at most `connections_max` connections at
+/// once, until `shutdown` completes, then lets calls in flight finish.
 pub async fn serve(
     server: RateLimitServer,
-    listener: tokio::net::TcpListener,
+    (listener, connections_max): (tokio::net::TcpListener, NonZeroUsize),
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(KEEPALIVE_INTERVAL));
+    let incoming = incoming::bounded(incoming, connections_max);
     // A call ends within the decision's deadline and a little more (its body's arrival
     // included): a stream whose body never ends otherwise held its place (and its buffer) for
     // as long as its peer kept the connection alive.
