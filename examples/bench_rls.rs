@@ -79,7 +79,7 @@ fn config(ledger_port: u16, rules: &std::path::Path) -> FileConfig {
         rls: RlsFile {
             listen: Some("127.0.0.1:0".into()),
             config: Some(rules.to_owned()),
-            connections_max: None,
+            ..RlsFile::default()
         },
         ..FileConfig::default()
     }

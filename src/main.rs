@@ -143,7 +143,7 @@ impl Cli {
             rls: RlsFile {
                 listen: self.rls_listen.clone(),
                 config: self.rls_config.clone(),
-                connections_max: None,
+                ..RlsFile::default()
             },
             metrics: MetricsFile {
                 listen: self.metrics_listen.clone(),

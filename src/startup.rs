@@ -477,7 +477,7 @@ fn rls_server(
         .build()
         .map_err(listen_error)?;
     let server = RateLimitServer::new(limiter, rls.config.clone());
-    let connections_max = rls.connections_max;
+    let bounds = rls.bounds;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("rls".to_owned())
@@ -499,7 +499,7 @@ fn rls_server(
                     tokio::time::sleep(RLS_DRAIN_MAX).await;
                 };
                 tokio::select! {
-                    served = crate::envoy::serve(server, (listener, connections_max), shutdown) => {
+                    served = crate::envoy::serve(server, (listener, bounds), shutdown) => {
                         served.map_err(|e| e.to_string())
                     }
                     () = cut_off => Err(format!("calls still open {RLS_DRAIN_MAX:?} after the stop; closed")),

@@ -126,7 +126,7 @@ fn rls_config(
     config.rls = RlsFile {
         listen: Some("127.0.0.1:0".to_owned()),
         config: Some(rules.to_owned()),
-        connections_max: None,
+        ..RlsFile::default()
     };
     config
 }
@@ -444,6 +444,67 @@ async fn connections_past_the_bound_wait_until_one_ends() {
         "the bound holds after a connection ended"
     );
     assert_eq!(overall(&call(&mut second, one()).await), Code::Ok);
+}
+
+/// Past `rls.calls_max` calls in flight, a call is answered at once under the failure policy
+/// (`UNAVAILABLE` closed, `OK` with no statuses open), its body unread; once a place frees, calls
+/// are decided again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_past_the_bound_are_answered_at_once_under_the_failure_policy() {
+    use ledger_limiter::envoy::wire::WireRequest;
+    let rules_kept = rules_dir();
+    for policy in ["closed", "open"] {
+        let mut config = rls_config(shared_ledger().address, rules_kept.path(), policy, 1_000);
+        config.rls.calls_max = Some(1);
+        let (_app, port) = spawn_rls_port(config).await;
+        // The only place: a call whose body never ends, held until its bound (1 s + 1 s).
+        let mut grpc = tonic::client::Grpc::new(connect(port).await);
+        grpc.ready().await.expect("connected");
+        let holding = tokio::spawn(async move {
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(SHOULD_RATE_LIMIT);
+            let codec = tonic_prost::ProstCodec::<WireRequest, RateLimitResponse>::default();
+            let never = futures_util::stream::pending::<WireRequest>();
+            grpc.client_streaming(tonic::Request::new(never), path, codec)
+                .await
+        });
+        let mut client = client(port).await;
+        let value = fresh_key("shed");
+        let one = || request("another", vec![descriptor(&[("key2", &value)])]);
+        let shed = |answer: &Result<tonic::Response<RateLimitResponse>, tonic::Status>| match answer
+        {
+            Err(status) => status.message().contains("rls.calls_max"),
+            Ok(response) => response.get_ref().statuses.is_empty(),
+        };
+        // Until the holding call is in (its headers travel apart from this client's).
+        let started = Instant::now();
+        let answer = loop {
+            let answer = client.should_rate_limit(one()).await;
+            if shed(&answer) || started.elapsed() > Duration::from_millis(900) {
+                break answer;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(shed(&answer), "{policy}: not shed: {answer:?}");
+        match (policy, answer) {
+            ("closed", Err(status)) => assert_eq!(status.code(), tonic::Code::Unavailable),
+            ("open", Ok(response)) => assert_eq!(overall(response.get_ref()), Code::Ok),
+            (_, answer) => panic!("{policy}: {answer:?}"),
+        }
+        let ended = holding.await.expect("the holding call's task");
+        assert_eq!(
+            ended.expect_err("never decided").code(),
+            tonic::Code::Cancelled
+        );
+        let fresh = fresh_key("after");
+        let after = request("another", vec![descriptor(&[("key2", &fresh)])]);
+        let decided = call(&mut client, after).await;
+        assert_eq!(
+            decided.statuses.len(),
+            1,
+            "{policy}: decided once the place is free"
+        );
+        assert_eq!(overall(&decided), Code::Ok);
+    }
 }
 
 /// A refused call marks each descriptor with no room for its hits over its limit, not only the

@@ -679,7 +679,7 @@ async fn an_envoy_call_continues_the_trace_envoy_sends() {
     config.rls = ledger_limiter::config::RlsFile {
         listen: Some("127.0.0.1:0".to_owned()),
         config: Some(rules.path().to_owned()),
-        connections_max: None,
+        ..ledger_limiter::config::RlsFile::default()
     };
     let (app, _) = spawn_observed_app(config).await;
     let port = app.rls_port.expect("the Envoy front end on");

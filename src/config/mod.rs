@@ -104,6 +104,7 @@ pub struct RlsFile {
     pub listen: Option<String>,
     pub config: Option<PathBuf>,
     pub connections_max: Option<usize>,
+    pub calls_max: Option<usize>,
 }
 
 /// The Envoy front end's validated settings.
@@ -111,8 +112,8 @@ pub struct RlsFile {
 pub struct RlsSettings {
     pub listen: String,
     pub config: Arc<RlsConfig>,
-    /// Connections open at once; beyond, new ones wait in the listen backlog.
-    pub connections_max: NonZeroUsize,
+    /// Connections open and calls in flight at once.
+    pub bounds: crate::envoy::Bounds,
 }
 
 /// The admin API: on when `listen` is set and at least one secret is given.
@@ -348,6 +349,7 @@ impl FileConfig {
         take!(rls.listen);
         take!(rls.config);
         take!(rls.connections_max);
+        take!(rls.calls_max);
         take!(metrics.listen);
         self
     }
@@ -687,6 +689,7 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
         for (key, given) in [
             ("rls.config", rls.config.is_some()),
             ("rls.connections_max", rls.connections_max.is_some()),
+            ("rls.calls_max", rls.calls_max.is_some()),
         ] {
             if given {
                 let off =
@@ -701,20 +704,35 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
         .config
         .ok_or_else(|| invalid("rls.config", "is required when rls.listen is set"))?;
     let config = RlsConfig::load(&path).map_err(|e| invalid("rls.config", e.to_string()))?;
-    let connections_max = rls
-        .connections_max
-        .unwrap_or(crate::envoy::CONNECTIONS_MAX_DEFAULT);
-    let connections_max = NonZeroUsize::new(connections_max)
-        .filter(|max| max.get() <= crate::envoy::CONNECTIONS_MAX_MAX)
-        .ok_or_else(|| {
-            let max = crate::envoy::CONNECTIONS_MAX_MAX;
-            invalid("rls.connections_max", format!("must be 1 to {max}"))
-        })?;
+    use crate::envoy::CONNECTIONS_MAX_MAX as CONNECTIONS_MAX;
+    use crate::envoy::{CALLS_MAX_DEFAULT, CALLS_MAX_MAX, CONNECTIONS_MAX_DEFAULT};
+    let connections = (
+        rls.connections_max,
+        CONNECTIONS_MAX_DEFAULT,
+        CONNECTIONS_MAX,
+    );
+    let bounds = crate::envoy::Bounds {
+        connections_max: bound("rls.connections_max", connections)?,
+        calls_max: bound(
+            "rls.calls_max",
+            (rls.calls_max, CALLS_MAX_DEFAULT, CALLS_MAX_MAX),
+        )?,
+    };
     Ok(Some(RlsSettings {
         listen,
         config: Arc::new(config),
-        connections_max,
+        bounds,
     }))
+}
+
+/// A bound given (or its default), 1 to its most.
+fn bound(
+    setting: &str,
+    (given, default, most): (Option<usize>, usize, usize),
+) -> Result<NonZeroUsize, ConfigError> {
+    NonZeroUsize::new(given.unwrap_or(default))
+        .filter(|bound| bound.get() <= most)
+        .ok_or_else(|| invalid(setting, format!("must be 1 to {most}")))
 }
 
 /// The admin API: on with a listener and a secret, off with neither; either alone is an error.
@@ -1436,8 +1454,8 @@ mod tests {
         }
     }
 
-    /// `rls.connections_max`: 4,096 by default, 1 to 2^20, and an error without the listener,
-    /// as `rls.config` is.
+    /// `rls.connections_max` and `rls.calls_max`: 4,096 by default, 1 to 2^20, and an error
+    /// without the listener, as `rls.config` is.
     #[test]
     fn the_envoy_front_ends_connection_bound_is_checked() {
         let rules = concat!(env!("CARGO_MANIFEST_DIR"), "/envoy/ratelimit");
@@ -1446,18 +1464,25 @@ mod tests {
                 "[rls]\nlisten = \"127.0.0.1:0\"\nconfig = {rules:?}\n{extra}"
             ))
         };
-        let bound = |settings: Settings| settings.rls.expect("on").connections_max.get();
-        assert_eq!(bound(rls("").unwrap()), 4096);
-        assert_eq!(bound(rls("connections_max = 1").unwrap()), 1);
-        assert_eq!(bound(rls("connections_max = 1048576").unwrap()), 1 << 20);
-        for bad in ["0", "1048577"] {
-            let err = rls(&format!("connections_max = {bad}")).unwrap_err();
-            assert_eq!(err.setting, "rls.connections_max", "{bad}");
-            assert!(err.message.contains("1 to 1048576"), "{err}");
+        let bounds = |settings: Settings| {
+            let bounds = settings.rls.expect("on").bounds;
+            (bounds.connections_max.get(), bounds.calls_max.get())
+        };
+        assert_eq!(bounds(rls("").unwrap()), (4096, 4096));
+        let least = rls("connections_max = 1\ncalls_max = 1").unwrap();
+        assert_eq!(bounds(least), (1, 1));
+        let most = rls("connections_max = 1048576\ncalls_max = 1048576").unwrap();
+        assert_eq!(bounds(most), (1 << 20, 1 << 20));
+        for key in ["connections_max", "calls_max"] {
+            for bad in ["0", "1048577"] {
+                let err = rls(&format!("{key} = {bad}")).unwrap_err();
+                assert_eq!(err.setting, format!("rls.{key}"), "{bad}");
+                assert!(err.message.contains("1 to 1048576"), "{err}");
+            }
+            let off = with(&format!("[rls]\n{key} = 8")).unwrap_err();
+            assert_eq!(off.setting, format!("rls.{key}"));
+            assert!(off.message.contains("set rls.listen"), "{off}");
         }
-        let off = with("[rls]\nconnections_max = 8").unwrap_err();
-        assert_eq!(off.setting, "rls.connections_max");
-        assert!(off.message.contains("set rls.listen"), "{off}");
     }
 
     #[test]

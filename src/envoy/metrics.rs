@@ -3,7 +3,8 @@
 //! matched rule: its `name`, else its envoyproxy/ratelimit stats key with each configured value
 //! as a hash ([`Rule::label`]), a configured and bounded set; descriptor values never become
 //! labels), `ledger_limiter_shadow_passed_total{frontend,
-//! plan, decision}`, and `ledger_limiter_rls_released_units_total` for negative hits. The
+//! plan, decision}`, `ledger_limiter_rls_released_units_total` for negative hits, and
+//! `ledger_limiter_rls_shed_calls_total` for calls past `rls.calls_max`. The
 //! middleware's own series carry no `frontend` label (`{frontend=""}` in PromQL selects them).
 
 use metrics::counter;
@@ -15,6 +16,8 @@ use crate::limiter::Outcome;
 pub const FRONTEND: &str = "envoy";
 /// Units given back by `is_negative_hits`.
 pub const RELEASED_UNITS_TOTAL: &str = "ledger_limiter_rls_released_units_total";
+/// Calls past `rls.calls_max`, answered under the failure policy without a decision.
+pub const SHED_CALLS_TOTAL: &str = "ledger_limiter_rls_shed_calls_total";
 
 /// Counts the RLS front end's decisions (the recorder is read at each count, so the front end works
 /// with or without one).
@@ -28,6 +31,11 @@ impl RlsMetrics {
             "Units given back by Envoy's is_negative_hits"
         );
         counter!(RELEASED_UNITS_TOTAL).absolute(0);
+        metrics::describe_counter!(
+            SHED_CALLS_TOTAL,
+            "Envoy calls past rls.calls_max, answered under the failure policy without a decision"
+        );
+        counter!(SHED_CALLS_TOTAL).absolute(0);
         RlsMetrics
     }
 
@@ -60,6 +68,10 @@ impl RlsMetrics {
             )
             .increment(1);
         }
+    }
+
+    pub fn record_shed(&self) {
+        counter!(SHED_CALLS_TOTAL).increment(1);
     }
 
     pub fn record_release(&self, units: u64) {

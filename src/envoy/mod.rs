@@ -36,6 +36,21 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 4096;
 /// The most `rls.connections_max` may be: each connection is a file descriptor.
 pub const CONNECTIONS_MAX_MAX: usize = 1 << 20;
 
+/// Calls in flight at once by default, over every connection (`rls.calls_max`): each may hold a
+/// message of up to [`REQUEST_BYTES_MAX`] while it is read, so this bounds their memory (4 GiB
+/// at most, where Envoy's messages are a few hundred bytes). 4,096 calls of 1 ms each are 4
+/// million a second; of a ledger's whole deadline (250 ms), 16,000.
+pub const CALLS_MAX_DEFAULT: usize = 4096;
+/// The most `rls.calls_max` may be.
+pub const CALLS_MAX_MAX: usize = 1 << 20;
+
+/// The bounds of the Envoy front end's work (`rls.connections_max`, `rls.calls_max`).
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    pub connections_max: NonZeroUsize,
+    pub calls_max: NonZeroUsize,
+}
+
 /// What a call may take beyond the decision's deadline (`ledger.timeout_ms`): its body's arrival
 /// and the answer's encoding.
 const CALL_SLACK: Duration = Duration::from_secs(1);
@@ -45,22 +60,22 @@ const CALL_SLACK: Duration = Duration::from_secs(1);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `server` on `listener` (HTTP/2, plaintext), at most `connections_max` connections at
-/// once, until `shutdown` completes, then lets calls in flight finish.
+/// Serves `server` on `listener` (HTTP/2, plaintext), within `bounds`, until `shutdown`
+/// completes, then lets calls in flight finish.
 pub async fn serve(
     server: RateLimitServer,
-    (listener, connections_max): (tokio::net::TcpListener, NonZeroUsize),
+    (listener, bounds): (tokio::net::TcpListener, Bounds),
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(KEEPALIVE_INTERVAL));
-    let incoming = incoming::bounded(incoming, connections_max);
+    let incoming = incoming::bounded(incoming, bounds.connections_max);
     // A call ends within the decision's deadline and a little more (its body's arrival
     // included): a stream whose body never ends otherwise held its place (and its buffer) for
     // as long as its peer kept the connection alive.
     let call_max = server.decision_timeout() + CALL_SLACK;
-    let service = wire::WireServer::new(server, REQUEST_BYTES_MAX);
+    let service = wire::WireServer::new(server, REQUEST_BYTES_MAX, bounds.calls_max);
     tonic::transport::Server::builder()
         .timeout(call_max)
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)

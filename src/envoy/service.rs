@@ -35,7 +35,9 @@ use crate::ledger::model::{self, UserAccount};
 use crate::ledger::Ledger;
 use crate::ledger::{HoldReply, LedgerError};
 use crate::limiter::multi::cost_on_account;
-use crate::limiter::{KnownFree, Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX};
+use crate::limiter::{
+    FailurePolicy, KnownFree, Limit, Limiter, MultiDecision, Outcome, LIMITS_PER_CHECK_MAX,
+};
 
 /// At most this many descriptors per request (each is one link of the ledger chain).
 pub const DESCRIPTORS_MAX: usize = LIMITS_PER_CHECK_MAX;
@@ -66,6 +68,9 @@ enum Matched {
 /// The wall-clock second a failed release was last logged in ([`crate::telemetry::log_throttle`]).
 static RELEASE_FAILURE_LOGGED_SECOND: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(0);
+
+/// The wall-clock second a call past `rls.calls_max` was last logged in.
+static SHED_LOGGED_SECOND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 pub struct RateLimitServer {
     limiter: Arc<Limiter>,
@@ -334,6 +339,26 @@ fn by_kind(
 }
 
 impl RateLimitServer {
+    /// The answer to a call past `rls.calls_max`, not decided: `UNAVAILABLE` under the closed
+    /// failure policy, `OK` under the open one, as for a ledger that cannot decide in time.
+    pub fn shed(&self) -> Result<Response<RateLimitResponse>, Status> {
+        self.metrics.record_shed();
+        if crate::telemetry::log_throttle(&SHED_LOGGED_SECOND) {
+            tracing::warn!(
+                "the Envoy front end has rls.calls_max calls in flight; more are not decided"
+            );
+        }
+        match self.limiter.settings().failure_policy {
+            FailurePolicy::Closed => Err(Status::unavailable(
+                "too many calls in flight (rls.calls_max): not decided",
+            )),
+            FailurePolicy::Open => Ok(Response::new(RateLimitResponse {
+                overall_code: Code::Ok as i32,
+                ..RateLimitResponse::default()
+            })),
+        }
+    }
+
     /// The deadline of one call's decision (`ledger.timeout_ms`).
     pub fn decision_timeout(&self) -> std::time::Duration {
         self.limiter.settings().ledger_timeout

@@ -7,6 +7,7 @@
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
@@ -18,6 +19,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use prost::bytes::Buf;
 use prost::Message;
+use tokio::sync::Semaphore;
 use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::codegen::{http, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status};
@@ -214,18 +216,39 @@ impl Codec for WireCodec {
 
 /// The `RateLimitService` gRPC service over [`RateLimitServer`], as the generated server serves
 /// it but for the request's decoding.
+/// The gRPC service: `ShouldRateLimit` alone, at most `calls_max` calls at once.
 #[derive(Clone)]
 pub struct WireServer {
     inner: Arc<RateLimitServer>,
     request_bytes_max: usize,
+    /// A place per call in flight, held until its answer is made.
+    calls: Arc<Semaphore>,
 }
 
 impl WireServer {
-    pub fn new(server: RateLimitServer, request_bytes_max: usize) -> Self {
+    pub fn new(server: RateLimitServer, request_bytes_max: usize, calls_max: NonZeroUsize) -> Self {
         WireServer {
             inner: Arc::new(server),
             request_bytes_max,
+            calls: Arc::new(Semaphore::new(calls_max.get())),
         }
+    }
+}
+
+/// An empty `RateLimitRequest` as a gRPC message (uncompressed, 0 bytes long): what a call past
+/// the bound is read as, its own body left unread.
+const EMPTY_REQUEST: &str = "\0\0\0\0\0";
+
+/// A call past the bound: answered under the failure policy, without a decision.
+struct Shed(Arc<RateLimitServer>);
+
+impl tonic::server::UnaryService<RateLimitRequest> for Shed {
+    type Response = RateLimitResponse;
+    type Future = BoxFuture<Response<RateLimitResponse>, Status>;
+
+    fn call(&mut self, _: Request<RateLimitRequest>) -> Self::Future {
+        let answer = self.0.shed();
+        Box::pin(async move { answer })
     }
 }
 
@@ -262,11 +285,23 @@ where
         if request.uri().path() != SHOULD_RATE_LIMIT {
             return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
         }
-        let (inner, bytes_max) = (self.inner.clone(), self.request_bytes_max);
+        let inner = self.inner.clone();
+        // Past the bound, the call's body is never read: it costs its headers alone, where it
+        // could have held up to `request_bytes_max` for as long as its deadline.
+        let Ok(place) = self.calls.clone().try_acquire_owned() else {
+            let empty = request.map(|_| String::from(EMPTY_REQUEST));
+            return Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(WireCodec);
+                Ok(grpc.unary(Shed(inner), empty).await)
+            });
+        };
+        let bytes_max = self.request_bytes_max;
         Box::pin(async move {
             let mut grpc = tonic::server::Grpc::new(WireCodec)
                 .apply_max_message_size_config(Some(bytes_max), None);
-            Ok(grpc.unary(ShouldRateLimit(inner), request).await)
+            let answer = grpc.unary(ShouldRateLimit(inner), request).await;
+            drop(place);
+            Ok(answer)
         })
     }
 }
