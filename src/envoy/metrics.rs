@@ -52,13 +52,15 @@ impl RlsMetrics {
         .increment(1);
     }
 
-    /// A shadow-mode descriptor: counted as decided; a refusal also as let through.
+    /// A shadow-mode descriptor: counted as decided; a refusal also as let through. A block is
+    /// one here: a shadow rule never denies, not even an account an operator blocked (the HTTP
+    /// front end's shadow routes refuse a block, so its series has no `blocked`).
     pub fn record_shadow(&self, rule: &Rule, outcome: &Outcome) {
         self.record(rule, outcome);
         let decision = DecisionLabel::of(outcome);
         if matches!(
             decision,
-            DecisionLabel::Limited | DecisionLabel::FailedClosed
+            DecisionLabel::Limited | DecisionLabel::FailedClosed | DecisionLabel::Blocked
         ) {
             counter!(
                 SHADOW_PASSED_TOTAL,
@@ -81,4 +83,62 @@ impl RlsMetrics {
 
 fn label(rule: &Rule) -> String {
     rule.name.clone().unwrap_or_else(|| rule.label.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envoy::config::RuleLimit;
+    use crate::ledger::LedgerError;
+
+    fn shadow_rule() -> Rule {
+        Rule {
+            path: "d.k".into(),
+            label: "d.k".into(),
+            name: Some("spent".to_owned()),
+            limit: RuleLimit::Unlimited,
+            replaces: Vec::new(),
+            shadow_mode: true,
+            detailed_metric: false,
+            concurrency: false,
+        }
+    }
+
+    /// Every refusal a shadow rule lets through is counted as passed, a block among them (it was
+    /// not: the one refusal an operator made was missing from the shadow panel).
+    #[test]
+    fn a_shadow_rule_counts_every_refusal_it_lets_through() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let metrics = RlsMetrics::register();
+            let rule = shadow_rule();
+            let refusals = [
+                Outcome::Limited {
+                    retry_after_seconds: 3,
+                    source: crate::limiter::DecisionSource::Ledger,
+                },
+                Outcome::Blocked {
+                    retry_after_seconds: 3,
+                    source: crate::limiter::DecisionSource::Ledger,
+                },
+                Outcome::FailedClosed(LedgerError::Overloaded { in_flight_max: 1 }),
+                Outcome::Admitted,
+            ];
+            for outcome in &refusals {
+                metrics.record_shadow(&rule, outcome);
+            }
+        });
+        let text = handle.render();
+        for decision in ["limited", "blocked", "failed_closed"] {
+            let series = format!(
+                "ledger_limiter_shadow_passed_total{{frontend=\"envoy\",decision=\"{decision}\",plan=\"spent\"}} 1"
+            );
+            assert!(text.contains(&series), "{series} in:\n{text}");
+        }
+        let passed = text
+            .lines()
+            .filter(|l| l.starts_with("ledger_limiter_shadow_passed_total{"));
+        assert_eq!(passed.count(), 3, "{text}");
+    }
 }
