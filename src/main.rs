@@ -306,6 +306,7 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     for setting in &settings.unread {
         tracing::warn!(%setting, "this setting is ignored: ledger.addresses names the ledger, so none is embedded");
     }
+    raise_open_files_limit();
     let exporting_traces = telemetry.exporting();
     let served = serve_exporting(settings, signals, exporting_traces).await;
     if let Err(error) = &served {
@@ -317,6 +318,49 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     // On an error too: the spans that led up to it are the ones worth having.
     flush_telemetry(telemetry).await?;
     served
+}
+
+/// Raises the soft limit on open files to the hard one, as Go's runtime does for its servers.
+/// Why: each connection is a file descriptor, and a systemd unit's soft limit is 1,024 unless
+/// set, so the service ran out (`EMFILE`) at about a thousand connections, far below its own
+/// bounds (25,000 per HTTP worker, `rls.connections_max`), whatever the hard limit allowed.
+/// Best effort: a limit that cannot be raised stays, said in the log.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        let error = std::io::Error::last_os_error();
+        tracing::warn!(%error, "cannot read the limit on open files");
+        return;
+    }
+    let (soft, hard) = (limit.rlim_cur, limit.rlim_max);
+    if soft >= hard {
+        tracing::info!(
+            open_files_max = soft,
+            "open files: the soft limit is the hard one"
+        );
+        return;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: hard,
+        rlim_max: hard,
+    };
+    // SAFETY: setrlimit only reads the struct it is given.
+    match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } {
+        0 => tracing::info!(
+            open_files_max = hard,
+            was = soft,
+            "open files: soft limit raised to the hard one"
+        ),
+        _ => {
+            // A hard limit of "unlimited" is more than the kernel allows (fs.nr_open).
+            let error = std::io::Error::last_os_error();
+            tracing::warn!(%error, open_files_max = soft, hard, "open files: the soft limit stays");
+        }
+    }
 }
 
 /// [`serve`], with telemetry set up (and flushed by it, however this ends).

@@ -465,6 +465,36 @@ fn a_stop_signal_while_the_embedded_ledger_starts_leaves_nothing_running() {
     }
 }
 
+/// The soft limit on open files is raised to the hard one at start: at a systemd unit's 1,024
+/// the service ran out of descriptors at about a thousand connections, whatever the hard limit.
+#[test]
+fn the_soft_limit_on_open_files_is_raised_to_the_hard_one() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = command(dir.path());
+    command.args(["--listen", "127.0.0.1:0"]);
+    command.arg(format!("--ledger-addresses={}", common::dead_address()));
+    // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 256,
+                rlim_max: 4096,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let (running, rest, log) = start_binary_until(command, "open files: ");
+    assert!(rest.contains("raised"), "{}", log.lock().unwrap());
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", running.pid())).unwrap();
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files"));
+    let fields: Vec<&str> = open_files.expect("listed").split_whitespace().collect();
+    assert_eq!(fields[3..5], ["4096", "4096"], "{limits}");
+}
+
 #[test]
 fn bad_configuration_is_refused_naming_the_setting() {
     let dir = tempfile::tempdir().unwrap();
