@@ -215,8 +215,11 @@ impl Codec for WireCodec {
 }
 
 /// The `RateLimitService` gRPC service over [`RateLimitServer`], as the generated server serves
-/// it but for the request's decoding.
-/// The gRPC service: `ShouldRateLimit` alone, at most `calls_max` calls at once.
+/// it but for the request's decoding, with at most `calls_max` calls at once. A call holds its
+/// place from its headers on, its message's arrival included: a peer that sends headers and no
+/// message holds places until the call's bound (the decision's deadline and a second), which
+/// Envoy's calls never do (the message follows its headers at once); the port is Envoy's alone
+/// (README, "Who may call it").
 #[derive(Clone)]
 pub struct WireServer {
     inner: Arc<RateLimitServer>,
