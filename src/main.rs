@@ -344,19 +344,22 @@ fn raise_open_files_limit() {
         );
         return;
     }
+    // A hard limit of "unlimited" is more than the kernel lets a process open (fs.nr_open).
+    let kernels = std::fs::read_to_string("/proc/sys/fs/nr_open").ok();
+    let kernels = kernels.and_then(|text| text.trim().parse::<libc::rlim_t>().ok());
     let raised = libc::rlimit {
-        rlim_cur: hard,
+        rlim_cur: kernels.map_or(hard, |most| hard.min(most)).max(soft),
         rlim_max: hard,
     };
     // SAFETY: setrlimit only reads the struct it is given.
     match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } {
         0 => tracing::info!(
-            open_files_max = hard,
+            open_files_max = raised.rlim_cur,
             was = soft,
+            hard,
             "open files: soft limit raised to the hard one"
         ),
         _ => {
-            // A hard limit of "unlimited" is more than the kernel allows (fs.nr_open).
             let error = std::io::Error::last_os_error();
             tracing::warn!(%error, open_files_max = soft, hard, "open files: the soft limit stays");
         }

@@ -474,12 +474,24 @@ fn the_soft_limit_on_open_files_is_raised_to_the_hard_one() {
     let mut command = command(dir.path());
     command.args(["--listen", "127.0.0.1:0"]);
     command.arg(format!("--ledger-addresses={}", common::dead_address()));
+    // Below this process's own hard limit, which a child cannot raise.
+    let mut own = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut own) }, 0);
+    let hard = own.rlim_max.min(4096);
+    assert!(
+        hard >= 256,
+        "a hard limit of {hard} open files leaves no room to raise"
+    );
     // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             let limit = libc::rlimit {
-                rlim_cur: 256,
-                rlim_max: 4096,
+                rlim_cur: 128,
+                rlim_max: hard,
             };
             match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
                 0 => Ok(()),
@@ -492,7 +504,8 @@ fn the_soft_limit_on_open_files_is_raised_to_the_hard_one() {
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", running.pid())).unwrap();
     let open_files = limits.lines().find(|l| l.starts_with("Max open files"));
     let fields: Vec<&str> = open_files.expect("listed").split_whitespace().collect();
-    assert_eq!(fields[3..5], ["4096", "4096"], "{limits}");
+    let hard = hard.to_string();
+    assert_eq!(fields[3..5], [hard.as_str(), hard.as_str()], "{limits}");
 }
 
 #[test]
