@@ -344,13 +344,49 @@ async fn stop_rls(rls: Option<RlsServer>) {
     }
 }
 
+/// Connections a listener keeps waiting to be accepted, at most: actix's own default when it
+/// binds (the kernel caps it at `net.core.somaxconn`). Why not std's bind: it asks for 128, and a
+/// burst of new connections past that (a load balancer's pool filling, k6 ramping up its users)
+/// had its handshakes dropped, each client waiting a second or more before it tried again.
+pub const LISTEN_BACKLOG: i32 = 2048;
+
+/// Binds `address` (`host:port`; a host name's addresses in turn, the first that binds, as std's
+/// bind does), with SO_REUSEADDR as std sets it, listening with [`LISTEN_BACKLOG`].
+pub fn bind_listener(address: &str) -> std::io::Result<TcpListener> {
+    use std::net::ToSocketAddrs;
+    let mut failed = None;
+    for address in address.to_socket_addrs()? {
+        match bind_one(address) {
+            Ok(listener) => return Ok(listener),
+            Err(error) => failed = Some(error),
+        }
+    }
+    Err(failed.unwrap_or_else(|| {
+        let none = "the address resolves to no address";
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, none)
+    }))
+}
+
+fn bind_one(address: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(
+        Domain::for_address(address),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&address.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
+}
+
 /// The service's listener and the port it got (port 0 picks a free one).
 fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
     let error = |source| StartupError::Listen {
         address: listen.to_owned(),
         source,
     };
-    let listener = TcpListener::bind(listen).map_err(error)?;
+    let listener = bind_listener(listen).map_err(error)?;
     let port = listener.local_addr().map_err(error)?.port();
     Ok((listener, port))
 }
@@ -384,7 +420,7 @@ fn admin_server(
         address: admin.listen.clone(),
         source,
     };
-    let listener = TcpListener::bind(&admin.listen).map_err(listen_error)?;
+    let listener = bind_listener(&admin.listen).map_err(listen_error)?;
     let port = listener.local_addr().map_err(listen_error)?.port();
     let state = web::Data::new(AdminState {
         limiter,
@@ -467,7 +503,7 @@ fn rls_server(
         address: rls.listen.clone(),
         source,
     };
-    let listener = TcpListener::bind(&rls.listen).map_err(listen_error)?;
+    let listener = bind_listener(&rls.listen).map_err(listen_error)?;
     let port = listener.local_addr().map_err(listen_error)?.port();
     listener.set_nonblocking(true).map_err(listen_error)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -526,6 +526,29 @@ async fn hold(
     holding
 }
 
+/// The HTTP and the Envoy listeners keep up to 2,048 connections waiting to be accepted (as
+/// actix binds its own), not std's 128: past that, a burst of new connections had its handshakes
+/// dropped, each client trying again a second or more later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listeners_keep_actixs_backlog() {
+    let rules_kept = rules_dir();
+    let config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    let (app, rls_port) = spawn_rls_port(config).await;
+    let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn").unwrap();
+    let expected = somaxconn.trim().parse::<u32>().unwrap().min(2048);
+    for port in [app.port, rls_port] {
+        // A listening socket's Send-Q, in `ss`, is its backlog.
+        let filter = format!("sport = :{port}");
+        let ss = std::process::Command::new("ss")
+            .args(["-ltnH", &filter])
+            .output()
+            .expect("ss (iproute2, scripts/setup installs it)");
+        let text = String::from_utf8(ss.stdout).unwrap();
+        let backlog = text.split_whitespace().nth(2).map(str::parse::<u32>);
+        assert_eq!(backlog, Some(Ok(expected)), "port {port}: {text:?}");
+    }
+}
+
 /// A refused call marks each descriptor with no room for its hits over its limit, not only the
 /// one the refusal names (as envoyproxy/ratelimit marks each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -65,8 +65,8 @@ impl Connection {
 }
 
 /// `incoming`'s connections, at most `connections_max` open at once: beyond, new ones wait in the
-/// listen backlog (128 connections; past it, a new connection's handshake goes unanswered and
-/// its client tries again) until one ends, as the HTTP server's do.
+/// listen backlog ([`crate::startup::LISTEN_BACKLOG`]; past it, a new connection's handshake goes
+/// unanswered and its client tries again) until one ends, as the HTTP server's do.
 pub fn bounded(
     incoming: TcpIncoming,
     connections_max: NonZeroUsize,
