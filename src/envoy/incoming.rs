@@ -29,10 +29,13 @@ use tonic::transport::server::{Connected, TcpConnectInfo, TcpIncoming};
 /// little once it ends. actix pauses 510 ms.
 pub const ACCEPT_PAUSE: Duration = Duration::from_millis(500);
 
-/// How long a connection may take to send HTTP/2's preface, its first 24 bytes. Why: until then
-/// nothing else ends it (HTTP/2's keepalive pings start after the handshake, TCP's find dead
-/// peers only), and under the bound a connection that never speaks held its place for good:
-/// `rls.connections_max` of them would have kept Envoy out.
+/// How long a connection may take to send HTTP/2's preface, its first 24 bytes, while every place
+/// is taken. Why: until then nothing else ends it (HTTP/2's keepalive pings start after the
+/// handshake, TCP's find dead peers only), and under the bound a connection that never speaks
+/// held its place for good: `rls.connections_max` of them would have kept Envoy out. Not while a
+/// place is free: Envoy opens connections ahead of its requests (`preconnect_policy`, or a request
+/// its own timeout cancelled during the connect) and sends nothing on them until the next one,
+/// and a connection closed under it fails that request.
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The HTTP/2 client preface's length (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`).
@@ -48,19 +51,37 @@ static PAUSE_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
 pub struct Connection {
     stream: TcpStream,
     _place: OwnedSemaphorePermit,
-    /// Until the preface has come: how much of it has, and when it is too late.
-    preface: Option<(usize, Pin<Box<tokio::time::Sleep>>)>,
+    /// Until the preface has come: how much of it has, when it is too late (if every place is
+    /// taken then), and how long each wait for it is.
+    preface: Option<(usize, Pin<Box<tokio::time::Sleep>>, Duration)>,
 }
 
 impl Connection {
-    /// `stream`, holding `place`; it must send HTTP/2's preface within [`PREFACE_TIMEOUT`].
-    fn new(stream: TcpStream, place: OwnedSemaphorePermit) -> Self {
-        let deadline = Box::pin(tokio::time::sleep(PREFACE_TIMEOUT));
+    /// `stream`, holding `place`; it must send HTTP/2's preface within `timeout` whenever every
+    /// place is taken ([`PREFACE_TIMEOUT`]).
+    fn new(stream: TcpStream, place: OwnedSemaphorePermit, timeout: Duration) -> Self {
+        let deadline = Box::pin(tokio::time::sleep(timeout));
         Connection {
             stream,
             _place: place,
-            preface: Some((0, deadline)),
+            preface: Some((0, deadline, timeout)),
         }
+    }
+
+    /// Whether a connection still silent at its deadline is closed: when no place is free, so
+    /// that one waiting in the backlog may have its place. Else it waits another `timeout`.
+    fn too_late(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some((_, deadline, timeout)) = &mut self.preface else {
+            return false;
+        };
+        while deadline.as_mut().poll(cx).is_ready() {
+            if self._place.semaphore().available_permits() == 0 {
+                return true;
+            }
+            let again = tokio::time::Instant::now() + *timeout;
+            deadline.as_mut().reset(again);
+        }
+        false
     }
 }
 
@@ -86,7 +107,8 @@ pub fn bounded(
             let place = (places.clone()).acquire_owned().await;
             let place = place.expect("the bound's semaphore is never closed");
             let stream = accept(&mut incoming).await?;
-            Some((Ok(Connection::new(stream, place)), (incoming, places)))
+            let connection = Connection::new(stream, place, PREFACE_TIMEOUT);
+            Some((Ok(connection), (incoming, places)))
         },
     )
 }
@@ -120,14 +142,14 @@ where
 }
 
 /// Whether an accept failed for a reason of the connection's, not this process's: reset or
-/// aborted before it was accepted, refused by a firewall, or a network error of its own that
-/// Linux's `accept` passes on (accept(2)).
+/// aborted before it was accepted, or a network error of its own that Linux's `accept` passes
+/// on (accept(2)). Not `EPERM` nor `EOPNOTSUPP`: a seccomp filter or a security module answers
+/// every accept so, and skipping them at once spun a core.
 fn the_connections(error: &io::Error) -> bool {
     let networks = [
         libc::ECONNABORTED,
         libc::ECONNRESET,
         libc::ECONNREFUSED,
-        libc::EPERM,
         libc::ETIMEDOUT,
         libc::ENETDOWN,
         libc::EPROTO,
@@ -135,7 +157,6 @@ fn the_connections(error: &io::Error) -> bool {
         libc::EHOSTDOWN,
         libc::ENONET,
         libc::EHOSTUNREACH,
-        libc::EOPNOTSUPP,
         libc::ENETUNREACH,
     ];
     error
@@ -160,12 +181,12 @@ impl AsyncRead for Connection {
         let this = &mut *self;
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if let Some((read, deadline)) = &mut this.preface {
+        if let Some((read, _, _)) = &mut this.preface {
             *read += buf.filled().len() - before;
             if *read >= PREFACE_BYTES {
                 this.preface = None;
-            } else if polled.is_pending() && deadline.as_mut().poll(cx).is_ready() {
-                let late = format!("no HTTP/2 preface within {PREFACE_TIMEOUT:?}");
+            } else if polled.is_pending() && this.too_late(cx) {
+                let late = "no HTTP/2 preface in time, and every place taken";
                 return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, late)));
             }
         }
@@ -234,40 +255,82 @@ mod tests {
         assert_eq!(started.elapsed(), 3 * ACCEPT_PAUSE);
     }
 
-    /// A connection with a place, and its peer.
-    async fn connected() -> (Connection, TcpStream) {
+    /// Each wait for the preface, in these tests (real time: paused time jumped past deadlines
+    /// while loopback data was on its way).
+    const SHORT: Duration = Duration::from_millis(200);
+
+    /// A connection holding one of `places` places, and its peer.
+    async fn connected(places: usize) -> (Connection, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let peer = TcpStream::connect(listener.local_addr().unwrap());
         let (peer, accepted) = tokio::join!(peer, listener.accept());
-        let place = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
-        (Connection::new(accepted.unwrap().0, place), peer.unwrap())
+        let place = Arc::new(Semaphore::new(places))
+            .try_acquire_owned()
+            .unwrap();
+        (
+            Connection::new(accepted.unwrap().0, place, SHORT),
+            peer.unwrap(),
+        )
     }
 
     const PREFACE: &[u8; PREFACE_BYTES] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-    /// A connection that never sends HTTP/2's preface, or half of it, is ended at its deadline
-    /// (it held its place for good); one that sent it may then stay quiet as long as it likes.
-    #[tokio::test(start_paused = true)]
-    async fn a_connection_that_never_speaks_is_ended_and_one_that_did_is_not() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn read_within(
+        connection: &mut Connection,
+        within: Duration,
+    ) -> Option<io::Result<usize>> {
+        use tokio::io::AsyncReadExt;
         let mut buffer = [0u8; 64];
-        let (mut silent, _peer) = connected().await;
-        let started = tokio::time::Instant::now();
-        let read = tokio::time::timeout(2 * PREFACE_TIMEOUT, silent.read(&mut buffer)).await;
-        let error = read.expect("ended in time").expect_err("ended");
-        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
-        assert_eq!(started.elapsed(), PREFACE_TIMEOUT);
-        let (mut halfway, mut peer) = connected().await;
+        tokio::time::timeout(within, connection.read(&mut buffer))
+            .await
+            .ok()
+    }
+
+    /// While every place is taken, a connection that has not sent HTTP/2's preface, or only half
+    /// of it, is ended at its deadline (it held its place for good); one that sent it may stay
+    /// quiet as long as it likes, and so may a silent one while a place is free (Envoy's
+    /// connections opened ahead of their requests).
+    #[tokio::test]
+    async fn a_silent_connection_is_ended_when_every_place_is_taken() {
+        use tokio::io::AsyncWriteExt;
+        let (mut silent, _peer) = connected(1).await;
+        let started = std::time::Instant::now();
+        let ended = read_within(&mut silent, 20 * SHORT)
+            .await
+            .expect("ended in time");
+        assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= SHORT);
+        let (mut halfway, mut peer) = connected(1).await;
         peer.write_all(&PREFACE[..12]).await.unwrap();
-        assert_eq!(halfway.read(&mut buffer).await.unwrap(), 12);
-        let read = tokio::time::timeout(2 * PREFACE_TIMEOUT, halfway.read(&mut buffer)).await;
-        let error = read.expect("ended in time").expect_err("ended");
-        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
-        let (mut spoke, mut peer) = connected().await;
-        peer.write_all(PREFACE).await.unwrap();
-        let mut preface = [0u8; PREFACE_BYTES];
-        spoke.read_exact(&mut preface).await.unwrap();
-        let quiet = tokio::time::timeout(10 * PREFACE_TIMEOUT, spoke.read(&mut buffer)).await;
-        assert!(quiet.is_err(), "still open, waiting: {quiet:?}");
+        let read = read_within(&mut halfway, 20 * SHORT).await;
+        assert_eq!(read.expect("read").unwrap(), 12);
+        let ended = read_within(&mut halfway, 20 * SHORT)
+            .await
+            .expect("ended in time");
+        assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
+        let (mut spoke, mut peer) = connected(1).await;
+        peer.write_all(&[&PREFACE[..], b"SETTINGS"].concat())
+            .await
+            .unwrap();
+        let mut got = 0;
+        while got < PREFACE_BYTES + 8 {
+            got += read_within(&mut spoke, 20 * SHORT)
+                .await
+                .expect("read")
+                .unwrap();
+        }
+        assert!(
+            read_within(&mut spoke, 5 * SHORT).await.is_none(),
+            "kept, waiting"
+        );
+        let (mut waiting, _peer) = connected(2).await;
+        assert!(
+            read_within(&mut waiting, 5 * SHORT).await.is_none(),
+            "kept, a place free"
+        );
+        let (mut closed, peer) = connected(1).await;
+        drop(peer);
+        let read = read_within(&mut closed, 20 * SHORT).await;
+        assert_eq!(read.expect("read").unwrap(), 0, "its end, as it came");
     }
 }
