@@ -344,20 +344,29 @@ fn raise_open_files_limit() {
         );
         return;
     }
-    // A hard limit of "unlimited" is more than the kernel lets a process open (fs.nr_open).
+    // A hard limit above what the kernel lets a process open (fs.nr_open; "unlimited" is) is
+    // refused whatever the soft one asked: both are lowered to the kernel's, which a process may.
     let kernels = std::fs::read_to_string("/proc/sys/fs/nr_open").ok();
     let kernels = kernels.and_then(|text| text.trim().parse::<libc::rlim_t>().ok());
+    let most = kernels.map_or(hard, |most| hard.min(most));
+    if soft >= most {
+        tracing::info!(
+            open_files_max = soft,
+            "open files: the soft limit is the kernel's most"
+        );
+        return;
+    }
     let raised = libc::rlimit {
-        rlim_cur: kernels.map_or(hard, |most| hard.min(most)).max(soft),
-        rlim_max: hard,
+        rlim_cur: most,
+        rlim_max: most,
     };
     // SAFETY: setrlimit only reads the struct it is given.
     match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } {
         0 => tracing::info!(
-            open_files_max = raised.rlim_cur,
+            open_files_max = most,
             was = soft,
             hard,
-            "open files: soft limit raised to the hard one"
+            "open files: soft limit raised to the hard one (or the kernel's most)"
         ),
         _ => {
             let error = std::io::Error::last_os_error();

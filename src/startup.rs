@@ -344,8 +344,8 @@ async fn stop_rls(rls: Option<RlsServer>) {
     }
 }
 
-/// Connections a listener keeps waiting to be accepted, at most: actix's own default when it
-/// binds (the kernel caps it at `net.core.somaxconn`). Why not std's bind: it asks for 128, and a
+/// Connections a listener keeps waiting to be accepted, at most: actix-server's default (the
+/// kernel caps it at `net.core.somaxconn`). Why not std's bind: it asks for 128, and a
 /// burst of new connections past that (a load balancer's pool filling, k6 ramping up its users)
 /// had its handshakes dropped, each client waiting a second or more before it tried again.
 pub const LISTEN_BACKLOG: i32 = 2048;

@@ -526,17 +526,30 @@ async fn hold(
     holding
 }
 
-/// The HTTP and the Envoy listeners keep up to 2,048 connections waiting to be accepted (as
-/// actix binds its own), not std's 128: past that, a burst of new connections had its handshakes
-/// dropped, each client trying again a second or more later.
+/// Every listener (HTTP, Envoy, admin, metrics) keeps up to 2,048 connections waiting to be
+/// accepted (actix-server's default), not std's 128: past that, a burst of new connections had
+/// its handshakes dropped, each client trying again a second or more later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listeners_keep_actixs_backlog() {
+async fn listeners_keep_a_backlog_of_2048() {
     let rules_kept = rules_dir();
-    let config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    let mut config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    config.admin = ledger_limiter::config::AdminFile {
+        listen: Some("127.0.0.1:0".into()),
+        secrets: Some(vec!["admin-secret-for-tests-0001".into()]),
+    };
+    config.metrics = ledger_limiter::config::MetricsFile {
+        listen: Some("127.0.0.1:0".into()),
+    };
     let (app, rls_port) = spawn_rls_port(config).await;
     let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn").unwrap();
-    let expected = somaxconn.trim().parse::<u32>().unwrap().min(2048);
-    for port in [app.port, rls_port] {
+    let somaxconn = somaxconn.trim().parse::<u32>().unwrap();
+    assert!(
+        somaxconn > 128,
+        "net.core.somaxconn {somaxconn} hides std's 128"
+    );
+    let expected = somaxconn.min(2048);
+    let side = [app.admin_port, app.metrics_port].map(|port| port.expect("listening"));
+    for port in [app.port, rls_port, side[0], side[1]] {
         // A listening socket's Send-Q, in `ss`, is its backlog.
         let filter = format!("sport = :{port}");
         let ss = std::process::Command::new("ss")
