@@ -989,6 +989,13 @@ async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
         .await
         .expect_err("unavailable");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    // Which way it failed, in the ledger error's own words.
+    let said = status.message();
+    assert!(
+        said.starts_with("the ledger could not decide: ledger call "),
+        "{said}"
+    );
+    assert!(said.ends_with("missed its deadline"), "{said}");
     let elapsed = started.elapsed();
     assert!(elapsed < DEAD_LEDGER_TIMEOUT + ANSWER_SLACK, "{elapsed:?}");
     let started = Instant::now();

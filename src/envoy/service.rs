@@ -752,8 +752,10 @@ impl RateLimitServer {
         self.record(matched, indices, decision);
         self.record_shadows(matched, &decided);
         if let Outcome::FailedClosed(error) = &decision.outcome {
+            // The error says which way (its deadline, the in-flight bound, the client): "in
+            // time" was said of every one.
             return Err(Status::unavailable(format!(
-                "the ledger could not decide in time: {error}"
+                "the ledger could not decide: {error}"
             )));
         }
         let mut statuses: Vec<DescriptorStatus> = matched.iter().map(plain_status).collect();
