@@ -469,7 +469,6 @@ fn a_stop_signal_while_the_embedded_ledger_starts_leaves_nothing_running() {
 /// the service ran out of descriptors at about a thousand connections, whatever the hard limit.
 #[test]
 fn the_soft_limit_on_open_files_is_raised_to_the_hard_one() {
-    use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     let mut command = command(dir.path());
     command.args(["--listen", "127.0.0.1:0"]);
@@ -486,19 +485,7 @@ fn the_soft_limit_on_open_files_is_raised_to_the_hard_one() {
         hard >= 256,
         "a hard limit of {hard} open files leaves no room to raise"
     );
-    // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
-    unsafe {
-        command.pre_exec(move || {
-            let limit = libc::rlimit {
-                rlim_cur: 128,
-                rlim_max: hard,
-            };
-            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
-                0 => Ok(()),
-                _ => Err(std::io::Error::last_os_error()),
-            }
-        });
-    }
+    common::limit_open_files(&mut command, 128, hard);
     let (running, rest, log) = start_binary_until(command, "open files: ");
     assert!(rest.contains("raised"), "{}", log.lock().unwrap());
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", running.pid())).unwrap();

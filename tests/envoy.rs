@@ -1018,7 +1018,6 @@ async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {
 
 #[test]
 fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
-    let ledger = shared_ledger();
     let rules_kept = rules_dir();
     let rules = rules_kept.path().to_path_buf();
     let value = fresh_key("v");
@@ -1035,14 +1034,7 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
         })
     };
     let start = || {
-        let mut command = binary_command();
-        command
-            .arg("--listen=127.0.0.1:0")
-            .arg(format!("--ledger-addresses={}", ledger.address))
-            // The RLS listener is up before the client's first ledger call (~0.6 s) is done.
-            .arg("--ledger-timeout-ms=5000")
-            .arg("--rls-listen=127.0.0.1:0")
-            .arg(format!("--rls-config={}", rules.display()));
+        let command = rls_binary(&rules);
         start_binary_logged(command, "Envoy rate-limit service listening on port ")
     };
     let (mut first, port, log) = start();
@@ -1071,36 +1063,30 @@ fn the_binary_serves_rls_and_a_restart_keeps_limit_remaining() {
     );
 }
 
+/// The binary with its Envoy front end on `rules`, both listeners on free ports, on the shared
+/// ledger.
+fn rls_binary(rules: &Path) -> std::process::Command {
+    let mut command = binary_command();
+    command
+        .arg("--listen=127.0.0.1:0")
+        .arg(format!("--ledger-addresses={}", shared_ledger().address))
+        // The RLS listener is up before the client's first ledger call (~0.6 s) is done.
+        .arg("--ledger-timeout-ms=5000")
+        .arg("--rls-listen=127.0.0.1:0")
+        .arg(format!("--rls-config={}", rules.display()));
+    command
+}
+
 /// Out of file descriptors, the Envoy front end pauses accepting: it tried again at once, and
 /// every try failed the same way (the connection stays in the listen backlog), a core spun for as
 /// long as the shortage lasted. Once connections end, it serves again.
 #[test]
 fn out_of_file_descriptors_the_envoy_front_end_pauses_and_serves_again() {
-    use std::os::unix::process::CommandExt;
-    let ledger = shared_ledger();
     let rules_kept = rules_dir();
-    let mut command = binary_command();
-    command
-        .arg("--listen=127.0.0.1:0")
-        .arg(format!("--ledger-addresses={}", ledger.address))
-        .arg("--ledger-timeout-ms=5000")
-        .arg("--rls-listen=127.0.0.1:0")
-        .arg(format!("--rls-config={}", rules_kept.path().display()));
+    let mut command = rls_binary(rules_kept.path());
     // The process's own descriptors, and a few dozen for connections.
     const DESCRIPTORS_MAX: libc::rlim_t = 128;
-    // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
-    unsafe {
-        command.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: DESCRIPTORS_MAX,
-                rlim_max: DESCRIPTORS_MAX,
-            };
-            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
-                0 => Ok(()),
-                _ => Err(std::io::Error::last_os_error()),
-            }
-        });
-    }
+    limit_open_files(&mut command, DESCRIPTORS_MAX, DESCRIPTORS_MAX);
     let (guard, port, log) =
         start_binary_logged(command, "Envoy rate-limit service listening on port ");
     let runtime = tokio::runtime::Runtime::new().unwrap();

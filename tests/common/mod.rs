@@ -138,6 +138,25 @@ pub fn start_binary(command: Command) -> (Guard, u16) {
     (guard, port)
 }
 
+/// Starts `command` with its limit on open files at `soft` and `hard` (at most this process's hard
+/// limit, which a child cannot raise).
+pub fn limit_open_files(command: &mut Command, soft: libc::rlim_t, hard: libc::rlim_t) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+}
+
 /// The binary under test, with a clean environment (PATH and RUST_LOG=info only).
 pub fn binary_command() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"));
