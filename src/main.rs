@@ -337,13 +337,6 @@ fn raise_open_files_limit() {
         return;
     }
     let (soft, hard) = (limit.rlim_cur, limit.rlim_max);
-    if soft >= hard {
-        tracing::info!(
-            open_files_max = soft,
-            "open files: the soft limit is the hard one"
-        );
-        return;
-    }
     // A hard limit above what the kernel lets a process open (fs.nr_open; "unlimited" is) is
     // refused whatever the soft one asked: both are lowered to the kernel's, which a process may.
     let kernels = std::fs::read_to_string("/proc/sys/fs/nr_open").ok();
@@ -352,7 +345,7 @@ fn raise_open_files_limit() {
     if soft >= most {
         tracing::info!(
             open_files_max = soft,
-            "open files: the soft limit is the kernel's most"
+            "open files: the soft limit is at its most (the hard one, or the kernel's)"
         );
         return;
     }

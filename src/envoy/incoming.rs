@@ -50,7 +50,8 @@ static PAUSE_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
 /// connection task ends).
 pub struct Connection {
     stream: TcpStream,
-    _place: OwnedSemaphorePermit,
+    /// Held until the connection ends; read for whether any other place is free.
+    place: OwnedSemaphorePermit,
     /// Until the preface has come: how much of it has, when it is too late (if every place is
     /// taken then), and how long each wait for it is.
     preface: Option<(usize, Pin<Box<tokio::time::Sleep>>, Duration)>,
@@ -63,7 +64,7 @@ impl Connection {
         let deadline = Box::pin(tokio::time::sleep(timeout));
         Connection {
             stream,
-            _place: place,
+            place,
             preface: Some((0, deadline, timeout)),
         }
     }
@@ -75,7 +76,7 @@ impl Connection {
             return false;
         };
         while deadline.as_mut().poll(cx).is_ready() {
-            if self._place.semaphore().available_permits() == 0 {
+            if self.place.semaphore().available_permits() == 0 {
                 return true;
             }
             let again = tokio::time::Instant::now() + *timeout;
