@@ -569,6 +569,46 @@ async fn lose_a_top_up(
     tokio::join!(lost, go_on).0
 }
 
+/// A move whose answer is lost (the ledger's reply held past the move's deadline) landed all
+/// the same, and a request placed a hold on the old account while the move was on its way. The
+/// move is answered as landed, and that hold is carried: before, the move failed, a retry found
+/// the caller moved, and the hold counted on no plan (the new one admitted 3 more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_answer_is_lost_carries_the_holds_placed_meanwhile() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::{HoldReply, Moving};
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let moving = ledger_client(vec![proxy.address]);
+    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&from.account, setup).await.unwrap();
+    let id = from.account.id;
+    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
+    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let answer_at = deadline + Duration::from_millis(300);
+    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, answer_at);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let target = to.account;
+    let moved =
+        tokio::spawn(
+            async move { (moving.move_caller(id, &target, 7, actor, 60, deadline)).await },
+        );
+    tokio::time::timeout(Duration::from_secs(10), caught)
+        .await
+        .expect("the move is sent")
+        .unwrap();
+    // A request in flight at the move: its hold lands before the move does.
+    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
+    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    go.send(()).unwrap();
+    let moved = moved.await.unwrap();
+    assert!(Instant::now() > deadline, "answered past its deadline");
+    assert_eq!(moved, Ok(Moving::Done { carried: 5 }), "both holds carried");
+    assert_eq!(available(&direct, &to).await, Some(5));
+}
+
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a
 /// void's zero fields the pending transfer's values, and the void that reopens the account set
 /// none of them.

@@ -148,15 +148,15 @@ impl Ledger {
         };
         let carried = carried_from(&view, SystemTime::now(), window_seconds_max);
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
-        chain.push(model::move_transfer(from, self.ledger_id, plan_tag, actor));
+        let move_transfer = model::move_transfer(from, self.ledger_id, plan_tag, actor);
+        let move_id = move_transfer.id();
+        chain.push(move_transfer);
         let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
-        let created = self.create_chain(chain, (Place::Waited, deadline)).await;
-        if created.is_err() {
-            // The move may have landed after all (a lost answer): every instance must look again
-            // (their leases on the old account). The bump has time of its own if the move's is spent.
-            self.bump_operator_epoch(deadline).await;
-        }
-        match created? {
+        let created = match self.create_chain(chain, (Place::Waited, deadline)).await {
+            Ok(created) => created,
+            Err(error) => self.lost_move(from, move_id, error, deadline).await?,
+        };
+        match created {
             None => {}
             // Closed since it was read: by a block, or another operator's move.
             Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
@@ -188,6 +188,33 @@ impl Ledger {
         Ok(Moving::Done {
             carried: (carried_total + late).min(to_free),
         })
+    }
+
+    /// A move whose answer was lost (`error`) may have landed all the same. Looked up after it,
+    /// the account tells: a client's requests are answered in order, so the look-up is answered
+    /// only once the move was. Landed (`Ok(None)`), the move goes on as if answered: its second
+    /// pass carries the holds placed meanwhile. Without that, the operator saw an error, a retry
+    /// found the caller moved, and the requests in flight at the move counted on no plan.
+    /// Otherwise the move's own error, once every instance was told to look again (their leases
+    /// on the old account), in case it landed unseen; the bump has time of its own.
+    async fn lost_move(
+        &self,
+        from: u128,
+        move_id: u128,
+        error: LedgerError,
+        deadline: Instant,
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        let follow_up = super::follow_up_deadline(deadline);
+        match self.latest_block(from, follow_up).await {
+            Ok(Some(closing)) if closing.id() == move_id => {
+                tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
+                Ok(None)
+            }
+            _ => {
+                self.bump_operator_epoch(deadline).await;
+                Err(error)
+            }
+        }
     }
 
     /// Provisions the account a move goes to and reads it: the start of the move's chain (the

@@ -853,3 +853,148 @@ pub async fn resume_after(process: &TestLedger, after: Duration) {
     tokio::time::sleep(after).await;
     process.pause(false);
 }
+
+/// A TCP proxy in front of a TigerBeetle that loses one answer on purpose: the first request
+/// creating a transfer of a given code is held until the test lets it go (so that the test can
+/// act on the ledger in between), and its reply until a given instant, past its caller's
+/// deadline. Why not stop the process, as other tests do: that cannot aim at one call of many.
+/// Messages are framed by TigerBeetle's 256-byte header (`vsr/message_header.zig`, 0.16).
+pub struct LedgerProxy {
+    pub address: SocketAddr,
+    trap: Arc<Mutex<Option<Trap>>>,
+}
+
+/// What the proxy is to catch, and what it caught.
+struct Trap {
+    code: u16,
+    caught: Option<tokio::sync::oneshot::Sender<()>>,
+    go: Option<tokio::sync::oneshot::Receiver<()>>,
+    answer_at: tokio::time::Instant,
+    /// The caught request's client and number, which its replies (resent ones too) carry.
+    request: Option<(u128, u32)>,
+}
+
+/// TigerBeetle's message header: its size, and the fields the proxy reads.
+const HEADER_SIZE: usize = 256;
+const COMMAND_REQUEST: u8 = 5;
+const COMMAND_REPLY: u8 = 8;
+const OPERATION_CREATE_TRANSFERS: u8 = 139;
+
+impl LedgerProxy {
+    /// A proxy on a free loopback port in front of `ledger`.
+    pub async fn start(ledger: SocketAddr) -> LedgerProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let trap: Arc<Mutex<Option<Trap>>> = Arc::default();
+        let traps = trap.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(ledger).await.unwrap();
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pump(client_read, server_write, traps.clone(), true));
+                tokio::spawn(pump(server_read, client_write, traps.clone(), false));
+            }
+        });
+        LedgerProxy { address, trap }
+    }
+
+    /// Arms the trap for the next request creating a transfer of `code`: the first receiver
+    /// hears when it is caught, and it goes on to the ledger once the sender is used (or
+    /// dropped); its reply is held until `answer_at`.
+    pub fn lose_answer_to(
+        &self,
+        code: u16,
+        answer_at: Instant,
+    ) -> (
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let (caught, caught_heard) = tokio::sync::oneshot::channel();
+        let (go, go_heard) = tokio::sync::oneshot::channel();
+        *self.trap.lock().unwrap() = Some(Trap {
+            code,
+            caught: Some(caught),
+            go: Some(go_heard),
+            answer_at: answer_at.into(),
+            request: None,
+        });
+        (caught_heard, go)
+    }
+}
+
+/// Copies whole messages from `from` to `to` until either end closes, holding back what the
+/// trap says: requests going to the ledger, replies coming from it.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    trap: Arc<Mutex<Option<Trap>>>,
+    to_ledger: bool,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let mut message = vec![0_u8; HEADER_SIZE];
+        if from.read_exact(&mut message).await.is_err() {
+            return;
+        }
+        let size = u32::from_le_bytes(message[96..100].try_into().unwrap()) as usize;
+        assert!(
+            (HEADER_SIZE..=2 << 20).contains(&size),
+            "a message of {size} bytes"
+        );
+        message.resize(size, 0);
+        if from.read_exact(&mut message[HEADER_SIZE..]).await.is_err() {
+            return;
+        }
+        if to_ledger {
+            hold_request(&message, &trap).await;
+        } else {
+            hold_reply(&message, &trap).await;
+        }
+        if to.write_all(&message).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Holds `message` if it is the request the trap is armed for, until the test says go.
+async fn hold_request(message: &[u8], trap: &Mutex<Option<Trap>>) {
+    let is_create_transfers =
+        message[114] == COMMAND_REQUEST && message[196] == OPERATION_CREATE_TRANSFERS;
+    let (caught, go) = {
+        let mut trap = trap.lock().unwrap();
+        let Some(trap) = trap.as_mut().filter(|trap| trap.caught.is_some()) else {
+            return;
+        };
+        // A transfer's code is at byte 116 of its 128; the multi-batch trailer (the body's end)
+        // is padded with 0xFFFF and holds event counts where a code would be.
+        let of_code = (message[HEADER_SIZE..].chunks_exact(128))
+            .any(|transfer| u16::from_le_bytes([transfer[116], transfer[117]]) == trap.code);
+        if !(is_create_transfers && of_code) {
+            return;
+        }
+        let client = u128::from_le_bytes(message[160..176].try_into().unwrap());
+        let request = u32::from_le_bytes(message[192..196].try_into().unwrap());
+        trap.request = Some((client, request));
+        (trap.caught.take().unwrap(), trap.go.take().unwrap())
+    };
+    let _ = caught.send(());
+    let _ = go.await;
+}
+
+/// Holds `message` if it is a reply to the caught request, until the trap's instant.
+async fn hold_reply(message: &[u8], trap: &Mutex<Option<Trap>>) {
+    if message[114] != COMMAND_REPLY {
+        return;
+    }
+    let client = u128::from_le_bytes(message[192..208].try_into().unwrap());
+    let request = u32::from_le_bytes(message[232..236].try_into().unwrap());
+    let answer_at = {
+        let trap = trap.lock().unwrap();
+        match trap.as_ref() {
+            Some(trap) if trap.request == Some((client, request)) => trap.answer_at,
+            _ => return,
+        }
+    };
+    tokio::time::sleep_until(answer_at).await;
+}
