@@ -448,13 +448,16 @@ async fn connections_past_the_bound_wait_until_one_ends() {
 
 /// Past `rls.calls_max` calls in flight, a call is answered at once under the failure policy
 /// (`UNAVAILABLE` closed, `OK` with no statuses open), its body unread; once a place frees, calls
-/// are decided again.
+/// are decided again. Each such call is counted in `ledger_limiter_rls_shed_calls_total`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_past_the_bound_are_answered_at_once_under_the_failure_policy() {
+    let recorder = recorder();
     let rules_kept = rules_dir();
     for policy in ["closed", "open"] {
         let mut config = rls_config(shared_ledger().address, rules_kept.path(), policy, 1_000);
         config.rls.calls_max = Some(1);
+        // Only this test sheds: the count is its own, whatever runs beside it.
+        let shed_before = shed_calls(recorder);
         let (_app, port) = spawn_rls_port(config).await;
         let mut client = client(port).await;
         let value = fresh_key("shed");
@@ -484,6 +487,7 @@ async fn calls_past_the_bound_are_answered_at_once_under_the_failure_policy() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert!(shed(&answer), "{policy}: not shed: {answer:?}");
+        assert!(shed_calls(recorder) > shed_before, "{policy}: counted");
         match (policy, answer) {
             ("closed", Err(status)) => assert_eq!(status.code(), tonic::Code::Unavailable),
             ("open", Ok(response)) => assert_eq!(overall(response.get_ref()), Code::Ok),
@@ -504,6 +508,26 @@ async fn calls_past_the_bound_are_answered_at_once_under_the_failure_policy() {
         );
         assert_eq!(overall(&decided), Code::Ok);
     }
+}
+
+/// This test binary's one `metrics` recorder, installed by the first test that reads it.
+fn recorder() -> &'static metrics_exporter_prometheus::PrometheusHandle {
+    static RECORDER: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    RECORDER.get_or_init(|| {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .expect("the only recorder of this test binary")
+    })
+}
+
+/// `ledger_limiter_rls_shed_calls_total` as `recorder` renders it (0 before any front end).
+fn shed_calls(recorder: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+    let text = recorder.render();
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("ledger_limiter_rls_shed_calls_total "));
+    line.map_or(0, |line| line.rsplit(' ').next().unwrap().parse().unwrap())
 }
 
 /// A call whose message never comes, on a connection of its own: it holds a place under
@@ -1284,9 +1308,7 @@ fn descriptor_entry(action: &serde_norway::Value) -> (&str, &str) {
 /// descriptor values (which can be API keys) are never labels.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_are_counted_with_the_envoy_frontend_label() {
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .expect("the only recorder of this test binary");
+    let recorder = recorder();
     let rules_kept = rules_dir();
     let rules = rules_kept.path().to_path_buf();
     let (_app, mut client) =
