@@ -402,7 +402,14 @@ fn start_listeners(
         companions.metrics = Some(metrics_server(listen, rate_limit, exporters)?);
     }
     if let Some(admin) = &settings.admin {
-        let admin_state = (limiter.clone(), settings.rules.clone());
+        let envoy = (settings.rls.as_ref()).map(|rls| {
+            let accounts = EnvoyAccounts {
+                config: rls.config.clone(),
+                ledger_id: limiter.ledger().ledger_id(),
+            };
+            Arc::new(accounts) as Arc<dyn admin::DescriptorAccounts>
+        });
+        let admin_state = (limiter.clone(), settings.rules.clone(), envoy);
         companions.admin = Some(admin_server(admin, admin_state)?);
     }
     if let Some(rls) = &settings.rls {
@@ -411,10 +418,50 @@ fn start_listeners(
     Ok(())
 }
 
+/// What the admin API acts through: the limiter, how callers are named, and the Envoy front
+/// end's rules when it is on.
+type AdminParts = (
+    Arc<Limiter>,
+    Arc<crate::http::rules::RequestRules>,
+    Option<Arc<dyn admin::DescriptorAccounts>>,
+);
+
+/// The Envoy front end's accounts, as the admin API looks them up: the one place that knows
+/// both (the two layers know nothing of each other).
+struct EnvoyAccounts {
+    config: Arc<crate::envoy::config::RlsConfig>,
+    ledger_id: u32,
+}
+
+impl admin::DescriptorAccounts for EnvoyAccounts {
+    fn find(&self, domain: &str, entries: Vec<(String, String)>) -> admin::DescriptorFound {
+        use crate::envoy::service::{descriptor_account, DescriptorAccount};
+        use admin::DescriptorFound;
+        match descriptor_account(&self.config, self.ledger_id, domain, entries) {
+            DescriptorAccount::Invalid(detail) => DescriptorFound::Invalid(detail),
+            DescriptorAccount::NoRule => DescriptorFound::NoAccount(
+                "no rule matches this descriptor: Envoy's calls with it are not limited".into(),
+            ),
+            DescriptorAccount::Unlimited { rule } => DescriptorFound::NoAccount(format!(
+                "the rule `{rule}` is unlimited: it keeps no account"
+            )),
+            DescriptorAccount::Counted {
+                rule,
+                account,
+                shadow_mode,
+            } => DescriptorFound::Counted {
+                rule,
+                account,
+                shadow_mode,
+            },
+        }
+    }
+}
+
 /// The admin API on its own listener (one worker: it is for operators, not traffic), running.
 fn admin_server(
     admin: &AdminSettings,
-    (limiter, rules): (Arc<Limiter>, Arc<crate::http::rules::RequestRules>),
+    (limiter, rules, envoy): AdminParts,
 ) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
     let listen_error = |source| StartupError::Listen {
         address: admin.listen.clone(),
@@ -426,6 +473,7 @@ fn admin_server(
         limiter,
         secrets: admin.secrets.clone(),
         rules,
+        envoy,
     });
     let server = HttpServer::new(move || {
         App::new()

@@ -545,6 +545,21 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
         let (status, _) = admin.send(method, path, None, None).await;
         assert_eq!(status, 401, "{method} {path} without the secret");
     }
+    // Envoy's callers are looked up only where its front end is on.
+    let descriptor = json!({"domain": "d", "entries": [{"key": "k", "value": "v"}]});
+    let (status, problem) = admin
+        .send(
+            "POST",
+            "/admin/envoy/lookup",
+            Some(SECRET),
+            Some(descriptor),
+        )
+        .await;
+    assert_eq!(status, 404, "{problem}");
+    assert!(problem["detail"]
+        .as_str()
+        .unwrap()
+        .contains("Envoy front end is off"));
     // A 405 says what the path takes.
     let wrong_method = app
         .http

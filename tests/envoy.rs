@@ -73,6 +73,15 @@ descriptors:
     rate_limit:
       requests_per_unit: 1
       unit: minute
+  - key: operated
+    rate_limit:
+      requests_per_unit: 10
+      unit: minute
+  - key: operated_shadow
+    shadow_mode: true
+    rate_limit:
+      requests_per_unit: 10
+      unit: minute
   - key: shadowed_pair
     shadow_mode: true
     rate_limit:
@@ -548,6 +557,84 @@ async fn hold(
     // Its headers on their way before the caller's next call.
     tokio::time::sleep(Duration::from_millis(50)).await;
     holding
+}
+
+/// An operator finds an Envoy caller's account by its descriptor (`/admin/envoy/lookup`) and
+/// acts on it as on any caller's: inspected, it holds what the calls charged; blocked, its calls
+/// are refused, and a shadow rule's pass of it is counted as blocked. Before, no path named such
+/// an account (it derives from every entry of the descriptor): an abusive Envoy caller could not
+/// be blocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_finds_and_blocks_an_envoy_callers_account() {
+    let recorder = recorder();
+    let rules_kept = rules_dir();
+    let mut config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    const SECRET: &str = "admin-secret-for-tests-0002";
+    config.admin = ledger_limiter::config::AdminFile {
+        listen: Some("127.0.0.1:0".into()),
+        secrets: Some(vec![SECRET.into()]),
+    };
+    let (app, port) = spawn_rls_port(config).await;
+    let mut client = client(port).await;
+    let admin = format!("http://127.0.0.1:{}/admin", app.admin_port.unwrap());
+    let post = |path: &str, body: serde_json::Value| {
+        let request = app.http.post(format!("{admin}{path}")).bearer_auth(SECRET);
+        async move {
+            let response = request.json(&body).send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    let value = fresh_key("sk_live_");
+    let lookup = |key: &str| {
+        let entries = serde_json::json!([{"key": key, "value": value}]);
+        post(
+            "/envoy/lookup",
+            serde_json::json!({"domain": "extra", "entries": entries}),
+        )
+    };
+    let one = |key: &str| request("extra", vec![descriptor(&[(key, &value)])]);
+    for key in ["operated", "operated_shadow"] {
+        assert_eq!(overall(&call(&mut client, one(key)).await), Code::Ok);
+        let (status, found) = lookup(key).await;
+        assert_eq!(status, 200, "{found}");
+        assert_eq!(found["rule"], format!("extra.{key}"), "{found}");
+        assert_eq!(found["requests_per_unit"], 10, "{found}");
+        assert_eq!(found["window_seconds"], 60, "{found}");
+        assert_eq!(found["shadow_mode"], key == "operated_shadow", "{found}");
+        let id = found["account_id"].as_str().unwrap().to_owned();
+        let inspected = app
+            .http
+            .get(format!("{admin}/callers/{id}"))
+            .bearer_auth(SECRET);
+        let audit: serde_json::Value = inspected.send().await.unwrap().json().await.unwrap();
+        assert_eq!(audit["debits_pending"], 1, "the call's hold: {audit}");
+        let block = serde_json::json!({"seconds": 60, "reason": "abuse"});
+        let (status, blocked) = post(&format!("/callers/{id}/block"), block).await;
+        assert_eq!(status, 200, "{blocked}");
+    }
+    // The block reaches the front end through the ledger (its local view learns it there).
+    let refused = call(&mut client, one("operated")).await;
+    assert_eq!(overall(&refused), Code::OverLimit, "{refused:?}");
+    let passed = call(&mut client, one("operated_shadow")).await;
+    assert_eq!(overall(&passed), Code::Ok, "shadow rules never deny");
+    let series = r#"ledger_limiter_shadow_passed_total{frontend="envoy",decision="blocked",plan="extra.operated_shadow"} 1"#;
+    let text = recorder.render();
+    assert!(
+        text.lines().any(|line| line == series),
+        "{series} in:\n{text}"
+    );
+    // A descriptor no rule counts, and one past a call's bounds.
+    let (status, problem) = lookup("no_such_key").await;
+    assert_eq!(status, 404, "{problem}");
+    let (status, problem) = lookup("unlimited").await;
+    assert_eq!(status, 404, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("unlimited"));
+    let empty = serde_json::json!({"domain": "extra", "entries": []});
+    let (status, problem) = post("/envoy/lookup", empty).await;
+    assert_eq!(status, 400, "{problem}");
+    // Values (API keys) never reach the answers.
+    assert!(!problem.to_string().contains(&value));
 }
 
 /// Every listener (HTTP, Envoy, admin, metrics) keeps up to 2,048 connections waiting to be

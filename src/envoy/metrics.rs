@@ -81,7 +81,9 @@ impl RlsMetrics {
     }
 }
 
-fn label(rule: &Rule) -> String {
+/// How a rule is named wherever it may be read (metrics, the admin API): its `name`, else its
+/// label, which never shows a configured value.
+pub fn label(rule: &Rule) -> String {
     rule.name.clone().unwrap_or_else(|| rule.label.to_string())
 }
 

@@ -115,79 +115,142 @@ impl RateLimitServer {
             0 => 1,
             hits => u64::from(hits),
         };
-        let mut matched = request
-            .descriptors
-            .iter()
-            .map(|descriptor| self.match_one(&request.domain, descriptor, hits))
-            .collect::<Result<Vec<_>, Status>>()?;
+        let ledger_id = self.ledger().ledger_id();
+        let mut matched: Vec<Matched> = (request.descriptors.iter())
+            .map(|descriptor| {
+                match_descriptor(&self.config, ledger_id, &request.domain, descriptor, hits)
+            })
+            .collect();
         apply_replaces(&mut matched);
         Ok(matched)
     }
+}
 
-    fn match_one(
-        &self,
-        domain: &str,
-        descriptor: &RateLimitDescriptor,
-        request_hits: u64,
-    ) -> Result<Matched, Status> {
-        if !matchable(descriptor) {
-            return Ok(Matched::Nothing);
-        }
-        let hits = descriptor
-            .hits_addend
-            .map_or(request_hits, |h| h.value)
-            .min(HITS_MAX);
-        let entries = descriptor
-            .entries
-            .iter()
-            .map(|e| (e.key.as_str(), e.value.as_str()));
-        // As envoyproxy/ratelimit: a request's own limit applies in any configured domain, a
-        // configured rule otherwise.
-        let overridden = descriptor
-            .limit
-            .filter(|_| self.config.has_domain(domain))
-            .and_then(|limit| override_rule(domain, limit.requests_per_unit, limit.unit));
-        let rule = match overridden {
+/// What a look-up of a descriptor found ([`descriptor_account`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DescriptorAccount {
+    /// Past a call's bounds (a call with it would match no rule): why.
+    Invalid(String),
+    /// No rule matches it: Envoy's calls are `OK` with no limit, and no account is kept.
+    NoRule,
+    /// An `unlimited` rule (named as in metrics: its `name`, else its label): no account either.
+    Unlimited { rule: String },
+    /// A counted rule's account, where its calls are charged.
+    Counted {
+        rule: String,
+        account: UserAccount,
+        shadow_mode: bool,
+    },
+}
+
+/// The account Envoy's calls with the descriptor `entries` (key, value) in `domain` are charged
+/// to, matched as a call matches it, so that an operator can inspect, top up, reduce or block it
+/// as any caller's (the admin API's `/admin/envoy/lookup`). No ledger call. A request's own
+/// `limit` override is not looked up: its accounts are the request's alone.
+pub fn descriptor_account(
+    config: &RlsConfig,
+    ledger_id: u32,
+    domain: &str,
+    entries: Vec<(String, String)>,
+) -> DescriptorAccount {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    if domain.is_empty() || domain.len() > KEY_VALUE_LENGTH_MAX {
+        let detail = format!("a domain is 1 to {KEY_VALUE_LENGTH_MAX} bytes");
+        return DescriptorAccount::Invalid(detail);
+    }
+    if !(1..=DEPTH_MAX).contains(&entries.len()) {
+        let detail = format!("a descriptor has 1 to {DEPTH_MAX} entries");
+        return DescriptorAccount::Invalid(detail);
+    }
+    if (entries.iter()).any(|(key, _)| key.is_empty() || key.len() > KEY_VALUE_LENGTH_MAX) {
+        let detail = format!("an entry's key is 1 to {KEY_VALUE_LENGTH_MAX} bytes");
+        return DescriptorAccount::Invalid(detail);
+    }
+    let descriptor = RateLimitDescriptor {
+        entries: (entries.into_iter())
+            .map(|(key, value)| Entry { key, value })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    };
+    match match_descriptor(config, ledger_id, domain, &descriptor, 1) {
+        Matched::Nothing => DescriptorAccount::NoRule,
+        Matched::Unlimited { rule } => DescriptorAccount::Unlimited {
+            rule: super::metrics::label(&rule),
+        },
+        Matched::Counted { rule, limit, .. } => DescriptorAccount::Counted {
+            rule: super::metrics::label(&rule),
+            account: limit.account,
+            shadow_mode: rule.shadow_mode,
+        },
+    }
+}
+
+/// Matches one descriptor to its rule and account, as [`RateLimitServer::matched`] does for
+/// each of a request's.
+fn match_descriptor(
+    config: &RlsConfig,
+    ledger_id: u32,
+    domain: &str,
+    descriptor: &RateLimitDescriptor,
+    request_hits: u64,
+) -> Matched {
+    if !matchable(descriptor) {
+        return Matched::Nothing;
+    }
+    let hits = descriptor
+        .hits_addend
+        .map_or(request_hits, |h| h.value)
+        .min(HITS_MAX);
+    let entries = descriptor
+        .entries
+        .iter()
+        .map(|e| (e.key.as_str(), e.value.as_str()));
+    // As envoyproxy/ratelimit: a request's own limit applies in any configured domain, a
+    // configured rule otherwise.
+    let overridden = descriptor
+        .limit
+        .filter(|_| config.has_domain(domain))
+        .and_then(|limit| override_rule(domain, limit.requests_per_unit, limit.unit));
+    let rule = match overridden {
+        Some(rule) => rule,
+        None => match config.rule_for(domain, entries) {
             Some(rule) => rule,
-            None => match self.config.rule_for(domain, entries) {
-                Some(rule) => rule,
-                None => return Ok(Matched::Nothing),
-            },
-        };
-        let (requests_per_unit, window_seconds, unit) = match rule.limit {
-            RuleLimit::Unlimited => return Ok(Matched::Unlimited { rule }),
-            RuleLimit::Counted {
-                requests_per_unit,
-                window_seconds,
-                unit,
-            } => (requests_per_unit, window_seconds, unit),
-        };
-        let account = UserAccount {
-            id: account_id(
-                self.ledger().ledger_id(),
-                domain,
-                &rule,
-                descriptor,
-                window_seconds,
-                requests_per_unit,
-            ),
-            capacity: requests_per_unit,
+            None => return Matched::Nothing,
+        },
+    };
+    let (requests_per_unit, window_seconds, unit) = match rule.limit {
+        RuleLimit::Unlimited => return Matched::Unlimited { rule },
+        RuleLimit::Counted {
+            requests_per_unit,
             window_seconds,
-        };
-        let negative = descriptor.is_negative_hits;
-        let limit = Limit {
-            account,
-            cost: if negative { 0 } else { hits },
-            local_view: !rule.concurrency,
-            lease: None,
-        };
-        Ok(Matched::Counted {
-            rule,
-            limit,
             unit,
-            negative,
-            hits,
-        })
+        } => (requests_per_unit, window_seconds, unit),
+    };
+    let account = UserAccount {
+        id: account_id(
+            ledger_id,
+            domain,
+            &rule,
+            descriptor,
+            window_seconds,
+            requests_per_unit,
+        ),
+        capacity: requests_per_unit,
+        window_seconds,
+    };
+    let negative = descriptor.is_negative_hits;
+    let limit = Limit {
+        account,
+        cost: if negative { 0 } else { hits },
+        local_view: !rule.concurrency,
+        lease: None,
+    };
+    Matched::Counted {
+        rule,
+        limit,
+        unit,
+        negative,
+        hits,
     }
 }
 

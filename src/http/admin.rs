@@ -122,6 +122,29 @@ pub struct AdminState {
     pub secrets: AdminSecrets,
     /// How the middleware names callers by their address (a lookup or move by `address`).
     pub rules: Arc<crate::http::rules::RequestRules>,
+    /// The Envoy front end's accounts, when it is on (given by `startup`: this layer knows
+    /// nothing of Envoy).
+    pub envoy: Option<Arc<dyn DescriptorAccounts>>,
+}
+
+/// How the admin API finds the account of an Envoy descriptor (`/admin/envoy/lookup`).
+pub trait DescriptorAccounts: Send + Sync {
+    /// The account Envoy's calls with `entries` (key, value) in `domain` are charged to.
+    fn find(&self, domain: &str, entries: Vec<(String, String)>) -> DescriptorFound;
+}
+
+/// What [`DescriptorAccounts::find`] found.
+pub enum DescriptorFound {
+    /// The request is not a descriptor a call could carry: why (a 400).
+    Invalid(String),
+    /// There is no account: why (a 404).
+    NoAccount(String),
+    Counted {
+        /// The rule, as metrics name it (never a configured value).
+        rule: String,
+        account: crate::ledger::model::UserAccount,
+        shadow_mode: bool,
+    },
 }
 
 /// The admin routes, under `/admin`.
@@ -160,6 +183,7 @@ pub fn configure(config: &mut web::ServiceConfig) {
         .app_data(json)
         .service(resource("/admin/callers/lookup", "POST").route(web::post().to(lookup)))
         .service(resource("/admin/callers/move", "POST").route(web::post().to(move_caller)))
+        .service(resource("/admin/envoy/lookup", "POST").route(web::post().to(lookup_descriptor)))
         .service(resource("/admin/callers/{account_id}", "GET").route(web::get().to(inspect)))
         .service(
             resource("/admin/callers/{account_id}/debit", "POST").route(web::post().to(reduce)),
@@ -426,6 +450,60 @@ async fn lookup(
         }),
         Ok(None) => admin_problem(StatusCode::NOT_FOUND, "the key has no plan"),
         Err(error) => unavailable(&error),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescriptorLookup {
+    domain: String,
+    entries: Vec<DescriptorEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescriptorEntry {
+    key: String,
+    value: String,
+}
+
+#[derive(Serialize)]
+struct FoundDescriptor {
+    account_id: String,
+    rule: String,
+    requests_per_unit: u64,
+    window_seconds: u32,
+    shadow_mode: bool,
+}
+
+/// The account an Envoy descriptor's calls are charged to, found as a call finds it, for the
+/// caller routes (inspect, credit, debit, block) to act on. Without it an operator had no way to
+/// name an Envoy caller's account: it derives from every entry of the descriptor. No ledger
+/// call; the values (API keys, often) are never logged.
+async fn lookup_descriptor(
+    _: Authorized,
+    body: web::Json<DescriptorLookup>,
+    state: web::Data<AdminState>,
+) -> HttpResponse {
+    let Some(accounts) = &state.envoy else {
+        return admin_problem(StatusCode::NOT_FOUND, "the Envoy front end is off here");
+    };
+    let DescriptorLookup { domain, entries } = body.into_inner();
+    let entries = (entries.into_iter()).map(|e| (e.key, e.value)).collect();
+    match accounts.find(&domain, entries) {
+        DescriptorFound::Invalid(detail) => admin_problem(StatusCode::BAD_REQUEST, &detail),
+        DescriptorFound::NoAccount(detail) => admin_problem(StatusCode::NOT_FOUND, &detail),
+        DescriptorFound::Counted {
+            rule,
+            account,
+            shadow_mode,
+        } => HttpResponse::Ok().json(FoundDescriptor {
+            account_id: format!("{:032x}", account.id),
+            rule,
+            requests_per_unit: account.capacity.get(),
+            window_seconds: account.window_seconds.get(),
+            shadow_mode,
+        }),
     }
 }
 
