@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{span_attribute as attribute, start_binary, Guard};
+use common::{span_attribute as attribute, start_binary_logged, Guard};
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -29,6 +29,8 @@ fn tool(name: &str) -> PathBuf {
     path
 }
 
+/// A port free just now (bound and let go): only for Prometheus, which cannot say which port it
+/// took; [`start_prometheus`] tries again if another process took it meanwhile.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -37,12 +39,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// The binary exporting to `otlp_endpoint` every 200 ms (`env` may override any variable).
+/// The binary exporting to `otlp_endpoint` every 200 ms (`env` may override any variable), and
+/// its log.
 fn start_service(
     ledger: std::net::SocketAddr,
     otlp_endpoint: &str,
     env: &[(&str, &str)],
-) -> (Guard, u16) {
+) -> (Guard, u16, common::Log) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ledger-limiter"));
     command
         .args([
@@ -56,7 +59,15 @@ fn start_service(
         .env("OTEL_BSP_SCHEDULE_DELAY", "200")
         .env("RUST_LOG", "info")
         .envs(env.iter().copied());
-    start_binary(command)
+    start_binary_logged(command, "ledger-limiter listening on port ")
+}
+
+/// The port of the metrics' own listener, from `log` (logged before the service's own).
+fn metrics_port(log: &common::Log) -> u16 {
+    let text = log.lock().unwrap().clone();
+    let after = text.split("metrics listening on port ").nth(1);
+    let port = after.and_then(|rest| rest.split_whitespace().next()?.parse().ok());
+    port.unwrap_or_else(|| panic!("no metrics port in:\n{text}"))
 }
 
 /// Prometheus with the repo's scrape config, pointed at the service's metrics listener and sped
@@ -71,20 +82,45 @@ fn start_prometheus(dir: &Path, metrics_port: u16) -> (Guard, u16) {
     assert!(config.contains(&format!("127.0.0.1:{metrics_port}")));
     let config_path = dir.join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
-    let port = free_port();
-    let child = Command::new(tool("prometheus"))
-        .arg(format!("--config.file={}", config_path.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.join("tsdb").display()
-        ))
-        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-        .arg("--enable-feature=exemplar-storage")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    (Guard(Some(child)), port)
+    // A port another process took between `free_port` and Prometheus's bind: it exits at once
+    // ("address already in use"), and is started again on another.
+    for _ in 0..5 {
+        let port = free_port();
+        let mut child = Command::new(tool("prometheus"))
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--enable-feature=exemplar-storage")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        if wait_until_listening(&mut child, port) {
+            return (Guard(Some(child)), port);
+        }
+    }
+    panic!("Prometheus never listened on a free port");
+}
+
+/// Whether `child` listens on `port` within 30 s: false once it has exited.
+fn wait_until_listening(child: &mut std::process::Child, port: u16) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(30) {
+        if child.try_wait().unwrap().is_some() {
+            return false;
+        }
+        // Another process's listener answers too: Prometheus still running a moment later is
+        // the one that listens (it exits at once when its bind fails).
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+            return child.try_wait().unwrap().is_none();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("Prometheus did not listen on {port} within 30 s");
 }
 
 async fn prometheus_query(
@@ -141,13 +177,12 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
     // closed (503 at 250 ms) and the scenario's `unexpected_status` threshold with them. This
     // test is about telemetry; deadlines are tested in tests/limiter.rs and tests/hostile.rs.
     // The metrics on a listener of their own, as in docker-compose.yml.
-    let metrics_port = free_port();
-    let metrics_listen = format!("127.0.0.1:{metrics_port}");
     let env = [
         ("LEDGER_LIMITER_LEDGER_TIMEOUT_MS", "2000"),
-        ("LEDGER_LIMITER_METRICS_LISTEN", metrics_listen.as_str()),
+        ("LEDGER_LIMITER_METRICS_LISTEN", "127.0.0.1:0"),
     ];
-    let (_service, service_port) = start_service(ledger.address, &endpoint, &env);
+    let (_service, service_port, log) = start_service(ledger.address, &endpoint, &env);
+    let metrics_port = metrics_port(&log);
     let dir = tempfile::tempdir().unwrap();
     let (_prometheus, prometheus_port) = start_prometheus(dir.path(), metrics_port);
     let http = reqwest::Client::new();
@@ -456,7 +491,7 @@ async fn spans_are_flushed_on_shutdown() {
     // The deadline is the in-process tests' 5 s, not the default 250 ms: this request provisions
     // a new caller (four ledger calls in a row) on the shared development-mode ledger while the
     // test beside it loads that ledger, and a 503 here would say nothing about flushing.
-    let (service, port) = start_service(
+    let (service, port, _) = start_service(
         ledger.address,
         &endpoint,
         &[
