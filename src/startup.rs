@@ -23,7 +23,7 @@ use crate::http::outstanding::Outstanding;
 use crate::http::request_metrics::{HttpMetrics, RecordHttpMetrics, OPENMETRICS_CONTENT_TYPE};
 use crate::http::{routes, ConcurrencyLimits, RateLimit};
 use crate::ledger::addresses::{follow_addresses, RESOLVE_INTERVAL};
-use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions};
+use crate::ledger::embedded::{EmbeddedError, EmbeddedLedger, EmbeddedOptions, GaveUp};
 use crate::ledger::{ConnectError, Ledger};
 use crate::limiter::moves::OPERATOR_EPOCH_INTERVAL;
 use crate::limiter::Limiter;
@@ -46,9 +46,9 @@ pub enum StartupError {
     Embedded(#[from] EmbeddedError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
-    #[error("invalid concurrency limit: {0}")]
+    #[error("invalid concurrency limit")]
     Concurrency(#[from] ConcurrencyError),
-    #[error("cannot listen on {address}: {source}")]
+    #[error("cannot listen on {address}")]
     Listen {
         address: String,
         source: std::io::Error,
@@ -162,6 +162,8 @@ struct RlsServer {
 
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
+        // First: a port taken fails the start before an embedded ledger starts for nothing.
+        let ((listener, port), listeners) = Listeners::bind(&settings)?;
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
         let mut companions = Companions::default();
         companions.follower = Some(follower);
@@ -178,7 +180,6 @@ impl Application {
         ));
         // Settles leases whose time is over; ends when the limiter is dropped.
         crate::limiter::lease::spawn_settler(&limiter);
-        let (listener, port) = bind(&settings.listen)?;
         let slots_out = concurrency.slots_out();
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
@@ -191,8 +192,7 @@ impl Application {
         let gave_up = web::Data::new(
             embedded
                 .as_ref()
-                .map(EmbeddedLedger::gave_up)
-                .unwrap_or_default(),
+                .map_or_else(GaveUp::default, EmbeddedLedger::gave_up),
         );
         let server = HttpServer::new(move || {
             App::new()
@@ -216,7 +216,7 @@ impl Application {
             source,
         })?
         .run();
-        start_listeners(&settings, (&limiter, served), &mut companions)?;
+        start_listeners(&settings, (&limiter, served), (listeners, &mut companions))?;
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
@@ -391,17 +391,42 @@ fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
     Ok((listener, port))
 }
 
-/// The admin API, the Envoy front end and the metrics, each on a listener of its own, where
-/// configured.
+/// The listeners of the service beside its own, bound (each with its port), as configured.
+/// Bound before anything else starts: a port taken fails the start at once, before an embedded
+/// ledger is formatted and started for nothing, and before that ledger takes a free port that a
+/// fixed `listen` of the ephemeral range names.
+struct Listeners {
+    metrics: Option<(TcpListener, u16)>,
+    admin: Option<(TcpListener, u16)>,
+    rls: Option<(TcpListener, u16)>,
+}
+
+impl Listeners {
+    /// The service's own listener, and the others.
+    fn bind(settings: &Settings) -> Result<((TcpListener, u16), Self), StartupError> {
+        let main = bind(&settings.listen)?;
+        let metrics = settings.metrics_listen.as_deref().map(bind).transpose()?;
+        let admin = (settings.admin.as_ref()).map(|admin| bind(&admin.listen));
+        let rls = (settings.rls.as_ref()).map(|rls| bind(&rls.listen));
+        let listeners = Listeners {
+            metrics,
+            admin: admin.transpose()?,
+            rls: rls.transpose()?,
+        };
+        Ok((main, listeners))
+    }
+}
+
+/// The admin API, the Envoy front end and the metrics, each on its listener, where configured.
 fn start_listeners(
     settings: &Settings,
     (limiter, (rate_limit, exporters)): (&Arc<Limiter>, (RateLimit, Exporters)),
-    companions: &mut Companions,
+    (listeners, companions): (Listeners, &mut Companions),
 ) -> Result<(), StartupError> {
-    if let Some(listen) = &settings.metrics_listen {
-        companions.metrics = Some(metrics_server(listen, rate_limit, exporters)?);
+    if let (Some(listen), Some(bound)) = (&settings.metrics_listen, listeners.metrics) {
+        companions.metrics = Some(metrics_server((listen, bound), rate_limit, exporters)?);
     }
-    if let Some(admin) = &settings.admin {
+    if let (Some(admin), Some(bound)) = (&settings.admin, listeners.admin) {
         let envoy = (settings.rls.as_ref()).map(|rls| {
             let accounts = EnvoyAccounts {
                 config: rls.config.clone(),
@@ -410,10 +435,11 @@ fn start_listeners(
             Arc::new(accounts) as Arc<dyn admin::DescriptorAccounts>
         });
         let admin_state = (limiter.clone(), settings.rules.clone(), envoy);
-        companions.admin = Some(admin_server(admin, admin_state)?);
+        companions.admin = Some(admin_server((admin, bound), admin_state)?);
     }
-    if let Some(rls) = &settings.rls {
-        companions.rls = Some(rls_server(rls, limiter.clone(), settings.workers.get())?);
+    if let (Some(rls), Some(bound)) = (&settings.rls, listeners.rls) {
+        let workers = settings.workers.get();
+        companions.rls = Some(rls_server((rls, bound), limiter.clone(), workers)?);
     }
     Ok(())
 }
@@ -460,15 +486,13 @@ impl admin::DescriptorAccounts for EnvoyAccounts {
 
 /// The admin API on its own listener (one worker: it is for operators, not traffic), running.
 fn admin_server(
-    admin: &AdminSettings,
+    (admin, (listener, port)): (&AdminSettings, (TcpListener, u16)),
     (limiter, rules, envoy): AdminParts,
 ) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
     let listen_error = |source| StartupError::Listen {
         address: admin.listen.clone(),
         source,
     };
-    let listener = bind_listener(&admin.listen).map_err(listen_error)?;
-    let port = listener.local_addr().map_err(listen_error)?.port();
     let state = web::Data::new(AdminState {
         limiter,
         secrets: admin.secrets.clone(),
@@ -504,11 +528,10 @@ fn admin_server(
 /// `/metrics` and `/metrics/exemplars` on a listener of their own (one worker: a scrape renders
 /// text, a few a minute), running.
 fn metrics_server(
-    listen: &str,
+    (listen, (listener, port)): (&str, (TcpListener, u16)),
     rate_limit: RateLimit,
     exporters: Exporters,
 ) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
-    let (listener, port) = bind(listen)?;
     let server = HttpServer::new(move || {
         App::new().configure(|config| metrics_routes(config, &rate_limit, &exporters))
     })
@@ -543,7 +566,7 @@ const ADMIN_DRAIN_SECONDS: u64 = 8;
 /// Envoy's rate-limit service on its own listener and its own multi-threaded runtime (the binary's
 /// main runtime is actix's single thread), on the HTTP front end's limiter.
 fn rls_server(
-    rls: &RlsSettings,
+    (rls, (listener, port)): (&RlsSettings, (TcpListener, u16)),
     limiter: Arc<Limiter>,
     workers: usize,
 ) -> Result<RlsServer, StartupError> {
@@ -551,8 +574,6 @@ fn rls_server(
         address: rls.listen.clone(),
         source,
     };
-    let listener = bind_listener(&rls.listen).map_err(listen_error)?;
-    let port = listener.local_addr().map_err(listen_error)?.port();
     listener.set_nonblocking(true).map_err(listen_error)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)

@@ -732,3 +732,33 @@ async fn a_stop_while_the_embedded_ledger_restarts_is_not_held_up() {
         .expect("the stop waited for the restart");
     assert!(stopping.elapsed() < Duration::from_secs(5));
 }
+
+/// A port already taken (here the admin API's) fails the start at once, saying which address:
+/// every listener is bound before the embedded ledger starts. Before, the ledger's data file was
+/// formatted and its server started, for a service that then stopped on the port.
+#[test]
+fn a_port_taken_fails_the_start_before_the_embedded_ledger_starts() {
+    let dir = common::ledger_dir();
+    let data = dir.path().join("data");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let output = common::binary_command()
+        .args(embedded_args(&data))
+        .arg("--listen=127.0.0.1:0")
+        .arg(format!("--admin-listen=127.0.0.1:{taken_port}"))
+        .env(
+            "LEDGER_LIMITER_ADMIN_SECRETS",
+            "admin-secret-for-tests-0003",
+        )
+        .output()
+        .expect("runs");
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("127.0.0.1:{taken_port}")),
+        "names the address: {said}"
+    );
+    assert!(!said.contains("TigerBeetle"), "no ledger started: {said}");
+    let formatted = std::fs::read_dir(&data).map_or(0, |files| files.count());
+    assert_eq!(formatted, 0, "no data file: {said}");
+}

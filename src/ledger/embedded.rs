@@ -36,14 +36,14 @@ const RESTART_STABLE: Duration = Duration::from_secs(60);
 pub enum EmbeddedError {
     #[error("TigerBeetle server not found at {0}: run `scripts/setup` (it builds one), or set embedded.tigerbeetle_bin / --tigerbeetle-bin, or give ledger addresses")]
     BinaryMissing(PathBuf),
-    #[error("cannot create the data directory {path}: {source}")]
+    #[error("cannot create the data directory {path}")]
     DataDir {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error("`tigerbeetle format` failed ({status}); see its output above")]
     Format { status: String },
-    #[error("cannot run {bin}: {source}")]
+    #[error("cannot run {bin}")]
     Spawn {
         bin: PathBuf,
         source: std::io::Error,
