@@ -20,6 +20,9 @@ use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, Led
 /// and the latest groups merged, which only holds longer): a chain fits one request.
 pub const CARRIED_LINKS_MAX: usize = 200;
 
+/// How often a move whose answer was lost is looked for on the account it closes.
+const LOST_MOVE_LOOK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// What a move came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Moving {
@@ -190,13 +193,17 @@ impl Ledger {
         })
     }
 
-    /// A move whose answer was lost (`error`) may have landed all the same. Looked up after it,
-    /// the account tells: a client's requests are answered in order, so the look-up is answered
-    /// only once the move was. Landed (`Ok(None)`), the move goes on as if answered: its second
-    /// pass carries the holds placed meanwhile. Without that, the operator saw an error, a retry
-    /// found the caller moved, and the requests in flight at the move counted on no plan.
-    /// Otherwise the move's own error, once every instance was told to look again (their leases
-    /// on the old account), in case it landed unseen; the bump has time of its own.
+    /// A move whose answer was lost (`error`) may have landed all the same: the account it
+    /// closes tells. Landed (`Ok(None)`), the move goes on as if answered: its second pass
+    /// carries the holds placed meanwhile. Without that, the operator saw an error, a retry found
+    /// the caller moved, and the requests in flight at the move counted on no plan.
+    ///
+    /// A move sent before its answer was lost is found at once: a client answers one request
+    /// of a session at a time, so the look-up comes back after it. One still waiting in the
+    /// client when its deadline passed may go after the look-up (the client batches a look-up
+    /// with one waiting ahead of it): it is looked for again, until a second past the deadline.
+    /// Not found by then, the move's own error, once every instance was told to look again (in
+    /// case it lands unseen: their leases on the old account); the bump has time of its own.
     async fn lost_move(
         &self,
         from: u128,
@@ -205,16 +212,20 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
         let follow_up = super::follow_up_deadline(deadline);
-        match self.latest_block(from, follow_up).await {
-            Ok(Some(closing)) if closing.id() == move_id => {
-                tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
-                Ok(None)
-            }
-            _ => {
-                self.bump_operator_epoch(deadline).await;
-                Err(error)
+        loop {
+            match self.latest_block(from, follow_up).await {
+                Ok(Some(closing)) if closing.id() == move_id => {
+                    tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
+                    return Ok(None);
+                }
+                Ok(_) if Instant::now() + LOST_MOVE_LOOK_INTERVAL < follow_up => {
+                    tokio::time::sleep(LOST_MOVE_LOOK_INTERVAL).await;
+                }
+                _ => break,
             }
         }
+        self.bump_operator_epoch(deadline).await;
+        Err(error)
     }
 
     /// Provisions the account a move goes to and reads it: the start of the move's chain (the
