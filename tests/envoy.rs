@@ -637,6 +637,12 @@ async fn an_operator_finds_and_blocks_an_envoy_callers_account() {
     let empty = serde_json::json!({"domain": "extra", "entries": []});
     let (status, problem) = post("/envoy/lookup", empty).await;
     assert_eq!(status, 400, "{problem}");
+    // A value as long as a token in a header (Envoy sends headers of up to 60 KiB).
+    let long = "t".repeat(20_000);
+    let entries = serde_json::json!([{"key": "operated", "value": long}]);
+    let body = serde_json::json!({"domain": "extra", "entries": entries});
+    let (status, found) = post("/envoy/lookup", body).await;
+    assert_eq!(status, 200, "{found}");
     // Values (API keys) never reach the answers of look-ups that carried one.
     for answer in answers {
         assert!(!answer.to_string().contains(&value), "{answer}");

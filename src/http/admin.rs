@@ -46,6 +46,9 @@ const DEADLINE: Duration = Duration::from_secs(5);
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The largest admin request body (every one is a few short fields).
 const JSON_BYTES_MAX: usize = 4096;
+/// The largest Envoy descriptor look-up: its values are header values as Envoy sends them (a
+/// token can be several KiB), up to Envoy's default bound on a request's headers, 60 KiB.
+const DESCRIPTOR_JSON_BYTES_MAX: usize = 64 * 1024;
 /// The answer to an action on an account a move closed for good.
 pub const MOVED: &str = "this account was closed for good when its caller moved to another plan: look the caller up by key for its account";
 
@@ -159,21 +162,9 @@ pub fn configure(config: &mut web::ServiceConfig) {
     for reason in [MISSING_SECRET, WRONG_SECRET, THROTTLED] {
         metrics::counter!(ADMIN_REFUSED_TOTAL, "reason" => reason).increment(0);
     }
-    // A body that is not what a handler takes is a problem+json like every other refusal: 413
-    // when too large (bodies are small), 415 when not JSON, else 400. Only authorized requests
-    // get this far ([`Authorized`] comes first), so the fields' names are not for strangers.
-    let json = web::JsonConfig::default()
-        .limit(JSON_BYTES_MAX)
-        .error_handler(|error, _| {
-            let status = match &error {
-                JsonPayloadError::Overflow { .. }
-                | JsonPayloadError::OverflowKnownLength { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-                JsonPayloadError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            let response = admin_problem(status, &error.to_string());
-            InternalError::from_response(error, response).into()
-        });
+    // Only authorized requests get this far ([`Authorized`] comes first), so the fields' names
+    // in a refusal of a body are not for strangers.
+    let json = json_config(JSON_BYTES_MAX);
     // One resource per path, the fixed ones first: a method a path does not take is a 405 there,
     // not a match of the next pattern (`GET /admin/callers/lookup` was read as an account id).
     let resource = |path: &str, allow: &'static str| {
@@ -183,7 +174,11 @@ pub fn configure(config: &mut web::ServiceConfig) {
         .app_data(json)
         .service(resource("/admin/callers/lookup", "POST").route(web::post().to(lookup)))
         .service(resource("/admin/callers/move", "POST").route(web::post().to(move_caller)))
-        .service(resource("/admin/envoy/lookup", "POST").route(web::post().to(lookup_descriptor)))
+        .service(
+            resource("/admin/envoy/lookup", "POST")
+                .app_data(json_config(DESCRIPTOR_JSON_BYTES_MAX))
+                .route(web::post().to(lookup_descriptor)),
+        )
         .service(resource("/admin/callers/{account_id}", "GET").route(web::get().to(inspect)))
         .service(
             resource("/admin/callers/{account_id}/debit", "POST").route(web::post().to(reduce)),
@@ -197,6 +192,24 @@ pub fn configure(config: &mut web::ServiceConfig) {
                 .route(web::delete().to(unblock)),
         )
         .default_service(web::to(not_found));
+}
+
+/// How an admin request's JSON body is read: at most `bytes_max` (bodies are small), and a body
+/// that is not what a handler takes is a problem+json like every other refusal: 413 when too
+/// large, 415 when not JSON, else 400.
+fn json_config(bytes_max: usize) -> web::JsonConfig {
+    web::JsonConfig::default()
+        .limit(bytes_max)
+        .error_handler(|error, _| {
+            let status = match &error {
+                JsonPayloadError::Overflow { .. }
+                | JsonPayloadError::OverflowKnownLength { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                JsonPayloadError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            let response = admin_problem(status, &error.to_string());
+            InternalError::from_response(error, response).into()
+        })
 }
 
 /// A path of the admin API asked with a method it does not take: the methods it takes in
