@@ -16,6 +16,8 @@ use crate::config::{
     resolve_addresses_keeping, resolve_addresses_or_stand_ins, AdminSettings, ConfigError,
     LedgerLocation, RlsSettings, Settings,
 };
+use crate::envoy::metrics::RlsMetrics;
+use crate::envoy::rules::{LiveRules, RULES_CHECK_INTERVAL};
 use crate::envoy::RateLimitServer;
 use crate::http::admin::{self, AdminState};
 use crate::http::concurrency::ConcurrencyError;
@@ -426,10 +428,13 @@ fn start_listeners(
     if let (Some(listen), Some(bound)) = (&settings.metrics_listen, listeners.metrics) {
         companions.metrics = Some(metrics_server((listen, bound), rate_limit, exporters)?);
     }
+    // The Envoy rules in force, as its front end and the admin API's look-up read them.
+    let envoy_rules = (settings.rls.as_ref())
+        .map(|rls| Arc::new(LiveRules::new(rls.config.clone(), rls.config_path.clone())));
     if let (Some(admin), Some(bound)) = (&settings.admin, listeners.admin) {
-        let envoy = (settings.rls.as_ref()).map(|rls| {
+        let envoy = envoy_rules.clone().map(|rules| {
             let accounts = EnvoyAccounts {
-                config: rls.config.clone(),
+                rules,
                 ledger_id: limiter.ledger().ledger_id(),
             };
             Arc::new(accounts) as Arc<dyn admin::DescriptorAccounts>
@@ -437,9 +442,9 @@ fn start_listeners(
         let admin_state = (limiter.clone(), settings.rules.clone(), envoy);
         companions.admin = Some(admin_server((admin, bound), admin_state)?);
     }
-    if let (Some(rls), Some(bound)) = (&settings.rls, listeners.rls) {
+    if let (Some(rls), Some(bound), Some(rules)) = (&settings.rls, listeners.rls, envoy_rules) {
         let workers = settings.workers.get();
-        companions.rls = Some(rls_server((rls, bound), limiter.clone(), workers)?);
+        companions.rls = Some(rls_server((rls, bound), (limiter.clone(), rules), workers)?);
     }
     Ok(())
 }
@@ -455,7 +460,7 @@ type AdminParts = (
 /// The Envoy front end's accounts, as the admin API looks them up: the one place that knows
 /// both (the two layers know nothing of each other).
 struct EnvoyAccounts {
-    config: Arc<crate::envoy::config::RlsConfig>,
+    rules: Arc<LiveRules>,
     ledger_id: u32,
 }
 
@@ -463,7 +468,8 @@ impl admin::DescriptorAccounts for EnvoyAccounts {
     fn find(&self, domain: &str, entries: Vec<(String, String)>) -> admin::DescriptorFound {
         use crate::envoy::service::{descriptor_account, DescriptorAccount};
         use admin::DescriptorFound;
-        match descriptor_account(&self.config, self.ledger_id, domain, entries) {
+        let config = self.rules.current();
+        match descriptor_account(&config, self.ledger_id, domain, entries) {
             DescriptorAccount::Invalid(detail) => DescriptorFound::Invalid(detail),
             DescriptorAccount::NoRule => DescriptorFound::NoAccount(
                 "no rule matches this descriptor: Envoy's calls with it are not limited".into(),
@@ -567,7 +573,7 @@ const ADMIN_DRAIN_SECONDS: u64 = 8;
 /// main runtime is actix's single thread), on the HTTP front end's limiter.
 fn rls_server(
     (rls, (listener, port)): (&RlsSettings, (TcpListener, u16)),
-    limiter: Arc<Limiter>,
+    (limiter, rules): (Arc<Limiter>, Arc<LiveRules>),
     workers: usize,
 ) -> Result<RlsServer, StartupError> {
     let listen_error = |source| StartupError::Listen {
@@ -581,7 +587,7 @@ fn rls_server(
         .enable_all()
         .build()
         .map_err(listen_error)?;
-    let server = RateLimitServer::new(limiter, rls.config.clone());
+    let server = RateLimitServer::new(limiter, rules.clone());
     let bounds = rls.bounds;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
@@ -590,6 +596,8 @@ fn rls_server(
             runtime.block_on(async move {
                 let listener =
                     tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+                // Ends with this runtime, after the server.
+                tokio::spawn(rules.follow(RULES_CHECK_INTERVAL, RlsMetrics::register()));
                 let stopped = futures_util::FutureExt::shared(stopped);
                 let shutdown = {
                     let stopped = stopped.clone();

@@ -649,6 +649,69 @@ async fn an_operator_finds_and_blocks_an_envoy_callers_account() {
     }
 }
 
+/// Rules are read again when their files change, as envoyproxy/ratelimit reloads its runtime
+/// directory: a domain added to the folder is in force within a few seconds, without a restart;
+/// a file that does not load leaves the rules in force, and is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_rules_are_in_force_without_a_restart_and_bad_ones_are_not() {
+    let recorder = recorder();
+    let rules_kept = rules_dir();
+    let config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    let (_app, mut client) = spawn_rls(config).await;
+    let value = fresh_key("later_");
+    let one = |value: &str| request("later", vec![descriptor(&[("k", value)])]);
+    let unlimited = call(&mut client, one(&value)).await;
+    assert_eq!(
+        unlimited.statuses[0].current_limit, None,
+        "no such domain yet"
+    );
+    // Written whole, then renamed in: a half-written file is never read.
+    let write = |text: &str| {
+        let staged = rules_kept.path().join("later.staged");
+        std::fs::write(&staged, text).unwrap();
+        std::fs::rename(&staged, rules_kept.path().join("later.yaml")).unwrap();
+    };
+    write("domain: later\ndescriptors:\n  - key: k\n    rate_limit:\n      requests_per_unit: 1\n      unit: minute\n");
+    let started = Instant::now();
+    loop {
+        let response = call(&mut client, one(&value)).await;
+        if response.statuses[0].current_limit.is_some() {
+            assert_eq!(overall(&response), Code::Ok, "the first of 1 a minute");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never in force"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        overall(&call(&mut client, one(&value)).await),
+        Code::OverLimit
+    );
+    let refused = |recorder: &metrics_exporter_prometheus::PrometheusHandle| {
+        let text = recorder.render();
+        let series = r#"ledger_limiter_rls_rules_changes_total{outcome="refused"} "#;
+        let line = text.lines().find(|line| line.starts_with(series));
+        line.map_or(0, |line| line[series.len()..].parse::<u64>().unwrap())
+    };
+    let refused_before = refused(recorder);
+    write("domain: later\ndescriptors: [oops");
+    let started = Instant::now();
+    while refused(recorder) == refused_before {
+        assert!(started.elapsed() < Duration::from_secs(20), "never read");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The rules in force stay: a fresh caller of the domain is still limited.
+    let fresh = fresh_key("later_");
+    let response = call(&mut client, one(&fresh)).await;
+    assert!(response.statuses[0].current_limit.is_some(), "{response:?}");
+    assert_eq!(
+        overall(&call(&mut client, one(&fresh)).await),
+        Code::OverLimit
+    );
+}
+
 /// Every listener (HTTP, Envoy, admin, metrics) keeps up to 2,048 connections waiting to be
 /// accepted (actix-server's default), not std's 128: past that, a burst of new connections had
 /// its handshakes dropped, each client trying again a second or more later.

@@ -112,6 +112,8 @@ pub struct RlsFile {
 pub struct RlsSettings {
     pub listen: String,
     pub config: Arc<RlsConfig>,
+    /// Where `config` was read from (a file, or a folder of them): read again when it changes.
+    pub config_path: PathBuf,
     /// Connections open and calls in flight at once.
     pub bounds: crate::envoy::Bounds,
 }
@@ -721,6 +723,7 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     Ok(Some(RlsSettings {
         listen,
         config: Arc::new(config),
+        config_path: path,
         bounds,
     }))
 }

@@ -280,6 +280,18 @@ struct YamlReplaces {
 /// A rules file's text, read through [`CONFIG_FILE_BYTES_MAX`], not after a size check: a pipe
 /// (`<(...)`), `/dev/zero` or a file still being written has a size that does not say what a
 /// read would take.
+/// The name and text of each rules file at `path` ([`RlsConfig::load`]), in name order.
+pub fn read_texts(path: &Path) -> Result<Vec<(String, String)>, RlsConfigError> {
+    let files = config_files(path)?;
+    let mut texts = Vec::with_capacity(files.len());
+    for file in files {
+        let name = file.display().to_string();
+        let text = read_rules(&file, &name)?;
+        texts.push((name, text));
+    }
+    Ok(texts)
+}
+
 fn read_rules(file: &Path, name: &str) -> Result<String, RlsConfigError> {
     use std::io::Read;
     let read_error = |message: String| RlsConfigError::Read {
@@ -304,12 +316,14 @@ impl RlsConfig {
     /// One YAML file, or every `*.yaml` / `*.yml` file of a directory (in name order), as
     /// envoyproxy/ratelimit reads its runtime directory.
     pub fn load(path: &Path) -> Result<RlsConfig, RlsConfigError> {
-        let files = config_files(path)?;
+        RlsConfig::from_texts(&read_texts(path)?)
+    }
+
+    /// The rules of `texts`, each a file's name and text, in order.
+    pub fn from_texts(texts: &[(String, String)]) -> Result<RlsConfig, RlsConfigError> {
         let mut config = RlsConfig::default();
-        for file in files {
-            let name = file.display().to_string();
-            let text = read_rules(&file, &name)?;
-            config.add(&name, &text)?;
+        for (name, text) in texts {
+            config.add(name, text)?;
         }
         Ok(config)
     }

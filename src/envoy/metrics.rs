@@ -18,6 +18,9 @@ pub const FRONTEND: &str = "envoy";
 pub const RELEASED_UNITS_TOTAL: &str = "ledger_limiter_rls_released_units_total";
 /// Calls past `rls.calls_max`, answered under the failure policy without a decision.
 pub const SHED_CALLS_TOTAL: &str = "ledger_limiter_rls_shed_calls_total";
+/// Changes to the rules' files, by outcome: `loaded` (in force now) or `refused` (not loaded;
+/// the rules in force stay).
+pub const RULES_CHANGES_TOTAL: &str = "ledger_limiter_rls_rules_changes_total";
 
 /// Counts the RLS front end's decisions (the recorder is read at each count, so the front end works
 /// with or without one).
@@ -36,6 +39,13 @@ impl RlsMetrics {
             "Envoy calls past rls.calls_max, answered under the failure policy without a decision"
         );
         counter!(SHED_CALLS_TOTAL).absolute(0);
+        metrics::describe_counter!(
+            RULES_CHANGES_TOTAL,
+            "Changes to the Envoy rules' files, by outcome: loaded, or refused (the rules in force stay)"
+        );
+        for outcome in ["loaded", "refused"] {
+            counter!(RULES_CHANGES_TOTAL, "outcome" => outcome).absolute(0);
+        }
         RlsMetrics
     }
 
@@ -74,6 +84,12 @@ impl RlsMetrics {
 
     pub fn record_shed(&self) {
         counter!(SHED_CALLS_TOTAL).increment(1);
+    }
+
+    /// A change to the rules' files: `loaded`, or refused.
+    pub fn record_rules_change(&self, loaded: bool) {
+        let outcome = if loaded { "loaded" } else { "refused" };
+        counter!(RULES_CHANGES_TOTAL, "outcome" => outcome).increment(1);
     }
 
     pub fn record_release(&self, units: u64) {

@@ -11,6 +11,7 @@
 pub mod config;
 pub mod incoming;
 pub mod metrics;
+pub mod rules;
 pub mod service;
 pub mod wire;
 

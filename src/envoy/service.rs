@@ -31,6 +31,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::config::{RlsConfig, Rule, RuleLimit, Unit, DEPTH_MAX, KEY_VALUE_LENGTH_MAX};
 use super::metrics::RlsMetrics;
+use super::rules::LiveRules;
 use crate::ledger::model::{self, UserAccount};
 use crate::ledger::Ledger;
 use crate::ledger::{HoldReply, LedgerError};
@@ -74,15 +75,15 @@ static SHED_LOGGED_SECOND: std::sync::atomic::AtomicU64 = std::sync::atomic::Ato
 
 pub struct RateLimitServer {
     limiter: Arc<Limiter>,
-    config: Arc<RlsConfig>,
+    rules: Arc<LiveRules>,
     metrics: RlsMetrics,
 }
 
 impl RateLimitServer {
-    pub fn new(limiter: Arc<Limiter>, config: Arc<RlsConfig>) -> Self {
+    pub fn new(limiter: Arc<Limiter>, rules: Arc<LiveRules>) -> Self {
         RateLimitServer {
             limiter,
-            config,
+            rules,
             metrics: RlsMetrics::register(),
         }
     }
@@ -116,9 +117,11 @@ impl RateLimitServer {
             hits => u64::from(hits),
         };
         let ledger_id = self.ledger().ledger_id();
+        // The rules in force when the call came: every descriptor under the same ones.
+        let config = self.rules.current();
         let mut matched: Vec<Matched> = (request.descriptors.iter())
             .map(|descriptor| {
-                match_descriptor(&self.config, ledger_id, &request.domain, descriptor, hits)
+                match_descriptor(&config, ledger_id, &request.domain, descriptor, hits)
             })
             .collect();
         apply_replaces(&mut matched);
