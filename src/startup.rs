@@ -429,8 +429,10 @@ fn start_listeners(
         companions.metrics = Some(metrics_server((listen, bound), rate_limit, exporters)?);
     }
     // The Envoy rules in force, as its front end and the admin API's look-up read them.
-    let envoy_rules = (settings.rls.as_ref())
-        .map(|rls| Arc::new(LiveRules::new(rls.config.clone(), rls.config_path.clone())));
+    let envoy_rules = (settings.rls.as_ref()).map(|rls| {
+        let (config, path) = (rls.config.clone(), rls.config_path.clone());
+        Arc::new(LiveRules::new(config, path, rls.config_read))
+    });
     if let (Some(admin), Some(bound)) = (&settings.admin, listeners.admin) {
         let envoy = envoy_rules.clone().map(|rules| {
             let accounts = EnvoyAccounts {

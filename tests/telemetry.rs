@@ -383,7 +383,8 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                     "lookup_accounts",
                     "get_account_transfers",
                 ],
-                "outcome" => &["ok", "error"],
+                // A ledger call's; the Envoy rules' changes'.
+                "outcome" => &["ok", "error", "loaded", "refused"],
                 // Histograms (the dashboard reads `_bucket`), never a summary's quantiles.
                 "le" => continue,
                 other => panic!("unexpected label {other} in {line}"),

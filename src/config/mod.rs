@@ -114,6 +114,8 @@ pub struct RlsSettings {
     pub config: Arc<RlsConfig>,
     /// Where `config` was read from (a file, or a folder of them): read again when it changes.
     pub config_path: PathBuf,
+    /// The files `config` was read from, as [`crate::envoy::rules::fingerprint`] has them.
+    pub config_read: u64,
     /// Connections open and calls in flight at once.
     pub bounds: crate::envoy::Bounds,
 }
@@ -705,7 +707,11 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
     let path = rls
         .config
         .ok_or_else(|| invalid("rls.config", "is required when rls.listen is set"))?;
-    let config = RlsConfig::load(&path).map_err(|e| invalid("rls.config", e.to_string()))?;
+    // The texts kept for what they were: a change after this reading is one to load.
+    let texts = crate::envoy::config::read_texts(&path);
+    let texts = texts.map_err(|e| invalid("rls.config", e.to_string()))?;
+    let config = RlsConfig::from_texts(&texts).map_err(|e| invalid("rls.config", e.to_string()))?;
+    let config_read = crate::envoy::rules::fingerprint(&texts);
     use crate::envoy::CONNECTIONS_MAX_MAX as CONNECTIONS_MAX;
     use crate::envoy::{CALLS_MAX_DEFAULT, CALLS_MAX_MAX, CONNECTIONS_MAX_DEFAULT};
     let connections = (
@@ -724,6 +730,7 @@ fn rls_settings(rls: RlsFile) -> Result<Option<RlsSettings>, ConfigError> {
         listen,
         config: Arc::new(config),
         config_path: path,
+        config_read,
         bounds,
     }))
 }

@@ -277,9 +277,6 @@ struct YamlReplaces {
     name: String,
 }
 
-/// A rules file's text, read through [`CONFIG_FILE_BYTES_MAX`], not after a size check: a pipe
-/// (`<(...)`), `/dev/zero` or a file still being written has a size that does not say what a
-/// read would take.
 /// The name and text of each rules file at `path` ([`RlsConfig::load`]), in name order.
 pub fn read_texts(path: &Path) -> Result<Vec<(String, String)>, RlsConfigError> {
     let files = config_files(path)?;
@@ -292,6 +289,9 @@ pub fn read_texts(path: &Path) -> Result<Vec<(String, String)>, RlsConfigError> 
     Ok(texts)
 }
 
+/// A rules file's text, read through [`CONFIG_FILE_BYTES_MAX`], not after a size check: a pipe
+/// (`<(...)`), `/dev/zero` or a file still being written has a size that does not say what a
+/// read would take.
 fn read_rules(file: &Path, name: &str) -> Result<String, RlsConfigError> {
     use std::io::Read;
     let read_error = |message: String| RlsConfigError::Read {

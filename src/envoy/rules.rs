@@ -4,19 +4,21 @@
 //!
 //! The files are read every [`RULES_CHECK_INTERVAL`] and compared with what was last read (a
 //! hash of their names and texts: a Kubernetes ConfigMap swaps a symlink and keeps modification
-//! times). Rules that fail to load leave the ones in force, logged and counted once per change.
-//! A call reads the rules once, at its start: it is decided under one set of rules whole.
+//! times). A change is acted on once two readings in a row agree (within two intervals), so a
+//! folder caught mid-edit is not loaded. Rules that fail to load leave the ones in force, logged
+//! and counted once per change. A call reads the rules once, at its start: it is decided under
+//! one set of rules whole.
 
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
 use super::config::{read_texts, RlsConfig};
 use super::metrics::RlsMetrics;
+use crate::sync::lock;
 
 /// How often the rules' files are read again, to see whether they changed.
 pub const RULES_CHECK_INTERVAL: Duration = Duration::from_secs(2);
@@ -26,31 +28,41 @@ pub const RULES_CHECK_INTERVAL: Duration = Duration::from_secs(2);
 pub struct LiveRules {
     current: ArcSwap<RlsConfig>,
     path: PathBuf,
-    /// The hash of the files last read, loaded or not: a change is read once.
-    read_last: AtomicU64,
+    reads: Mutex<Reads>,
+}
+
+/// What the files were when last read, and when last acted on, each as a hash ([`fingerprint`];
+/// files that could not be read, as the hash of why).
+#[derive(Debug)]
+struct Reads {
+    seen: u64,
+    acted: u64,
 }
 
 /// What a reading of the rules' files came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reread {
+    /// As when last acted on; or changed since the last reading, and left for the next to
+    /// confirm. Why: a folder read while it is being edited (several files, or a ConfigMap's
+    /// symlink swapped between two files' reads) may give a mix that loads and leaves a domain
+    /// out, or that does not load although the edit does.
     Unchanged,
-    /// Changed, and in force now: how many domains and rules.
-    Loaded {
-        domains: usize,
-        rules: usize,
-    },
-    /// Changed, but not loaded: why. The rules in force stay.
+    /// Changed, the same two readings in a row, and in force now: how many domains and rules.
+    Loaded { domains: usize, rules: usize },
+    /// Changed, the same two readings in a row, but not loaded: why. The rules in force stay.
     Refused(String),
 }
 
 impl LiveRules {
-    /// The rules `config`, read from `path` just now.
-    pub fn new(config: Arc<RlsConfig>, path: PathBuf) -> Self {
-        let read_last = read_texts(&path).map_or(0, |texts| fingerprint(&texts));
+    /// The rules `config`, read from `path` as files whose [`fingerprint`] is `read`.
+    pub fn new(config: Arc<RlsConfig>, path: PathBuf, read: u64) -> Self {
         LiveRules {
             current: ArcSwap::new(config),
             path,
-            read_last: AtomicU64::new(read_last),
+            reads: Mutex::new(Reads {
+                seen: read,
+                acted: read,
+            }),
         }
     }
 
@@ -59,34 +71,30 @@ impl LiveRules {
         self.current.load_full()
     }
 
-    /// Reads the files again, and puts their rules in force if they changed and load.
+    /// Reads the files again, and puts their rules in force if they changed, read the same as
+    /// at the last reading, and load.
     pub fn reread(&self) -> Reread {
-        let texts = match read_texts(&self.path) {
-            Ok(texts) => texts,
-            Err(error) => return self.refused(error.to_string()),
+        let texts = read_texts(&self.path);
+        let seen = match &texts {
+            Ok(texts) => fingerprint(texts),
+            Err(error) => hash_of(&error.to_string()),
         };
-        let read = fingerprint(&texts);
-        if self.read_last.swap(read, Ordering::Relaxed) == read {
-            return Reread::Unchanged;
+        {
+            let mut reads = lock(&self.reads);
+            let confirmed = reads.seen == seen;
+            reads.seen = seen;
+            if reads.acted == seen || !confirmed {
+                return Reread::Unchanged;
+            }
+            reads.acted = seen;
         }
-        match RlsConfig::from_texts(&texts) {
+        match texts.and_then(|texts| RlsConfig::from_texts(&texts)) {
             Ok(config) => {
                 let (domains, rules) = (config.domains(), config.rules());
                 self.current.store(Arc::new(config));
                 Reread::Loaded { domains, rules }
             }
             Err(error) => Reread::Refused(error.to_string()),
-        }
-    }
-
-    /// Files that could not be read: a change to say once, as a text that does not load.
-    fn refused(&self, why: String) -> Reread {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        why.hash(&mut hasher);
-        let read = hasher.finish();
-        match self.read_last.swap(read, Ordering::Relaxed) == read {
-            true => Reread::Unchanged,
-            false => Reread::Refused(why),
         }
     }
 
@@ -118,10 +126,14 @@ impl LiveRules {
     }
 }
 
-/// A hash of the files' names and texts, to tell a change.
-fn fingerprint(texts: &[(String, String)]) -> u64 {
+/// A hash of the rules files' names and texts ([`read_texts`]), to tell a change.
+pub fn fingerprint(texts: &[(String, String)]) -> u64 {
+    hash_of(texts)
+}
+
+fn hash_of<T: Hash + ?Sized>(value: &T) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    texts.hash(&mut hasher);
+    value.hash(&mut hasher);
     hasher.finish()
 }
 
@@ -133,12 +145,14 @@ mod tests {
     const TWO: &str = "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      requests_per_unit: 1\n      unit: minute\n  - key: j\n    rate_limit:\n      requests_per_unit: 2\n      unit: minute\n";
 
     fn live(dir: &std::path::Path) -> LiveRules {
-        let config = RlsConfig::load(dir).unwrap();
-        LiveRules::new(Arc::new(config), dir.to_owned())
+        let texts = read_texts(dir).unwrap();
+        let config = RlsConfig::from_texts(&texts).unwrap();
+        LiveRules::new(Arc::new(config), dir.to_owned(), fingerprint(&texts))
     }
 
-    /// A change is loaded once; a change that does not load leaves the rules in force, and is
-    /// said once; files gone are a change that does not load; the files back are loaded again.
+    /// A change is loaded once two readings agree, and once only; a change that does not load
+    /// leaves the rules in force, and is said once; files gone are a change that does not load;
+    /// the files back are loaded again; a reading between two edits is not acted on.
     #[test]
     fn a_change_is_read_once_and_a_bad_one_leaves_the_rules_in_force() {
         let dir = tempfile::tempdir().unwrap();
@@ -147,6 +161,11 @@ mod tests {
         let rules = live(dir.path());
         assert_eq!(rules.reread(), Reread::Unchanged);
         std::fs::write(&file, TWO).unwrap();
+        assert_eq!(
+            rules.reread(),
+            Reread::Unchanged,
+            "left for the next reading"
+        );
         let loaded = Reread::Loaded {
             domains: 1,
             rules: 2,
@@ -155,10 +174,12 @@ mod tests {
         assert_eq!(rules.current().rules(), 2);
         assert_eq!(rules.reread(), Reread::Unchanged);
         std::fs::write(&file, "domain: d\ndescriptors: [oops").unwrap();
+        assert_eq!(rules.reread(), Reread::Unchanged);
         assert!(matches!(rules.reread(), Reread::Refused(_)));
         assert_eq!(rules.reread(), Reread::Unchanged, "said once");
         assert_eq!(rules.current().rules(), 2, "the rules in force stay");
         std::fs::remove_file(&file).unwrap();
+        assert_eq!(rules.reread(), Reread::Unchanged);
         let gone = rules.reread();
         assert!(
             matches!(&gone, Reread::Refused(why) if why.contains("no *.yaml")),
@@ -166,7 +187,11 @@ mod tests {
         );
         assert_eq!(rules.reread(), Reread::Unchanged, "said once");
         assert_eq!(rules.current().rules(), 2);
+        // Read mid-edit (one reading of a text that does not stay): never acted on.
+        std::fs::write(&file, TWO).unwrap();
+        assert_eq!(rules.reread(), Reread::Unchanged);
         std::fs::write(&file, ONE).unwrap();
+        assert_eq!(rules.reread(), Reread::Unchanged);
         let back = Reread::Loaded {
             domains: 1,
             rules: 1,

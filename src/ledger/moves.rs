@@ -201,7 +201,8 @@ impl Ledger {
     /// A move sent before its answer was lost is found at once: a client answers one request
     /// of a session at a time, so the look-up comes back after it. One still waiting in the
     /// client when its deadline passed may go after the look-up (the client batches a look-up
-    /// with one waiting ahead of it): it is looked for again, until a second past the deadline.
+    /// with one waiting ahead of it): it is looked for again, for a second after the answer was
+    /// lost (until the deadline, if that is later).
     /// Not found by then, the move's own error, once every instance was told to look again (in
     /// case it lands unseen: their leases on the old account); the bump has time of its own.
     async fn lost_move(
@@ -218,7 +219,8 @@ impl Ledger {
                     tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
                     return Ok(None);
                 }
-                Ok(_) if Instant::now() + LOST_MOVE_LOOK_INTERVAL < follow_up => {
+                // Not there yet, or not read (its in-flight bound full): again while time is left.
+                _ if Instant::now() + LOST_MOVE_LOOK_INTERVAL < follow_up => {
                     tokio::time::sleep(LOST_MOVE_LOOK_INTERVAL).await;
                 }
                 _ => break,
