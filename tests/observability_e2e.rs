@@ -176,10 +176,14 @@ async fn dashboards_have_data_and_exemplars_lead_to_traces_with_the_caller() {
     // the default 250 ms deadline, one CI run had 20 of 200 requests, as many as callers, fail
     // closed (503 at 250 ms) and the scenario's `unexpected_status` threshold with them. This
     // test is about telemetry; deadlines are tested in tests/limiter.rs and tests/hostile.rs.
-    // The metrics on a listener of their own, as in docker-compose.yml.
+    // The metrics on a listener of their own, and the Envoy front end on its demo rules, as in
+    // docker-compose.yml: the dashboard's Envoy panels read its series.
+    let rules = repo().join("envoy/ratelimit");
     let env = [
         ("LEDGER_LIMITER_LEDGER_TIMEOUT_MS", "2000"),
         ("LEDGER_LIMITER_METRICS_LISTEN", "127.0.0.1:0"),
+        ("LEDGER_LIMITER_RLS_LISTEN", "127.0.0.1:0"),
+        ("LEDGER_LIMITER_RLS_CONFIG", rules.to_str().unwrap()),
     ];
     let (_service, service_port, log) = start_service(ledger.address, &endpoint, &env);
     let metrics_port = metrics_port(&log);
