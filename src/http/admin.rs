@@ -157,8 +157,9 @@ pub fn configure(config: &mut web::ServiceConfig) {
         "Admin requests refused for their secret (missing or not accepted), by reason"
     );
     // Exported from the start at 0, as every closed label set is: an alert on its rate, or an
-    // `absent()` check, sees a series before the first refusal. (`increment(0)`, not
-    // `absolute(0)`: a worker made again must not reset a count.)
+    // `absent()` check, sees a series before the first refusal. (`increment(0)` and
+    // `absolute(0)` alike keep a count when a worker is made again: the exporter's `absolute`
+    // keeps the larger value.)
     for reason in [MISSING_SECRET, WRONG_SECRET, THROTTLED] {
         metrics::counter!(ADMIN_REFUSED_TOTAL, "reason" => reason).increment(0);
     }
