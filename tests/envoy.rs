@@ -530,13 +530,19 @@ fn recorder() -> &'static metrics_exporter_prometheus::PrometheusHandle {
     })
 }
 
-/// `ledger_limiter_rls_shed_calls_total` as `recorder` renders it (0 before any front end).
-fn shed_calls(recorder: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+/// The count of the counter `series` (its name and labels, as rendered) in `recorder` (0 before
+/// any front end registered it).
+fn count_of(recorder: &metrics_exporter_prometheus::PrometheusHandle, series: &str) -> u64 {
     let text = recorder.render();
     let line = text
         .lines()
-        .find(|line| line.starts_with("ledger_limiter_rls_shed_calls_total "));
-    line.map_or(0, |line| line.rsplit(' ').next().unwrap().parse().unwrap())
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '));
+    line.map_or(0, |count| count.parse().unwrap())
+}
+
+/// `ledger_limiter_rls_shed_calls_total` as `recorder` renders it.
+fn shed_calls(recorder: &metrics_exporter_prometheus::PrometheusHandle) -> u64 {
+    count_of(recorder, "ledger_limiter_rls_shed_calls_total")
 }
 
 /// A call whose message never comes, on a connection of its own: it holds a place under
@@ -689,11 +695,11 @@ async fn changed_rules_are_in_force_without_a_restart_and_bad_ones_are_not() {
         overall(&call(&mut client, one(&value)).await),
         Code::OverLimit
     );
-    let refused = |recorder: &metrics_exporter_prometheus::PrometheusHandle| {
-        let text = recorder.render();
-        let series = r#"ledger_limiter_rls_rules_changes_total{outcome="refused"} "#;
-        let line = text.lines().find(|line| line.starts_with(series));
-        line.map_or(0, |line| line[series.len()..].parse::<u64>().unwrap())
+    let refused = |recorder| {
+        count_of(
+            recorder,
+            r#"ledger_limiter_rls_rules_changes_total{outcome="refused"}"#,
+        )
     };
     let refused_before = refused(recorder);
     write("domain: later\ndescriptors: [oops");

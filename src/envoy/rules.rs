@@ -66,9 +66,10 @@ impl LiveRules {
         }
     }
 
-    /// The rules in force.
-    pub fn current(&self) -> Arc<RlsConfig> {
-        self.current.load_full()
+    /// The rules in force, for as long as a call is matched (a guard: no count of the shared
+    /// `Arc` moved on every call, which each core's calls would contend for).
+    pub fn current(&self) -> arc_swap::Guard<Arc<RlsConfig>> {
+        self.current.load()
     }
 
     /// Reads the files again, and puts their rules in force if they changed, read the same as
