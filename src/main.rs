@@ -70,8 +70,17 @@ struct Cli {
     #[arg(long, env = "LEDGER_LIMITER_UNKNOWN_KEYS")]
     unknown_keys: Option<String>,
     /// Run the embedded TigerBeetle without --development (needs direct I/O and ~1 GiB data file).
-    #[arg(long, env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION", value_parser = clap::builder::BoolishValueParser::new())]
-    embedded_production: bool,
+    /// `--embedded-production=false` (or the variable set to false) asks for development mode
+    /// over a config file's `embedded.development = false`.
+    #[arg(
+        long,
+        env = "LEDGER_LIMITER_EMBEDDED_PRODUCTION",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    embedded_production: Option<bool>,
     /// Where the admin API listens, e.g. 127.0.0.1:9091. It is on only if a secret is also given,
     /// in LEDGER_LIMITER_ADMIN_SECRETS (comma-separated, for rotation; never a flag, which other
     /// users of the machine could read).
@@ -127,7 +136,7 @@ impl Cli {
             embedded: EmbeddedFile {
                 data_dir: self.data_dir.clone(),
                 tigerbeetle_bin: self.tigerbeetle_bin.clone(),
-                development: self.embedded_production.then_some(false),
+                development: self.embedded_production.map(|production| !production),
             },
             caller: CallerFile {
                 source: self.key_source.clone(),

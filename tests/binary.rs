@@ -619,6 +619,46 @@ fn admin_secrets_from_the_environment_are_checked_as_written() {
     assert_eq!(code, Some(0), "{stderr}");
 }
 
+/// The flag and its variable override the file's `embedded.development` both ways: `false`
+/// was read as "not given", so the file's production mode stayed.
+#[test]
+fn embedded_production_overrides_the_files_mode_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let development = |file: &str, flag: Option<&str>, variable: Option<&str>| {
+        let path = dir.path().join("mode.toml");
+        std::fs::write(&path, format!("[embedded]\ndevelopment = {file}\n")).unwrap();
+        let mut command = command(dir.path());
+        command.arg("--config").arg(&path).arg("--check-config");
+        command.args(flag);
+        command.env_remove("LEDGER_LIMITER_EMBEDDED_PRODUCTION");
+        if let Some(value) = variable {
+            command.env("LEDGER_LIMITER_EMBEDDED_PRODUCTION", value);
+        }
+        let output = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{output:?}");
+        match (
+            stdout.contains("development: true"),
+            stdout.contains("development: false"),
+        ) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => panic!("no development mode in {stdout}"),
+        }
+    };
+    assert!(!development("false", None, None));
+    assert!(development("false", None, Some("false")));
+    assert!(development(
+        "false",
+        Some("--embedded-production=false"),
+        None
+    ));
+    assert!(development("true", None, None));
+    assert!(!development("true", None, Some("true")));
+    assert!(!development("true", Some("--embedded-production"), None));
+    assert!(!development("true", Some("--embedded-production=on"), None));
+}
+
 /// A probe's misspelt flag fails as the probe fails, 1 (2 is reserved by Docker).
 #[test]
 fn a_probes_bad_flag_exits_1() {
