@@ -609,6 +609,110 @@ async fn a_move_whose_answer_is_lost_carries_the_holds_placed_meanwhile() {
     assert_eq!(available(&direct, &to).await, Some(5));
 }
 
+/// A move that lands only after it gave up looking for itself (the ledger held it past the
+/// look-up's second, as a stalled primary would): the move answers its error, and when its
+/// answer comes the holds placed on the old account meanwhile are carried in the background.
+/// Before, they counted on no plan (a retry found the caller moved): the new plan admitted 4
+/// more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_that_lands_after_it_gave_up_carries_the_holds_placed_meanwhile() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::HoldReply;
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let moving = ledger_client(vec![proxy.address]);
+    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&from.account, setup).await.unwrap();
+    let id = from.account.id;
+    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
+    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, deadline);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let (target, mover) = (to.account, moving.clone());
+    let moved =
+        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
+    tokio::time::timeout(Duration::from_secs(10), caught)
+        .await
+        .expect("the move is sent")
+        .unwrap();
+    // Requests in flight at the move: their holds land before it does.
+    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
+    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    let moved = moved.await.unwrap();
+    assert!(moved.is_err(), "gave up on the held move: {moved:?}");
+    let later = direct.hold(id, 1, 40, setup, false).await.unwrap();
+    assert!(matches!(later, HoldReply::Held { .. }), "{later:?}");
+    go.send(()).unwrap();
+    let mut free = None;
+    for _ in 0..100 {
+        free = available(&direct, &to).await;
+        if free == Some(4) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        free,
+        Some(4),
+        "the move's 2 and the late 3 + 1 held on the new plan"
+    );
+    drop(moving);
+}
+
+/// A move's second pass that fails (here: the new account blocked between the move and the
+/// pass) is sent again until it lands (the block over). Before, it was logged and dropped: the
+/// holds of requests in flight at the move counted on no plan, and the new one admitted 3 more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::{Blocking, HoldReply, Moving};
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let moving = ledger_client(vec![proxy.address]);
+    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&from.account, setup).await.unwrap();
+    let (id, to_id) = (from.account.id, to.account.id);
+    // No hold before the move: its chain carries nothing, so the first carry is the second pass.
+    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, Instant::now());
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (target, mover) = (to.account, moving.clone());
+    let moved =
+        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
+    let wait = |caught| tokio::time::timeout(Duration::from_secs(10), caught);
+    wait(caught).await.expect("the move is sent").unwrap();
+    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
+    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    let (caught_pass, go_pass) = proxy.lose_answer_to(model::TRANSFER_CODE_CARRY, Instant::now());
+    go.send(()).unwrap();
+    wait(caught_pass)
+        .await
+        .expect("the second pass is sent")
+        .unwrap();
+    let blocked = direct.block(to_id, 2, actor, setup).await.unwrap();
+    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    go_pass.send(()).unwrap();
+    let moved = moved.await.unwrap();
+    assert_eq!(moved, Ok(Moving::Done { carried: 0 }), "its pass failed");
+    let mut free = None;
+    for _ in 0..100 {
+        free = available(&direct, &to).await;
+        if free == Some(7) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        free,
+        Some(7),
+        "the late 3 held on the new plan once the block ended"
+    );
+    drop(moving);
+}
+
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a
 /// void's zero fields the pending transfer's values, and the void that reopens the account set
 /// none of them.

@@ -7,21 +7,27 @@
 //! caller costs nothing more once an instance has learnt the move.
 
 use std::collections::BTreeMap;
-use std::time::{Instant, SystemTime};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use tb::error::CreateTransferErrorKind;
 use tigerbeetle_unofficial as tb;
 
+use super::connection::Connection;
 use super::metrics::Operation;
 use super::model::{self, Actor, UserAccount};
 use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError, Place};
+use crate::sync::lock;
 
 /// At most this many carried holds per move (holds are grouped by the second they expire in,
 /// and the latest groups merged, which only holds longer): a chain fits one request.
 pub const CARRIED_LINKS_MAX: usize = 200;
 
 /// How often a move whose answer was lost is looked for on the account it closes.
-const LOST_MOVE_LOOK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+const LOST_MOVE_LOOK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often a move's second pass that failed is sent again, in the background.
+const SECOND_PASS_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What a move came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,9 +161,15 @@ impl Ledger {
         let move_id = move_transfer.id();
         chain.push(move_transfer);
         let carried_total: u64 = carried.iter().map(|(amount, _)| amount).sum();
-        let created = match self.create_chain(chain, (Place::Waited, deadline)).await {
+        let second_pass = SecondPass::new(self, (from, to.id), view, window_seconds_max);
+        let placed = (Place::Waited, deadline);
+        let created = match (self.create_chain_or(chain, placed, Some(second_pass.if_late()))).await
+        {
             Ok(created) => created,
-            Err(error) => self.lost_move(from, move_id, error, deadline).await?,
+            Err(error) => {
+                let lost = (move_id, &second_pass);
+                self.lost_move(from, lost, error, deadline).await?
+            }
         };
         match created {
             None => {}
@@ -176,16 +188,9 @@ impl Ledger {
         }
         // Moved: the late pass has time of its own (the move's deadline may be spent by now, and
         // a call past it is not sent), and its failure is not the move's, which is done.
-        let late_deadline = super::follow_up_deadline(deadline);
-        let late = self
-            .carry_late_holds(from, to.id, &view, window_seconds_max, late_deadline)
-            .await;
+        let late = second_pass.run(super::follow_up_deadline(deadline)).await;
         // Moved, whatever became of the late holds: every instance must hear of it.
         self.bump_operator_epoch(deadline).await;
-        let late = late.unwrap_or_else(|error| {
-            tracing::warn!(%error, "moved, but the holds of requests in flight at the move were not carried: the new plan does not count them");
-            0
-        });
         // What the carries held: as much as they asked for, and no more than the new account
         // had free (each is a balancing debit).
         Ok(Moving::Done {
@@ -202,29 +207,42 @@ impl Ledger {
     /// of a session at a time, so the look-up comes back after it. One still waiting in the
     /// client when its deadline passed may go after the look-up (the client batches a look-up
     /// with one waiting ahead of it): it is looked for again, for a second after the answer was
-    /// lost (until the deadline, if that is later).
+    /// lost (until the deadline, if that is later). The move's own answer, come late meanwhile,
+    /// says so too (a look-up waits behind the move in the client: a stalled ledger answers the
+    /// move first).
     /// Not found by then, the move's own error, once every instance was told to look again (in
-    /// case it lands unseen: their leases on the old account); the bump has time of its own.
+    /// case it lands unseen: their leases on the old account); the bump has time of its own. If
+    /// it lands later, its answer runs the second pass in the background ([`SecondPass`]).
     async fn lost_move(
         &self,
         from: u128,
-        move_id: u128,
+        (move_id, second_pass): (u128, &SecondPass),
         error: LedgerError,
         deadline: Instant,
     ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
         let follow_up = super::follow_up_deadline(deadline);
-        loop {
-            match self.latest_block(from, follow_up).await {
-                Ok(Some(closing)) if closing.id() == move_id => {
-                    tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
-                    return Ok(None);
+        let looked = async {
+            loop {
+                match self.latest_block(from, follow_up).await {
+                    Ok(Some(closing)) if closing.id() == move_id => return true,
+                    // Not there yet, or not read (its in-flight bound full): again while time is
+                    // left.
+                    _ if Instant::now() + LOST_MOVE_LOOK_INTERVAL < follow_up => {
+                        tokio::time::sleep(LOST_MOVE_LOOK_INTERVAL).await;
+                    }
+                    _ => return false,
                 }
-                // Not there yet, or not read (its in-flight bound full): again while time is left.
-                _ if Instant::now() + LOST_MOVE_LOOK_INTERVAL < follow_up => {
-                    tokio::time::sleep(LOST_MOVE_LOOK_INTERVAL).await;
-                }
-                _ => break,
             }
+        };
+        // The look-up goes over the same client, after the move: the move's own late answer
+        // may come first.
+        let found = tokio::select! {
+            found = looked => found,
+            () = second_pass.landed_late() => true,
+        };
+        if found || !second_pass.give_up() {
+            tracing::info!(%error, "the move's answer was lost, but it landed: carrying on");
+            return Ok(None);
         }
         self.bump_operator_epoch(deadline).await;
         Err(error)
@@ -293,9 +311,26 @@ impl Ledger {
     /// (not `linked_event_failed`).
     pub(super) async fn create_chain(
         &self,
+        transfers: Vec<tb::Transfer>,
+        placed: (Place, Instant),
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        (self.create_chain_or(transfers, placed, nothing_if_abandoned())).await
+    }
+
+    /// [`Ledger::create_chain`], with `on_abandoned` given the answer that came after the caller
+    /// stopped waiting.
+    async fn create_chain_or<A>(
+        &self,
         mut transfers: Vec<tb::Transfer>,
         (place, deadline): (Place, Instant),
-    ) -> Result<Option<CreateTransferErrorKind>, LedgerError> {
+        on_abandoned: Option<A>,
+    ) -> Result<Option<CreateTransferErrorKind>, LedgerError>
+    where
+        A: FnOnce(Arc<Connection>, &Result<Option<CreateTransferErrorKind>, LedgerError>)
+            + Clone
+            + Send
+            + 'static,
+    {
         let last = transfers.len() - 1;
         for transfer in &mut transfers[..last] {
             let flags = transfer.flags() | tb::transfer::Flags::LINKED;
@@ -315,9 +350,182 @@ impl Ledger {
                     Err(e) => Err(client_error(Operation::CreateTransfers, e)),
                 }
             },
-            nothing_if_abandoned(),
+            on_abandoned,
         )
         .await
+    }
+}
+
+/// A move's second pass: the holds placed on the old account between the move's read and its
+/// close (requests in flight at the move), carried to the new account. Run once: by the move
+/// itself once it knows it landed (answered, or found by [`Ledger::lost_move`], or answered
+/// late while the move still looked for it), or in the background when the move's answer
+/// comes after the move gave up on it (it landed unseen: the operator was told it failed, and a
+/// retry finds the caller moved). A pass that fails is sent again in the background until it
+/// lands or its holds would have expired: dropped, the holds counted on no plan and the new one
+/// admitted that many more within their window.
+#[derive(Clone)]
+struct SecondPass(Arc<SecondPassState>);
+
+struct SecondPassState {
+    ledger: Ledger,
+    from: u128,
+    to: u128,
+    /// The old account as the move read it.
+    before: super::AccountView,
+    window_seconds_max: u32,
+    stage: Mutex<Stage>,
+    /// Told when a late answer says the move landed while the move still looks for it.
+    landed: tokio::sync::Notify,
+}
+
+/// Who runs a [`SecondPass`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// The move waits for its answer, or looks for itself after losing it.
+    Waiting,
+    /// The move's late answer says it landed, while the move still looks: the move runs it.
+    LandedLate,
+    /// The move gave up on itself: a late answer that it landed runs the pass.
+    GaveUp,
+    /// Run, or running.
+    Taken,
+}
+
+impl SecondPass {
+    fn new(
+        ledger: &Ledger,
+        (from, to): (u128, u128),
+        before: super::AccountView,
+        window_seconds_max: u32,
+    ) -> Self {
+        SecondPass(Arc::new(SecondPassState {
+            ledger: ledger.clone(),
+            from,
+            to,
+            before,
+            window_seconds_max,
+            stage: Mutex::new(Stage::Waiting),
+            landed: tokio::sync::Notify::new(),
+        }))
+    }
+
+    /// Moves the stage on as `next` says (given the stage now), under the lock; the stage was.
+    fn advance(&self, next: impl FnOnce(Stage) -> Stage) -> Stage {
+        let mut stage = lock(&self.0.stage);
+        let was = *stage;
+        *stage = next(was);
+        was
+    }
+
+    /// For the move's chain: its answer, come after the move stopped waiting for it.
+    fn if_late(
+        &self,
+    ) -> impl FnOnce(Arc<Connection>, &Result<Option<CreateTransferErrorKind>, LedgerError>)
+           + Clone
+           + Send
+           + 'static {
+        let pass = self.clone();
+        move |_, answer| {
+            if !matches!(answer, Ok(None)) {
+                return;
+            }
+            let was = pass.advance(|stage| match stage {
+                Stage::Waiting => Stage::LandedLate,
+                Stage::GaveUp | Stage::Taken => Stage::Taken,
+                Stage::LandedLate => unreachable!("one answer per call"),
+            });
+            match was {
+                Stage::Waiting => pass.0.landed.notify_one(),
+                Stage::GaveUp => {
+                    tracing::warn!("a move whose answer was lost landed later: carrying the holds placed meanwhile");
+                    pass.retry_later(true);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Until a late answer says the move landed, while the move looks for it.
+    async fn landed_late(&self) {
+        loop {
+            let notified = self.0.landed.notified();
+            if *lock(&self.0.stage) == Stage::LandedLate {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// The move gives up looking for itself: false if a late answer said it landed first (then
+    /// it carries on as landed).
+    fn give_up(&self) -> bool {
+        let was = self.advance(|stage| match stage {
+            Stage::Waiting => Stage::GaveUp,
+            other => other,
+        });
+        was == Stage::Waiting
+    }
+
+    /// The pass, within `deadline`, run by the move that knows it landed: the units it carried,
+    /// 0 when it failed (then sent again in the background).
+    async fn run(&self, deadline: Instant) -> u64 {
+        let was = self.advance(|_| Stage::Taken);
+        debug_assert!(matches!(was, Stage::Waiting | Stage::LandedLate), "{was:?}");
+        match self.carry(deadline).await {
+            Ok(carried) => carried,
+            Err(error) => {
+                tracing::warn!(%error, "moved, but the holds of requests in flight at the move were not carried yet: sent again in the background");
+                self.retry_later(false);
+                0
+            }
+        }
+    }
+
+    async fn carry(&self, deadline: Instant) -> Result<u64, LedgerError> {
+        let state = &*self.0;
+        (state.ledger)
+            .carry_late_holds(
+                state.from,
+                state.to,
+                &state.before,
+                state.window_seconds_max,
+                deadline,
+            )
+            .await
+    }
+
+    /// The pass, sent again every second until it lands or its holds would have expired (a
+    /// pass whose answer was lost may have landed: sent again, its holds are held twice until
+    /// they expire, which refuses more, never admits more). `bump`: every instance is told of
+    /// the move once the pass is done (a move that landed unseen was not told of).
+    fn retry_later(&self, bump: bool) {
+        let pass = self.clone();
+        let window = Duration::from_secs(u64::from(self.0.window_seconds_max));
+        let give_up_at = Instant::now() + window;
+        tokio::spawn(async move {
+            loop {
+                let now = Instant::now();
+                match pass.carry(super::follow_up_deadline(now)).await {
+                    Ok(carried) => {
+                        tracing::info!(
+                            carried,
+                            "the holds of requests in flight at a move were carried"
+                        );
+                        break;
+                    }
+                    Err(error) if now >= give_up_at => {
+                        tracing::warn!(%error, "the holds of requests in flight at a move were not carried: they have expired since");
+                        break;
+                    }
+                    Err(_) => tokio::time::sleep(SECOND_PASS_RETRY_INTERVAL).await,
+                }
+            }
+            if bump {
+                let ledger = &pass.0.ledger;
+                ledger.bump_operator_epoch(Instant::now()).await;
+            }
+        });
     }
 }
 
