@@ -431,6 +431,45 @@ async fn a_grant_refused_by_a_block_is_made_under_the_next_id_once_unblocked() {
     assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
 }
 
+/// A block is found past thousands of debits landed on the closed account after it (voids: of
+/// refunds, lease settlements, an Envoy caller's released units). Before, it was looked for in
+/// the latest 16 pages of 254 debits of any code: past them, an unblock answered "not blocked"
+/// and the account stayed closed (and a moved caller was refused as blocked, not followed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_is_found_past_thousands_of_voids_after_it() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::{Blocking, Unblocking};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let limit = fresh_limit(5_000, 3600, 1);
+    let (id, ledger_id) = (limit.account.id, ledger.ledger_id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let holds: Vec<_> = (0..4_100)
+        .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
+        .collect();
+    // 200 a request: the test ledger runs in development mode (32 KiB requests).
+    for chunk in holds.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let blocked = ledger.block(id, 600, actor, deadline).await.unwrap();
+    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    let voids: Vec<_> = (holds.iter())
+        .map(|hold| model::void_transfer(hold.id(), ledger_id))
+        .collect();
+    for chunk in voids.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+    let unblocked = ledger.unblock(id, actor, deadline).await.unwrap();
+    assert_eq!(unblocked, Unblocking::Done);
+    assert_eq!(
+        available(&ledger, &limit).await,
+        Some(5_000),
+        "open, all free"
+    );
+}
+
 /// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
 /// old account holds 2 units for 1 s and 8 for 30 s; the new plan allows 2. Each carry is a
 /// balancing debit, so the first in the chain takes what is free. Carried shortest first, the

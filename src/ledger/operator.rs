@@ -420,17 +420,40 @@ impl Ledger {
         })
     }
 
-    /// The closing transfer that keeps the account closed: the latest block among its debits (a
-    /// closed account takes no new debits but voids, so it is near the end).
+    /// The closing transfer that keeps the account closed: the latest block or move among its
+    /// debits. Each is read among the debits of its own code: a closed account still takes voids
+    /// (refunds, lease settlements, an Envoy caller's released units), thousands of them after
+    /// its closing transfer, and a read of every debit lost the block past 16 pages (an unblock
+    /// answered "not blocked", and a moved caller was refused as blocked instead of followed).
     pub(super) async fn latest_block(
         &self,
         account_id: u128,
         deadline: Instant,
     ) -> Result<Option<tb::Transfer>, LedgerError> {
+        let (block, moved) = tokio::join!(
+            self.latest_closing(account_id, model::TRANSFER_CODE_BLOCK, deadline),
+            self.latest_closing(account_id, model::TRANSFER_CODE_MOVE, deadline),
+        );
+        Ok(match (block?, moved?) {
+            (Some(block), Some(moved)) => {
+                Some(std::cmp::max_by_key(block, moved, |t| t.timestamp()))
+            }
+            (block, moved) => block.or(moved),
+        })
+    }
+
+    /// The latest closing transfer of `code` among the account's debits (its voids are debits
+    /// of the same code, one per closing at most).
+    async fn latest_closing(
+        &self,
+        account_id: u128,
+        code: u16,
+        deadline: Instant,
+    ) -> Result<Option<tb::Transfer>, LedgerError> {
         let mut timestamp_max = SystemTime::now() + Duration::from_secs(60);
         for _ in 0..TRANSFERS_PAGES_MAX {
             let page = self
-                .latest_debits(account_id, timestamp_max, deadline)
+                .latest_debits(account_id, (code, timestamp_max), deadline)
                 .await?;
             let closing = tb::transfer::Flags::PENDING | tb::transfer::Flags::CLOSING_DEBIT;
             if let Some(block) = page.iter().find(|t| t.flags().contains(closing)) {
@@ -446,17 +469,20 @@ impl Ledger {
         Ok(None)
     }
 
-    /// Up to a page of the account's debits created at or before `timestamp_max`, latest first.
+    /// Up to a page of the account's debits of `code` created at or before `timestamp_max`,
+    /// latest first.
     async fn latest_debits(
         &self,
         account_id: u128,
-        timestamp_max: SystemTime,
+        (code, timestamp_max): (u16, SystemTime),
         deadline: Instant,
     ) -> Result<Vec<tb::Transfer>, LedgerError> {
         let flags = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
-        let filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
+        let mut filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
             .with_flags(flags)
             .with_timestamp_max(timestamp_max);
+        // The crate's filter has no setter for it; TigerBeetle reads it (0: any code).
+        filter.as_raw_mut().code = code;
         self.account_transfers(filter, (super::Place::AtOnce, deadline))
             .await
     }
