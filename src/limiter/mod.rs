@@ -624,6 +624,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         // Taken out of the decision: a second give-back or a refund of it finds nothing.
         let holds: Vec<(u128, HoldReceipt)> = decision.holds().collect();
+        // Capped first, while the view still counts these holds as the quotas do: what the
+        // caller's other requests took while this one waited counts (its 429 said `r=q;t=0`).
+        self.within_view(decision);
         if let Some(hold) = decision.hold.take() {
             credit_back(&mut decision.quota, hold.amount);
         }

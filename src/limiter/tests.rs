@@ -874,6 +874,39 @@ async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
     assert_eq!(slow.quota.reset_seconds, WINDOW.as_secs());
 }
 
+/// A give-back after the answer (a request refused a concurrency slot) counts what the caller's
+/// other requests took while it waited, as a refund does: its 429 said `r=5;t=0` while the
+/// others held all but the unit it gave back.
+#[tokio::test]
+async fn a_give_back_laters_fields_count_what_was_admitted_meanwhile() {
+    let f = Fixture::closed();
+    let answered_at = f.clock.now();
+    f.script(|s| {
+        for id in 0..CAPACITY {
+            let transfer_id = 100 + u128::from(id);
+            let held = HoldReply::Held {
+                answered_at,
+                transfer_id,
+            };
+            s.holds.push_back(Ok(held));
+        }
+    });
+    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
+    let mut slow = f.limiter.check(&key, ONE).await.unwrap();
+    for _ in 1..CAPACITY {
+        let other = f.limiter.check(&key, ONE).await.unwrap();
+        assert_eq!(other.outcome, Outcome::Admitted);
+    }
+    let holds = f.limiter.give_back_later(&mut slow);
+    assert!(holds.is_some(), "its hold, to void");
+    assert_eq!(slow.quota.remaining, 1);
+    assert_eq!(slow.quota.reset_seconds, WINDOW.as_secs());
+    assert!(
+        slow.hold.is_none(),
+        "taken out: a refund of it finds nothing"
+    );
+}
+
 /// The plan's hold expired (a short window), a route limit's had not (a day's): the refund gave
 /// that back, and said it gave nothing, so it went uncounted.
 #[tokio::test]
