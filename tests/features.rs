@@ -1003,6 +1003,21 @@ async fn a_cost_reported_after_the_response_replaces_the_estimate() {
         "the report is ours, not the caller's"
     );
     assert_eq!(remaining(&first), 6);
+    // A report of nothing (a cache hit): the hold is voided, nothing is held, no reset to wait
+    // for. `t` stayed at the voided hold's window.
+    let nothing = http
+        .get(format!("http://127.0.0.1:{port}/tokens/0"))
+        .header("X-Api-Key", fresh_key("k_"))
+        .send()
+        .await
+        .unwrap();
+    let fields = nothing
+        .headers()
+        .get("ratelimit")
+        .unwrap()
+        .to_str()
+        .unwrap();
+    assert!(fields.ends_with(";r=10;t=0"), "{fields}");
     let failed = http
         .get(format!("http://127.0.0.1:{port}/failing"))
         .header("X-Api-Key", &key)

@@ -206,6 +206,11 @@ impl Decision<'_> {
         let recharge = |quota: &mut Quota, held: u64| {
             let remaining = quota.remaining.saturating_add(held).saturating_sub(actual);
             quota.remaining = remaining.min(quota.limit);
+            // Whole again (recharged to nothing: a refund by another name), it resets now, as
+            // a refund's does: `t` said the voided hold's window.
+            if quota.remaining == quota.limit {
+                quota.reset_seconds = 0;
+            }
         };
         let mut done = done.iter().copied();
         if let Some(hold) = self.hold {
