@@ -200,14 +200,11 @@ pub fn insert(
     if styles.github {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
+            .unwrap_or_default();
         headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(quota.limit));
         headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(quota.remaining));
-        headers.insert(
-            X_RATELIMIT_RESET,
-            HeaderValue::from(now + quota.reset_seconds),
-        );
+        let reset = reset_epoch_seconds(now, quota.reset_seconds);
+        headers.insert(X_RATELIMIT_RESET, HeaderValue::from(reset));
         let used = quota.limit.saturating_sub(quota.remaining);
         headers.insert(X_RATELIMIT_USED, HeaderValue::from(used));
     }
@@ -220,6 +217,15 @@ pub fn insert(
     if let Some(seconds) = retry_after_seconds {
         headers.insert(RETRY_AFTER, seconds_field(seconds));
     }
+}
+
+/// GitHub's `X-RateLimit-Reset`, in seconds since the epoch: `reset_seconds` from `now` (since
+/// the epoch), with `now` rounded up, as `reset_seconds` is. Rounded down, it fell up to a
+/// second before the credit is back (and before `Retry-After`): a client that slept until it
+/// retried early, into another 429.
+fn reset_epoch_seconds(now: std::time::Duration, reset_seconds: u64) -> u64 {
+    let now_seconds = now.as_secs() + u64::from(now.subsec_nanos() > 0);
+    now_seconds.saturating_add(reset_seconds)
 }
 
 #[cfg(test)]
@@ -302,6 +308,18 @@ mod tests {
         assert_eq!(headers.get("retry-after").unwrap(), "27");
         assert_eq!(HeaderStyles::parse(&["nope".into()]), Err("nope".into()));
         assert_eq!(HeaderStyles::parse(&[]), Err(String::new()));
+    }
+
+    #[test]
+    fn githubs_reset_is_never_before_the_credit_is_back() {
+        use std::time::Duration;
+        assert_eq!(reset_epoch_seconds(Duration::from_millis(100_800), 27), 128);
+        assert_eq!(reset_epoch_seconds(Duration::from_millis(100_001), 3), 104);
+        assert_eq!(reset_epoch_seconds(Duration::from_secs(100), 27), 127);
+        assert_eq!(
+            reset_epoch_seconds(Duration::from_secs(100), u64::MAX),
+            u64::MAX
+        );
     }
 
     /// The fast, remembered fields are the formatted ones, at the edges of the table and past it.
