@@ -165,8 +165,9 @@ struct RlsServer {
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
         // First: a port taken fails the start before an embedded ledger starts for nothing.
-        let ((listener, port), listeners) = Listeners::bind(&settings)?;
+        let (bound, listeners) = Listeners::bind(&settings)?;
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
+        let (listener, port) = bound.listening()?;
         let mut companions = Companions::default();
         companions.follower = Some(follower);
         let concurrency = ConcurrencyLimits::new(
@@ -355,11 +356,19 @@ pub const LISTEN_BACKLOG: i32 = 2048;
 /// Binds `address` (`host:port`; a host name's addresses in turn, the first that binds, as std's
 /// bind does), with SO_REUSEADDR as std sets it, listening with [`LISTEN_BACKLOG`].
 pub fn bind_listener(address: &str) -> std::io::Result<TcpListener> {
+    let socket = bind_first(address)?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
+}
+
+/// The first of `address`'s addresses that binds (SO_REUSEADDR, as std sets it), not yet
+/// listening.
+fn bind_first(address: &str) -> std::io::Result<socket2::Socket> {
     use std::net::ToSocketAddrs;
     let mut failed = None;
     for address in address.to_socket_addrs()? {
-        match bind_one(address) {
-            Ok(listener) => return Ok(listener),
+        match bind_socket(address) {
+            Ok(socket) => return Ok(socket),
             Err(error) => failed = Some(error),
         }
     }
@@ -369,7 +378,7 @@ pub fn bind_listener(address: &str) -> std::io::Result<TcpListener> {
     }))
 }
 
-fn bind_one(address: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+fn bind_socket(address: std::net::SocketAddr) -> std::io::Result<socket2::Socket> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(
         Domain::for_address(address),
@@ -378,38 +387,68 @@ fn bind_one(address: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     )?;
     socket.set_reuse_address(true)?;
     socket.bind(&address.into())?;
-    socket.listen(LISTEN_BACKLOG)?;
-    Ok(socket.into())
+    Ok(socket)
 }
 
-/// The service's listener and the port it got (port 0 picks a free one).
-fn bind(listen: &str) -> Result<(TcpListener, u16), StartupError> {
-    let error = |source| StartupError::Listen {
-        address: listen.to_owned(),
-        source,
-    };
-    let listener = bind_listener(listen).map_err(error)?;
-    let port = listener.local_addr().map_err(error)?.port();
-    Ok((listener, port))
+/// A listener's address, bound but not listening yet: the port is the service's (one taken
+/// fails the bind), and a client connecting is refused at once, not left waiting unanswered
+/// in the backlog while the service starts (an embedded ledger formats and starts in seconds,
+/// tens of seconds in production mode).
+struct Bound {
+    listen: String,
+    socket: socket2::Socket,
+    port: u16,
+}
+
+impl Bound {
+    /// Binds `listen` (`host:port`; a host name's addresses in turn, the first that binds).
+    fn new(listen: &str) -> Result<Bound, StartupError> {
+        let error = |source| StartupError::Listen {
+            address: listen.to_owned(),
+            source,
+        };
+        let socket = bind_first(listen).map_err(error)?;
+        let address = socket.local_addr().map_err(error)?;
+        let port = address.as_socket().map_or(0, |address| address.port());
+        let listen = listen.to_owned();
+        Ok(Bound {
+            listen,
+            socket,
+            port,
+        })
+    }
+
+    /// Listening now, with [`LISTEN_BACKLOG`]; and its port.
+    fn listening(self) -> Result<(TcpListener, u16), StartupError> {
+        match self.socket.listen(LISTEN_BACKLOG) {
+            Ok(()) => Ok((self.socket.into(), self.port)),
+            Err(source) => Err(StartupError::Listen {
+                address: self.listen,
+                source,
+            }),
+        }
+    }
 }
 
 /// The listeners of the service beside its own, bound (each with its port), as configured.
 /// Bound before anything else starts: a port taken fails the start at once, before an embedded
 /// ledger is formatted and started for nothing, and before that ledger takes a free port that a
-/// fixed `listen` of the ephemeral range names.
+/// fixed `listen` of the ephemeral range names. Each listens only as its server starts
+/// ([`Bound`]).
 struct Listeners {
-    metrics: Option<(TcpListener, u16)>,
-    admin: Option<(TcpListener, u16)>,
-    rls: Option<(TcpListener, u16)>,
+    metrics: Option<Bound>,
+    admin: Option<Bound>,
+    rls: Option<Bound>,
 }
 
 impl Listeners {
     /// The service's own listener, and the others.
-    fn bind(settings: &Settings) -> Result<((TcpListener, u16), Self), StartupError> {
-        let main = bind(&settings.listen)?;
-        let metrics = settings.metrics_listen.as_deref().map(bind).transpose()?;
-        let admin = (settings.admin.as_ref()).map(|admin| bind(&admin.listen));
-        let rls = (settings.rls.as_ref()).map(|rls| bind(&rls.listen));
+    fn bind(settings: &Settings) -> Result<(Bound, Self), StartupError> {
+        let main = Bound::new(&settings.listen)?;
+        let metrics = (settings.metrics_listen.as_deref()).map(Bound::new);
+        let metrics = metrics.transpose()?;
+        let admin = (settings.admin.as_ref()).map(|admin| Bound::new(&admin.listen));
+        let rls = (settings.rls.as_ref()).map(|rls| Bound::new(&rls.listen));
         let listeners = Listeners {
             metrics,
             admin: admin.transpose()?,
@@ -426,6 +465,7 @@ fn start_listeners(
     (listeners, companions): (Listeners, &mut Companions),
 ) -> Result<(), StartupError> {
     if let (Some(listen), Some(bound)) = (&settings.metrics_listen, listeners.metrics) {
+        let bound = bound.listening()?;
         companions.metrics = Some(metrics_server((listen, bound), rate_limit, exporters)?);
     }
     // The Envoy rules in force, as its front end and the admin API's look-up read them.
@@ -442,10 +482,10 @@ fn start_listeners(
             Arc::new(accounts) as Arc<dyn admin::DescriptorAccounts>
         });
         let admin_state = (limiter.clone(), settings.rules.clone(), envoy);
-        companions.admin = Some(admin_server((admin, bound), admin_state)?);
+        companions.admin = Some(admin_server((admin, bound.listening()?), admin_state)?);
     }
     if let (Some(rls), Some(bound), Some(rules)) = (&settings.rls, listeners.rls, envoy_rules) {
-        let workers = settings.workers.get();
+        let (workers, bound) = (settings.workers.get(), bound.listening()?);
         companions.rls = Some(rls_server((rls, bound), (limiter.clone(), rules), workers)?);
     }
     Ok(())

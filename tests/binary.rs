@@ -773,6 +773,61 @@ async fn a_stop_while_the_embedded_ledger_restarts_is_not_held_up() {
     assert!(stopping.elapsed() < Duration::from_secs(5));
 }
 
+/// While the embedded ledger formats and starts, the service's port refuses connections:
+/// bound (a port taken still fails the start first), not listening. Listening, it took them
+/// into its backlog and answered none until the ledger was up (tens of seconds in production
+/// mode): a health check hung instead of failing at once.
+#[test]
+fn the_port_refuses_connections_while_the_embedded_ledger_starts() {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::ledger_dir();
+    let data = dir.path().join("data");
+    let formatting = dir.path().join("formatting");
+    let slow = dir.path().join("slow-tigerbeetle");
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = format ]; then touch '{}'; sleep 3; fi\nexec '{}' \"$@\"\n",
+        formatting.display(),
+        common::tigerbeetle_bin().display()
+    );
+    std::fs::write(&slow, script).unwrap();
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut args = embedded_args(&data);
+    args[1] = slow.display().to_string();
+    // A free port, let go for the binary to take.
+    let port = (std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut command = common::binary_command();
+    command
+        .args(&args)
+        .arg(format!("--listen=127.0.0.1:{port}"));
+    let starting = std::thread::spawn(move || start_binary(command));
+    let until = Instant::now() + Duration::from_secs(30);
+    while !formatting.exists() {
+        assert!(Instant::now() < until, "the ledger's format never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let connected = std::net::TcpStream::connect(("127.0.0.1", port));
+    let refused = connected.as_ref().map_err(std::io::Error::kind);
+    assert_eq!(
+        refused.err(),
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{connected:?}"
+    );
+    let (running, listening) = starting.join().unwrap();
+    assert_eq!(listening, port);
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(sigterm_and_wait(running).success());
+}
+
 /// A port already taken (here the admin API's) fails the start at once, saying which address:
 /// every listener is bound before the embedded ledger starts. Before, the ledger's data file was
 /// formatted and its server started, for a service that then stopped on the port.
