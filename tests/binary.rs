@@ -311,9 +311,22 @@ async fn sigint_drains_a_request_in_flight() {
         .header("X-Api-Key", common::fresh_key("k_"))
         .send();
     let in_flight = tokio::spawn(request);
-    // Time for the request to reach the server (on loopback) and wait on the paused ledger,
-    // whose deadline (5 s) leaves room for the rest.
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    // Until the request waits on the paused ledger (its deadline, 5 s, leaves room for the
+    // rest), however late on a loaded machine: signalled before, it was refused, not drained.
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    let waiting = "\nledger_limiter_ledger_in_flight 1\n";
+    let by = Instant::now() + Duration::from_secs(3);
+    loop {
+        let text = reqwest::get(&metrics).await.unwrap().text().await.unwrap();
+        if text.contains(waiting) {
+            break;
+        }
+        assert!(
+            Instant::now() < by,
+            "the request never reached the ledger: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     running.send_signal("-INT");
     // Past the 300 ms after which actix's own stop also ended the whole system.
     tokio::time::sleep(Duration::from_millis(700)).await;

@@ -403,10 +403,18 @@ async fn a_ledger_that_dies_mid_flight_never_hangs_a_request() {
     ledger.pause(true);
     let burst = burst_answered(&app, 20, 503, deadline);
     let kill = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Once a call waits at the ledger, however late on a loaded machine: a kill before
+        // would test a ledger already gone, not one dying mid-flight.
+        let by = Instant::now() + deadline;
+        while app.limiter.ledger().calls_in_flight() == 0 && Instant::now() < by {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let waiting = app.limiter.ledger().calls_in_flight();
         ledger.kill();
+        waiting
     };
-    futures_util::join!(burst, kill);
+    let (_, waiting) = futures_util::join!(burst, kill);
+    assert!(waiting > 0, "killed with calls in flight");
     app.stop().await;
 }
 
