@@ -146,6 +146,8 @@ async fn traced_get(app: &TestApp, key: &str, trace_id: &str) -> reqwest::Respon
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     telemetry(); // first: it sets the environment, before this test starts anything
+                 // A request without a key below: the count of rejected keys is process-wide.
+    let _keyless = KEYLESS.lock().await;
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
     config.plans = Some([("free".to_owned(), plan(1, 30))].into());
@@ -298,6 +300,8 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
     telemetry(); // first: it sets the environment, before this test starts anything
+                 // Counts its one request without a key, exactly: no other test's may land meanwhile.
+    let _keyless = KEYLESS.lock().await;
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
     config.plans = Some([("free".to_owned(), plan(1, 30))].into());
@@ -626,6 +630,10 @@ async fn a_void_that_waits_out_its_deadline_is_counted_as_a_call_failed_at_it() 
     let waited = sum_after - sum;
     assert!((0.25..1.5).contains(&waited), "at its deadline: {waited}");
 }
+
+/// Taken by each test of this binary that sends a request without a key, for its whole run: the
+/// count of rejected keys is process-wide, and one test counts its own exactly.
+static KEYLESS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Taken by each test of this binary that makes ledger calls fail, for its whole run: the
 /// failure counters are process-wide, and one test's failures must not count as another's.
