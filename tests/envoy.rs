@@ -106,18 +106,38 @@ descriptors:
         - name: general
 "#;
 
-/// A directory with the three rule files, removed when dropped (each test's stays for its whole
-/// run: kept for good, every run left one behind per test in the temporary directory).
-fn rules_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A directory with the three rule files. Kept until this test binary runs again (in cargo's
+/// scratch folder for integration tests, emptied at the first of each run): each test's app
+/// runs until the binary ends, and a folder deleted under it was a refused change, counted in
+/// the process-wide metric that one test counts exactly.
+struct RulesDir(std::path::PathBuf);
+
+impl RulesDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+fn rules_dir() -> RulesDir {
+    static PARENT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let parent = PARENT.get_or_init(|| {
+        let parent = Path::new(env!("CARGO_TARGET_TMPDIR")).join("envoy-rules");
+        let _ = std::fs::remove_dir_all(&parent); // the last run's
+        std::fs::create_dir_all(&parent).expect("the rules' folder");
+        parent
+    });
+    let dir = tempfile::Builder::new()
+        .tempdir_in(parent)
+        .expect("tempdir")
+        .keep();
     for (name, text) in [
         ("another.yaml", ANOTHER),
         ("basic.yaml", BASIC),
         ("extra.yaml", EXTRA),
     ] {
-        std::fs::write(dir.path().join(name), text).unwrap();
+        std::fs::write(dir.join(name), text).unwrap();
     }
-    dir
+    RulesDir(dir)
 }
 
 fn rls_config(
@@ -703,14 +723,15 @@ async fn changed_rules_are_in_force_without_a_restart_and_bad_ones_are_not() {
     };
     let refused_before = refused(recorder);
     write("domain: later\ndescriptors: [oops");
-    // Counted, and read twice at least (a change is acted on once two readings agree): other
-    // apps of this test binary count too (their rules' folders deleted as their tests end).
+    // Counted, once (a change is acted on once two readings agree, and not again while it
+    // stands): no other app of this test binary refuses a change (their folders stay).
     let started = Instant::now();
     let read_twice = 3 * ledger_limiter::envoy::rules::RULES_CHECK_INTERVAL;
     while refused(recorder) == refused_before || started.elapsed() < read_twice {
         assert!(started.elapsed() < Duration::from_secs(20), "never read");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(refused(recorder), refused_before + 1, "counted once");
     // The rules in force stay: a fresh caller of the domain is still limited.
     let fresh = fresh_key("later_");
     let response = call(&mut client, one(&fresh)).await;
