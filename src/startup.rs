@@ -1,6 +1,7 @@
 //! Wiring: ledger (embedded or remote), limiter, HTTP server. Used by the binary and the tests.
 
 use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -164,8 +165,7 @@ struct RlsServer {
 
 impl Application {
     pub async fn build(settings: Settings, exporters: Exporters) -> Result<Self, StartupError> {
-        // First: a port taken fails the start before an embedded ledger starts for nothing.
-        let (bound, listeners) = Listeners::bind(&settings)?;
+        let (bound, listeners) = Listeners::bind(&settings)?; // first: see `Listeners`
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
         let (listener, port) = bound.listening()?;
         let mut companions = Companions::default();
@@ -390,42 +390,91 @@ fn bind_socket(address: std::net::SocketAddr) -> std::io::Result<socket2::Socket
     Ok(socket)
 }
 
-/// A listener's address, bound but not listening yet: the port is the service's (one taken
-/// fails the bind), and a client connecting is refused at once, not left waiting unanswered
-/// in the backlog while the service starts (an embedded ledger formats and starts in seconds,
-/// tens of seconds in production mode).
+/// A listener of the service before its server runs. Listening from the start, so that the
+/// port stays the service's: a socket bound but not listening let another process bind the
+/// same port with SO_REUSEADDR meanwhile, and the service's own listen failed late. Until its
+/// server runs, a thread resets each connection at once ([`reset_while_starting`]): left in
+/// the backlog, a health check or an Envoy call waited unanswered while the embedded ledger
+/// formatted and started (seconds; tens of seconds in production mode).
 struct Bound {
     listen: String,
-    socket: socket2::Socket,
+    listener: TcpListener,
     port: u16,
+    resetting: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
+/// How often a listener whose server is not running yet looks for connections to reset.
+const STARTING_ACCEPT_INTERVAL: Duration = Duration::from_millis(10);
+
 impl Bound {
-    /// Binds `listen` (`host:port`; a host name's addresses in turn, the first that binds).
+    /// Binds `listen` (`host:port`; a host name's addresses in turn, the first that binds) and
+    /// listens, resetting connections until [`Bound::listening`].
     fn new(listen: &str) -> Result<Bound, StartupError> {
         let error = |source| StartupError::Listen {
             address: listen.to_owned(),
             source,
         };
-        let socket = bind_first(listen).map_err(error)?;
-        let address = socket.local_addr().map_err(error)?;
-        let port = address.as_socket().map_or(0, |address| address.port());
-        let listen = listen.to_owned();
+        let listener = bind_listener(listen).map_err(error)?;
+        let port = listener.local_addr().map_err(error)?.port();
+        let resetter = listener.try_clone().map_err(error)?;
+        // Shared with `listener` (one open file): undone in `listening`.
+        resetter.set_nonblocking(true).map_err(error)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("starting".to_owned())
+            .spawn(move || reset_while_starting(&resetter, &stopped))
+            .map_err(error)?;
         Ok(Bound {
-            listen,
-            socket,
+            listen: listen.to_owned(),
+            listener,
             port,
+            resetting: Some((stop, thread)),
         })
     }
 
-    /// Listening now, with [`LISTEN_BACKLOG`]; and its port.
-    fn listening(self) -> Result<(TcpListener, u16), StartupError> {
-        match self.socket.listen(LISTEN_BACKLOG) {
-            Ok(()) => Ok((self.socket.into(), self.port)),
+    /// The listener, for its server to run now (no connection reset from here on), and its
+    /// port.
+    fn listening(mut self) -> Result<(TcpListener, u16), StartupError> {
+        self.stop_resetting();
+        let listener = self.listener.try_clone();
+        let listener = listener.and_then(|listener| {
+            listener.set_nonblocking(false)?;
+            Ok(listener)
+        });
+        match listener {
+            Ok(listener) => Ok((listener, self.port)),
             Err(source) => Err(StartupError::Listen {
-                address: self.listen,
+                address: std::mem::take(&mut self.listen),
                 source,
             }),
+        }
+    }
+
+    fn stop_resetting(&mut self) {
+        if let Some((stop, thread)) = self.resetting.take() {
+            stop.store(true, Ordering::Release);
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Bound {
+    /// A start that fails before this listener's server runs leaves no thread resetting.
+    fn drop(&mut self) {
+        self.stop_resetting();
+    }
+}
+
+/// Resets (RST) each connection `listener` (non-blocking) takes, until `stop`.
+fn reset_while_starting(listener: &TcpListener, stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+            }
+            // None waiting, or none can be taken now (no descriptor free): look again soon.
+            Err(_) => std::thread::sleep(STARTING_ACCEPT_INTERVAL),
         }
     }
 }
@@ -433,8 +482,8 @@ impl Bound {
 /// The listeners of the service beside its own, bound (each with its port), as configured.
 /// Bound before anything else starts: a port taken fails the start at once, before an embedded
 /// ledger is formatted and started for nothing, and before that ledger takes a free port that a
-/// fixed `listen` of the ephemeral range names. Each listens only as its server starts
-/// ([`Bound`]).
+/// fixed `listen` of the ephemeral range names. Until each one's server runs, its connections
+/// are reset ([`Bound`]).
 struct Listeners {
     metrics: Option<Bound>,
     admin: Option<Bound>,

@@ -786,21 +786,24 @@ async fn a_stop_while_the_embedded_ledger_restarts_is_not_held_up() {
     assert!(stopping.elapsed() < Duration::from_secs(5));
 }
 
-/// While the embedded ledger formats and starts, the service's port refuses connections:
-/// bound (a port taken still fails the start first), not listening. Listening, it took them
-/// into its backlog and answered none until the ledger was up (tens of seconds in production
-/// mode): a health check hung instead of failing at once.
+/// While the embedded ledger formats and starts, the service's port is its own and answers at
+/// once: a connection is reset, not left unanswered in the backlog (a health check hung until
+/// the ledger was up, tens of seconds in production mode), and another process cannot bind the
+/// port meanwhile (bound but not listening, it could with SO_REUSEADDR, and the service's own
+/// listen failed after the ledger's start).
 #[test]
-fn the_port_refuses_connections_while_the_embedded_ledger_starts() {
+fn the_port_is_held_and_answers_at_once_while_the_embedded_ledger_starts() {
     use std::io::{Read, Write};
     use std::os::unix::fs::PermissionsExt;
     let dir = common::ledger_dir();
     let data = dir.path().join("data");
     let formatting = dir.path().join("formatting");
+    let formatted = dir.path().join("formatted");
     let slow = dir.path().join("slow-tigerbeetle");
     let script = format!(
-        "#!/bin/sh\nif [ \"$1\" = format ]; then touch '{}'; sleep 3; fi\nexec '{}' \"$@\"\n",
+        "#!/bin/sh\nif [ \"$1\" = format ]; then touch '{}'; sleep 3; touch '{}'; fi\nexec '{}' \"$@\"\n",
         formatting.display(),
+        formatted.display(),
         common::tigerbeetle_bin().display()
     );
     std::fs::write(&slow, script).unwrap();
@@ -822,13 +825,26 @@ fn the_port_refuses_connections_while_the_embedded_ledger_starts() {
         assert!(Instant::now() < until, "the ledger's format never ran");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let connected = std::net::TcpStream::connect(("127.0.0.1", port));
-    let refused = connected.as_ref().map_err(std::io::Error::kind);
-    assert_eq!(
-        refused.err(),
-        Some(std::io::ErrorKind::ConnectionRefused),
-        "{connected:?}"
+    let mut early = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    early
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let _ = early.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n");
+    let read = early.read(&mut [0; 64]).map_err(|error| error.kind());
+    assert!(
+        matches!(read, Ok(0) | Err(std::io::ErrorKind::ConnectionReset)),
+        "ended at once, not left waiting: {read:?}"
     );
+    let other = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    other.set_reuse_address(true).unwrap();
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let taken = other.bind(&address.into()).map_err(|error| error.kind());
+    assert_eq!(
+        taken,
+        Err(std::io::ErrorKind::AddrInUse),
+        "the port is the service's"
+    );
+    assert!(!formatted.exists(), "all of this while the ledger started");
     let (running, listening) = starting.join().unwrap();
     assert_eq!(listening, port);
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
