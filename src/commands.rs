@@ -88,6 +88,14 @@ pub async fn audit(settings: &Settings, caller: &Caller) -> anyhow::Result<()> {
     print_audit(settings, &ledger, account_id).await
 }
 
+/// How long a move waits for its second pass still running in the background before the
+/// command ends (and the pass with it).
+const SECOND_PASS_WAIT: Duration = Duration::from_secs(15);
+
+const SECOND_PASS_PENDING: &str = "warning: the move's second pass (carrying the holds of \
+requests in flight at the move) had not finished when this command ended: those requests count \
+on no plan until their holds expire";
+
 /// `ledger-limiter admin ...`: one operator action, then the account's audit.
 pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Result<()> {
     let ledger = connect(settings).await?;
@@ -125,9 +133,17 @@ pub async fn admin(settings: &Settings, command: &AdminCommand) -> anyhow::Resul
                 settings.plans.clone(),
                 settings.limiter.clone(),
             );
-            let report = limiter
-                .move_caller(&key, plan, actor(reason)?, deadline())
-                .await?;
+            let moved = limiter.move_caller(&key, plan, actor(reason)?, deadline());
+            let moved = moved.await;
+            // A second pass sent again, or a lost move's waiting for its late answer, ends with
+            // this process: waited for, a while.
+            if !ledger
+                .second_passes_done(Instant::now() + SECOND_PASS_WAIT)
+                .await
+            {
+                eprintln!("{SECOND_PASS_PENDING}");
+            }
+            let report = moved?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             u128::from_str_radix(&report.to_account_id, 16)?
         }

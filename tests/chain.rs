@@ -681,6 +681,8 @@ async fn a_move_that_lands_after_it_gave_up_carries_the_holds_placed_meanwhile()
     assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
     let moved = moved.await.unwrap();
     assert!(moved.is_err(), "gave up on the held move: {moved:?}");
+    let done = moving.second_passes_done(Instant::now()).await;
+    assert!(!done, "its late answer waited for");
     let later = direct.hold(id, 1, 40, setup, false).await.unwrap();
     assert!(matches!(later, HoldReply::Held { .. }), "{later:?}");
     go.send(()).unwrap();
@@ -697,7 +699,56 @@ async fn a_move_that_lands_after_it_gave_up_carries_the_holds_placed_meanwhile()
         Some(4),
         "the move's 2 and the late 3 + 1 held on the new plan"
     );
-    drop(moving);
+    let done = moving.second_passes_done(Instant::now() + Duration::from_secs(5));
+    assert!(done.await, "the pass counted until its end");
+}
+
+/// A move whose caller goes away while its chain is on its way (an operator's request dropped)
+/// runs to its end all the same, second pass included. Before, the move landed and its second
+/// pass never ran: the holds placed meanwhile counted on no plan, and the new one admitted 3
+/// more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_caller_goes_away_still_carries_the_holds_placed_meanwhile() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::HoldReply;
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let moving = ledger_client(vec![proxy.address]);
+    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&from.account, setup).await.unwrap();
+    let id = from.account.id;
+    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
+    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
+    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, Instant::now());
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (target, mover) = (to.account, moving.clone());
+    let moved =
+        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
+    tokio::time::timeout(Duration::from_secs(10), caught)
+        .await
+        .expect("the move is sent")
+        .unwrap();
+    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
+    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    moved.abort();
+    assert!(moved.await.unwrap_err().is_cancelled());
+    go.send(()).unwrap();
+    let mut free = None;
+    for _ in 0..100 {
+        free = available(&direct, &to).await;
+        if free == Some(5) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        free,
+        Some(5),
+        "the move's 2 and the late 3 held on the new plan"
+    );
+    assert!(moving.second_passes_done(Instant::now()).await, "none left");
 }
 
 /// A move's second pass that fails (here: the new account blocked between the move and the
@@ -736,6 +787,8 @@ async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
     go_pass.send(()).unwrap();
     let moved = moved.await.unwrap();
     assert_eq!(moved, Ok(Moving::Done { carried: 0 }), "its pass failed");
+    let done = moving.second_passes_done(Instant::now()).await;
+    assert!(!done, "sent again in the background, and counted");
     let mut free = None;
     for _ in 0..100 {
         free = available(&direct, &to).await;
@@ -749,7 +802,8 @@ async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
         Some(7),
         "the late 3 held on the new plan once the block ended"
     );
-    drop(moving);
+    let done = moving.second_passes_done(Instant::now() + Duration::from_secs(5));
+    assert!(done.await, "the pass counted until its end");
 }
 
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a

@@ -87,6 +87,18 @@ pub async fn as_operator_action<F: Future>(action: F) -> F::Output {
     OPERATOR_ACTION.scope((), action).await
 }
 
+/// `future`, an operator's action if the task making it is one: for a future spawned as a task
+/// of its own, which does not inherit the task-local.
+fn keep_operator_action<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    let operator = OPERATOR_ACTION.try_with(|()| ()).is_ok();
+    async move {
+        match operator {
+            true => as_operator_action(future).await,
+            false => future.await,
+        }
+    }
+}
+
 /// How often a client the cluster evicted is replaced at most (`Ledger::connection`).
 pub const EVICTED_REPLACE_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -324,6 +336,8 @@ pub struct Ledger {
     calls_started: Arc<[AtomicU64; Operation::ALL.len()]>,
     /// How batches of single transfers go, and how many went.
     batching: Arc<batch::Batching>,
+    /// Moves' second passes running in the background (`moves.rs`).
+    second_passes: Arc<moves::SecondPasses>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -364,6 +378,7 @@ impl Ledger {
             metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
             calls_started: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
             batching: Arc::new(batch::Batching::new(settings.batch_linger)),
+            second_passes: Arc::default(),
         })
     }
 

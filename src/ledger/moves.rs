@@ -26,8 +26,10 @@ pub const CARRIED_LINKS_MAX: usize = 200;
 /// How often a move whose answer was lost is looked for on the account it closes.
 const LOST_MOVE_LOOK_INTERVAL: Duration = Duration::from_millis(100);
 
-/// How often a move's second pass that failed is sent again, in the background.
+/// How long a move's second pass that failed waits before it is sent again, in the background:
+/// at first, then twice as long each time, up to the most.
 const SECOND_PASS_RETRY_INTERVAL: Duration = Duration::from_secs(1);
+const SECOND_PASS_RETRY_INTERVAL_MAX: Duration = Duration::from_secs(30);
 
 /// What a move came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,12 +132,44 @@ impl Ledger {
     /// recording the new plan's [`model::plan_tag`]. If `to` was closed by an earlier move away
     /// from it (a move back), it is reopened in the same chain; its own holds still count, so a
     /// move back may count some requests twice until they expire: fewer admitted, never more.
+    ///
+    /// Run in a task of its own, to its end: a move whose caller goes away (an operator's
+    /// request dropped) still runs its second pass, where cut off between its chain and that
+    /// pass, the holds of requests in flight at the move counted on no plan.
     pub async fn move_caller(
         &self,
         from: u128,
         to: &UserAccount,
         plan_tag: u64,
         actor: Actor,
+        window_seconds_max: u32,
+        deadline: Instant,
+    ) -> Result<Moving, LedgerError> {
+        use tracing::Instrument;
+        let (ledger, to) = (self.clone(), *to);
+        let (tag, seconds) = (plan_tag, window_seconds_max);
+        let moved = async move {
+            ledger
+                .move_here(from, &to, (tag, actor), seconds, deadline)
+                .await
+        };
+        let moved = super::keep_operator_action(moved).instrument(tracing::Span::current());
+        match tokio::spawn(moved).await {
+            Ok(moved) => moved,
+            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+            Err(_) => Err(LedgerError::Unexpected {
+                operation: Operation::CreateTransfers,
+                message: "the move's task was cancelled (the runtime stopping)".to_owned(),
+            }),
+        }
+    }
+
+    /// [`Ledger::move_caller`], in the caller's task.
+    async fn move_here(
+        &self,
+        from: u128,
+        to: &UserAccount,
+        (plan_tag, actor): (u64, Actor),
         window_seconds_max: u32,
         deadline: Instant,
     ) -> Result<Moving, LedgerError> {
@@ -427,20 +461,21 @@ impl SecondPass {
            + 'static {
         let pass = self.clone();
         move |_, answer| {
-            if !matches!(answer, Ok(None)) {
-                return;
-            }
+            let landed = matches!(answer, Ok(None));
             let was = pass.advance(|stage| match stage {
-                Stage::Waiting => Stage::LandedLate,
+                Stage::Waiting if landed => Stage::LandedLate,
                 Stage::GaveUp | Stage::Taken => Stage::Taken,
                 Stage::LandedLate => unreachable!("one answer per call"),
+                waiting => waiting,
             });
-            match was {
-                Stage::Waiting => pass.0.landed.notify_one(),
-                Stage::GaveUp => {
+            match (was, landed) {
+                (Stage::Waiting, true) => pass.0.landed.notify_one(),
+                (Stage::GaveUp, true) => {
                     tracing::warn!("a move whose answer was lost landed later: carrying the holds placed meanwhile");
                     pass.retry_later(true);
                 }
+                // Not landed: nothing to carry, and nothing waited for any more.
+                (Stage::GaveUp, false) => pass.0.ledger.second_passes.finished(),
                 _ => {}
             }
         }
@@ -464,7 +499,13 @@ impl SecondPass {
             Stage::Waiting => Stage::GaveUp,
             other => other,
         });
-        was == Stage::Waiting
+        let gave_up = was == Stage::Waiting;
+        if gave_up {
+            // Its late answer may still come, and run the pass: waited for by a short-lived
+            // process (`Ledger::second_passes_done`).
+            self.0.ledger.second_passes.started();
+        }
+        gave_up
     }
 
     /// The pass, within `deadline`, run by the move that knows it landed: the units it carried,
@@ -476,6 +517,7 @@ impl SecondPass {
             Ok(carried) => carried,
             Err(error) => {
                 tracing::warn!(%error, "moved, but the holds of requests in flight at the move were not carried yet: sent again in the background");
+                self.0.ledger.second_passes.started();
                 self.retry_later(false);
                 0
             }
@@ -495,15 +537,22 @@ impl SecondPass {
             .await
     }
 
-    /// The pass, sent again every second until it lands or its holds would have expired (a
-    /// pass whose answer was lost may have landed: sent again, its holds are held twice until
-    /// they expire, which refuses more, never admits more). `bump`: every instance is told of
-    /// the move once the pass is done (a move that landed unseen was not told of).
+    /// The pass, sent again (every second, then less often, up to every 30 s) until it lands or
+    /// its holds would have expired (a pass whose answer was lost may have landed: sent again,
+    /// its holds are held twice until they expire, which refuses more, never admits more).
+    /// `bump`: a move that landed unseen; every instance is told of it first (its callers'
+    /// requests then follow the move; the pass may take a while). Counted in
+    /// [`Ledger::second_passes`] by whoever calls this, until its end.
     fn retry_later(&self, bump: bool) {
         let pass = self.clone();
         let window = Duration::from_secs(u64::from(self.0.window_seconds_max));
         let give_up_at = Instant::now() + window;
         tokio::spawn(async move {
+            let ledger = &pass.0.ledger;
+            if bump {
+                ledger.bump_operator_epoch(Instant::now()).await;
+            }
+            let mut interval = SECOND_PASS_RETRY_INTERVAL;
             loop {
                 let now = Instant::now();
                 match pass.carry(super::follow_up_deadline(now)).await {
@@ -518,14 +567,57 @@ impl SecondPass {
                         tracing::warn!(%error, "the holds of requests in flight at a move were not carried: they have expired since");
                         break;
                     }
-                    Err(_) => tokio::time::sleep(SECOND_PASS_RETRY_INTERVAL).await,
+                    Err(_) => tokio::time::sleep(interval).await,
                 }
+                interval = (interval * 2).min(SECOND_PASS_RETRY_INTERVAL_MAX);
             }
-            if bump {
-                let ledger = &pass.0.ledger;
-                ledger.bump_operator_epoch(Instant::now()).await;
-            }
+            ledger.second_passes.finished();
         });
+    }
+}
+
+/// Second passes of moves not done yet: sent again after failing, or a lost move's, waiting for
+/// its late answer. They run in the background and end with the runtime: a short-lived process
+/// (the CLI's move) waits for them ([`Ledger::second_passes_done`]).
+#[derive(Debug, Default)]
+pub(super) struct SecondPasses {
+    pending: Mutex<usize>,
+    done: tokio::sync::Notify,
+}
+
+impl SecondPasses {
+    fn started(&self) {
+        *lock(&self.pending) += 1;
+    }
+
+    fn finished(&self) {
+        let mut pending = lock(&self.pending);
+        assert!(*pending > 0, "a second pass finished that never started");
+        *pending -= 1;
+        if *pending == 0 {
+            self.done.notify_waiters();
+        }
+    }
+}
+
+impl Ledger {
+    /// Whether every move's second pass still running in the background ended by `deadline`
+    /// (false: some may not run, if this process ends now; their holds then count on no plan
+    /// until they expire).
+    pub async fn second_passes_done(&self, deadline: Instant) -> bool {
+        let passes = &self.second_passes;
+        loop {
+            let done = passes.done.notified();
+            if *lock(&passes.pending) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline.into(), done)
+                .await
+                .is_err()
+            {
+                return false;
+            }
+        }
     }
 }
 
