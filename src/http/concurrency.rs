@@ -15,7 +15,7 @@ use actix_web::HttpResponse;
 
 use super::outstanding::{OutGuard, Outstanding};
 use super::problem::{self, ProblemKind};
-use super::rules::{is_route_pattern, most_specific_first, path_matches};
+use super::rules::{decoded_path, is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
 use crate::limiter::caller::CallerKey;
 use crate::limiter::metrics::{DecisionLabel, CONCURRENCY_PLAN_PREFIX};
@@ -201,12 +201,18 @@ impl ConcurrencyLimits {
     }
 
     /// The limiter of the most specific route pattern that matches `path` (an exact path, else
-    /// the longest prefix).
+    /// the longest prefix), of `path` decoded first ([`decoded_path`]: what the handler reads,
+    /// so an escaped `/` in a path parameter does not dodge a slot).
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
-        self.routes
-            .iter()
-            .find(|(pattern, _)| path_matches(pattern, path))
-            .map(|(_, limiter)| limiter)
+        let find = |path: &str| {
+            (self.routes.iter())
+                .find(|(pattern, _)| path_matches(pattern, path))
+                .map(|(_, limiter)| limiter)
+        };
+        match decoded_path(path) {
+            std::borrow::Cow::Borrowed(_) => find(path),
+            std::borrow::Cow::Owned(decoded) => find(&decoded).or_else(|| find(path)),
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! is calling, and what does this route cost. Built only through [`RequestRulesBuilder`], which
 //! makes the same checks the configuration file gets, so a library user cannot bypass them.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::Arc;
@@ -105,12 +106,34 @@ impl RequestRules {
         match self.caller_key(req) {
             Ok(key) => Classified::Charge {
                 key,
-                cost: self.route_costs.cost(path),
+                cost: self.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
-                limits: self.route_limits(path).cloned(),
+                limits: self.limits(path).cloned(),
             },
             Err(error) => Classified::Rejected(error),
+        }
+    }
+
+    /// The route's cost: the higher of the routed path's and the decoded path's
+    /// ([`decoded_path`]), so that `/api/admin%2Fexport` on a route `/api/{tail:.*}` (whose
+    /// handler reads `admin/export`) costs what `/api/admin/*` does.
+    fn cost(&self, path: &str) -> NonZeroU64 {
+        let routed = self.route_costs.cost(path);
+        match decoded_path(path) {
+            Cow::Borrowed(_) => routed,
+            Cow::Owned(decoded) => routed.max(self.route_costs.cost(&decoded)),
+        }
+    }
+
+    /// The route limits of the decoded path (what the handler reads, [`RequestRules::cost`]),
+    /// else of the routed path.
+    fn limits(&self, path: &str) -> Option<&Arc<[Plan]>> {
+        match decoded_path(path) {
+            Cow::Borrowed(_) => self.route_limits(path),
+            Cow::Owned(decoded) => {
+                (self.route_limits(&decoded)).or_else(|| self.route_limits(path))
+            }
         }
     }
 
@@ -209,6 +232,41 @@ impl RequestRules {
         let ip = ip.to_canonical();
         CallerKey::from_network(ip, self.ipv6_prefix_bits, &self.translators)
     }
+}
+
+/// `path` (a routed path) with the escapes actix's router keeps (`%2F`, `%2B`, `%25`) decoded, as
+/// a handler's path extractors decode them: borrowed when there are none. Rules that restrict
+/// look at it too, so that an escaped `/` in a path parameter cannot dodge them (a cost: the
+/// higher of both forms'; route limits and concurrency: the decoded form's, else the routed
+/// one's); rules that waive (exempt, shadow, refunds) only at the routed path, so that an escape
+/// cannot earn them.
+pub fn decoded_path(path: &str) -> Cow<'_, str> {
+    let kept = |at: usize| match path.as_bytes().get(at + 1..at + 3) {
+        Some([b'2', b'F' | b'f']) => Some(b'/'),
+        Some([b'2', b'B' | b'b']) => Some(b'+'),
+        Some([b'2', b'5']) => Some(b'%'),
+        _ => None,
+    };
+    let bytes = path.as_bytes();
+    let Some(first) = (0..bytes.len()).find(|&at| bytes[at] == b'%' && kept(at).is_some()) else {
+        return Cow::Borrowed(path);
+    };
+    let mut decoded = bytes[..first].to_vec();
+    let mut at = first;
+    while at < bytes.len() {
+        match (bytes[at] == b'%').then(|| kept(at)).flatten() {
+            Some(byte) => {
+                decoded.push(byte);
+                at += 3;
+            }
+            None => {
+                decoded.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    // ASCII escapes replaced by ASCII bytes: still UTF-8.
+    Cow::Owned(String::from_utf8(decoded).expect("ASCII for ASCII"))
 }
 
 /// Whether `path` is on the route `pattern` (an exact path, or a `prefix*`).
@@ -958,6 +1016,37 @@ mod tests {
     }
 
     #[test]
+    fn the_decoded_path_is_what_a_handler_reads() {
+        assert!(matches!(decoded_path("/api/admin/x"), Cow::Borrowed(_)));
+        assert!(matches!(decoded_path("/a%C3%A9"), Cow::Borrowed(_)));
+        assert_eq!(decoded_path("/api/admin%2Fexport"), "/api/admin/export");
+        assert_eq!(decoded_path("/q/c%2b%2B"), "/q/c++");
+        // Once: `%252F` is `%2F` to a handler, not `/`.
+        assert_eq!(decoded_path("/a%252Fb"), "/a%2Fb");
+        assert_eq!(decoded_path("/a%2"), "/a%2");
+        assert_eq!(decoded_path("/%2F%"), "//%");
+    }
+
+    /// A route's cost, limits and slots apply to a path whose parameter hides a `/` or `+` in an
+    /// escape (`/api/{tail:.*}` reads `admin/export` from `/api/admin%2Fexport`); what waives a
+    /// charge (exempt) is not earned by one.
+    #[test]
+    fn an_escaped_slash_dodges_no_route_rule() {
+        let r = RequestRules::builder()
+            .cost("/api/admin/*", 5)
+            .cost("/search/c++", 4)
+            .exempt("/public/*")
+            .build(&plans())
+            .unwrap();
+        assert_eq!(cost_of(&r, "/api/admin%2Fexport"), 5);
+        assert_eq!(cost_of(&r, "/api/admin%2fexport"), 5);
+        assert_eq!(cost_of(&r, "/search/c%2B%2B"), 4);
+        assert_eq!(cost_of(&r, "/api/other%2Fexport"), 1);
+        // Not exempt: the routed path is not under `/public/`.
+        assert_eq!(cost_of(&r, "/public%2Fx"), 1);
+    }
+
+    #[test]
     fn a_caller_keyed_by_its_bearer_token_is_the_token() {
         let r = RequestRules::builder()
             .key_header("authorization")
@@ -1161,6 +1250,17 @@ mod tests {
             "exact first"
         );
         assert_eq!(name("/upload/small").as_deref(), Some("per_hour"));
+        // Through `classify`, an escaped `/` in a parameter finds the limit too.
+        let req = TestRequest::with_uri("/upload%2Fbig")
+            .insert_header(("X-Api-Key", "abc"))
+            .to_srv_request();
+        let Classified::Charge { limits, .. } = rules.classify(&req) else {
+            panic!("a charge");
+        };
+        assert_eq!(
+            limits.map(|l| l[0].name().to_owned()).as_deref(),
+            Some("per_min")
+        );
         let mut patterns = vec![
             ("/a*".to_owned(), ()),
             ("/a/b*".to_owned(), ()),
