@@ -112,6 +112,10 @@ struct CallerHolds {
     listed_incomplete: bool,
 }
 
+/// Room for holds a caller's buffer keeps however few it holds: below it, shrinking would cost
+/// more than the memory it frees.
+const HOLDS_ROOM_KEPT: usize = 16;
+
 impl CallerHolds {
     /// `Some` when `cost` does not fit in the credit this caller is known to have free (a
     /// verified caller: its credit and block are the ledger's word), until when.
@@ -189,6 +193,11 @@ impl CallerHolds {
         }
         if self.holds.is_empty() {
             self.latest_expiry = None;
+        }
+        // A burst's room goes back once its holds expire: kept, a caller that spent a plan of
+        // hundreds once held it for as long as it was remembered (24 bytes a hold).
+        if self.holds.capacity() > HOLDS_ROOM_KEPT && self.holds.len() * 4 < self.holds.capacity() {
+            self.holds.shrink_to(self.holds.len() * 2);
         }
     }
 
@@ -1071,6 +1080,28 @@ mod tests {
     /// Three of five held, expiring in 5, 10 and 20 s: were 2 more held for the window (30 s), a
     /// cost of 2 would fit once two of the three are back (10 s, and the margin); nothing is
     /// recorded by asking.
+    /// A burst's room goes back once its holds expire: a caller that spent 1,000 units once
+    /// kept room for 1,024 holds (24 KiB) for as long as it was remembered.
+    #[test]
+    fn a_bursts_room_goes_back_once_its_holds_expire() {
+        let view = LocalView::new(100, Duration::ZERO);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        list(&view, 7, &ledger_view(5_000, &[], wall), t0, wall);
+        let second = Duration::from_secs(1);
+        for at in (0..1_000).map(|ms| t0 + Duration::from_micros(ms)) {
+            view.record_hold(7, 5_000, 1, at, second, at);
+        }
+        let room = |view: &LocalView| {
+            let shard = lock(&view.shards[LocalView::shard_index(7)]);
+            shard[&7].holds.capacity()
+        };
+        assert!(room(&view) >= 1_000);
+        let later = t0 + 2 * second;
+        view.record_hold(7, 5_000, 1, later, second, later);
+        assert_eq!(view.quota(7, 5_000, later).remaining, 4_999);
+        assert!(room(&view) <= HOLDS_ROOM_KEPT, "{}", room(&view));
+    }
+
     #[test]
     fn fits_after_hold_counts_the_pretend_hold_without_recording_it() {
         let view = LocalView::new(100, MARGIN);

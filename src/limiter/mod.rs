@@ -462,7 +462,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         self.store.ping(self.clock.now() + timeout).await
     }
 
-    /// How many callers this instance's local view remembers (at most `local_callers_max`).
+    /// How many callers this instance's local view remembers (at most `local_callers_max`,
+    /// rounded up to a multiple of the view's 64 shards).
     pub fn local_callers(&self) -> usize {
         self.local.callers()
     }
