@@ -751,6 +751,42 @@ async fn a_move_whose_caller_goes_away_still_carries_the_holds_placed_meanwhile(
     assert!(moving.second_passes_done(Instant::now()).await, "none left");
 }
 
+/// A move whose answer is lost and that did not land (the caller blocked meanwhile) leaves no
+/// second pass to wait for: the CLI waited its whole 15 s for one, and warned of holds counted
+/// on no plan for a move that never happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_move_that_did_not_land_leaves_no_second_pass_to_wait_for() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let moving = ledger_client(vec![proxy.address]);
+    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&from.account, setup).await.unwrap();
+    let id = from.account.id;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    // Its answer (that it failed) comes while the move still looks for itself.
+    let answer_at = deadline + Duration::from_millis(300);
+    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, answer_at);
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let (target, mover) = (to.account, moving.clone());
+    let moved =
+        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
+    tokio::time::timeout(Duration::from_secs(10), caught)
+        .await
+        .expect("the move is sent")
+        .unwrap();
+    direct.block(id, 60, actor, setup).await.unwrap();
+    go.send(()).unwrap();
+    let moved = moved.await.unwrap();
+    assert!(moved.is_err(), "lost, and not found: {moved:?}");
+    assert!(
+        moving.second_passes_done(Instant::now()).await,
+        "none pending"
+    );
+    assert_eq!(available(&direct, &to).await, Some(10), "nothing carried");
+}
+
 /// A move's second pass that fails (here: the new account blocked between the move and the
 /// pass) is sent again until it lands (the block over). Before, it was logged and dropped: the
 /// holds of requests in flight at the move counted on no plan, and the new one admitted 3 more.

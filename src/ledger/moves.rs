@@ -413,6 +413,17 @@ struct SecondPassState {
     landed: tokio::sync::Notify,
 }
 
+impl Drop for SecondPassState {
+    /// A pass the move gave up on, which no late answer took: none can come now (the call's
+    /// task has ended, or it was never sent), so nothing is waited for.
+    fn drop(&mut self) {
+        let stage = *self.stage.get_mut().unwrap_or_else(|e| e.into_inner());
+        if stage == Stage::GaveUp {
+            self.ledger.second_passes.finished();
+        }
+    }
+}
+
 /// Who runs a [`SecondPass`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -461,21 +472,22 @@ impl SecondPass {
            + 'static {
         let pass = self.clone();
         move |_, answer| {
-            let landed = matches!(answer, Ok(None));
+            // Not landed: nothing to carry (a pass the move gave up on is let go as this
+            // closure is dropped, [`SecondPassState`]'s drop).
+            if !matches!(answer, Ok(None)) {
+                return;
+            }
             let was = pass.advance(|stage| match stage {
-                Stage::Waiting if landed => Stage::LandedLate,
+                Stage::Waiting => Stage::LandedLate,
                 Stage::GaveUp | Stage::Taken => Stage::Taken,
                 Stage::LandedLate => unreachable!("one answer per call"),
-                waiting => waiting,
             });
-            match (was, landed) {
-                (Stage::Waiting, true) => pass.0.landed.notify_one(),
-                (Stage::GaveUp, true) => {
+            match was {
+                Stage::Waiting => pass.0.landed.notify_one(),
+                Stage::GaveUp => {
                     tracing::warn!("a move whose answer was lost landed later: carrying the holds placed meanwhile");
                     pass.retry_later(true);
                 }
-                // Not landed: nothing to carry, and nothing waited for any more.
-                (Stage::GaveUp, false) => pass.0.ledger.second_passes.finished(),
                 _ => {}
             }
         }
@@ -547,7 +559,9 @@ impl SecondPass {
         let pass = self.clone();
         let window = Duration::from_secs(u64::from(self.0.window_seconds_max));
         let give_up_at = Instant::now() + window;
-        tokio::spawn(async move {
+        // An operator's action's end: its reads wait for a place under a full in-flight bound,
+        // as the action's own did (refused at once, a flood made every try fail).
+        tokio::spawn(super::as_operator_action(async move {
             let ledger = &pass.0.ledger;
             if bump {
                 ledger.bump_operator_epoch(Instant::now()).await;
@@ -572,7 +586,7 @@ impl SecondPass {
                 interval = (interval * 2).min(SECOND_PASS_RETRY_INTERVAL_MAX);
             }
             ledger.second_passes.finished();
-        });
+        }));
     }
 }
 
