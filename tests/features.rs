@@ -1341,3 +1341,31 @@ async fn a_reported_cost_is_charged_where_holds_live_when_a_shorter_one_expired(
     );
     handle.stop(true).await;
 }
+
+/// A route's slots are found for a path whose parameter hides a `/` in an escape (the handler
+/// of `/reports/{tail:.*}` reads `big` from `/reports%2Fbig`), and of two routes the path's two
+/// forms are on, the one with fewer slots: routed alone, the escape dodged `/reports/*`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_slash_finds_the_routes_slots_and_the_fewer_of_two() {
+    use ledger_limiter::http::ConcurrencyLimits;
+    use std::num::{NonZeroU32, NonZeroU64};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let slots = |n| NonZeroU64::new(n).unwrap();
+    let routes = [
+        ("/reports/*".to_owned(), slots(3)),
+        ("/reports/big".to_owned(), slots(1)),
+        ("/rep*".to_owned(), slots(5)),
+    ];
+    let timeout = NonZeroU32::new(30).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let route = |path| {
+        limits
+            .for_path(path)
+            .map(|l| l.plans().capacity_min().get())
+    };
+    assert_eq!(route("/reports/x"), Some(3));
+    // Routed, `/rep*` (5); decoded, `/reports/*` (3): the fewer.
+    assert_eq!(route("/reports%2Fx"), Some(3));
+    assert_eq!(route("/reports%2fbig"), Some(1));
+    assert_eq!(route("/other%2Fx"), None);
+}

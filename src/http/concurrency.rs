@@ -201,17 +201,24 @@ impl ConcurrencyLimits {
     }
 
     /// The limiter of the most specific route pattern that matches `path` (an exact path, else
-    /// the longest prefix), of `path` decoded first ([`decoded_path`]: what the handler reads,
-    /// so an escaped `/` in a path parameter does not dodge a slot).
+    /// the longest prefix). Where `path` decoded ([`decoded_path`]: what the handler reads) is
+    /// on another route, the one of the two with fewer slots: an escaped `/` in a path parameter
+    /// neither dodges a route's slots nor trades them for a looser route's.
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
         let find = |path: &str| {
             (self.routes.iter())
                 .find(|(pattern, _)| path_matches(pattern, path))
                 .map(|(_, limiter)| limiter)
         };
-        match decoded_path(path) {
-            std::borrow::Cow::Borrowed(_) => find(path),
-            std::borrow::Cow::Owned(decoded) => find(&decoded).or_else(|| find(path)),
+        let routed = find(path);
+        let std::borrow::Cow::Owned(decoded) = decoded_path(path) else {
+            return routed;
+        };
+        match (find(&decoded), routed) {
+            (Some(a), Some(b)) => Some(std::cmp::min_by_key(a, b, |slots| {
+                slots.plans().capacity_min()
+            })),
+            (a, b) => a.or(b),
         }
     }
 }

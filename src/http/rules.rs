@@ -109,7 +109,7 @@ impl RequestRules {
                 cost: self.cost(path),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
-                limits: self.limits(path).cloned(),
+                limits: self.limits(path),
             },
             Err(error) => Classified::Rejected(error),
         }
@@ -126,14 +126,24 @@ impl RequestRules {
         }
     }
 
-    /// The route limits of the decoded path (what the handler reads, [`RequestRules::cost`]),
-    /// else of the routed path.
-    fn limits(&self, path: &str) -> Option<&Arc<[Plan]>> {
-        match decoded_path(path) {
-            Cow::Borrowed(_) => self.route_limits(path),
-            Cow::Owned(decoded) => {
-                (self.route_limits(&decoded)).or_else(|| self.route_limits(path))
+    /// The route limits of the routed path and of the decoded one (what the handler reads,
+    /// [`RequestRules::cost`]): each limit of either, once (two routes may name one limit), the
+    /// decoded path's first, at most [`ROUTE_LIMITS_MAX`]. One form's alone, an escape could
+    /// trade a route's strict limit for a lax one's.
+    fn limits(&self, path: &str) -> Option<Arc<[Plan]>> {
+        let routed = self.route_limits(path);
+        let Cow::Owned(decoded) = decoded_path(path) else {
+            return routed.cloned();
+        };
+        match (self.route_limits(&decoded), routed) {
+            (Some(first), Some(then)) if !Arc::ptr_eq(first, then) => {
+                let mut both = first.to_vec();
+                let new = |plan: &&Plan| !first.iter().any(|had| had.name() == plan.name());
+                both.extend(then.iter().filter(new).cloned());
+                both.truncate(ROUTE_LIMITS_MAX);
+                Some(both.into())
             }
+            (first, then) => first.or(then).cloned(),
         }
     }
 
@@ -237,9 +247,9 @@ impl RequestRules {
 /// `path` (a routed path) with the escapes actix's router keeps (`%2F`, `%2B`, `%25`) decoded, as
 /// a handler's path extractors decode them: borrowed when there are none. Rules that restrict
 /// look at it too, so that an escaped `/` in a path parameter cannot dodge them (a cost: the
-/// higher of both forms'; route limits and concurrency: the decoded form's, else the routed
-/// one's); rules that waive (exempt, shadow, refunds) only at the routed path, so that an escape
-/// cannot earn them.
+/// higher of both forms'; route limits: both forms'; concurrency: the route with fewer slots);
+/// rules that waive (exempt, shadow, refunds) only at the routed path, so that an escape cannot
+/// earn them.
 pub fn decoded_path(path: &str) -> Cow<'_, str> {
     let kept = |at: usize| match path.as_bytes().get(at + 1..at + 3) {
         Some([b'2', b'F' | b'f']) => Some(b'/'),
@@ -1257,10 +1267,24 @@ mod tests {
         let Classified::Charge { limits, .. } = rules.classify(&req) else {
             panic!("a charge");
         };
+        let names: Vec<String> = limits
+            .unwrap()
+            .iter()
+            .map(|l| l.name().to_owned())
+            .collect();
         assert_eq!(
-            limits.map(|l| l[0].name().to_owned()).as_deref(),
-            Some("per_min")
+            names,
+            ["per_min", "per_hour"],
+            "both routes' limits, once each"
         );
+        // The same route by both forms: its limits once.
+        let req = TestRequest::with_uri("/upload%2Fsmall")
+            .insert_header(("X-Api-Key", "abc"))
+            .to_srv_request();
+        let Classified::Charge { limits, .. } = rules.classify(&req) else {
+            panic!("a charge");
+        };
+        assert_eq!(limits.unwrap().len(), 1);
         let mut patterns = vec![
             ("/a*".to_owned(), ()),
             ("/a/b*".to_owned(), ()),
