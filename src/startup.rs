@@ -398,7 +398,8 @@ fn bind_socket(address: std::net::SocketAddr) -> std::io::Result<socket2::Socket
 /// formatted and started (seconds; tens of seconds in production mode).
 struct Bound {
     listen: String,
-    listener: TcpListener,
+    /// Taken by [`Bound::listening`].
+    listener: Option<TcpListener>,
     port: u16,
     resetting: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
@@ -427,7 +428,7 @@ impl Bound {
             .map_err(error)?;
         Ok(Bound {
             listen: listen.to_owned(),
-            listener,
+            listener: Some(listener),
             port,
             resetting: Some((stop, thread)),
         })
@@ -437,13 +438,9 @@ impl Bound {
     /// port.
     fn listening(mut self) -> Result<(TcpListener, u16), StartupError> {
         self.stop_resetting();
-        let listener = self.listener.try_clone();
-        let listener = listener.and_then(|listener| {
-            listener.set_nonblocking(false)?;
-            Ok(listener)
-        });
-        match listener {
-            Ok(listener) => Ok((listener, self.port)),
+        let listener = self.listener.take().expect("taken once, here");
+        match listener.set_nonblocking(false) {
+            Ok(()) => Ok((listener, self.port)),
             Err(source) => Err(StartupError::Listen {
                 address: std::mem::take(&mut self.listen),
                 source,
