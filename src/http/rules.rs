@@ -128,8 +128,8 @@ impl RequestRules {
 
     /// The route limits of the routed path and of the decoded one (what the handler reads,
     /// [`RequestRules::cost`]): each limit of either, once (two routes may name one limit), the
-    /// decoded path's first, at most [`ROUTE_LIMITS_MAX`]. One form's alone, an escape could
-    /// trade a route's strict limit for a lax one's.
+    /// decoded path's first, so at most twice [`ROUTE_LIMITS_MAX`]. One form's alone, an escape
+    /// could trade a route's strict limit for a lax one's.
     fn limits(&self, path: &str) -> Option<Arc<[Plan]>> {
         let routed = self.route_limits(path);
         let Cow::Owned(decoded) = decoded_path(path) else {
@@ -140,7 +140,6 @@ impl RequestRules {
                 let mut both = first.to_vec();
                 let new = |plan: &&Plan| !first.iter().any(|had| had.name() == plan.name());
                 both.extend(then.iter().filter(new).cloned());
-                both.truncate(ROUTE_LIMITS_MAX);
                 Some(both.into())
             }
             (first, then) => first.or(then).cloned(),
@@ -924,8 +923,11 @@ fn checked_limits(
             return invalid(format!("names limit {:?}, which {why}", limit.name()));
         }
         // Every path under the route, with its own cost: one that costs more than the limit's
-        // whole capacity would be refused forever.
-        let cost = costs.cost_max_under(&route).get();
+        // whole capacity would be refused forever. A route written with an escape (`%2F`) is
+        // charged its decoded form's cost too (`RequestRules::cost`).
+        let decoded = decoded_path(&route);
+        let cost = (costs.cost_max_under(&route)).max(costs.cost_max_under(&decoded));
+        let cost = cost.get();
         if cost > limit.capacity().get() {
             return invalid(format!(
                 "has a path that costs {cost}, more than limit {:?} allows in a whole window",
@@ -1323,6 +1325,14 @@ mod tests {
             .cost("/other", 5)
             .limits("/api/*", limit());
         assert!(build(ok).is_ok());
+        // A route written with an escape is charged its decoded form's cost too: `/f/a%2Fb`
+        // costs what `/f/a/b` does, so its limit of 4 could never hold it.
+        let e = build(
+            RequestRules::builder()
+                .cost("/f/a/b", 5)
+                .limits("/f/a%2Fb", limit()),
+        );
+        assert!(matches!(e, Err(RulesError::RouteLimits(..))), "{e:?}");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub fn route_limit_account(ledger_id: u32, limit: &Plan, key: &CallerKey) -> Use
 
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// [`Limiter::check`] against the caller's plan and every limit of `route_limits` (at most
-    /// [`ROUTE_LIMITS_MAX`]), all or none. [`Decision::refused_by`] names the limit that refused.
+    /// twice [`ROUTE_LIMITS_MAX`]: a route's, or two routes'), all or none. [`Decision::refused_by`] names the limit that refused.
     ///
     /// Unlike [`Limiter::check`], it leaves the renewal ahead of need that an admission from a
     /// lease made due to its caller, to run after answering ([`Limiter::renew_lease_ahead`]):
@@ -82,8 +82,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         route_limits: &[Plan],
         deadline: Instant,
     ) -> Result<Decision<'_>, KeyError> {
+        // Each route's validated by the rules; a path's two forms may be on two routes (an
+        // escaped `/`, `http::rules::decoded_path`), whose limits both apply.
         assert!(
-            route_limits.len() <= ROUTE_LIMITS_MAX,
+            route_limits.len() <= 2 * ROUTE_LIMITS_MAX,
             "validated by the rules"
         );
         let mut followed = 0;
@@ -108,7 +110,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let multi = self
                 .check_all_by(&limits, deadline)
                 .await
-                .expect("at most 1 + ROUTE_LIMITS_MAX distinct accounts");
+                .expect("at most 1 + 2 × ROUTE_LIMITS_MAX distinct accounts");
             // The plan's account closed: a block, or a move this instance has not learnt yet (as
             // the refusal's own read of the account says: a second read had a deadline of its
             // own, and a blocked caller's decision took two).
