@@ -507,17 +507,18 @@ impl SecondPass {
     /// The move gives up looking for itself: false if a late answer said it landed first (then
     /// it carries on as landed).
     fn give_up(&self) -> bool {
+        // Counted under the stage's lock: a late answer taking the pass right after would
+        // finish it before it was counted.
         let was = self.advance(|stage| match stage {
-            Stage::Waiting => Stage::GaveUp,
+            Stage::Waiting => {
+                // Its late answer may still come, and run the pass: waited for by a short-lived
+                // process (`Ledger::second_passes_done`).
+                self.0.ledger.second_passes.started();
+                Stage::GaveUp
+            }
             other => other,
         });
-        let gave_up = was == Stage::Waiting;
-        if gave_up {
-            // Its late answer may still come, and run the pass: waited for by a short-lived
-            // process (`Ledger::second_passes_done`).
-            self.0.ledger.second_passes.started();
-        }
-        gave_up
+        was == Stage::Waiting
     }
 
     /// The pass, within `deadline`, run by the move that knows it landed: the units it carried,
