@@ -1368,4 +1368,17 @@ async fn an_escaped_slash_finds_the_routes_slots_and_the_fewer_of_two() {
     assert_eq!(route("/reports%2Fx"), Some(3));
     assert_eq!(route("/reports%2fbig"), Some(1));
     assert_eq!(route("/other%2Fx"), None);
+    // The routed form's route the stricter: its slots, not the decoded form's.
+    let routes = [
+        ("/reports/*".to_owned(), slots(3)),
+        ("/rep*".to_owned(), slots(1)),
+    ];
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let route = |path| {
+        limits
+            .for_path(path)
+            .map(|l| l.plans().capacity_min().get())
+    };
+    assert_eq!(route("/reports/x"), Some(3));
+    assert_eq!(route("/reports%2Fx"), Some(1));
 }

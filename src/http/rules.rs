@@ -1287,6 +1287,24 @@ mod tests {
             panic!("a charge");
         };
         assert_eq!(limits.unwrap().len(), 1);
+        // Two routes' full sets: every one of their limits, none cut.
+        let set = |prefix: &str| {
+            (0..ROUTE_LIMITS_MAX)
+                .map(|n| test_plan(&format!("{prefix}{n}"), 5))
+                .collect::<Vec<_>>()
+        };
+        let rules = RequestRules::builder()
+            .limits("/a/*", set("wide"))
+            .limits("/a%2Fb", set("tight"))
+            .build(&plans())
+            .unwrap();
+        let req = TestRequest::with_uri("/a%2Fb")
+            .insert_header(("X-Api-Key", "abc"))
+            .to_srv_request();
+        let Classified::Charge { limits, .. } = rules.classify(&req) else {
+            panic!("a charge");
+        };
+        assert_eq!(limits.unwrap().len(), 2 * ROUTE_LIMITS_MAX);
         let mut patterns = vec![
             ("/a*".to_owned(), ()),
             ("/a/b*".to_owned(), ()),
