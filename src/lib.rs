@@ -22,6 +22,7 @@ pub mod envoy;
 pub mod http;
 pub mod ledger;
 pub mod limiter;
+pub mod outstanding;
 pub mod startup;
 mod sync;
 pub mod telemetry;

@@ -13,7 +13,6 @@ use thiserror::Error;
 
 use actix_web::HttpResponse;
 
-use super::outstanding::{OutGuard, Outstanding};
 use super::problem::{self, ProblemKind};
 use super::rules::{decoded_path, is_route_pattern, most_specific_first, path_matches};
 use crate::ledger::{model, Ledger};
@@ -21,6 +20,7 @@ use crate::limiter::caller::CallerKey;
 use crate::limiter::metrics::{DecisionLabel, CONCURRENCY_PLAN_PREFIX};
 use crate::limiter::plan::{Plan, PlanBook, PlanError, UnknownKeys};
 use crate::limiter::{Decision, HoldReceipt, Limiter, LimiterSettings, Outcome};
+use crate::outstanding::{OutGuard, Outstanding};
 use crate::telemetry::span::fields;
 
 /// The plan (and so the account and the `plan` metric label) of a route's concurrency limit:

@@ -43,13 +43,13 @@ use futures_util::future::{Either, LocalBoxFuture};
 
 use super::concurrency::{ConcurrencyLimits, Slot};
 use super::headers::PolicyHeaders;
-use super::outstanding::Outstanding;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
 use super::slot_body::SlotBody;
 use crate::limiter::caller::CallerKey;
 use crate::limiter::plan::{Plan, PlanId};
 use crate::limiter::{Decision, FromMemory, Limiter, Outcome, Quota, RenewalAhead};
+use crate::outstanding::Outstanding;
 
 /// One worker's middleware state. Each worker has its own copy (in an `Rc`), so that a request
 /// touches no reference count or header bytes that the other workers write too: with both

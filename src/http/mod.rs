@@ -8,7 +8,8 @@ pub mod concurrency;
 pub mod guesses;
 pub mod headers;
 pub mod middleware;
-pub mod outstanding;
+/// Kept at its old path: it serves the ledger's background work too now.
+pub use crate::outstanding;
 pub mod problem;
 mod repeats;
 pub mod request_metrics;

@@ -336,8 +336,9 @@ pub struct Ledger {
     calls_started: Arc<[AtomicU64; Operation::ALL.len()]>,
     /// How batches of single transfers go, and how many went.
     batching: Arc<batch::Batching>,
-    /// Moves' second passes running in the background (`moves.rs`).
-    second_passes: Arc<moves::SecondPasses>,
+    /// Moves' second passes running in the background, or waiting for a lost move's late
+    /// answer (`moves.rs`).
+    second_passes: crate::outstanding::Outstanding,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -378,7 +379,7 @@ impl Ledger {
             metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
             calls_started: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
             batching: Arc::new(batch::Batching::new(settings.batch_linger)),
-            second_passes: Arc::default(),
+            second_passes: Default::default(),
         })
     }
 

@@ -17,6 +17,7 @@ use super::connection::Connection;
 use super::metrics::Operation;
 use super::model::{self, Actor, UserAccount};
 use super::{client_error, nothing_if_abandoned, unexpected_transfer, Ledger, LedgerError, Place};
+use crate::outstanding::OutGuard;
 use crate::sync::lock;
 
 /// At most this many carried holds per move (holds are grouped by the second they expire in,
@@ -413,26 +414,16 @@ struct SecondPassState {
     landed: tokio::sync::Notify,
 }
 
-impl Drop for SecondPassState {
-    /// A pass the move gave up on, which no late answer took: none can come now (the call's
-    /// task has ended, or it was never sent), so nothing is waited for.
-    fn drop(&mut self) {
-        let stage = *self.stage.get_mut().unwrap_or_else(|e| e.into_inner());
-        if stage == Stage::GaveUp {
-            self.ledger.second_passes.finished();
-        }
-    }
-}
-
 /// Who runs a [`SecondPass`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
     /// The move waits for its answer, or looks for itself after losing it.
     Waiting,
     /// The move's late answer says it landed, while the move still looks: the move runs it.
     LandedLate,
-    /// The move gave up on itself: a late answer that it landed runs the pass.
-    GaveUp,
+    /// The move gave up on itself: a late answer that it landed runs the pass. Counted out in
+    /// [`Ledger::second_passes_done`] until then, or until no answer can come (the pass, and
+    /// the guard with it, dropped: the call's task has ended, or it was never sent).
+    GaveUp(OutGuard),
     /// Run, or running.
     Taken,
 }
@@ -455,12 +446,12 @@ impl SecondPass {
         }))
     }
 
-    /// Moves the stage on as `next` says (given the stage now), under the lock; the stage was.
-    fn advance(&self, next: impl FnOnce(Stage) -> Stage) -> Stage {
+    /// Moves the stage to what `next` says of it (`None`: it stays), under the lock: the stage
+    /// it left, if it moved.
+    fn advance(&self, next: impl FnOnce(&Stage) -> Option<Stage>) -> Option<Stage> {
         let mut stage = lock(&self.0.stage);
-        let was = *stage;
-        *stage = next(was);
-        was
+        let moved = next(&stage)?;
+        Some(std::mem::replace(&mut *stage, moved))
     }
 
     /// For the move's chain: its answer, come after the move stopped waiting for it.
@@ -473,20 +464,20 @@ impl SecondPass {
         let pass = self.clone();
         move |_, answer| {
             // Not landed: nothing to carry (a pass the move gave up on is let go as this
-            // closure is dropped, [`SecondPassState`]'s drop).
+            // closure is dropped, [`Stage::GaveUp`]).
             if !matches!(answer, Ok(None)) {
                 return;
             }
             let was = pass.advance(|stage| match stage {
-                Stage::Waiting => Stage::LandedLate,
-                Stage::GaveUp | Stage::Taken => Stage::Taken,
+                Stage::Waiting => Some(Stage::LandedLate),
+                Stage::GaveUp(_) | Stage::Taken => Some(Stage::Taken),
                 Stage::LandedLate => unreachable!("one answer per call"),
             });
             match was {
-                Stage::Waiting => pass.0.landed.notify_one(),
-                Stage::GaveUp => {
+                Some(Stage::Waiting) => pass.0.landed.notify_one(),
+                Some(Stage::GaveUp(out)) => {
                     tracing::warn!("a move whose answer was lost landed later: carrying the holds placed meanwhile");
-                    pass.retry_later(true);
+                    pass.retry_later(out, true);
                 }
                 _ => {}
             }
@@ -497,7 +488,7 @@ impl SecondPass {
     async fn landed_late(&self) {
         loop {
             let notified = self.0.landed.notified();
-            if *lock(&self.0.stage) == Stage::LandedLate {
+            if matches!(*lock(&self.0.stage), Stage::LandedLate) {
                 return;
             }
             notified.await;
@@ -507,31 +498,25 @@ impl SecondPass {
     /// The move gives up looking for itself: false if a late answer said it landed first (then
     /// it carries on as landed).
     fn give_up(&self) -> bool {
-        // Counted under the stage's lock: a late answer taking the pass right after would
-        // finish it before it was counted.
-        let was = self.advance(|stage| match stage {
-            Stage::Waiting => {
-                // Its late answer may still come, and run the pass: waited for by a short-lived
-                // process (`Ledger::second_passes_done`).
-                self.0.ledger.second_passes.started();
-                Stage::GaveUp
-            }
-            other => other,
+        // Its late answer may still come, and run the pass: counted out (under the stage's
+        // lock, so no late answer can take it first), for a short-lived process to wait for.
+        let second_passes = &self.0.ledger.second_passes;
+        let gave_up = self.advance(|stage| {
+            matches!(stage, Stage::Waiting).then(|| Stage::GaveUp(second_passes.count_out()))
         });
-        was == Stage::Waiting
+        gave_up.is_some()
     }
 
     /// The pass, within `deadline`, run by the move that knows it landed: the units it carried,
     /// 0 when it failed (then sent again in the background).
     async fn run(&self, deadline: Instant) -> u64 {
-        let was = self.advance(|_| Stage::Taken);
-        debug_assert!(matches!(was, Stage::Waiting | Stage::LandedLate), "{was:?}");
+        let was = self.advance(|_| Some(Stage::Taken));
+        debug_assert!(matches!(was, Some(Stage::Waiting | Stage::LandedLate)));
         match self.carry(deadline).await {
             Ok(carried) => carried,
             Err(error) => {
                 tracing::warn!(%error, "moved, but the holds of requests in flight at the move were not carried yet: sent again in the background");
-                self.0.ledger.second_passes.started();
-                self.retry_later(false);
+                self.retry_later(self.0.ledger.second_passes.count_out(), false);
                 0
             }
         }
@@ -554,9 +539,9 @@ impl SecondPass {
     /// its holds would have expired (a pass whose answer was lost may have landed: sent again,
     /// its holds are held twice until they expire, which refuses more, never admits more).
     /// `bump`: a move that landed unseen; every instance is told of it first (its callers'
-    /// requests then follow the move; the pass may take a while). Counted in
-    /// [`Ledger::second_passes`] by whoever calls this, until its end.
-    fn retry_later(&self, bump: bool) {
+    /// requests then follow the move; the pass may take a while). Counted out (`out`) until its
+    /// end, for [`Ledger::second_passes_done`].
+    fn retry_later(&self, out: OutGuard, bump: bool) {
         let pass = self.clone();
         let window = Duration::from_secs(u64::from(self.0.window_seconds_max));
         let give_up_at = Instant::now() + window;
@@ -586,32 +571,8 @@ impl SecondPass {
                 }
                 interval = (interval * 2).min(SECOND_PASS_RETRY_INTERVAL_MAX);
             }
-            ledger.second_passes.finished();
+            drop(out);
         }));
-    }
-}
-
-/// Second passes of moves not done yet: sent again after failing, or a lost move's, waiting for
-/// its late answer. They run in the background and end with the runtime: a short-lived process
-/// (the CLI's move) waits for them ([`Ledger::second_passes_done`]).
-#[derive(Debug, Default)]
-pub(super) struct SecondPasses {
-    pending: Mutex<usize>,
-    done: tokio::sync::Notify,
-}
-
-impl SecondPasses {
-    fn started(&self) {
-        *lock(&self.pending) += 1;
-    }
-
-    fn finished(&self) {
-        let mut pending = lock(&self.pending);
-        assert!(*pending > 0, "a second pass finished that never started");
-        *pending -= 1;
-        if *pending == 0 {
-            self.done.notify_waiters();
-        }
     }
 }
 
@@ -620,19 +581,8 @@ impl Ledger {
     /// (false: some may not run, if this process ends now; their holds then count on no plan
     /// until they expire).
     pub async fn second_passes_done(&self, deadline: Instant) -> bool {
-        let passes = &self.second_passes;
-        loop {
-            let done = passes.done.notified();
-            if *lock(&passes.pending) == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline.into(), done)
-                .await
-                .is_err()
-            {
-                return false;
-            }
-        }
+        let within = deadline.saturating_duration_since(Instant::now());
+        self.second_passes.back(within).await == 0
     }
 }
 

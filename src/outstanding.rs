@@ -6,6 +6,9 @@
 //! concurrency slot's give-back dropped so held the slot until its timeout (its caller refused,
 //! across a rolling deploy); a lease's renewal ahead dropped so left the lease it had just taken
 //! at the ledger unknown to every instance, its units held window + L.
+//!
+//! The ledger counts a move's second pass running in the background the same way (no runtime to
+//! run it on there): the CLI's move, a process that ends with its command, waits for it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
