@@ -203,14 +203,11 @@ impl Decision<'_> {
     /// admission's quotas alone: [`Limiter::recharged`] also bounds them by what the view holds
     /// free (a recharge the ledger capped left less).
     pub fn recharged(&mut self, actual: u64, done: &[bool]) {
-        let recharge = |quota: &mut Quota, held: u64| {
-            let remaining = quota.remaining.saturating_add(held).saturating_sub(actual);
-            quota.remaining = remaining.min(quota.limit);
-            // Whole again (recharged to nothing: a refund by another name), it resets now, as
-            // a refund's does: `t` said the voided hold's window.
-            if quota.remaining == quota.limit {
-                quota.reset_seconds = 0;
-            }
+        // Less than held: the difference given back, as a refund's (whole again, it resets
+        // now); more: the difference taken too.
+        let recharge = |quota: &mut Quota, held: u64| match held.checked_sub(actual) {
+            Some(back) => credit_back(quota, back),
+            None => quota.remaining = quota.remaining.saturating_sub(actual - held),
         };
         let mut done = done.iter().copied();
         if let Some(hold) = self.hold {
