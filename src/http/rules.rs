@@ -103,39 +103,42 @@ impl RequestRules {
         if self.exempt_paths.iter().any(|p| path_matches(p, path)) {
             return Classified::Exempt;
         }
+        // Read once for both: `None` when it is the routed path itself (no kept escape).
+        let decoded = decoded_path(path);
+        let decoded = match &decoded {
+            Cow::Owned(decoded) => Some(decoded.as_str()),
+            Cow::Borrowed(_) => None,
+        };
         match self.caller_key(req) {
             Ok(key) => Classified::Charge {
                 key,
-                cost: self.cost(path),
+                cost: self.cost(path, decoded),
                 shadow: self.shadow_paths.iter().any(|p| path_matches(p, path)),
                 refund: self.refund_paths.iter().any(|p| path_matches(p, path)),
-                limits: self.limits(path),
+                limits: self.limits(path, decoded),
             },
             Err(error) => Classified::Rejected(error),
         }
     }
 
-    /// The route's cost: the higher of the routed path's and the decoded path's
-    /// ([`decoded_path`]), so that `/api/admin%2Fexport` on a route `/api/{tail:.*}` (whose
-    /// handler reads `admin/export`) costs what `/api/admin/*` does.
-    fn cost(&self, path: &str) -> NonZeroU64 {
+    /// The route's cost: the higher of the routed path's and the decoded path's (`decoded`:
+    /// [`decoded_path`], when it differs), so that `/api/admin%2Fexport` on a route
+    /// `/api/{tail:.*}` (whose handler reads `admin/export`) costs what `/api/admin/*` does.
+    fn cost(&self, path: &str, decoded: Option<&str>) -> NonZeroU64 {
         let routed = self.route_costs.cost(path);
-        match decoded_path(path) {
-            Cow::Borrowed(_) => routed,
-            Cow::Owned(decoded) => routed.max(self.route_costs.cost(&decoded)),
-        }
+        decoded.map_or(routed, |decoded| routed.max(self.route_costs.cost(decoded)))
     }
 
     /// The route limits of the routed path and of the decoded one (what the handler reads,
     /// [`RequestRules::cost`]): each limit of either, once (two routes may name one limit), the
     /// decoded path's first, so at most twice [`ROUTE_LIMITS_MAX`]. One form's alone, an escape
     /// could trade a route's strict limit for a lax one's.
-    fn limits(&self, path: &str) -> Option<Arc<[Plan]>> {
+    fn limits(&self, path: &str, decoded: Option<&str>) -> Option<Arc<[Plan]>> {
         let routed = self.route_limits(path);
-        let Cow::Owned(decoded) = decoded_path(path) else {
+        let Some(decoded) = decoded else {
             return routed.cloned();
         };
-        match (self.route_limits(&decoded), routed) {
+        match (self.route_limits(decoded), routed) {
             (Some(first), Some(then)) if !Arc::ptr_eq(first, then) => {
                 let mut both = first.to_vec();
                 let new = |plan: &&Plan| !first.iter().any(|had| had.name() == plan.name());

@@ -42,7 +42,8 @@ pub fn route_limit_account(ledger_id: u32, limit: &Plan, key: &CallerKey) -> Use
 
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// [`Limiter::check`] against the caller's plan and every limit of `route_limits` (at most
-    /// twice [`ROUTE_LIMITS_MAX`]: a route's, or two routes'), all or none. [`Decision::refused_by`] names the limit that refused.
+    /// twice [`ROUTE_LIMITS_MAX`]: a route's, or two routes'), all or none.
+    /// [`Decision::refused_by`] names the limit that refused.
     ///
     /// Unlike [`Limiter::check`], it leaves the renewal ahead of need that an admission from a
     /// lease made due to its caller, to run after answering ([`Limiter::renew_lease_ahead`]):
