@@ -356,19 +356,11 @@ pub const LISTEN_BACKLOG: i32 = 2048;
 /// Binds `address` (`host:port`; a host name's addresses in turn, the first that binds, as std's
 /// bind does), with SO_REUSEADDR as std sets it, listening with [`LISTEN_BACKLOG`].
 pub fn bind_listener(address: &str) -> std::io::Result<TcpListener> {
-    let socket = bind_first(address)?;
-    socket.listen(LISTEN_BACKLOG)?;
-    Ok(socket.into())
-}
-
-/// The first of `address`'s addresses that binds (SO_REUSEADDR, as std sets it), not yet
-/// listening.
-fn bind_first(address: &str) -> std::io::Result<socket2::Socket> {
     use std::net::ToSocketAddrs;
     let mut failed = None;
     for address in address.to_socket_addrs()? {
-        match bind_socket(address) {
-            Ok(socket) => return Ok(socket),
+        match bind_one(address) {
+            Ok(listener) => return Ok(listener),
             Err(error) => failed = Some(error),
         }
     }
@@ -378,7 +370,7 @@ fn bind_first(address: &str) -> std::io::Result<socket2::Socket> {
     }))
 }
 
-fn bind_socket(address: std::net::SocketAddr) -> std::io::Result<socket2::Socket> {
+fn bind_one(address: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(
         Domain::for_address(address),
@@ -387,7 +379,8 @@ fn bind_socket(address: std::net::SocketAddr) -> std::io::Result<socket2::Socket
     )?;
     socket.set_reuse_address(true)?;
     socket.bind(&address.into())?;
-    Ok(socket)
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
 }
 
 /// A listener of the service before its server runs. Listening from the start, so that the
