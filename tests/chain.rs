@@ -608,44 +608,115 @@ async fn lose_a_top_up(
     tokio::join!(lost, go_on).0
 }
 
+/// Two plans of 10 a minute, the caller's old one provisioned, for a move whose request or
+/// reply a [`LedgerProxy`] holds: `direct` reaches TigerBeetle itself, `moving` through the
+/// proxy.
+struct MoveRig {
+    direct: Ledger,
+    proxy: LedgerProxy,
+    moving: Ledger,
+    from: Limit,
+    to: Limit,
+}
+
+type MoveTask = tokio::task::JoinHandle<
+    Result<ledger_limiter::ledger::Moving, ledger_limiter::ledger::LedgerError>,
+>;
+
+impl MoveRig {
+    async fn new() -> MoveRig {
+        let direct = ledger_client(vec![shared_ledger().address]);
+        let proxy = LedgerProxy::start(shared_ledger().address).await;
+        let moving = ledger_client(vec![proxy.address]);
+        let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
+        let setup = Instant::now() + Duration::from_secs(10);
+        direct.provision(&from.account, setup).await.unwrap();
+        MoveRig {
+            direct,
+            proxy,
+            moving,
+            from,
+            to,
+        }
+    }
+
+    fn actor() -> ledger_limiter::ledger::model::Actor {
+        ledger_limiter::ledger::model::Actor::from_reason(1, "test").unwrap()
+    }
+
+    /// A request's hold of `amount` on the old account, for `seconds`, placed directly.
+    async fn hold(&self, amount: u64, seconds: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let id = self.from.account.id;
+        let held = self.direct.hold(id, amount, seconds, deadline, false).await;
+        let held = held.unwrap();
+        assert!(
+            matches!(held, ledger_limiter::ledger::HoldReply::Held { .. }),
+            "{held:?}"
+        );
+    }
+
+    /// The move to the new plan, by `deadline`, in a task of its own through the proxy; once
+    /// the proxy caught its request (held, its reply held until `answer_at`), with the sender
+    /// that lets it on.
+    async fn move_caught(
+        &self,
+        deadline: Instant,
+        answer_at: Instant,
+    ) -> (MoveTask, tokio::sync::oneshot::Sender<()>) {
+        let code = ledger_limiter::ledger::model::TRANSFER_CODE_MOVE;
+        let (caught, go) = self.proxy.lose_answer_to(code, answer_at);
+        let (id, target, mover) = (self.from.account.id, self.to.account, self.moving.clone());
+        let actor = MoveRig::actor();
+        let moved =
+            tokio::spawn(
+                async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await },
+            );
+        caught_within(caught).await;
+        (moved, go)
+    }
+
+    /// What the new account has free once it is `free`, or after 10 s, what it had last.
+    async fn free_on_new_once(&self, free: u64) -> Option<u64> {
+        let mut now = None;
+        for _ in 0..100 {
+            now = available(&self.direct, &self.to).await;
+            if now == Some(free) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        now
+    }
+}
+
+/// Until the proxy caught the request its trap was armed for (10 s at most).
+async fn caught_within(caught: tokio::sync::oneshot::Receiver<()>) {
+    tokio::time::timeout(Duration::from_secs(10), caught)
+        .await
+        .expect("the request is sent")
+        .unwrap();
+}
+
 /// A move whose answer is lost (the ledger's reply held past the move's deadline) landed all
 /// the same, and a request placed a hold on the old account while the move was on its way. The
 /// move is answered as landed, and that hold is carried: before, the move failed, a retry found
 /// the caller moved, and the hold counted on no plan (the new one admitted 3 more).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_whose_answer_is_lost_carries_the_holds_placed_meanwhile() {
-    use ledger_limiter::ledger::model::{self, Actor};
-    use ledger_limiter::ledger::{HoldReply, Moving};
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let moving = ledger_client(vec![proxy.address]);
-    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&from.account, setup).await.unwrap();
-    let id = from.account.id;
-    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
-    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
+    use ledger_limiter::ledger::Moving;
+    let rig = MoveRig::new().await;
+    rig.hold(2, 30).await;
     let deadline = Instant::now() + Duration::from_secs(3);
     let answer_at = deadline + Duration::from_millis(300);
-    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, answer_at);
-    let actor = Actor::from_reason(1, "test").unwrap();
-    let target = to.account;
-    let moved =
-        tokio::spawn(
-            async move { (moving.move_caller(id, &target, 7, actor, 60, deadline)).await },
-        );
-    tokio::time::timeout(Duration::from_secs(10), caught)
-        .await
-        .expect("the move is sent")
-        .unwrap();
+    let (moved, go) = rig.move_caught(deadline, answer_at).await;
     // A request in flight at the move: its hold lands before the move does.
-    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
-    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    rig.hold(3, 40).await;
     go.send(()).unwrap();
     let moved = moved.await.unwrap();
     assert!(Instant::now() > deadline, "answered past its deadline");
     assert_eq!(moved, Ok(Moving::Done { carried: 5 }), "both holds carried");
-    assert_eq!(available(&direct, &to).await, Some(5));
+    assert_eq!(available(&rig.direct, &rig.to).await, Some(5));
 }
 
 /// A move that lands only after it gave up looking for itself (the ledger held it past the
@@ -655,51 +726,26 @@ async fn a_move_whose_answer_is_lost_carries_the_holds_placed_meanwhile() {
 /// more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_that_lands_after_it_gave_up_carries_the_holds_placed_meanwhile() {
-    use ledger_limiter::ledger::model::{self, Actor};
-    use ledger_limiter::ledger::HoldReply;
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let moving = ledger_client(vec![proxy.address]);
-    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&from.account, setup).await.unwrap();
-    let id = from.account.id;
-    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
-    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
+    let rig = MoveRig::new().await;
+    rig.hold(2, 30).await;
     let deadline = Instant::now() + Duration::from_secs(1);
-    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, deadline);
-    let actor = Actor::from_reason(1, "test").unwrap();
-    let (target, mover) = (to.account, moving.clone());
-    let moved =
-        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
-    tokio::time::timeout(Duration::from_secs(10), caught)
-        .await
-        .expect("the move is sent")
-        .unwrap();
+    let (moved, go) = rig.move_caught(deadline, deadline).await;
     // Requests in flight at the move: their holds land before it does.
-    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
-    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    rig.hold(3, 40).await;
     let moved = moved.await.unwrap();
     assert!(moved.is_err(), "gave up on the held move: {moved:?}");
-    let done = moving.second_passes_done(Instant::now()).await;
+    let done = rig.moving.second_passes_done(Instant::now()).await;
     assert!(!done, "its late answer waited for");
-    let later = direct.hold(id, 1, 40, setup, false).await.unwrap();
-    assert!(matches!(later, HoldReply::Held { .. }), "{later:?}");
+    rig.hold(1, 40).await;
     go.send(()).unwrap();
-    let mut free = None;
-    for _ in 0..100 {
-        free = available(&direct, &to).await;
-        if free == Some(4) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert_eq!(
-        free,
+        rig.free_on_new_once(4).await,
         Some(4),
         "the move's 2 and the late 3 + 1 held on the new plan"
     );
-    let done = moving.second_passes_done(Instant::now() + Duration::from_secs(5));
+    let done = rig
+        .moving
+        .second_passes_done(Instant::now() + Duration::from_secs(5));
     assert!(done.await, "the pass counted until its end");
 }
 
@@ -709,46 +755,21 @@ async fn a_move_that_lands_after_it_gave_up_carries_the_holds_placed_meanwhile()
 /// more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_whose_caller_goes_away_still_carries_the_holds_placed_meanwhile() {
-    use ledger_limiter::ledger::model::{self, Actor};
-    use ledger_limiter::ledger::HoldReply;
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let moving = ledger_client(vec![proxy.address]);
-    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&from.account, setup).await.unwrap();
-    let id = from.account.id;
-    let held = direct.hold(id, 2, 30, setup, false).await.unwrap();
-    assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
-    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, Instant::now());
-    let actor = Actor::from_reason(1, "test").unwrap();
+    let rig = MoveRig::new().await;
+    rig.hold(2, 30).await;
     let deadline = Instant::now() + Duration::from_secs(5);
-    let (target, mover) = (to.account, moving.clone());
-    let moved =
-        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
-    tokio::time::timeout(Duration::from_secs(10), caught)
-        .await
-        .expect("the move is sent")
-        .unwrap();
-    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
-    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
+    let (moved, go) = rig.move_caught(deadline, Instant::now()).await;
+    rig.hold(3, 40).await;
     moved.abort();
     assert!(moved.await.unwrap_err().is_cancelled());
     go.send(()).unwrap();
-    let mut free = None;
-    for _ in 0..100 {
-        free = available(&direct, &to).await;
-        if free == Some(5) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert_eq!(
-        free,
+        rig.free_on_new_once(5).await,
         Some(5),
         "the move's 2 and the late 3 held on the new plan"
     );
-    assert!(moving.second_passes_done(Instant::now()).await, "none left");
+    let done = rig.moving.second_passes_done(Instant::now()).await;
+    assert!(done, "none left");
 }
 
 /// A move whose answer is lost and that did not land (the caller blocked meanwhile) leaves no
@@ -756,35 +777,27 @@ async fn a_move_whose_caller_goes_away_still_carries_the_holds_placed_meanwhile(
 /// on no plan for a move that never happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_move_that_did_not_land_leaves_no_second_pass_to_wait_for() {
-    use ledger_limiter::ledger::model::{self, Actor};
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let moving = ledger_client(vec![proxy.address]);
-    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&from.account, setup).await.unwrap();
-    let id = from.account.id;
+    let rig = MoveRig::new().await;
     let deadline = Instant::now() + Duration::from_secs(2);
     // Its answer (that it failed) comes while the move still looks for itself.
     let answer_at = deadline + Duration::from_millis(300);
-    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, answer_at);
-    let actor = Actor::from_reason(1, "test").unwrap();
-    let (target, mover) = (to.account, moving.clone());
-    let moved =
-        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
-    tokio::time::timeout(Duration::from_secs(10), caught)
+    let (moved, go) = rig.move_caught(deadline, answer_at).await;
+    let setup = Instant::now() + Duration::from_secs(10);
+    let id = rig.from.account.id;
+    rig.direct
+        .block(id, 60, MoveRig::actor(), setup)
         .await
-        .expect("the move is sent")
         .unwrap();
-    direct.block(id, 60, actor, setup).await.unwrap();
     go.send(()).unwrap();
     let moved = moved.await.unwrap();
     assert!(moved.is_err(), "lost, and not found: {moved:?}");
-    assert!(
-        moving.second_passes_done(Instant::now()).await,
-        "none pending"
+    let done = rig.moving.second_passes_done(Instant::now()).await;
+    assert!(done, "none pending");
+    assert_eq!(
+        available(&rig.direct, &rig.to).await,
+        Some(10),
+        "nothing carried"
     );
-    assert_eq!(available(&direct, &to).await, Some(10), "nothing carried");
 }
 
 /// A move's second pass that fails (here: the new account blocked between the move and the
@@ -792,53 +805,35 @@ async fn a_lost_move_that_did_not_land_leaves_no_second_pass_to_wait_for() {
 /// holds of requests in flight at the move counted on no plan, and the new one admitted 3 more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
-    use ledger_limiter::ledger::model::{self, Actor};
-    use ledger_limiter::ledger::{Blocking, HoldReply, Moving};
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let moving = ledger_client(vec![proxy.address]);
-    let (from, to) = (fresh_limit(10, 60, 1), fresh_limit(10, 60, 1));
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&from.account, setup).await.unwrap();
-    let (id, to_id) = (from.account.id, to.account.id);
+    use ledger_limiter::ledger::model::TRANSFER_CODE_CARRY;
+    use ledger_limiter::ledger::{Blocking, Moving};
+    let rig = MoveRig::new().await;
     // No hold before the move: its chain carries nothing, so the first carry is the second pass.
-    let (caught, go) = proxy.lose_answer_to(model::TRANSFER_CODE_MOVE, Instant::now());
-    let actor = Actor::from_reason(1, "test").unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    let (target, mover) = (to.account, moving.clone());
-    let moved =
-        tokio::spawn(async move { (mover.move_caller(id, &target, 7, actor, 60, deadline)).await });
-    let wait = |caught| tokio::time::timeout(Duration::from_secs(10), caught);
-    wait(caught).await.expect("the move is sent").unwrap();
-    let late = direct.hold(id, 3, 40, setup, false).await.unwrap();
-    assert!(matches!(late, HoldReply::Held { .. }), "{late:?}");
-    let (caught_pass, go_pass) = proxy.lose_answer_to(model::TRANSFER_CODE_CARRY, Instant::now());
+    let (moved, go) = rig.move_caught(deadline, Instant::now()).await;
+    rig.hold(3, 40).await;
+    let (caught_pass, go_pass) = rig
+        .proxy
+        .lose_answer_to(TRANSFER_CODE_CARRY, Instant::now());
     go.send(()).unwrap();
-    wait(caught_pass)
-        .await
-        .expect("the second pass is sent")
-        .unwrap();
-    let blocked = direct.block(to_id, 2, actor, setup).await.unwrap();
-    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    caught_within(caught_pass).await;
+    let setup = Instant::now() + Duration::from_secs(10);
+    let to_id = rig.to.account.id;
+    let blocked = rig.direct.block(to_id, 2, MoveRig::actor(), setup).await;
+    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
     go_pass.send(()).unwrap();
     let moved = moved.await.unwrap();
     assert_eq!(moved, Ok(Moving::Done { carried: 0 }), "its pass failed");
-    let done = moving.second_passes_done(Instant::now()).await;
+    let done = rig.moving.second_passes_done(Instant::now()).await;
     assert!(!done, "sent again in the background, and counted");
-    let mut free = None;
-    for _ in 0..100 {
-        free = available(&direct, &to).await;
-        if free == Some(7) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     assert_eq!(
-        free,
+        rig.free_on_new_once(7).await,
         Some(7),
         "the late 3 held on the new plan once the block ended"
     );
-    let done = moving.second_passes_done(Instant::now() + Duration::from_secs(5));
+    let done = rig
+        .moving
+        .second_passes_done(Instant::now() + Duration::from_secs(5));
     assert!(done.await, "the pass counted until its end");
 }
 
