@@ -846,11 +846,9 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
     assert_eq!(f.check(ONE).await.quota.remaining, CAPACITY - 1);
 }
 
-/// A refund's fields count what the caller's other requests took while it ran: they said the
-/// whole quota was back (`r=5;t=0`) while the others held all but the unit it gave back.
-#[tokio::test]
-async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
-    let f = Fixture::closed();
+/// The first of a caller's `CAPACITY` requests, admitted, once the others were admitted too (all
+/// their holds answered now): the decision a slow request has when it comes to give back.
+async fn first_of_a_whole_quota(f: &Fixture) -> Decision<'_> {
     let answered_at = f.clock.now();
     f.script(|s| {
         for id in 0..CAPACITY {
@@ -861,14 +859,23 @@ async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
             };
             s.holds.push_back(Ok(held));
         }
-        s.voids.push_back(Ok(true));
     });
     let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let mut slow = f.limiter.check(&key, ONE).await.unwrap();
+    let slow = f.limiter.check(&key, ONE).await.unwrap();
     for _ in 1..CAPACITY {
         let other = f.limiter.check(&key, ONE).await.unwrap();
         assert_eq!(other.outcome, Outcome::Admitted);
     }
+    slow
+}
+
+/// A refund's fields count what the caller's other requests took while it ran: they said the
+/// whole quota was back (`r=5;t=0`) while the others held all but the unit it gave back.
+#[tokio::test]
+async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
+    let f = Fixture::closed();
+    f.script(|s| s.voids.push_back(Ok(true)));
+    let mut slow = first_of_a_whole_quota(&f).await;
     assert_eq!(f.limiter.refund(&mut slow).await, Ok(true));
     assert_eq!(slow.quota.remaining, 1);
     assert_eq!(slow.quota.reset_seconds, WINDOW.as_secs());
@@ -880,23 +887,7 @@ async fn a_refunds_fields_count_what_was_admitted_meanwhile() {
 #[tokio::test]
 async fn a_give_back_laters_fields_count_what_was_admitted_meanwhile() {
     let f = Fixture::closed();
-    let answered_at = f.clock.now();
-    f.script(|s| {
-        for id in 0..CAPACITY {
-            let transfer_id = 100 + u128::from(id);
-            let held = HoldReply::Held {
-                answered_at,
-                transfer_id,
-            };
-            s.holds.push_back(Ok(held));
-        }
-    });
-    let key = CallerKey::from_header_value("x-api-key", b"k", 64).unwrap();
-    let mut slow = f.limiter.check(&key, ONE).await.unwrap();
-    for _ in 1..CAPACITY {
-        let other = f.limiter.check(&key, ONE).await.unwrap();
-        assert_eq!(other.outcome, Outcome::Admitted);
-    }
+    let mut slow = first_of_a_whole_quota(&f).await;
     let holds = f.limiter.give_back_later(&mut slow);
     assert!(holds.is_some(), "its hold, to void");
     assert_eq!(slow.quota.remaining, 1);
