@@ -1350,35 +1350,25 @@ async fn an_escaped_slash_finds_the_routes_slots_and_the_fewer_of_two() {
     use ledger_limiter::http::ConcurrencyLimits;
     use std::num::{NonZeroU32, NonZeroU64};
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let slots = |n| NonZeroU64::new(n).unwrap();
-    let routes = [
-        ("/reports/*".to_owned(), slots(3)),
-        ("/reports/big".to_owned(), slots(1)),
-        ("/rep*".to_owned(), slots(5)),
-    ];
     let timeout = NonZeroU32::new(30).unwrap();
-    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
-    let route = |path| {
-        limits
-            .for_path(path)
-            .map(|l| l.plans().capacity_min().get())
+    // The slots of the route `path` is on, among `routes` (pattern, slots).
+    let slots_of = |routes: &[(&str, u64)], path: &str| {
+        let routes: Vec<_> = (routes.iter())
+            .map(|(pattern, n)| (pattern.to_string(), NonZeroU64::new(*n).unwrap()))
+            .collect();
+        let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings());
+        let limits = limits.unwrap();
+        let slots = limits.for_path(path);
+        slots.map(|l| l.plans().capacity_min().get())
     };
-    assert_eq!(route("/reports/x"), Some(3));
+    let three = [("/reports/*", 3), ("/reports/big", 1), ("/rep*", 5)];
+    assert_eq!(slots_of(&three, "/reports/x"), Some(3));
     // Routed, `/rep*` (5); decoded, `/reports/*` (3): the fewer.
-    assert_eq!(route("/reports%2Fx"), Some(3));
-    assert_eq!(route("/reports%2fbig"), Some(1));
-    assert_eq!(route("/other%2Fx"), None);
+    assert_eq!(slots_of(&three, "/reports%2Fx"), Some(3));
+    assert_eq!(slots_of(&three, "/reports%2fbig"), Some(1));
+    assert_eq!(slots_of(&three, "/other%2Fx"), None);
     // The routed form's route the stricter: its slots, not the decoded form's.
-    let routes = [
-        ("/reports/*".to_owned(), slots(3)),
-        ("/rep*".to_owned(), slots(1)),
-    ];
-    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
-    let route = |path| {
-        limits
-            .for_path(path)
-            .map(|l| l.plans().capacity_min().get())
-    };
-    assert_eq!(route("/reports/x"), Some(3));
-    assert_eq!(route("/reports%2Fx"), Some(1));
+    let two = [("/reports/*", 3), ("/rep*", 1)];
+    assert_eq!(slots_of(&two, "/reports/x"), Some(3));
+    assert_eq!(slots_of(&two, "/reports%2Fx"), Some(1));
 }
