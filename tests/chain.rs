@@ -1068,6 +1068,42 @@ async fn a_ping_waits_for_a_place_under_a_full_bound() {
     let _ = full.other.await;
 }
 
+/// A refund after a recharge gives back what the recharge held, on the plan and the route
+/// limit: it voided the estimates' holds, which the recharge had voided already (a second void
+/// of a transfer is refused), and left the caller charged the actual cost for its window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_after_a_recharge_gives_back_what_the_recharge_held() {
+    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+    let route = Plan::new(
+        "burst",
+        NonZeroU64::new(10).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    )
+    .unwrap();
+    let key = caller(&fresh_key("k_"));
+    let cost = NonZeroU64::new(1).unwrap();
+    let checked = limiter.check_with(&key, cost, std::slice::from_ref(&route));
+    let (mut decision, _) = checked.await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    let done = limiter.recharge(&mut decision, 3).await.unwrap();
+    assert_eq!(done, [true, true], "both holds recharged");
+    assert_eq!(decision.quota.remaining, 2, "5 less the 3 it cost");
+    assert!(limiter.refund(&mut decision).await.unwrap(), "given back");
+    assert_eq!(decision.quota.remaining, 5, "{decision:?}");
+    assert_eq!(decision.route_limits[0].quota.remaining, 10);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let ledger = limiter.ledger();
+    for account_id in [decision.account_id, decision.route_limits[0].account_id] {
+        let audit = ledger.audit(account_id, deadline).await.unwrap().unwrap();
+        assert_eq!(audit.debits_pending, 0, "nothing held: {audit:?}");
+        assert_eq!((audit.holds, audit.voids), (2, 2), "{audit:?}");
+    }
+    // Nothing held, so a whole quota admits again.
+    let whole = NonZeroU64::new(5).unwrap();
+    let (again, _) = limiter.check_with(&key, whole, &[]).await.unwrap();
+    assert_eq!(again.outcome, Outcome::Admitted);
+}
+
 /// A recharge whose one linked chain fails (an operator blocked one of the request's limits
 /// meanwhile) recharges each hold alone, so that the others still are: the plan's hold is
 /// replaced by one of the actual cost, and the blocked limit's estimate stands.
@@ -1084,7 +1120,7 @@ async fn a_recharge_whose_chain_fails_recharges_each_hold_alone() {
     let key = caller(&fresh_key("k_"));
     let cost = NonZeroU64::new(2).unwrap();
     let checked = limiter.check_with(&key, cost, std::slice::from_ref(&route));
-    let (decision, _) = checked.await.unwrap();
+    let (mut decision, _) = checked.await.unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
     let route_account = decision.route_limits[0].account_id;
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -1094,7 +1130,7 @@ async fn a_recharge_whose_chain_fails_recharges_each_hold_alone() {
         .block(route_account, 600, actor, deadline)
         .await
         .unwrap();
-    let done = limiter.recharge(&decision, 1).await.unwrap();
+    let done = limiter.recharge(&mut decision, 1).await.unwrap();
     assert_eq!(
         done,
         [true, false],

@@ -571,7 +571,6 @@ impl Inner {
         };
         match Box::pin(self.limiter.recharge(decision, actual)).await {
             Ok(done) if done.contains(&true) => {
-                self.limiter.recharged(decision, actual, &done);
                 tracing::Span::current().record(crate::telemetry::span::fields::COST, actual);
             }
             Ok(_) => {}

@@ -197,30 +197,34 @@ impl Decision<'_> {
             .chain(limits.filter_map(|limit| limit.hold.map(|hold| (limit.account_id, hold))))
     }
 
-    /// Its quotas once the holds flagged in `done` (one flag per hold, in the order of
-    /// [`Decision::holds`]) were recharged to `actual` units ([`Limiter::recharge`]): the plan's
-    /// and the route limits', so the single-valued fields still show the one that binds. From the
-    /// admission's quotas alone: [`Limiter::recharged`] also bounds them by what the view holds
-    /// free (a recharge the ledger capped left less).
-    pub fn recharged(&mut self, actual: u64, done: &[bool]) {
-        // Less than held: the difference given back, as a refund's (whole again, it resets
-        // now); more: the difference taken too.
-        let recharge = |quota: &mut Quota, held: u64| match held.checked_sub(actual) {
-            Some(back) => credit_back(quota, back),
-            None => quota.remaining = quota.remaining.saturating_sub(actual - held),
-        };
-        let mut done = done.iter().copied();
-        if let Some(hold) = self.hold {
-            if done.next() == Some(true) {
-                recharge(&mut self.quota, hold.amount);
+    /// Its quotas and holds once [`Limiter::recharge`] replaced some of its holds by holds of
+    /// `actual` units: `replaced` has one entry per hold, in the order of [`Decision::holds`],
+    /// `None` for a hold left as it was, else the new hold's transfer (`None` for an actual cost
+    /// of 0: nothing is held any more). The quotas from the admission's alone:
+    /// [`Limiter::recharge`] also bounds them by what the view holds free (a recharge the ledger
+    /// capped left less). The new receipts are what a later refund voids: the old holds are
+    /// voided already, and a refund of them gave nothing back.
+    pub(crate) fn recharged(&mut self, actual: u64, replaced: &[Option<Option<u128>>]) {
+        let plan = std::iter::once((&mut self.quota, &mut self.hold));
+        let limits = self.route_limits.iter_mut();
+        let holds = plan.chain(limits.map(|limit| (&mut limit.quota, &mut limit.hold)));
+        let mut replaced = replaced.iter().copied();
+        for (quota, hold) in holds {
+            let Some(old) = *hold else { continue };
+            let Some(Some(new)) = replaced.next() else {
+                continue;
+            };
+            // Less than held: the difference given back, as a refund's (whole again, it resets
+            // now); more: the difference taken too.
+            match old.amount.checked_sub(actual) {
+                Some(back) => credit_back(quota, back),
+                None => quota.remaining = quota.remaining.saturating_sub(actual - old.amount),
             }
-        }
-        for limit in &mut self.route_limits {
-            if let Some(hold) = limit.hold {
-                if done.next() == Some(true) {
-                    recharge(&mut limit.quota, hold.amount);
-                }
-            }
+            *hold = new.map(|transfer_id| HoldReceipt {
+                transfer_id,
+                amount: actual,
+                expires_at: old.expires_at,
+            });
         }
     }
 }

@@ -13,15 +13,17 @@ use crate::ledger::{Ledger, LedgerError};
 impl Limiter {
     /// Charges `actual` instead of what the request held, on the plan and every route limit
     /// whose hold still lives: which were recharged, one flag per hold of
-    /// [`Decision::holds`] (none when there was nothing to recharge: no hold, or the same cost).
-    /// Pass them to [`Limiter::recharged`] for the decision's quotas (its `RateLimit` fields).
+    /// [`Decision::holds`] as it was (none when there was nothing to recharge: no hold, or the
+    /// same cost). The decision's quotas (its `RateLimit` fields) say what the caller has left
+    /// after it, never more than this instance's view holds free; its receipts are the new
+    /// holds', so a refund after a recharge gives back what the recharge held.
     ///
     /// A hold whose window is over is left out: it has nothing left to charge, and its void
     /// (`pending_transfer_expired`) failed the one linked chain of every hold, so a request that
     /// outlived a per-second limit's window was charged its estimate on its daily limit too.
     pub async fn recharge(
         &self,
-        decision: &Decision<'_>,
+        decision: &mut Decision<'_>,
         actual: u64,
     ) -> Result<Vec<bool>, LedgerError> {
         let Some(plan_hold) = decision.hold else {
@@ -49,48 +51,42 @@ impl Limiter {
         let live: Vec<Recharge> = recharges.iter().flatten().copied().collect();
         let accounts: Vec<u128> = live.iter().map(|recharge| recharge.account_id).collect();
         let dropped = super::ForgetIfDropped::new(&self.local, accounts);
-        let mut live_done = match live.is_empty() {
+        let mut live_replaced = match live.is_empty() {
             true => Vec::new(),
             false => self.recharge_live(&live, now).await?,
         }
         .into_iter();
         dropped.disarm();
-        let done: Vec<bool> = recharges
+        let replaced: Vec<Option<Option<u128>>> = recharges
             .iter()
-            .map(|recharge| recharge.is_some() && live_done.next().expect("one per live hold"))
+            .map(|recharge| recharge.and_then(|_| live_replaced.next().expect("one per live hold")))
             .collect();
-        for (&(account_id, hold), _) in holds.iter().zip(&done).filter(|(_, done)| **done) {
+        for (&(account_id, hold), _) in holds.iter().zip(&replaced).filter(|(_, new)| new.is_some())
+        {
             let old = LocalRecharge {
                 amount: hold.amount,
                 expires_at: hold.expires_at,
             };
             self.local.recharge(account_id, old, actual, now);
         }
-        Ok(done)
-    }
-
-    /// The decision's quotas once [`Limiter::recharge`] recharged the holds flagged in `done`
-    /// ([`Decision::recharged`]), and never more than this instance's view holds free: a
-    /// recharge the ledger capped at what was free (other requests admitted while this one
-    /// ran) left less than the admission's quota less the difference, and `r` showed units the
-    /// caller did not have.
-    pub fn recharged(&self, decision: &mut Decision<'_>, actual: u64, done: &[bool]) {
-        decision.recharged(actual, done);
+        decision.recharged(actual, &replaced);
         self.within_view(decision);
+        Ok(replaced.iter().map(Option::is_some).collect())
     }
 
     /// Recharges every hold of `live` in one linked chain; if one of them expired at the ledger
     /// all the same (inside the expiry margin), or its account was closed, each alone, so that
-    /// the others still are.
+    /// the others still are. One entry per hold: `None` if it was left as it was, else its new
+    /// hold's transfer (`None` for a cost of 0).
     async fn recharge_live(
         &self,
         live: &[Recharge],
         now: Instant,
-    ) -> Result<Vec<bool>, LedgerError> {
+    ) -> Result<Vec<Option<Option<u128>>>, LedgerError> {
         let deadline = now + self.settings.ledger_timeout;
         let ledger: &Ledger = &self.store;
         match ledger.recharge(live, deadline).await {
-            Ok(Recharged::Done(_)) => return Ok(vec![true; live.len()]),
+            Ok(Recharged::Done(ids)) => return Ok(ids.into_iter().map(Some).collect()),
             Ok(Recharged::Expired | Recharged::Closed) => {}
             Err(error) => {
                 // Landed or not, unknown: the view forgets these callers rather than count the
@@ -106,18 +102,18 @@ impl Limiter {
                 .recharge(std::slice::from_ref(recharge), deadline)
                 .await
             {
-                Ok(Recharged::Done(_)) => true,
-                Ok(Recharged::Expired) => false,
+                Ok(Recharged::Done(ids)) => Some(ids[0]),
+                Ok(Recharged::Expired) => None,
                 Ok(Recharged::Closed) => {
                     // Its next request finds out why (a block, or where it moved).
                     self.local.forget(recharge.account_id);
-                    false
+                    None
                 }
                 Err(error) => {
                     // Landed or not, unknown: as for the chain above.
                     self.local.forget(recharge.account_id);
                     tracing::debug!(%error, "could not recharge a hold; its estimate stands");
-                    false
+                    None
                 }
             }
         });
