@@ -470,6 +470,48 @@ async fn a_block_is_found_past_thousands_of_voids_after_it() {
     );
 }
 
+/// A move is found past thousands of voids landed on the old account after it: an instance
+/// that had not learnt the move reads where the caller went (and follows it), and an unblock of
+/// the old account answers "moved". Before, past 16 pages of debits of any code, the caller was
+/// refused as blocked (a block with no end), and the unblock answered "not blocked".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_is_found_past_thousands_of_voids_after_it() {
+    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::{Moving, Unblocking};
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let (from, to) = (fresh_limit(5_000, 3600, 1), fresh_limit(10, 60, 1));
+    let (id, ledger_id) = (from.account.id, ledger.ledger_id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    ledger.provision(&from.account, deadline).await.unwrap();
+    let holds: Vec<_> = (0..4_100)
+        .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
+        .collect();
+    // 200 a request: the test ledger runs in development mode (32 KiB requests).
+    for chunk in holds.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let moved = ledger.move_caller(id, &to.account, 7, actor, 3600, deadline);
+    let moved = moved.await.unwrap();
+    assert!(matches!(moved, Moving::Done { .. }), "{moved:?}");
+    let voids: Vec<_> = (holds.iter())
+        .map(|hold| model::void_transfer(hold.id(), ledger_id))
+        .collect();
+    for chunk in voids.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+    let view = ledger.account_view(id, 3600, deadline).await.unwrap();
+    let blocked = view.and_then(|view| view.blocked).expect("closed");
+    assert_eq!(
+        (blocked.moved_to, blocked.until),
+        (Some(7), None),
+        "followed to plan 7"
+    );
+    let unblocked = ledger.unblock(id, actor, deadline).await.unwrap();
+    assert_eq!(unblocked, Unblocking::Moved);
+}
+
 /// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
 /// old account holds 2 units for 1 s and 8 for 30 s; the new plan allows 2. Each carry is a
 /// balancing debit, so the first in the chain takes what is free. Carried shortest first, the
