@@ -813,10 +813,7 @@ fn the_port_is_held_and_answers_at_once_while_the_embedded_ledger_starts() {
     let mut args = embedded_args(&data);
     args[1] = slow.display().to_string();
     // A free port, let go for the binary to take.
-    let port = (std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::port_outside_ephemeral_range();
     let mut command = common::binary_command();
     command
         .args(&args)

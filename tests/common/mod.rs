@@ -306,12 +306,12 @@ pub struct TestCluster {
 impl TestCluster {
     pub fn start(replicas: usize) -> TestCluster {
         let dir = ledger_dir();
-        // Free ports now; a replica binds its own later (a race another process is unlikely to win).
-        let listeners: Vec<_> = (0..replicas)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        // Outside the kernel's ephemeral range: a killed replica's port stays free for its
+        // restart, where a port of that range could be taken meanwhile as the local end of a
+        // client's reconnection (the clients reconnect to a down replica over and over).
+        let addresses = (0..replicas)
+            .map(|_| SocketAddr::from(([127, 0, 0, 1], port_outside_ephemeral_range())))
             .collect();
-        let addresses = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-        drop(listeners);
         let mut cluster = TestCluster {
             addresses,
             dir,
@@ -559,6 +559,32 @@ pub fn request_calls(ledger: &ledger_limiter::ledger::Ledger) -> u64 {
 /// A key no other test uses.
 pub fn fresh_key(prefix: &str) -> String {
     format!("{prefix}{:032x}", rand::random::<u128>())
+}
+
+/// A port free just now, below the kernel's ephemeral range (`ip_local_port_range`), for a
+/// process that binds it later: no outgoing connection takes such a port as its local end, and
+/// no other test is handed it (each is handed out once per test binary). A bound-and-let-go
+/// port of the ephemeral range could be taken by any connection meanwhile.
+pub fn port_outside_ephemeral_range() -> u16 {
+    static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let range =
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let ephemeral_low: u16 = (range.split_whitespace().next())
+        .and_then(|low| low.parse().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_low.max(20_000));
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..1_000 {
+        let port = rand::random_range(low..high);
+        if handed_out.contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.push(port);
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{high} after 1,000 tries");
 }
 
 /// An address where nothing listens: a ledger that is down.
