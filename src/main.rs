@@ -315,9 +315,15 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     for setting in &settings.unread {
         tracing::warn!(%setting, "this setting is ignored: ledger.addresses names the ledger, so none is embedded");
     }
-    raise_open_files_limit();
     let exporting_traces = telemetry.exporting();
-    let served = serve_exporting(settings, signals, exporting_traces).await;
+    let served = match raise_open_files_limit() {
+        Some(open_files_max) if open_files_max < OPEN_FILES_MIN => Err(anyhow::anyhow!(
+            "the limit on open files is {open_files_max} (`ulimit -n`), and the service needs at \
+             least {OPEN_FILES_MIN} to start (its workers, listeners, ledger client and \
+             telemetry) and thousands to serve connections: raise it"
+        )),
+        _ => serve_exporting(settings, signals, exporting_traces).await,
+    };
     if let Err(error) = &served {
         tracing::error!(
             error = format!("{error:#}"),
@@ -329,12 +335,18 @@ async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
     served
 }
 
+/// The fewest open files the service starts with. Why: below about 30, a worker's runtime
+/// failed to start (`EMFILE`) and the process panicked inside actix, after its log said it
+/// listened; 128 leaves room for the workers of a larger machine and a few connections.
+const OPEN_FILES_MIN: libc::rlim_t = 128;
+
 /// Raises the soft limit on open files to the hard one, as Go's runtime does for its servers.
 /// Why: each connection is a file descriptor, and a systemd unit's soft limit is 1,024 unless
 /// set, so the service ran out (`EMFILE`) at about a thousand connections, far below its own
 /// bounds (25,000 per HTTP worker, `rls.connections_max`), whatever the hard limit allowed.
-/// Best effort: a limit that cannot be raised stays, said in the log.
-fn raise_open_files_limit() {
+/// Best effort: a limit that cannot be raised stays, said in the log. The soft limit now (`None`
+/// if it cannot be read).
+fn raise_open_files_limit() -> Option<libc::rlim_t> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -343,7 +355,7 @@ fn raise_open_files_limit() {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
         let error = std::io::Error::last_os_error();
         tracing::warn!(%error, "cannot read the limit on open files");
-        return;
+        return None;
     }
     let (soft, hard) = (limit.rlim_cur, limit.rlim_max);
     // A hard limit above what the kernel lets a process open (fs.nr_open; "unlimited" is) is
@@ -356,7 +368,7 @@ fn raise_open_files_limit() {
             open_files_max = soft,
             "open files: the soft limit is at its most (the hard one, or the kernel's)"
         );
-        return;
+        return Some(soft);
     }
     let raised = libc::rlimit {
         rlim_cur: most,
@@ -364,15 +376,19 @@ fn raise_open_files_limit() {
     };
     // SAFETY: setrlimit only reads the struct it is given.
     match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } {
-        0 => tracing::info!(
-            open_files_max = most,
-            was = soft,
-            hard,
-            "open files: soft limit raised to the hard one (or the kernel's most)"
-        ),
+        0 => {
+            tracing::info!(
+                open_files_max = most,
+                was = soft,
+                hard,
+                "open files: soft limit raised to the hard one (or the kernel's most)"
+            );
+            Some(most)
+        }
         _ => {
             let error = std::io::Error::last_os_error();
             tracing::warn!(%error, open_files_max = soft, hard, "open files: the soft limit stays");
+            Some(soft)
         }
     }
 }

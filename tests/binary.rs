@@ -885,3 +885,38 @@ fn a_port_taken_fails_the_start_before_the_embedded_ledger_starts() {
     let formatted = std::fs::read_dir(&data).map_or(0, |files| files.count());
     assert_eq!(formatted, 0, "no data file: {said}");
 }
+
+/// A limit on open files too low to start is refused at once, saying so. Before, below about
+/// 30, a worker's runtime failed to start inside actix: a panic, after the log said the service
+/// listened.
+#[test]
+fn too_few_open_files_are_refused_saying_so() {
+    let dir = common::ledger_dir();
+    let data = dir.path().join("data");
+    let mut command = common::binary_command();
+    command
+        .args(embedded_args(&data))
+        .arg("--listen=127.0.0.1:0");
+    // SAFETY: between fork and exec, only `setrlimit`, which is async-signal-safe.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            let limit = libc::rlimit {
+                rlim_cur: 24,
+                rlim_max: 24,
+            };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                -1 => Err(std::io::Error::last_os_error()),
+                _ => Ok(()),
+            }
+        });
+    }
+    let output = command.output().expect("runs");
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{said}");
+    assert!(
+        said.contains("the limit on open files is 24"),
+        "says why: {said}"
+    );
+    assert!(!said.contains("panicked"), "{said}");
+    assert!(!said.contains("listening"), "{said}");
+}
