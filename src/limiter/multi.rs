@@ -720,12 +720,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             refusal.flatten().map(|(outcome, _)| (i, outcome))
         });
         if let Some((i, outcome)) = blocked {
-            return MultiDecision {
-                outcome,
-                refused_by: Some(i),
-                limits: self.local_statuses(limits, now),
-                moved_to: None,
-            };
+            // Its fields as any refusal's: the view's quota of a blocked caller said its credit
+            // was free (`r=q;t=0`, before its Retry-After).
+            return self.refused_for_a_moment(limits, i, outcome);
         }
         let outcome = match self.settings.failure_policy {
             FailurePolicy::Open => Outcome::FailedOpen(error),

@@ -726,3 +726,33 @@ async fn a_refused_check_outranks_a_failed_read_beside_it() {
         Some((20, DecisionSource::Ledger))
     );
 }
+
+/// A caller this instance knows is blocked, refused while the ledger is down: its fields say
+/// nothing is free until the block ends, as any refusal's. Before, the view's quota of the
+/// caller (forgotten when the block was learnt) said `r=5;t=0`, before its Retry-After.
+#[tokio::test]
+async fn a_known_block_refused_while_the_ledger_fails_says_nothing_is_free() {
+    let f = Fixture::closed();
+    let until = f.clock.now() + Duration::from_secs(600);
+    f.limiter
+        .forget_acted_on(A, crate::limiter::local_view::BlockAct::Blocked(until));
+    f.script(|s| s.chains.push_back(Err(timeout())));
+    let limits = [limit(A, 5, 60, 1), limit(B, 10, 60, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let Outcome::Blocked {
+        retry_after_seconds,
+        ..
+    } = decision.outcome
+    else {
+        panic!("blocked: {:?}", decision.outcome);
+    };
+    assert_eq!(decision.refused_by, Some(0));
+    assert_eq!(f.calls(), ["chain"], "asked the ledger first");
+    let quota = decision.limits[0].quota;
+    assert_eq!(quota.remaining, 0, "{quota:?}");
+    assert!(quota.reset_seconds >= retry_after_seconds, "{quota:?}");
+    assert_eq!(
+        decision.limits[1].quota.remaining, 10,
+        "the other limit's own"
+    );
+}
