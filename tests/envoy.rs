@@ -652,6 +652,21 @@ async fn an_operator_finds_and_blocks_an_envoy_callers_account() {
         text.lines().any(|line| line == series),
         "{series} in:\n{text}"
     );
+    // A value with U+FFFD (a caller chooses its key): looked up as the call decodes it, the
+    // account its call holds on.
+    let marked = format!("{value}\u{FFFD}");
+    let call_marked = request("extra", vec![descriptor(&[("operated_shadow", &marked)])]);
+    assert_eq!(overall(&call(&mut client, call_marked).await), Code::Ok);
+    let entries = serde_json::json!([{"key": "operated_shadow", "value": marked}]);
+    let body = serde_json::json!({"domain": "extra", "entries": entries});
+    let (status, found) = post("/envoy/lookup", body).await;
+    assert_eq!(status, 200, "{found}");
+    let id = found["account_id"].as_str().unwrap();
+    let inspected = app.http.get(format!("{admin}/callers/{id}"));
+    let inspected = inspected.bearer_auth(SECRET).send().await.unwrap();
+    assert_eq!(inspected.status(), 200, "the call's account");
+    let audit: serde_json::Value = inspected.json().await.unwrap();
+    assert_eq!(audit["debits_pending"], 1, "the call's hold: {audit}");
     // A descriptor no rule counts, and one past a call's bounds.
     let (status, problem) = lookup("no_such_key").await;
     assert_eq!(status, 404, "{problem}");

@@ -157,6 +157,15 @@ pub fn descriptor_account(
     entries: Vec<(String, String)>,
 ) -> DescriptorAccount {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    // As a call's text is decoded (`wire::text`), whose accounts derive from it: a U+FFFD is
+    // doubled there, and a value with one was looked up as an account no call is charged to.
+    let domain = &super::wire::text(domain.as_bytes().to_vec());
+    let entries: Vec<(String, String)> = (entries.into_iter())
+        .map(|(key, value)| {
+            let text = |text: String| super::wire::text(text.into_bytes());
+            (text(key), text(value))
+        })
+        .collect();
     if domain.is_empty() || domain.len() > KEY_VALUE_LENGTH_MAX {
         let detail = format!("a domain is 1 to {KEY_VALUE_LENGTH_MAX} bytes");
         return DescriptorAccount::Invalid(detail);
@@ -730,6 +739,10 @@ impl RateLimitService for RateLimitServer {
         let _ = span.set_parent(parent);
         let answer = async move {
             let matched = self.matched(&request)?;
+            // Not held while the ledger decides: its text may be several times the message's
+            // size (a byte that is not UTF-8 reads as three and two hex digits), and what was
+            // matched holds none of it.
+            drop(request);
             let decided = self.decide(&matched, deadline).await?;
             let response = self.respond(&matched, decided)?;
             let code = Code::try_from(response.overall_code).unwrap_or(Code::Unknown);

@@ -96,13 +96,24 @@ pub fn text(bytes: Vec<u8>) -> String {
         Ok(text) => text.into_bytes(),
         Err(error) => error.into_bytes(),
     };
-    let mut text = String::with_capacity(bytes.len() * 2);
+    // Its exact length, so that a message of invalid bytes is not held at up to twice its text
+    // (a growing string doubles).
+    let length: usize = (bytes.utf8_chunks())
+        .map(|chunk| {
+            let marks = chunk.valid().matches(MARK).count();
+            chunk.valid().len()
+                + marks * MARK.len_utf8()
+                + chunk.invalid().len() * (MARK.len_utf8() + 2)
+        })
+        .sum();
+    let mut text = String::with_capacity(length);
     for chunk in bytes.utf8_chunks() {
         text.push_str(&chunk.valid().replace(MARK, "\u{FFFD}\u{FFFD}"));
         for byte in chunk.invalid() {
             let _ = write!(text, "{MARK}{byte:02x}");
         }
     }
+    debug_assert_eq!(text.len(), length);
     text
 }
 
@@ -383,6 +394,12 @@ mod tests {
         assert_eq!(texts[3], "ab\u{FFFD}\u{FFFD}ff");
         let distinct: std::collections::HashSet<&String> = texts.iter().collect();
         assert_eq!(distinct.len(), cases.len(), "{texts:?}");
+        // Held at its length: a growing string held a message of invalid bytes at up to twice
+        // its text (8 MiB for 1 MiB).
+        for hostile in [vec![0xff; 4096], "\u{FFFD}x\u{FFFD}".repeat(500).into_bytes()] {
+            let text = text(hostile);
+            assert_eq!(text.capacity(), text.len());
+        }
     }
 
     #[test]
