@@ -396,7 +396,10 @@ mod tests {
         assert_eq!(distinct.len(), cases.len(), "{texts:?}");
         // Held at its length: a growing string held a message of invalid bytes at up to twice
         // its text (8 MiB for 1 MiB).
-        for hostile in [vec![0xff; 4096], "\u{FFFD}x\u{FFFD}".repeat(500).into_bytes()] {
+        for hostile in [
+            vec![0xff; 4096],
+            "\u{FFFD}x\u{FFFD}".repeat(500).into_bytes(),
+        ] {
             let text = text(hostile);
             assert_eq!(text.capacity(), text.len());
         }

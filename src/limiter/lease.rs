@@ -180,6 +180,28 @@ struct Slot {
 }
 
 impl Slot {
+    /// A caller's state before its first lease.
+    fn new(holder: Holder) -> Arc<Slot> {
+        Arc::new(Slot {
+            state: Mutex::new(CallerLease {
+                holder,
+                lease: None,
+                renewing: false,
+                renewal_running: false,
+                retire_renewed_before: None,
+                next_units: LEASE_UNITS_FIRST.min(holder.terms.units_max.get()),
+                idle_sweeps: 0,
+                unleased_at: None,
+                closed_at: None,
+                handed_over: Vec::new(),
+                refused: false,
+            }),
+            renewed: Notify::new(),
+        })
+    }
+}
+
+impl Slot {
     fn lock(&self) -> MutexGuard<'_, CallerLease> {
         lock(&self.state)
     }
@@ -367,22 +389,7 @@ impl LeaseBook {
             window_seconds: charge.account.window_seconds.get(),
             terms,
         };
-        let slot = Arc::new(Slot {
-            state: Mutex::new(CallerLease {
-                holder,
-                lease: None,
-                renewing: false,
-                renewal_running: false,
-                retire_renewed_before: None,
-                next_units: LEASE_UNITS_FIRST.min(terms.units_max.get()),
-                idle_sweeps: 0,
-                unleased_at: None,
-                closed_at: None,
-                handed_over: Vec::new(),
-                refused: false,
-            }),
-            renewed: Notify::new(),
-        });
+        let slot = Slot::new(holder);
         shard.insert(charge.account.id, slot.clone());
         Some(slot)
     }
@@ -493,9 +500,19 @@ impl LeaseBook {
                 due.push((slot.clone(), caller.holder, lease));
                 true
             }
-            Some(_) => true,
+            Some(ref mut lease) => {
+                // Past the batch, a lease sent before an operator's act admits no more: the
+                // pass may end at its deadline (a slow ledger) before it comes to this one,
+                // which went on admitting a blocked caller for up to L. A sweep settles it.
+                if sent_before.is_some_and(|cutoff| lease.sent_at < cutoff) {
+                    lease.admit_until = lease.admit_until.min(now.max(lease.sent_at));
+                }
+                true
+            }
             None => {
-                caller.idle_sweeps += 1;
+                // Saturating: a slot kept (a closed account's word, a settlement handed over
+                // and failing) sees a sweep every 100 ms, past a `u8` in 26 s.
+                caller.idle_sweeps = caller.idle_sweeps.saturating_add(1);
                 // Only the book holds it (checked under the shard lock, where `slot` clones
                 // it): no request is about to use a forgotten caller.
                 // A closed account's word is kept for the caller's next request, a while.

@@ -74,6 +74,12 @@ impl Plan {
         if terms.seconds.get() > LEASE_SECONDS_MAX {
             return Err(PlanError::LeaseSeconds);
         }
+        // A lease's timeout is the window and L: one past `u32` was cut short (saturated), and
+        // units admitted late in L were released before a window had passed.
+        let window_seconds = self.window_seconds.get();
+        if window_seconds.checked_add(terms.seconds.get()).is_none() {
+            return Err(PlanError::LeaseWindow(self.name.to_string()));
+        }
         self.lease = Some(terms);
         Ok(self)
     }
@@ -118,6 +124,8 @@ pub enum PlanError {
     LeaseUnits(u64),
     #[error("a lease lasts 1-{LEASE_SECONDS_MAX} seconds")]
     LeaseSeconds,
+    #[error("plan {0:?}: a lease's timeout (the window and the lease's seconds) is at most 2^32 - 1 seconds")]
+    LeaseWindow(String),
 }
 
 /// What to do with a key that neither the keys file nor a prefix assigns to a plan.
@@ -427,6 +435,11 @@ mod tests {
         let book = book(vec![leased, plan("b", 20)]);
         assert_eq!(book.window_seconds_max().get(), 20);
         assert_eq!(book.hold_seconds_max().get(), 40, "10 + 30");
+        // A timeout of the window and L past `u32` is refused (it was cut short).
+        let longest = plan("c", u32::MAX - 30).with_lease(terms).unwrap();
+        assert_eq!(longest.lease(), Some(terms));
+        let err = plan("d", u32::MAX - 29).with_lease(terms).unwrap_err();
+        assert_eq!(err, PlanError::LeaseWindow("d".into()));
     }
 
     #[test]

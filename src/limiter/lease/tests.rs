@@ -408,6 +408,15 @@ fn gated_instance(
     failure_policy: FailurePolicy,
     ledger_timeout: Duration,
 ) -> Instance {
+    gated_instance_remembering(store, (failure_policy, ledger_timeout), 100)
+}
+
+/// [`gated_instance`] whose local view remembers `local_callers_max` callers.
+fn gated_instance_remembering(
+    store: &ModelStore,
+    (failure_policy, ledger_timeout): (FailurePolicy, Duration),
+    local_callers_max: usize,
+) -> Instance {
     let lease = terms();
     let capacity = NonZeroU64::new(CAPACITY).unwrap();
     let window = NonZeroU32::new(WINDOW_SECONDS).unwrap();
@@ -419,7 +428,7 @@ fn gated_instance(
     let settings = LimiterSettings {
         ledger_timeout,
         failure_policy,
-        local_callers_max: 100,
+        local_callers_max,
         expiry_margin: Duration::ZERO,
     };
     Limiter::with_seams(
@@ -1485,6 +1494,75 @@ fn an_operator_act_settles_only_the_leases_sent_before_it_was_read() {
     assert_eq!(settled, 1, "the lease sent before");
     assert!(leased_from_memory(&limiter, &later, one).is_some(), "kept");
     assert!(leased_from_memory(&limiter, &key, one).is_none(), "settled");
+}
+
+/// An operator's act over more leases than one batch: those its pass did not take (a slow
+/// ledger can end the pass at its deadline before it comes to them) admit no more from memory
+/// meanwhile. Before, a lease sent before the act went on admitting, a blocked caller included,
+/// until its renewal or the end of its L.
+#[test]
+fn leases_past_an_acts_batch_admit_no_more_meanwhile() {
+    let (_runtime, store, limiter, key) = with_a_first_lease();
+    let id = limiter.account_of(&key).unwrap();
+    let first = limiter
+        .leases
+        .shard(id)
+        .get(&id)
+        .cloned()
+        .expect("its slot");
+    let (holder, lease) = {
+        let caller = first.lock();
+        (caller.holder, caller.lease.expect("its lease"))
+    };
+    // More callers with a lease as old (the model ledger keeps one caller's account).
+    for other in 1..=(super::SETTLE_BATCH_MAX + 9) as u128 {
+        let account_id = id.wrapping_add(other);
+        let slot = super::Slot::new(super::Holder {
+            account_id,
+            ..holder
+        });
+        slot.lock().lease = Some(lease);
+        limiter.leases.shard(account_id).insert(account_id, slot);
+    }
+    store
+        .clock
+        .advance_to(store.clock.now() + Duration::from_millis(1));
+    let now = store.clock.now();
+    let taken = limiter.leases.due(now, (Some(now), false));
+    assert_eq!(taken.len(), super::SETTLE_BATCH_MAX, "one batch");
+    let admitting = (limiter.leases.shards.iter())
+        .flat_map(|shard| super::lock(shard).values().cloned().collect::<Vec<_>>())
+        .filter(|slot| slot.lock().admit(1, now))
+        .count();
+    assert_eq!(admitting, 0, "none of the leases sent before the act");
+    // The next sweep takes the rest as over.
+    let rest = limiter.leases.due(now, (None, false));
+    assert_eq!(rest.len(), 10);
+}
+
+/// A slot kept with no lease (a closed account's word, kept a minute) is swept every 100 ms:
+/// its count of idle sweeps passed 255 in 26 s, a panic in the sweeper (debug builds).
+#[test]
+fn a_slot_kept_idle_for_minutes_is_swept_without_overflow() {
+    let (runtime, store, limiter, key) = with_a_first_lease();
+    let id = limiter.account_of(&key).unwrap();
+    let slot = limiter
+        .leases
+        .shard(id)
+        .get(&id)
+        .cloned()
+        .expect("its slot");
+    let now = store.clock.now();
+    {
+        let mut caller = slot.lock();
+        caller.lease = None;
+        caller.closed_at = Some(now);
+    }
+    for _ in 0..300 {
+        drop(limiter.leases.due(now, (None, false)));
+    }
+    assert_eq!(slot.lock().idle_sweeps, u8::MAX, "kept, and counted");
+    drop(runtime);
 }
 
 /// A clean shutdown sends at once a settlement waiting to be sent again (its outcome unknown):
