@@ -1577,3 +1577,44 @@ async fn decisions_are_counted_with_the_envoy_frontend_label() {
 
 /// A value configured in `EXTRA`'s rules.
 const PARTNER_KEY: &str = "sk_partner_0123456789";
+
+/// Envoy's `grpc_health_check` and Kubernetes' `grpc` probes ask the rate-limit port itself, as
+/// envoyproxy/ratelimit answers on its own: `SERVING`, for the server and for the rate-limit
+/// service by name; `NOT_FOUND` for another name; `Watch` is not served. Before, every path but
+/// `ShouldRateLimit` was `UNIMPLEMENTED`: a cluster health-checked so marked every host
+/// unhealthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_port_answers_grpcs_health_check() {
+    use ledger_limiter::envoy::health::{HealthCheckRequest, HealthCheckResponse, SERVING};
+    let rules_kept = rules_dir();
+    let config = rls_config(shared_ledger().address, rules_kept.path(), "closed", 5_000);
+    let (_app, port) = spawn_rls_port(config).await;
+    let channel = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
+    let channel = channel.connect().await.expect("the RLS listener accepts");
+    let ask = |service: &str, path: &'static str| {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        let request = tonic::Request::new(HealthCheckRequest {
+            service: service.into(),
+        });
+        async move {
+            grpc.ready().await.unwrap();
+            let codec =
+                tonic_prost::ProstCodec::<HealthCheckRequest, HealthCheckResponse>::default();
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+            grpc.unary(request, path, codec).await
+        }
+    };
+    const CHECK: &str = "/grpc.health.v1.Health/Check";
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let answer = ask(service, CHECK).await.expect("answered");
+        assert_eq!(answer.get_ref().status, SERVING, "{service:?}");
+    }
+    let unknown = ask("some.other.Service", CHECK).await.unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
+    let watch = ask("", "/grpc.health.v1.Health/Watch").await.unwrap_err();
+    assert_eq!(watch.code(), tonic::Code::Unimplemented, "{watch:?}");
+    // And the rate-limit service beside it, on the same connection.
+    let mut client = RateLimitServiceClient::new(channel);
+    let one = request("extra", vec![descriptor(&[("unlimited", "k")])]);
+    assert_eq!(overall(&call(&mut client, one).await), Code::Ok);
+}

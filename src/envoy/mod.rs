@@ -3,12 +3,14 @@
 //! limiter and the ledger know nothing of it.
 //!
 //! - [`config`]: envoyproxy/ratelimit's YAML rules, strictly read;
+//! - [`health`]: gRPC's health check on the same port, as envoyproxy/ratelimit serves it;
 //! - [`incoming`]: the connections, bounded in number, accepted with a pause on a shortage;
 //! - [`service`]: `ShouldRateLimit`: descriptors → rules → accounts → one linked chain of holds;
 //! - [`metrics`]: the decision counters with `frontend="envoy"`;
 //! - [`wire`]: the gRPC service, reading the request's strings as bytes.
 
 pub mod config;
+pub mod health;
 pub mod incoming;
 pub mod metrics;
 pub mod rules;
@@ -83,6 +85,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(service)
+        .add_service(health::HealthServer)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
