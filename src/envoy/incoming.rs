@@ -13,7 +13,7 @@ use std::future::Future;
 use std::io;
 use std::num::NonZeroUsize;
 use std::pin::Pin;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -50,33 +50,41 @@ static PAUSE_LOGGED_SECOND: AtomicU64 = AtomicU64::new(0);
 /// connection task ends).
 pub struct Connection {
     stream: TcpStream,
-    /// Held until the connection ends; read for whether any other place is free.
-    place: OwnedSemaphorePermit,
-    /// Until the preface has come: how much of it has, when it is too late (if every place is
-    /// taken then), and how long each wait for it is.
+    /// Held until the connection ends (dropped with it).
+    _place: OwnedSemaphorePermit,
+    /// Until the preface has come: how much of it has, when it is too late (if a connection
+    /// waits for a place then), and how long each wait for it is.
     preface: Option<(usize, Pin<Box<tokio::time::Sleep>>, Duration)>,
+    /// Whether an accepted connection waits for a place ([`bounded`]).
+    waiting: Arc<AtomicBool>,
 }
 
 impl Connection {
-    /// `stream`, holding `place`; it must send HTTP/2's preface within `timeout` whenever every
-    /// place is taken ([`PREFACE_TIMEOUT`]).
-    fn new(stream: TcpStream, place: OwnedSemaphorePermit, timeout: Duration) -> Self {
+    /// `stream`, holding `place`; it must send HTTP/2's preface within `timeout` whenever a
+    /// connection waits for a place (`waiting`, [`PREFACE_TIMEOUT`]).
+    fn new(
+        stream: TcpStream,
+        place: OwnedSemaphorePermit,
+        (timeout, waiting): (Duration, Arc<AtomicBool>),
+    ) -> Self {
         let deadline = Box::pin(tokio::time::sleep(timeout));
         Connection {
             stream,
-            place,
+            _place: place,
             preface: Some((0, deadline, timeout)),
+            waiting,
         }
     }
 
-    /// Whether a connection still silent at its deadline is closed: when no place is free, so
-    /// that one waiting in the backlog may have its place. Else it waits another `timeout`.
+    /// Whether a connection still silent at its deadline is closed: when another waits for a
+    /// place, so that it may have this one's. Else it waits another `timeout`. (Every place
+    /// taken is not enough: the last one taken, nobody waits.)
     fn too_late(&mut self, cx: &mut Context<'_>) -> bool {
         let Some((_, deadline, timeout)) = &mut self.preface else {
             return false;
         };
         while deadline.as_mut().poll(cx).is_ready() {
-            if self.place.semaphore().available_permits() == 0 {
+            if self.waiting.load(Ordering::Relaxed) {
                 return true;
             }
             let again = tokio::time::Instant::now() + *timeout;
@@ -86,30 +94,39 @@ impl Connection {
     }
 }
 
-/// `incoming`'s connections, at most `connections_max` open at once: beyond, new ones wait in the
-/// listen backlog ([`crate::startup::LISTEN_BACKLOG`]; past it, a new connection's handshake goes
-/// unanswered and its client tries again) until one ends, as the HTTP server's do.
+/// `incoming`'s connections, at most `connections_max` open at once: beyond, one accepted waits
+/// for a place and the next ones in the listen backlog ([`crate::startup::LISTEN_BACKLOG`]; past
+/// it, a new connection's handshake goes unanswered and its client tries again) until one ends,
+/// as the HTTP server's do. Accepted first, then placed: a place taken while the next
+/// connection was awaited made the bound look full one connection early, and a silent
+/// connection was closed then with nobody waiting for its place.
 pub fn bounded(
     incoming: TcpIncoming,
     connections_max: NonZeroUsize,
 ) -> impl Stream<Item = io::Result<Connection>> {
     let places = Arc::new(Semaphore::new(connections_max.get()));
+    let waiting = Arc::new(AtomicBool::new(false));
     futures_util::stream::unfold(
-        (incoming, places),
-        move |(mut incoming, places)| async move {
-            if places.available_permits() == 0
-                && crate::telemetry::log_throttle(&FULL_LOGGED_SECOND)
-            {
-                tracing::warn!(
-                    connections_max = connections_max.get(),
-                    "the Envoy front end has rls.connections_max connections open; new ones wait"
-                );
-            }
-            let place = (places.clone()).acquire_owned().await;
-            let place = place.expect("the bound's semaphore is never closed");
+        (incoming, places, waiting),
+        move |(mut incoming, places, waiting)| async move {
             let stream = accept(&mut incoming).await?;
-            let connection = Connection::new(stream, place, PREFACE_TIMEOUT);
-            Some((Ok(connection), (incoming, places)))
+            let place = match places.clone().try_acquire_owned() {
+                Ok(place) => place,
+                Err(_) => {
+                    if crate::telemetry::log_throttle(&FULL_LOGGED_SECOND) {
+                        tracing::warn!(
+                            connections_max = connections_max.get(),
+                            "the Envoy front end has rls.connections_max connections open; new ones wait"
+                        );
+                    }
+                    waiting.store(true, Ordering::Relaxed);
+                    let place = (places.clone()).acquire_owned().await;
+                    waiting.store(false, Ordering::Relaxed);
+                    place.expect("the bound's semaphore is never closed")
+                }
+            };
+            let connection = Connection::new(stream, place, (PREFACE_TIMEOUT, waiting.clone()));
+            Some((Ok(connection), (incoming, places, waiting)))
         },
     )
 }
@@ -260,16 +277,15 @@ mod tests {
     /// while loopback data was on its way).
     const SHORT: Duration = Duration::from_millis(200);
 
-    /// A connection holding one of `places` places, and its peer.
-    async fn connected(places: usize) -> (Connection, TcpStream) {
+    /// A connection holding a place, another connection waiting for one or not, and its peer.
+    async fn connected(waiting: bool) -> (Connection, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let peer = TcpStream::connect(listener.local_addr().unwrap());
         let (peer, accepted) = tokio::join!(peer, listener.accept());
-        let place = Arc::new(Semaphore::new(places))
-            .try_acquire_owned()
-            .unwrap();
+        let place = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let waiting = Arc::new(AtomicBool::new(waiting));
         (
-            Connection::new(accepted.unwrap().0, place, SHORT),
+            Connection::new(accepted.unwrap().0, place, (SHORT, waiting)),
             peer.unwrap(),
         )
     }
@@ -287,21 +303,21 @@ mod tests {
             .ok()
     }
 
-    /// While every place is taken, a connection that has not sent HTTP/2's preface, or only half
-    /// of it, is ended at its deadline (it held its place for good); one that sent it may stay
-    /// quiet as long as it likes, and so may a silent one while a place is free (Envoy's
-    /// connections opened ahead of their requests).
+    /// While a connection waits for a place, one that has not sent HTTP/2's preface, or only
+    /// half of it, is ended at its deadline (it held its place for good); one that sent it may
+    /// stay quiet as long as it likes, and so may a silent one while nobody waits, every place
+    /// taken or not (Envoy's connections opened ahead of their requests).
     #[tokio::test]
-    async fn a_silent_connection_is_ended_when_every_place_is_taken() {
+    async fn a_silent_connection_is_ended_when_another_waits_for_its_place() {
         use tokio::io::AsyncWriteExt;
-        let (mut silent, _peer) = connected(1).await;
+        let (mut silent, _peer) = connected(true).await;
         let started = std::time::Instant::now();
         let ended = read_within(&mut silent, 20 * SHORT)
             .await
             .expect("ended in time");
         assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
         assert!(started.elapsed() >= SHORT);
-        let (mut halfway, mut peer) = connected(1).await;
+        let (mut halfway, mut peer) = connected(true).await;
         peer.write_all(&PREFACE[..12]).await.unwrap();
         let read = read_within(&mut halfway, 20 * SHORT).await;
         assert_eq!(read.expect("read").unwrap(), 12);
@@ -309,7 +325,7 @@ mod tests {
             .await
             .expect("ended in time");
         assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
-        let (mut spoke, mut peer) = connected(1).await;
+        let (mut spoke, mut peer) = connected(true).await;
         peer.write_all(&[&PREFACE[..], b"SETTINGS"].concat())
             .await
             .unwrap();
@@ -324,12 +340,12 @@ mod tests {
             read_within(&mut spoke, 5 * SHORT).await.is_none(),
             "kept, waiting"
         );
-        let (mut waiting, _peer) = connected(2).await;
+        let (mut unwaited, _peer) = connected(false).await;
         assert!(
-            read_within(&mut waiting, 5 * SHORT).await.is_none(),
-            "kept, a place free"
+            read_within(&mut unwaited, 5 * SHORT).await.is_none(),
+            "kept, nobody waits for its place"
         );
-        let (mut closed, peer) = connected(1).await;
+        let (mut closed, peer) = connected(true).await;
         drop(peer);
         let read = read_within(&mut closed, 20 * SHORT).await;
         assert_eq!(read.expect("read").unwrap(), 0, "its end, as it came");
