@@ -1110,12 +1110,15 @@ async fn a_ping_waits_for_a_place_under_a_full_bound() {
     let _ = full.other.await;
 }
 
-/// A refund after a recharge gives back what the recharge held, on the plan and the route
-/// limit: it voided the estimates' holds, which the recharge had voided already (a second void
-/// of a transfer is refused), and left the caller charged the actual cost for its window.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refund_after_a_recharge_gives_back_what_the_recharge_held() {
-    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+/// A fresh caller's request of `cost`, admitted on `limiter`'s plan and a route limit of 10 a
+/// minute; and the caller.
+async fn admitted_beside_a_route_limit(
+    limiter: &Limiter,
+    cost: u64,
+) -> (
+    ledger_limiter::limiter::Decision<'_>,
+    ledger_limiter::limiter::caller::CallerKey,
+) {
     let route = Plan::new(
         "burst",
         NonZeroU64::new(10).unwrap(),
@@ -1123,10 +1126,20 @@ async fn a_refund_after_a_recharge_gives_back_what_the_recharge_held() {
     )
     .unwrap();
     let key = caller(&fresh_key("k_"));
-    let cost = NonZeroU64::new(1).unwrap();
+    let cost = NonZeroU64::new(cost).unwrap();
     let checked = limiter.check_with(&key, cost, std::slice::from_ref(&route));
-    let (mut decision, _) = checked.await.unwrap();
+    let (decision, _) = checked.await.unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
+    (decision, key)
+}
+
+/// A refund after a recharge gives back what the recharge held, on the plan and the route
+/// limit: it voided the estimates' holds, which the recharge had voided already (a second void
+/// of a transfer is refused), and left the caller charged the actual cost for its window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_after_a_recharge_gives_back_what_the_recharge_held() {
+    let limiter = limiter(ledger_client(vec![shared_ledger().address]));
+    let (mut decision, key) = admitted_beside_a_route_limit(&limiter, 1).await;
     let done = limiter.recharge(&mut decision, 3).await.unwrap();
     assert_eq!(done, [true, true], "both holds recharged");
     assert_eq!(decision.quota.remaining, 2, "5 less the 3 it cost");
@@ -1153,17 +1166,7 @@ async fn a_refund_after_a_recharge_gives_back_what_the_recharge_held() {
 async fn a_recharge_whose_chain_fails_recharges_each_hold_alone() {
     use ledger_limiter::ledger::model::Actor;
     let limiter = limiter(ledger_client(vec![shared_ledger().address]));
-    let route = Plan::new(
-        "burst",
-        NonZeroU64::new(10).unwrap(),
-        NonZeroU32::new(60).unwrap(),
-    )
-    .unwrap();
-    let key = caller(&fresh_key("k_"));
-    let cost = NonZeroU64::new(2).unwrap();
-    let checked = limiter.check_with(&key, cost, std::slice::from_ref(&route));
-    let (mut decision, _) = checked.await.unwrap();
-    assert_eq!(decision.outcome, Outcome::Admitted);
+    let (mut decision, _) = admitted_beside_a_route_limit(&limiter, 2).await;
     let route_account = decision.route_limits[0].account_id;
     let deadline = Instant::now() + Duration::from_secs(5);
     let actor = Actor::from_reason(1, "test").unwrap();
