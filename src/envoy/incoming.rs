@@ -104,6 +104,15 @@ pub fn bounded(
     incoming: TcpIncoming,
     connections_max: NonZeroUsize,
 ) -> impl Stream<Item = io::Result<Connection>> {
+    bounded_with(incoming, connections_max, PREFACE_TIMEOUT)
+}
+
+/// [`bounded`], each connection given `preface_timeout` (tests wait less than 10 s).
+fn bounded_with(
+    incoming: TcpIncoming,
+    connections_max: NonZeroUsize,
+    preface_timeout: Duration,
+) -> impl Stream<Item = io::Result<Connection>> {
     let places = Arc::new(Semaphore::new(connections_max.get()));
     let waiting = Arc::new(AtomicBool::new(false));
     futures_util::stream::unfold(
@@ -125,7 +134,7 @@ pub fn bounded(
                     place.expect("the bound's semaphore is never closed")
                 }
             };
-            let connection = Connection::new(stream, place, (PREFACE_TIMEOUT, waiting.clone()));
+            let connection = Connection::new(stream, place, (preface_timeout, waiting.clone()));
             Some((Ok(connection), (incoming, places, waiting)))
         },
     )
@@ -345,9 +354,46 @@ mod tests {
             read_within(&mut unwaited, 5 * SHORT).await.is_none(),
             "kept, nobody waits for its place"
         );
+        // Still watched: once another waits, it is ended at its next deadline.
+        unwaited.waiting.store(true, Ordering::Relaxed);
+        let ended = read_within(&mut unwaited, 20 * SHORT)
+            .await
+            .expect("ended in time");
+        assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
         let (mut closed, peer) = connected(true).await;
         drop(peer);
         let read = read_within(&mut closed, 20 * SHORT).await;
         assert_eq!(read.expect("read").unwrap(), 0, "its end, as it came");
+    }
+
+    /// Through the bound itself, one place: a silent connection keeps its place past its
+    /// deadlines while nobody waits (the last place taken is not a wait); a second connection
+    /// is accepted and waits, and the silent one is ended at its next deadline, its place the
+    /// second's.
+    #[tokio::test]
+    async fn the_bound_ends_a_silent_connection_once_another_is_accepted_and_waits() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let incoming = TcpIncoming::from(listener);
+        let mut connections = Box::pin(bounded_with(incoming, NonZeroUsize::MIN, SHORT));
+        let _silent_peer = TcpStream::connect(address).await.unwrap();
+        let mut silent = connections.next().await.unwrap().unwrap();
+        assert!(
+            read_within(&mut silent, 5 * SHORT).await.is_none(),
+            "kept, nobody waits"
+        );
+        let _next_peer = TcpStream::connect(address).await.unwrap();
+        let next = connections.next();
+        tokio::pin!(next);
+        let placed = tokio::time::timeout(2 * SHORT, &mut next).await;
+        assert!(placed.is_err(), "accepted, waiting for the one place");
+        let ended = read_within(&mut silent, 20 * SHORT)
+            .await
+            .expect("ended in time");
+        assert_eq!(ended.expect_err("ended").kind(), io::ErrorKind::TimedOut);
+        drop(silent);
+        let placed = tokio::time::timeout(20 * SHORT, next).await;
+        let placed = placed.expect("placed once the silent one ended");
+        assert!(placed.expect("a connection").is_ok());
     }
 }
