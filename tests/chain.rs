@@ -431,6 +431,35 @@ async fn a_grant_refused_by_a_block_is_made_under_the_next_id_once_unblocked() {
     assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
 }
 
+/// One release voids up to `RELEASE_HOLDS_MAX` holds in one request, which a development-mode
+/// ledger (32 KiB requests: the default configuration's) takes. 254 voids were refused whole
+/// (the request's trailer takes one transfer's room): nothing was given back, ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_as_many_holds_as_it_may_fits_one_request() {
+    use ledger_limiter::ledger::model;
+    use ledger_limiter::ledger::release::RELEASE_HOLDS_MAX;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let limit = fresh_limit(1_000, 600, 1);
+    let (id, ledger_id) = (limit.account.id, ledger.ledger_id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let holds: Vec<_> = (0..=RELEASE_HOLDS_MAX)
+        .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
+        .collect();
+    for chunk in holds.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+    let released = ledger.release_units(id, 300, 600, deadline).await;
+    let released = released.expect("one request the ledger takes");
+    assert_eq!(released.units, RELEASE_HOLDS_MAX as u64);
+    assert_eq!(
+        available(&ledger, &limit).await,
+        Some(1_000 - 1),
+        "one left"
+    );
+}
+
 /// A block is found past thousands of debits landed on the closed account after it (voids: of
 /// refunds, lease settlements, an Envoy caller's released units). Before, it was looked for in
 /// the latest 16 pages of 254 debits of any code: past them, an unblock answered "not blocked"

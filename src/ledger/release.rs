@@ -20,8 +20,12 @@ use super::{
     Place,
 };
 
-/// At most this many holds are voided by one release (one request's negative hits).
-pub const RELEASE_HOLDS_MAX: usize = 254;
+/// At most this many holds are voided by one release (one request's negative hits), in one
+/// request to the ledger: what a development-mode ledger's 32 KiB request carries (less its
+/// 256-byte header and, `create_transfers` being a multi-batch operation since 0.16, a trailer
+/// padded to one 128-byte transfer). 254 were refused whole by the client (`TooMuchData`), and a
+/// release of that many gave nothing back, however often it was asked.
+pub const RELEASE_HOLDS_MAX: usize = 253;
 /// At most this many reads and voids per release: more than one only when another release
 /// voided the holds this one chose.
 pub const RELEASE_ROUNDS_MAX: usize = 4;
