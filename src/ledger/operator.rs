@@ -450,7 +450,9 @@ impl Ledger {
         code: u16,
         deadline: Instant,
     ) -> Result<Option<tb::Transfer>, LedgerError> {
-        let mut timestamp_max = SystemTime::now() + Duration::from_secs(60);
+        // The first page unbounded: this host's clock against the cluster's (a host 60 s
+        // behind hid the latest block or move), then each page before the last one's.
+        let mut timestamp_max = None;
         for _ in 0..TRANSFERS_PAGES_MAX {
             let page = self
                 .latest_debits(account_id, (code, timestamp_max), deadline)
@@ -461,7 +463,7 @@ impl Ledger {
             }
             match page.last() {
                 Some(last) if page.len() == TRANSFERS_PAGE_LIMIT as usize => {
-                    timestamp_max = last.timestamp() - Duration::from_nanos(1);
+                    timestamp_max = Some(last.timestamp() - Duration::from_nanos(1));
                 }
                 _ => return Ok(None),
             }
@@ -469,18 +471,20 @@ impl Ledger {
         Ok(None)
     }
 
-    /// Up to a page of the account's debits of `code` created at or before `timestamp_max`,
-    /// latest first.
+    /// Up to a page of the account's debits of `code` created at or before `timestamp_max`
+    /// (`None`: any), latest first.
     async fn latest_debits(
         &self,
         account_id: u128,
-        (code, timestamp_max): (u16, SystemTime),
+        (code, timestamp_max): (u16, Option<SystemTime>),
         deadline: Instant,
     ) -> Result<Vec<tb::Transfer>, LedgerError> {
         let flags = tb::account::FilterFlags::DEBITS | tb::account::FilterFlags::REVERSED;
-        let mut filter = tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT)
-            .with_flags(flags)
-            .with_timestamp_max(timestamp_max);
+        let mut filter =
+            tb::account::Filter::new(account_id, TRANSFERS_PAGE_LIMIT).with_flags(flags);
+        if let Some(timestamp_max) = timestamp_max {
+            filter = filter.with_timestamp_max(timestamp_max);
+        }
         // The crate's filter has no setter for it; TigerBeetle reads it (0: any code).
         filter.as_raw_mut().code = code;
         self.account_transfers(filter, (super::Place::AtOnce, deadline))
