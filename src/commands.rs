@@ -182,7 +182,13 @@ async fn adjust(
     // Always a key: without one given, a fresh one, named on an error whose outcome is unknown,
     // so that running the command again with it applies the adjustment once.
     let given = change.idempotency_key.clone();
-    let key = given.unwrap_or_else(|| format!("cli-{:032x}", rand::random::<u128>()));
+    let key = given.unwrap_or_else(|| {
+        let key = format!("cli-{:032x}", rand::random::<u128>());
+        // Before it is sent: a run cut short (Ctrl-C, a lost session) said nothing, and the
+        // same command run again, under a key of its own, could apply it twice.
+        eprintln!("idempotency key: {key} (if this run is cut short, run it again with --idempotency-key {key}: it is applied once)");
+        key
+    });
     let once = IdempotencyKey::new(key.as_bytes()).with_context(|| {
         let max = model::IDEMPOTENCY_KEY_LENGTH_MAX;
         format!("--idempotency-key must be 1-{max} visible ASCII characters")
@@ -238,7 +244,12 @@ async fn connect(settings: &Settings) -> anyhow::Result<Ledger> {
 }
 
 async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> anyhow::Result<()> {
-    match ledger.audit(account_id, Instant::now() + DEADLINE).await? {
+    // A caller's account only, as the admin API's audit: a concurrency limit's slots (another
+    // ledger, an id of a caller's kind) were printed as a caller's.
+    match ledger
+        .audit_caller(account_id, Instant::now() + DEADLINE)
+        .await?
+    {
         Some(mut audit) => {
             let plan = settings
                 .plans
@@ -246,7 +257,7 @@ async fn print_audit(settings: &Settings, ledger: &Ledger, account_id: u128) -> 
             audit.plan = plan.map(|plan| plan.name().to_owned());
             println!("{}", serde_json::to_string_pretty(&audit)?)
         }
-        None => anyhow::bail!("no account {account_id:032x} in the ledger"),
+        None => anyhow::bail!("no caller's account {account_id:032x} in the ledger"),
     }
     Ok(())
 }

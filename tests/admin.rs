@@ -892,6 +892,81 @@ async fn the_command_line_credits_blocks_unblocks_and_audits() {
     app.stop().await;
 }
 
+/// A credit run without an idempotency key says the key it made up before it sends anything:
+/// a run cut short (Ctrl-C while the ledger is slow) said it only on an error, so the same
+/// command run again under a key of its own could credit twice.
+#[test]
+fn the_command_line_names_its_idempotency_key_before_it_sends() {
+    use std::io::BufRead;
+    let address = dead_address().to_string();
+    let id = format!("{:032x}", rand::random::<u128>() | 1 << 127);
+    let mut child = binary_command()
+        .env_remove("LEDGER_LIMITER_ADMIN_SECRETS")
+        .args(["--ledger-addresses", &address, "admin", "credit"])
+        .args(["--account-id", &id, "--amount", "1", "--reason", "r"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (said, heard) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if said.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut lines = Vec::new();
+    let named = loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        match heard.recv_timeout(left) {
+            Ok(line) if line.contains("--idempotency-key cli-") => break Some(line),
+            Ok(line) => lines.push(line),
+            Err(_) => break None,
+        }
+    };
+    let running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    let named = named.unwrap_or_else(|| panic!("no key named within 10 s: {lines:?}"));
+    assert!(
+        running,
+        "named while the credit waits for the ledger: {named}"
+    );
+}
+
+/// `audit` prints a caller's account only, as the admin API's audit does: a concurrency limit's
+/// slots (another ledger, an id of a caller's kind) were printed as a caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_lines_audit_is_of_callers_only() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let id: u128 = rand::random::<u128>() | 1 << 127;
+    let slots = ledger_limiter::ledger::model::UserAccount {
+        id,
+        capacity: std::num::NonZeroU64::new(2).unwrap(),
+        window_seconds: std::num::NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    ledger
+        .on_ledger(2)
+        .provision(&slots, deadline)
+        .await
+        .unwrap();
+    let address = shared_ledger().address.to_string();
+    let output = binary_command()
+        .env_remove("LEDGER_LIMITER_ADMIN_SECRETS")
+        .args(["--ledger-addresses", &address, "audit"])
+        .args(["--account-id", &format!("{id:032x}")])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{said}");
+    assert!(said.contains("no caller's account"), "{said}");
+    assert!(output.stdout.is_empty(), "nothing printed as a caller's");
+}
+
 /// A move to another plan carries what the caller holds (no fresh credit), every instance
 /// follows it (one that never heard of it learns it from the ledger), and a move back works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
