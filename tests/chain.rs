@@ -541,6 +541,35 @@ async fn a_move_is_found_past_thousands_of_voids_after_it() {
     assert_eq!(unblocked, Unblocking::Moved);
 }
 
+/// A block refused late (the account closed already, its answer just before the action's
+/// deadline) reads why with a deadline of its own: the read was never sent, past the action's,
+/// and the operator got a 503 ("unknown, retry") for a block the ledger had refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_refused_late_still_says_it_was_blocked_already() {
+    use ledger_limiter::ledger::model::{Actor, TRANSFER_CODE_BLOCK};
+    use ledger_limiter::ledger::Blocking;
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let proxied = ledger_client(vec![proxy.address]);
+    let limit = fresh_limit(5, 60, 1);
+    let id = limit.account.id;
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&limit.account, setup).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let first = direct.block(id, 600, actor, setup).await.unwrap();
+    assert!(matches!(first, Blocking::Done { .. }), "{first:?}");
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let (caught, go) =
+        proxy.lose_answer_to(TRANSFER_CODE_BLOCK, deadline - Duration::from_millis(3));
+    let again = tokio::spawn(async move { proxied.block(id, 600, actor, deadline).await });
+    caught_within(caught).await;
+    let _ = go.send(());
+    let again = again.await.unwrap();
+    assert_eq!(again, Ok(Blocking::AlreadyBlocked));
+    let unblocked = direct.unblock(id, actor, setup).await;
+    assert!(unblocked.is_ok(), "{unblocked:?}");
+}
+
 /// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
 /// old account holds 2 units for 1 s and 8 for 30 s; the new plan allows 2. Each carry is a
 /// balancing debit, so the first in the chain takes what is free. Carried shortest first, the

@@ -178,8 +178,15 @@ impl Ledger {
                 self.bump_operator_epoch(deadline).await;
                 Ok(done)
             }
-            Adjusted::Blocked if self.closed_by_move(account_id, deadline).await? => {
-                Ok(Adjusted::Moved)
+            // Known not applied: a follow-up's deadline of its own (the action's may be spent
+            // by a late refusal), and a read that fails leaves it blocked, not "unknown": a
+            // 503 had the operator retry a key the ledger then said was refused before.
+            Adjusted::Blocked => {
+                let read = self.closed_by_move(account_id, super::follow_up_deadline(deadline));
+                match read.await {
+                    Ok(true) => Ok(Adjusted::Moved),
+                    Ok(false) | Err(_) => Ok(Adjusted::Blocked),
+                }
             }
             other => Ok(other),
         }
@@ -326,7 +333,10 @@ impl Ledger {
                 Blocking::Done { transfer_id }
             }
             Some(K::DebitAccountAlreadyClosed) => {
-                let closed = self.closed_by(account_id, deadline).await?;
+                // A deadline of its own: a late refusal spent the action's, and a read never
+                // sent answered 503 for a block the ledger had refused.
+                let follow_up = super::follow_up_deadline(deadline);
+                let closed = self.closed_by(account_id, follow_up).await?;
                 if closed.moved_to.is_some() {
                     return Ok(Some(Blocking::Moved));
                 }
