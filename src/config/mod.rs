@@ -561,9 +561,12 @@ impl Settings {
             .key_prefixes
             .as_ref()
             .is_some_and(|p| !p.is_empty());
+        // Only a status of one's own (a copy of the defaults sets the default's).
+        let own_status = (overrides.response.missing_key_status)
+            .is_some_and(|status| Some(status) != defaults.response.missing_key_status);
         let mut merged = defaults.merge(overrides);
         if let Some(source) = &merged.caller.source {
-            unread_caller_settings(&own_caller, listed_prefixes, source)?;
+            unread_caller_settings(&own_caller, (listed_prefixes, own_status), source)?;
         }
         let caller = &merged.caller;
         let lists_keys =
@@ -802,8 +805,12 @@ fn concurrency_limits(
                 format!("the route is exempt (routes.exempt {exempt:?}): no slot would be taken");
             return Err(invalid(setting, why));
         }
+        // A slot plan's capacity, bounded as a plan's: past it, the start failed late (the
+        // ledger up), naming a hashed plan, not this setting.
+        use crate::limiter::plan::CAPACITY_MAX;
         let in_flight_max = NonZeroU64::new(in_flight_max)
-            .ok_or_else(|| invalid(&setting, "must be at least 1"))?;
+            .filter(|max| max.get() <= CAPACITY_MAX)
+            .ok_or_else(|| invalid(&setting, format!("must be 1 to {CAPACITY_MAX}")))?;
         limits.push((route, in_flight_max));
     }
     Ok((limits, timeout))
@@ -882,7 +889,7 @@ fn beside_defaults(mut own: CallerFile, defaults: &CallerFile) -> CallerFile {
 /// `own` sets counts.)
 fn unread_caller_settings(
     own: &CallerFile,
-    listed_prefixes: bool,
+    (listed_prefixes, own_missing_key_status): (bool, bool),
     source: &str,
 ) -> Result<(), ConfigError> {
     let (unread, why): (&[(&str, bool)], &str) = match source {
@@ -912,6 +919,8 @@ fn unread_caller_settings(
                 ("key_prefixes", listed_prefixes),
                 ("caller.header", own.header.is_some()),
                 ("caller.key_length_max", own.key_length_max.is_some()),
+                // No request lacks a key: none is looked for.
+                ("response.missing_key_status", own_missing_key_status),
             ],
             "callers are known by their address alone (caller.source = \"peer-ip\")",
         ),
@@ -1110,11 +1119,21 @@ fn check_addresses(addresses: &[String]) -> Result<(), ConfigError> {
                 "{address:?} is not host:port (an IPv4 address or a name: TigerBeetle's client takes IPv4; a port from 1)"
             )));
         }
-        if addresses[..i].contains(address) {
+        // As the client reads them: a name in any case, a port with leading zeros or a `+`
+        // (`a:3000` and `A:03000` are one replica, which the client refused, unnamed).
+        let same = |other: &String| endpoint(other) == endpoint(address);
+        if addresses[..i].iter().any(same) {
             return Err(error(format!("{address:?} is given twice")));
         }
     }
     Ok(())
+}
+
+/// A checked `host:port` as one replica's address: the host's letters in one case, the port's
+/// number.
+fn endpoint(address: &str) -> (String, Option<u16>) {
+    let (host, port) = address.rsplit_once(':').unwrap_or((address, ""));
+    (host.to_ascii_lowercase(), port.parse().ok())
 }
 
 fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError> {
@@ -1899,8 +1918,29 @@ mod tests {
         assert!(with("[admin]\nsecrets = []").unwrap().admin.is_none());
         let err = with("[routes.concurrency]\n\"/a/*/b\" = 1").unwrap_err();
         assert_eq!(err.setting, "routes.concurrency.\"/a/*/b\"");
+        // Slots bounded as a plan's capacity, refused here, not at the start's end.
+        let err = with("[routes.concurrency]\n\"/greeting\" = 1000000000000000").unwrap_err();
+        assert_eq!(err.setting, "routes.concurrency.\"/greeting\"");
+        assert!(with("[routes.concurrency]\n\"/greeting\" = 999999999999999").is_ok());
         let err = with("workers = 100000").unwrap_err();
         assert_eq!(err.setting, "workers");
+        for twice in [
+            "\"a:3000\", \"a:03000\"",
+            "\"a:3000\", \"A:3000\"",
+            "\"a:3000\", \"a:+3000\"",
+        ] {
+            let err = with(&format!("[ledger]\naddresses = [{twice}]")).unwrap_err();
+            assert_eq!(err.setting, "ledger.addresses", "{twice}");
+            assert!(err.message.contains("twice"), "{err}");
+        }
+        assert!(with("[ledger]\naddresses = [\"a:3000\", \"a:3001\"]").is_ok());
+        let peer_ip = "[caller]\nsource = \"peer-ip\"\n[response]\nmissing_key_status = ";
+        let err = with(&format!("{peer_ip}400")).unwrap_err();
+        assert_eq!(err.setting, "response.missing_key_status");
+        assert!(
+            with(&format!("{peer_ip}401")).is_ok(),
+            "a copy of the default"
+        );
         let err = with("[ledger]\nin_flight_max = 4611686018427387904").unwrap_err();
         assert_eq!(err.setting, "ledger.in_flight_max");
         let err = with("[ledger]\nlocal_callers_max = 1000000000000").unwrap_err();
