@@ -287,7 +287,11 @@ mod tests {
         let all = HeaderStyles::parse(&["ietf".into(), "github".into(), "bucket4j".into()]);
         let mut headers = HeaderMap::new();
         let policy = HeaderValue::from_static("\"free\";q=5;w=30");
+        let epoch =
+            |time: std::time::SystemTime| time.duration_since(std::time::UNIX_EPOCH).unwrap();
+        let before = epoch(std::time::SystemTime::now());
         insert(&mut headers, all.unwrap(), "free", policy, &quota, Some(27));
+        let after = epoch(std::time::SystemTime::now());
         assert_eq!(headers.get("ratelimit").unwrap(), "\"free\";r=0;t=27");
         assert_eq!(headers.get("x-ratelimit-limit").unwrap(), "5");
         assert_eq!(headers.get("x-ratelimit-remaining").unwrap(), "0");
@@ -299,7 +303,12 @@ mod tests {
             .unwrap()
             .parse()
             .unwrap();
-        assert!(reset > 1_700_000_000, "epoch seconds: {reset}");
+        // The credit is back 27 s from the call, rounded up to a whole second: never sooner.
+        let up = |time: std::time::Duration| time.as_secs() + u64::from(time.subsec_nanos() > 0);
+        assert!(
+            (up(before) + 27..=up(after) + 27).contains(&reset),
+            "{before:?} {reset}"
+        );
         assert_eq!(headers.get("x-rate-limit-remaining").unwrap(), "0");
         assert_eq!(
             headers.get("x-rate-limit-retry-after-seconds").unwrap(),

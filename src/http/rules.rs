@@ -1050,9 +1050,13 @@ mod tests {
         let r = RequestRules::builder()
             .cost("/api/admin/*", 5)
             .cost("/search/c++", 4)
+            .cost("/files/*", 5)
+            .cost("/files/a/*", 1)
             .exempt("/public/*")
             .build(&plans())
             .unwrap();
+        // The higher of both forms: the decoded path may reach a cheaper, more specific route.
+        assert_eq!(cost_of(&r, "/files/a%2Fb"), 5);
         assert_eq!(cost_of(&r, "/api/admin%2Fexport"), 5);
         assert_eq!(cost_of(&r, "/api/admin%2fexport"), 5);
         assert_eq!(cost_of(&r, "/search/c%2B%2B"), 4);

@@ -1074,12 +1074,6 @@ mod tests {
         assert_eq!(view.quota(7, 10, later).remaining, 5);
     }
 
-    /// A recharge above the old hold's units may record more than the ledger took (other
-    /// instances' holds, unknown here, leave less free there): the caller is then not refused
-    /// from memory until the ledger's word is read again.
-    /// Three of five held, expiring in 5, 10 and 20 s: were 2 more held for the window (30 s), a
-    /// cost of 2 would fit once two of the three are back (10 s, and the margin); nothing is
-    /// recorded by asking.
     /// A burst's room goes back once its holds expire: a caller that spent 1,000 units once
     /// kept room for 1,024 holds (24 KiB) for as long as it was remembered.
     #[test]
@@ -1102,6 +1096,9 @@ mod tests {
         assert!(room(&view) <= HOLDS_ROOM_KEPT, "{}", room(&view));
     }
 
+    /// Three of five held, expiring in 5, 10 and 20 s: were 2 more held for the window (30 s), a
+    /// cost of 2 would fit once two of the three are back (10 s, and the margin); nothing is
+    /// recorded by asking.
     #[test]
     fn fits_after_hold_counts_the_pretend_hold_without_recording_it() {
         let view = LocalView::new(100, MARGIN);
@@ -1122,6 +1119,9 @@ mod tests {
         );
     }
 
+    /// A recharge above the old hold's units may record more than the ledger took (other
+    /// instances' holds, unknown here, leave less free there): the caller is then not refused
+    /// from memory until the ledger's word is read again.
     #[test]
     fn a_recharge_above_the_estimate_is_not_refused_from_memory() {
         // Verified by a listing (nothing held), then one hold of 1 answered after it.
