@@ -1873,6 +1873,36 @@ mod tests {
         }
     }
 
+    /// Values the code could not serve, refused at their setting: slots past a plan's capacity
+    /// (the start failed late, naming a hashed plan), one replica spelt twice (the client
+    /// refused it, unnamed), a missing-key status that `peer-ip` never reads.
+    #[test]
+    fn values_refused_late_or_never_read_name_their_setting() {
+        // Slots bounded as a plan's capacity, refused here, not at the start's end.
+        let err = with("[routes.concurrency]\n\"/greeting\" = 1000000000000000").unwrap_err();
+        assert_eq!(err.setting, "routes.concurrency.\"/greeting\"");
+        assert!(with("[routes.concurrency]\n\"/greeting\" = 999999999999999").is_ok());
+        let err = with("workers = 100000").unwrap_err();
+        assert_eq!(err.setting, "workers");
+        for twice in [
+            "\"a:3000\", \"a:03000\"",
+            "\"a:3000\", \"A:3000\"",
+            "\"a:3000\", \"a:+3000\"",
+        ] {
+            let err = with(&format!("[ledger]\naddresses = [{twice}]")).unwrap_err();
+            assert_eq!(err.setting, "ledger.addresses", "{twice}");
+            assert!(err.message.contains("twice"), "{err}");
+        }
+        assert!(with("[ledger]\naddresses = [\"a:3000\", \"a:3001\"]").is_ok());
+        let peer_ip = "[caller]\nsource = \"peer-ip\"\n[response]\nmissing_key_status = ";
+        let err = with(&format!("{peer_ip}400")).unwrap_err();
+        assert_eq!(err.setting, "response.missing_key_status");
+        assert!(
+            with(&format!("{peer_ip}401")).is_ok(),
+            "a copy of the default"
+        );
+    }
+
     #[test]
     fn errors_name_the_setting() {
         let err = with("[plans.free]\ncapacity = 0\nwindow_seconds = 30").unwrap_err();
@@ -1918,29 +1948,6 @@ mod tests {
         assert!(with("[admin]\nsecrets = []").unwrap().admin.is_none());
         let err = with("[routes.concurrency]\n\"/a/*/b\" = 1").unwrap_err();
         assert_eq!(err.setting, "routes.concurrency.\"/a/*/b\"");
-        // Slots bounded as a plan's capacity, refused here, not at the start's end.
-        let err = with("[routes.concurrency]\n\"/greeting\" = 1000000000000000").unwrap_err();
-        assert_eq!(err.setting, "routes.concurrency.\"/greeting\"");
-        assert!(with("[routes.concurrency]\n\"/greeting\" = 999999999999999").is_ok());
-        let err = with("workers = 100000").unwrap_err();
-        assert_eq!(err.setting, "workers");
-        for twice in [
-            "\"a:3000\", \"a:03000\"",
-            "\"a:3000\", \"A:3000\"",
-            "\"a:3000\", \"a:+3000\"",
-        ] {
-            let err = with(&format!("[ledger]\naddresses = [{twice}]")).unwrap_err();
-            assert_eq!(err.setting, "ledger.addresses", "{twice}");
-            assert!(err.message.contains("twice"), "{err}");
-        }
-        assert!(with("[ledger]\naddresses = [\"a:3000\", \"a:3001\"]").is_ok());
-        let peer_ip = "[caller]\nsource = \"peer-ip\"\n[response]\nmissing_key_status = ";
-        let err = with(&format!("{peer_ip}400")).unwrap_err();
-        assert_eq!(err.setting, "response.missing_key_status");
-        assert!(
-            with(&format!("{peer_ip}401")).is_ok(),
-            "a copy of the default"
-        );
         let err = with("[ledger]\nin_flight_max = 4611686018427387904").unwrap_err();
         assert_eq!(err.setting, "ledger.in_flight_max");
         let err = with("[ledger]\nlocal_callers_max = 1000000000000").unwrap_err();
