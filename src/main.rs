@@ -440,17 +440,24 @@ async fn serve_exporting(
     Ok(ran?)
 }
 
-/// Stops `server` gracefully at each stop signal, for as long as it runs. Why not leave that to
-/// actix: it installs its handlers as its server first runs, and a signal just before that was
-/// lost, the process serving on (a CI run: "still running after SIGTERM", the log ending at
-/// actix's "starting service"). A second stop while one is under way changes nothing.
+/// Stops `server` gracefully at the first stop signal. Why not leave that to actix: it installs
+/// its handlers as its server first runs, and a signal just before that was lost, the process
+/// serving on (a CI run: "still running after SIGTERM", the log ending at actix's "starting
+/// service"). A second signal during the stop exits at once, as an operator's second Ctrl-C
+/// means: it was swallowed, and the stop went on for its whole drain (about 32 s, minutes with a
+/// long ledger timeout). An embedded ledger stops with the process (its standard input closes).
 async fn stop_on_signals(mut signals: StopSignals, server: actix_web::dev::ServerHandle) {
-    loop {
-        signals.recv().await;
-        tracing::info!("stop signal: stopping gracefully");
-        drop(server.stop(true));
-    }
+    signals.recv().await;
+    tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
+    drop(server.stop(true));
+    signals.recv().await;
+    tracing::warn!("a second stop signal: exiting now, requests in flight cut off");
+    std::process::exit(SECOND_SIGNAL_EXIT_CODE);
 }
+
+/// The exit status of a stop cut short by a second signal: 128 + SIGINT, as a shell reports an
+/// interrupted command.
+const SECOND_SIGNAL_EXIT_CODE: i32 = 130;
 
 /// The Prometheus recorder, installed, with its upkeep task.
 fn prometheus_recorder() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {

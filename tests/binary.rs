@@ -292,17 +292,12 @@ async fn a_killed_embedded_ledger_is_restarted_with_its_data_and_dies_with_the_b
     drop(child);
 }
 
-/// SIGINT drains a request in flight, as SIGTERM does (README: "SIGINT/SIGTERM drain in-flight
-/// requests"). actix's own handlers, left on beside the binary's, stopped at once on SIGINT: the
-/// connection was closed with no answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigint_drains_a_request_in_flight() {
-    let ledger = common::TestLedger::start();
-    let mut command = binary_command();
-    command
-        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "5000"])
-        .arg(format!("--ledger-addresses={}", ledger.address));
-    let (mut running, port) = start_binary(command);
+/// A request held at `ledger`, paused, by the binary on `port` (its hold sent: a batch of
+/// transfers more than before), in a task of its own.
+async fn a_request_held_at_the_paused_ledger(
+    ledger: &common::TestLedger,
+    port: u16,
+) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
     let url = format!("http://127.0.0.1:{port}/greeting");
     // How many batches of transfers went to the ledger: the request's hold is one more (the
     // operator-epoch follower's reads, also held by the paused ledger, are not batches).
@@ -322,13 +317,29 @@ async fn sigint_drains_a_request_in_flight() {
         .header("X-Api-Key", common::fresh_key("k_"))
         .send();
     let in_flight = tokio::spawn(request);
-    // Until the request waits on the paused ledger (its deadline, 5 s, leaves room for the
-    // rest), however late on a loaded machine: signalled before, it was refused, not drained.
+    // Until the request waits on the paused ledger, however late on a loaded machine:
+    // signalled before, it was refused, not drained.
     let by = Instant::now() + Duration::from_secs(3);
     while batches().await == before {
         assert!(Instant::now() < by, "the request never reached the ledger");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    in_flight
+}
+
+/// SIGINT drains a request in flight, as SIGTERM does (README: "SIGINT/SIGTERM drain in-flight
+/// requests"). actix's own handlers, left on beside the binary's, stopped at once on SIGINT: the
+/// connection was closed with no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_drains_a_request_in_flight() {
+    let ledger = common::TestLedger::start();
+    let mut command = binary_command();
+    command
+        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "5000"])
+        .arg(format!("--ledger-addresses={}", ledger.address));
+    let (mut running, port) = start_binary(command);
+    // Its deadline, 5 s, leaves room for the rest.
+    let in_flight = a_request_held_at_the_paused_ledger(&ledger, port).await;
     running.send_signal("-INT");
     // Past the 300 ms after which actix's own stop also ended the whole system.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -341,6 +352,36 @@ async fn sigint_drains_a_request_in_flight() {
         status.expect("exits after the drain").success(),
         "{status:?}"
     );
+}
+
+/// A second stop signal during the drain exits at once (an operator's second Ctrl-C): it was
+/// swallowed, and the process drained on, for its whole drain (10 s here, with a request held
+/// at a paused ledger), then settled, stopped its companions and its ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stop_signal_exits_at_once() {
+    let ledger = common::TestLedger::start();
+    let mut command = binary_command();
+    command
+        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "20000"])
+        .arg(format!("--ledger-addresses={}", ledger.address));
+    let (mut running, port) = start_binary(command);
+    // It keeps the drain going for its whole 10 s.
+    let in_flight = a_request_held_at_the_paused_ledger(&ledger, port).await;
+    running.send_signal("-TERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        running.wait_exit(Duration::from_millis(500)).is_none(),
+        "draining after the first"
+    );
+    let stopped_at = Instant::now();
+    running.send_signal("-TERM");
+    let status = running.wait_exit(Duration::from_secs(5));
+    let status = status.expect("exited within 5 s of the second signal");
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    assert!(stopped_at.elapsed() < Duration::from_secs(5));
+    ledger.pause(false);
+    let cut_off = in_flight.await.unwrap();
+    assert!(cut_off.is_err(), "cut off: {cut_off:?}");
 }
 
 /// actix handles SIGINT and SIGTERM only once its server runs, after the ledger answers; the
