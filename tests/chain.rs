@@ -431,25 +431,50 @@ async fn a_grant_refused_by_a_block_is_made_under_the_next_id_once_unblocked() {
     assert_eq!(available(&ledger, &limit).await, Some(5), "granted once");
 }
 
-/// One release voids up to `RELEASE_HOLDS_MAX` holds in one request, which a development-mode
-/// ledger (32 KiB requests: the default configuration's) takes. 254 voids were refused whole
-/// (the request's trailer takes one transfer's room): nothing was given back, ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_of_as_many_holds_as_it_may_fits_one_request() {
+/// `count` holds of 1 for 600 s on `limit`'s account, provisioned first, placed directly (200
+/// a request: the test ledger runs in development mode, 32 KiB requests).
+async fn holds_placed(
+    ledger: &Ledger,
+    limit: &Limit,
+    count: usize,
+) -> Vec<tigerbeetle_unofficial::Transfer> {
     use ledger_limiter::ledger::model;
-    use ledger_limiter::ledger::release::RELEASE_HOLDS_MAX;
-    let ledger = ledger_client(vec![shared_ledger().address]);
     let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
-    let limit = fresh_limit(1_000, 600, 1);
     let (id, ledger_id) = (limit.account.id, ledger.ledger_id());
     let deadline = Instant::now() + Duration::from_secs(30);
     ledger.provision(&limit.account, deadline).await.unwrap();
-    let holds: Vec<_> = (0..=RELEASE_HOLDS_MAX)
+    let holds: Vec<_> = (0..count)
         .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
         .collect();
     for chunk in holds.chunks(200) {
         raw.create_transfers(chunk.to_vec()).await.unwrap();
     }
+    holds
+}
+
+/// Voids of every hold of `holds`, placed directly.
+async fn voided(ledger: &Ledger, holds: &[tigerbeetle_unofficial::Transfer]) {
+    use ledger_limiter::ledger::model;
+    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
+    let voids: Vec<_> = (holds.iter())
+        .map(|hold| model::void_transfer(hold.id(), ledger.ledger_id()))
+        .collect();
+    for chunk in voids.chunks(200) {
+        raw.create_transfers(chunk.to_vec()).await.unwrap();
+    }
+}
+
+/// One release voids up to `RELEASE_HOLDS_MAX` holds in one request, which a development-mode
+/// ledger (32 KiB requests: the default configuration's) takes. 254 voids were refused whole
+/// (the request's trailer takes one transfer's room): nothing was given back, ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_as_many_holds_as_it_may_fits_one_request() {
+    use ledger_limiter::ledger::release::RELEASE_HOLDS_MAX;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(1_000, 600, 1);
+    let id = limit.account.id;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    holds_placed(&ledger, &limit, RELEASE_HOLDS_MAX + 1).await;
     let released = ledger.release_units(id, 300, 600, deadline).await;
     let released = released.expect("one request the ledger takes");
     assert_eq!(released.units, RELEASE_HOLDS_MAX as u64);
@@ -466,30 +491,17 @@ async fn a_release_of_as_many_holds_as_it_may_fits_one_request() {
 /// and the account stayed closed (and a moved caller was refused as blocked, not followed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_is_found_past_thousands_of_voids_after_it() {
-    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::{Blocking, Unblocking};
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
     let limit = fresh_limit(5_000, 3600, 1);
-    let (id, ledger_id) = (limit.account.id, ledger.ledger_id());
+    let id = limit.account.id;
     let deadline = Instant::now() + Duration::from_secs(30);
-    ledger.provision(&limit.account, deadline).await.unwrap();
-    let holds: Vec<_> = (0..4_100)
-        .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
-        .collect();
-    // 200 a request: the test ledger runs in development mode (32 KiB requests).
-    for chunk in holds.chunks(200) {
-        raw.create_transfers(chunk.to_vec()).await.unwrap();
-    }
+    let holds = holds_placed(&ledger, &limit, 4_100).await;
     let actor = Actor::from_reason(1, "test").unwrap();
     let blocked = ledger.block(id, 600, actor, deadline).await.unwrap();
     assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
-    let voids: Vec<_> = (holds.iter())
-        .map(|hold| model::void_transfer(hold.id(), ledger_id))
-        .collect();
-    for chunk in voids.chunks(200) {
-        raw.create_transfers(chunk.to_vec()).await.unwrap();
-    }
+    voided(&ledger, &holds).await;
     let unblocked = ledger.unblock(id, actor, deadline).await.unwrap();
     assert_eq!(unblocked, Unblocking::Done);
     assert_eq!(
@@ -505,31 +517,18 @@ async fn a_block_is_found_past_thousands_of_voids_after_it() {
 /// refused as blocked (a block with no end), and the unblock answered "not blocked".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_is_found_past_thousands_of_voids_after_it() {
-    use ledger_limiter::ledger::model::{self, Actor};
+    use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::{Moving, Unblocking};
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let raw = tigerbeetle_unofficial::Client::new(0, shared_ledger().address.to_string()).unwrap();
     let (from, to) = (fresh_limit(5_000, 3600, 1), fresh_limit(10, 60, 1));
-    let (id, ledger_id) = (from.account.id, ledger.ledger_id());
+    let id = from.account.id;
     let deadline = Instant::now() + Duration::from_secs(30);
-    ledger.provision(&from.account, deadline).await.unwrap();
-    let holds: Vec<_> = (0..4_100)
-        .map(|_| model::hold_transfer(id, ledger_id, 1, 600))
-        .collect();
-    // 200 a request: the test ledger runs in development mode (32 KiB requests).
-    for chunk in holds.chunks(200) {
-        raw.create_transfers(chunk.to_vec()).await.unwrap();
-    }
+    let holds = holds_placed(&ledger, &from, 4_100).await;
     let actor = Actor::from_reason(1, "test").unwrap();
     let moved = ledger.move_caller(id, &to.account, 7, actor, 3600, deadline);
     let moved = moved.await.unwrap();
     assert!(matches!(moved, Moving::Done { .. }), "{moved:?}");
-    let voids: Vec<_> = (holds.iter())
-        .map(|hold| model::void_transfer(hold.id(), ledger_id))
-        .collect();
-    for chunk in voids.chunks(200) {
-        raw.create_transfers(chunk.to_vec()).await.unwrap();
-    }
+    voided(&ledger, &holds).await;
     let view = ledger.account_view(id, 3600, deadline).await.unwrap();
     let blocked = view.and_then(|view| view.blocked).expect("closed");
     assert_eq!(
