@@ -444,8 +444,8 @@ async fn serve_exporting(
 /// its handlers as its server first runs, and a signal just before that was lost, the process
 /// serving on (a CI run: "still running after SIGTERM", the log ending at actix's "starting
 /// service"). A second signal during the stop exits at once, as an operator's second Ctrl-C
-/// means: it was swallowed, and the stop went on for its whole drain (about 32 s, minutes with a
-/// long ledger timeout). An embedded ledger stops with the process (its standard input closes).
+/// means: it was swallowed, and the stop went on through its drain, settling and companions'
+/// stop (up to about 32 s, minutes with a long ledger timeout). An embedded ledger stops with the process (its standard input closes).
 async fn stop_on_signals(mut signals: StopSignals, server: actix_web::dev::ServerHandle) {
     signals.recv().await;
     tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
