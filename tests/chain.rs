@@ -936,6 +936,53 @@ async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
     assert!(done.await, "the pass counted until its end");
 }
 
+/// A move's second pass sent again in the background outlives the runtime the move ran on (the
+/// admin API's worker, stopped before the service ends): it runs on the ledger's own. Before, it
+/// died with that runtime, and the holds of requests in flight at the move counted on no plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moves_second_pass_outlives_the_runtime_the_move_ran_on() {
+    use ledger_limiter::ledger::model::{TRANSFER_CODE_CARRY, TRANSFER_CODE_MOVE};
+    use ledger_limiter::ledger::{Blocking, Moving};
+    let rig = MoveRig::new().await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (caught, go) = rig.proxy.lose_answer_to(TRANSFER_CODE_MOVE, Instant::now());
+    let (id, target, mover) = (rig.from.account.id, rig.to.account, rig.moving.clone());
+    // The move on a runtime of its own, dropped once the move has answered.
+    let worker = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let moved =
+            runtime.block_on(mover.move_caller(id, &target, 7, MoveRig::actor(), 60, deadline));
+        drop(runtime);
+        moved
+    });
+    caught_within(caught).await;
+    rig.hold(3, 40).await;
+    let (caught_pass, go_pass) = rig
+        .proxy
+        .lose_answer_to(TRANSFER_CODE_CARRY, Instant::now());
+    go.send(()).unwrap();
+    caught_within(caught_pass).await;
+    let setup = Instant::now() + Duration::from_secs(10);
+    let to_id = rig.to.account.id;
+    let blocked = rig.direct.block(to_id, 2, MoveRig::actor(), setup).await;
+    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
+    go_pass.send(()).unwrap();
+    let moved = tokio::task::spawn_blocking(move || worker.join().unwrap()).await;
+    assert_eq!(
+        moved.unwrap(),
+        Ok(Moving::Done { carried: 0 }),
+        "its pass failed"
+    );
+    assert_eq!(
+        rig.free_on_new_once(7).await,
+        Some(7),
+        "the late 3 held on the new plan once the block ended, its runtime gone"
+    );
+}
+
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a
 /// void's zero fields the pending transfer's values, and the void that reopens the account set
 /// none of them.

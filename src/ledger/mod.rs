@@ -379,7 +379,9 @@ impl Ledger {
             metrics: Arc::new(LedgerMetrics::register(settings.in_flight_max.get())),
             calls_started: Arc::new(std::array::from_fn(|_| AtomicU64::new(0))),
             batching: Arc::new(batch::Batching::new(settings.batch_linger)),
-            second_passes: Default::default(),
+            // On the runtime that made the ledger (the service's main one): a pass sent again
+            // from an admin worker's runtime died with it at the stop.
+            second_passes: crate::outstanding::Outstanding::here(),
         })
     }
 

@@ -545,9 +545,13 @@ impl SecondPass {
         let pass = self.clone();
         let window = Duration::from_secs(u64::from(self.0.window_seconds_max));
         let give_up_at = Instant::now() + window;
+        // On the ledger's home runtime: the admin API's worker, whose runtime ran the move, is
+        // stopped before the service ends, and the pass with it (its holds then counted on no
+        // plan until they expired).
+        let home = out.home().cloned();
         // An operator's action's end: its reads wait for a place under a full in-flight bound,
         // as the action's own did (refused at once, a flood made every try fail).
-        tokio::spawn(super::as_operator_action(async move {
+        let task = super::as_operator_action(async move {
             let ledger = &pass.0.ledger;
             if bump {
                 ledger.bump_operator_epoch(Instant::now()).await;
@@ -572,7 +576,11 @@ impl SecondPass {
                 interval = (interval * 2).min(SECOND_PASS_RETRY_INTERVAL_MAX);
             }
             drop(out);
-        }));
+        });
+        match home {
+            Some(home) => drop(home.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        }
     }
 }
 
