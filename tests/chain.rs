@@ -775,6 +775,26 @@ impl MoveRig {
         (moved, go)
     }
 
+    /// Lets the caught move on (`go`), and its second pass fails: the new account is blocked
+    /// for 2 s while the pass is held at the proxy.
+    async fn second_pass_fails_while_the_new_account_is_blocked(
+        &self,
+        go: tokio::sync::oneshot::Sender<()>,
+    ) {
+        use ledger_limiter::ledger::model::TRANSFER_CODE_CARRY;
+        use ledger_limiter::ledger::Blocking;
+        let (caught_pass, go_pass) = self
+            .proxy
+            .lose_answer_to(TRANSFER_CODE_CARRY, Instant::now());
+        go.send(()).unwrap();
+        caught_within(caught_pass).await;
+        let setup = Instant::now() + Duration::from_secs(10);
+        let to_id = self.to.account.id;
+        let blocked = self.direct.block(to_id, 2, MoveRig::actor(), setup).await;
+        assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
+        go_pass.send(()).unwrap();
+    }
+
     /// What the new account has free once it is `free`, or after 10 s, what it had last.
     async fn free_on_new_once(&self, free: u64) -> Option<u64> {
         let mut now = None;
@@ -904,23 +924,14 @@ async fn a_lost_move_that_did_not_land_leaves_no_second_pass_to_wait_for() {
 /// holds of requests in flight at the move counted on no plan, and the new one admitted 3 more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
-    use ledger_limiter::ledger::model::TRANSFER_CODE_CARRY;
-    use ledger_limiter::ledger::{Blocking, Moving};
+    use ledger_limiter::ledger::Moving;
     let rig = MoveRig::new().await;
     // No hold before the move: its chain carries nothing, so the first carry is the second pass.
     let deadline = Instant::now() + Duration::from_secs(5);
     let (moved, go) = rig.move_caught(deadline, Instant::now()).await;
     rig.hold(3, 40).await;
-    let (caught_pass, go_pass) = rig
-        .proxy
-        .lose_answer_to(TRANSFER_CODE_CARRY, Instant::now());
-    go.send(()).unwrap();
-    caught_within(caught_pass).await;
-    let setup = Instant::now() + Duration::from_secs(10);
-    let to_id = rig.to.account.id;
-    let blocked = rig.direct.block(to_id, 2, MoveRig::actor(), setup).await;
-    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
-    go_pass.send(()).unwrap();
+    rig.second_pass_fails_while_the_new_account_is_blocked(go)
+        .await;
     let moved = moved.await.unwrap();
     assert_eq!(moved, Ok(Moving::Done { carried: 0 }), "its pass failed");
     let done = rig.moving.second_passes_done(Instant::now()).await;
@@ -941,8 +952,8 @@ async fn a_moves_second_pass_that_fails_is_sent_again_until_it_lands() {
 /// died with that runtime, and the holds of requests in flight at the move counted on no plan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moves_second_pass_outlives_the_runtime_the_move_ran_on() {
-    use ledger_limiter::ledger::model::{TRANSFER_CODE_CARRY, TRANSFER_CODE_MOVE};
-    use ledger_limiter::ledger::{Blocking, Moving};
+    use ledger_limiter::ledger::model::TRANSFER_CODE_MOVE;
+    use ledger_limiter::ledger::Moving;
     let rig = MoveRig::new().await;
     let deadline = Instant::now() + Duration::from_secs(5);
     let (caught, go) = rig.proxy.lose_answer_to(TRANSFER_CODE_MOVE, Instant::now());
@@ -960,16 +971,8 @@ async fn a_moves_second_pass_outlives_the_runtime_the_move_ran_on() {
     });
     caught_within(caught).await;
     rig.hold(3, 40).await;
-    let (caught_pass, go_pass) = rig
-        .proxy
-        .lose_answer_to(TRANSFER_CODE_CARRY, Instant::now());
-    go.send(()).unwrap();
-    caught_within(caught_pass).await;
-    let setup = Instant::now() + Duration::from_secs(10);
-    let to_id = rig.to.account.id;
-    let blocked = rig.direct.block(to_id, 2, MoveRig::actor(), setup).await;
-    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
-    go_pass.send(()).unwrap();
+    rig.second_pass_fails_while_the_new_account_is_blocked(go)
+        .await;
     let moved = tokio::task::spawn_blocking(move || worker.join().unwrap()).await;
     assert_eq!(
         moved.unwrap(),
