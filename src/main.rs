@@ -38,6 +38,9 @@ struct Cli {
     /// HTTP worker threads.
     #[arg(long, env = "LEDGER_LIMITER_WORKERS")]
     workers: Option<usize>,
+    /// Seconds /readyz answers 503 at a stop before the server stops taking connections.
+    #[arg(long, env = "LEDGER_LIMITER_DRAIN_DELAY_SECONDS")]
+    drain_delay_seconds: Option<u64>,
     /// TigerBeetle replica addresses (host:port, comma separated). None: run an embedded one.
     #[arg(long, env = "LEDGER_LIMITER_LEDGER_ADDRESSES", value_delimiter = ',')]
     ledger_addresses: Option<Vec<String>>,
@@ -126,6 +129,7 @@ impl Cli {
         Ok(FileConfig {
             listen: self.listen.clone(),
             workers: self.workers,
+            drain_delay_seconds: self.drain_delay_seconds,
             ledger: LedgerFile {
                 addresses: self.ledger_addresses.clone(),
                 cluster_id: self.cluster_id,
@@ -434,7 +438,12 @@ async fn serve_exporting(
             drop(server.stop(true));
         }
     }
-    let stopper = tokio::spawn(stop_on_signals(signals, server));
+    let stopping = waited.is_none();
+    let stopper = tokio::spawn(stop_on_signals(
+        signals,
+        application.stop_handle(),
+        stopping,
+    ));
     let ran = application.run_until_stopped().await;
     stopper.abort();
     Ok(ran?)
@@ -446,11 +455,23 @@ async fn serve_exporting(
 /// service"). A second signal during the stop exits at once, as an operator's second Ctrl-C
 /// means: it was swallowed, and the stop went on through its drain, settling and companions'
 /// stop (up to about 32 s, minutes with a long ledger timeout). An embedded ledger stops with the process (its standard input closes).
-async fn stop_on_signals(mut signals: StopSignals, server: actix_web::dev::ServerHandle) {
-    signals.recv().await;
-    tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
-    drop(server.stop(true));
-    signals.recv().await;
+/// (`stopping`: a signal stopped it already, while it waited for the ledger.)
+async fn stop_on_signals(
+    mut signals: StopSignals,
+    stop: ledger_limiter::startup::StopHandle,
+    stopping: bool,
+) {
+    if stopping {
+        signals.recv().await;
+    } else {
+        signals.recv().await;
+        tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
+        // The drain delay included: a second signal during it exits at once too.
+        tokio::select! {
+            () = stop.stop() => signals.recv().await,
+            () = signals.recv() => {}
+        }
+    }
     tracing::warn!("a second stop signal: exiting now, requests in flight cut off");
     std::process::exit(SECOND_SIGNAL_EXIT_CODE);
 }

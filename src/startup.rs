@@ -81,6 +81,33 @@ pub struct Application {
     renewals: Outstanding,
     embedded: Option<EmbeddedLedger>,
     companions: Companions,
+    stop: StopHandle,
+}
+
+/// How a stop begins: `/readyz` turns 503, and after `drain_delay` (`drain_delay_seconds`) the
+/// server stops taking connections and drains. Why the delay: a load balancer (a Kubernetes
+/// endpoint) stops sending a few seconds after the signal, and the connections it sent meanwhile
+/// were refused at once.
+#[derive(Clone)]
+pub struct StopHandle {
+    server: actix_web::dev::ServerHandle,
+    readiness: web::Data<routes::Readiness>,
+    drain_delay: Duration,
+}
+
+impl StopHandle {
+    /// Not ready from now on; after the drain delay, a graceful stop of the server.
+    pub async fn stop(&self) {
+        self.readiness.stop();
+        if !self.drain_delay.is_zero() {
+            tracing::info!(
+                drain_delay_seconds = self.drain_delay.as_secs(),
+                "not ready; the server stops taking connections after the drain delay"
+            );
+            tokio::time::sleep(self.drain_delay).await;
+        }
+        drop(self.server.stop(true));
+    }
 }
 
 /// The HTTP server, serving from the build on: while the binary waits for the ledger (up to
@@ -191,6 +218,7 @@ impl Application {
         let metrics_here = settings.metrics_listen.is_none();
         let served = (rate_limit.clone(), exporters.clone());
         let readiness = web::Data::new(routes::Readiness::default());
+        let stop_readiness = readiness.clone();
         // A ledger given up on fails liveness; with none embedded, there is none to give up.
         let gave_up = web::Data::new(
             embedded
@@ -224,14 +252,21 @@ impl Application {
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
         companions.epoch_follower = Some(tokio::spawn(epoch));
+        let server = Serving::start(server);
+        let stop = StopHandle {
+            server: server.handle.clone(),
+            readiness: stop_readiness,
+            drain_delay: settings.drain_delay,
+        };
         Ok(Application {
-            server: Serving::start(server),
+            server,
             port,
             limiter,
             slots_out,
             renewals,
             embedded,
             companions,
+            stop,
         })
     }
 
@@ -280,6 +315,12 @@ impl Application {
     /// A handle to stop the server gracefully (what SIGINT/SIGTERM do).
     pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
         self.server.handle.clone()
+    }
+
+    /// How the binary stops it at a signal: not ready first, then, after the drain delay, a
+    /// graceful stop ([`StopHandle`]).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
     }
 
     /// Until the server (serving since the build) is stopped through

@@ -384,6 +384,53 @@ async fn a_second_stop_signal_exits_at_once() {
     assert!(cut_off.is_err(), "cut off: {cut_off:?}");
 }
 
+/// With a drain delay, a stop signal turns `/readyz` 503 at once while the server still takes
+/// connections and serves (a load balancer stops sending first), then drains and exits. Before,
+/// the listener closed at the signal: what a balancer sent in its lag was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_delay_turns_readiness_off_before_connections_are_refused() {
+    let mut command = binary_command();
+    command
+        .args(["--listen", "127.0.0.1:0", "--drain-delay-seconds", "2"])
+        .arg(format!(
+            "--ledger-addresses={}",
+            common::shared_ledger().address
+        ));
+    let (mut running, port) = start_binary(command);
+    let base = format!("http://127.0.0.1:{port}");
+    // A new connection each: a kept one would outlive the listener.
+    let fresh = || {
+        reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap()
+    };
+    let ready = fresh().get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let signalled_at = Instant::now();
+    running.send_signal("-TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopping = fresh().get(format!("{base}/readyz")).send().await;
+    let stopping = stopping.expect("still taking connections");
+    assert_eq!(stopping.status(), 503);
+    assert_eq!(stopping.text().await.unwrap(), "stopping");
+    let greeting = fresh().get(format!("{base}/greeting"));
+    let greeting = greeting
+        .header("X-Api-Key", common::fresh_key("k_"))
+        .send()
+        .await;
+    assert_eq!(greeting.expect("served").status(), 200);
+    let status = running.wait_exit(Duration::from_secs(20));
+    assert!(
+        status.expect("exits after the delay").success(),
+        "{status:?}"
+    );
+    assert!(
+        signalled_at.elapsed() >= Duration::from_secs(2),
+        "after the delay"
+    );
+}
+
 /// actix handles SIGINT and SIGTERM only once its server runs, after the ledger answers; the
 /// binary listens for them from the start. A stop while it waits for the ledger is a clean exit,
 /// not death by signal 15 (a CI run saw that, with the Envoy front end already answering).

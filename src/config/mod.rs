@@ -35,6 +35,8 @@ pub const LEDGER_TIMEOUT_MS_MAX: u64 = 60_000;
 pub const EXPIRY_MARGIN_MS_MAX: u64 = 10_000;
 /// Bound on `workers`: a thread each.
 pub const WORKERS_MAX: usize = 1024;
+/// Bound on `drain_delay_seconds`: it adds to every stop.
+pub const DRAIN_DELAY_SECONDS_MAX: u64 = 60;
 /// Bound on `ledger.in_flight_max` (tokio's semaphore takes at most `usize::MAX >> 3` permits,
 /// and a million calls in flight is far past what one client can send).
 pub const IN_FLIGHT_MAX_LIMIT: usize = 1 << 20;
@@ -63,6 +65,8 @@ fn invalid(setting: impl Into<String>, message: impl Into<String>) -> ConfigErro
 pub struct FileConfig {
     pub listen: Option<String>,
     pub workers: Option<usize>,
+    /// Seconds `/readyz` answers 503 at a stop before the server stops taking connections.
+    pub drain_delay_seconds: Option<u64>,
     #[serde(default)]
     pub ledger: LedgerFile,
     #[serde(default)]
@@ -308,6 +312,7 @@ impl FileConfig {
         }
         take!(listen);
         take!(workers);
+        take!(drain_delay_seconds);
         take!(ledger.addresses);
         take!(ledger.cluster_id);
         take!(ledger.timeout_ms);
@@ -418,6 +423,8 @@ pub enum LedgerLocation {
 pub struct Settings {
     pub listen: String,
     pub workers: NonZeroUsize,
+    /// How long `/readyz` answers 503 at a stop before the server stops taking connections.
+    pub drain_delay: Duration,
     pub ledger: LedgerLocation,
     pub cluster_id: u128,
     pub in_flight_max: NonZeroUsize,
@@ -476,6 +483,12 @@ impl Settings {
         let workers = NonZeroUsize::new(require(file.workers, "workers")?)
             .filter(|n| n.get() <= WORKERS_MAX)
             .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
+        let drain_delay = require(file.drain_delay_seconds, "drain_delay_seconds")?;
+        if drain_delay > DRAIN_DELAY_SECONDS_MAX {
+            let why = format!("must be 0 to {DRAIN_DELAY_SECONDS_MAX}");
+            return Err(invalid("drain_delay_seconds", why));
+        }
+        let drain_delay = Duration::from_secs(drain_delay);
         let ledger = ledger_location(file.ledger.addresses.clone(), file.embedded)?;
         let cluster_id = file.ledger.cluster_id.unwrap_or(0);
         let in_flight_max = file.ledger.in_flight_max;
@@ -526,6 +539,7 @@ impl Settings {
         Ok(Settings {
             listen,
             workers,
+            drain_delay,
             ledger,
             cluster_id,
             in_flight_max,
@@ -1884,6 +1898,15 @@ mod tests {
         assert!(with("[routes.concurrency]\n\"/greeting\" = 999999999999999").is_ok());
         let err = with("workers = 100000").unwrap_err();
         assert_eq!(err.setting, "workers");
+        let err = with("drain_delay_seconds = 61").unwrap_err();
+        assert_eq!(err.setting, "drain_delay_seconds");
+        assert_eq!(
+            with("drain_delay_seconds = 60")
+                .unwrap()
+                .drain_delay
+                .as_secs(),
+            60
+        );
         for twice in [
             "\"a:3000\", \"a:03000\"",
             "\"a:3000\", \"A:3000\"",

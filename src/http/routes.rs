@@ -36,9 +36,21 @@ pub const READY_REUSE: Duration = Duration::from_millis(500);
 #[derive(Default)]
 pub struct Readiness {
     last: tokio::sync::Mutex<Option<(Instant, Result<(), String>)>>,
+    /// A stop began: not ready, whatever the ledger says ([`Readiness::stop`]).
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Readiness {
+    /// A stop began: `/readyz` answers 503 from now on, so that a load balancer stops sending
+    /// before the server stops taking connections (`drain_delay_seconds`).
+    pub fn stop(&self) {
+        (self.stopping).store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether the ledger answers: a probe at most every [`READY_REUSE`].
     pub async fn check(&self, limiter: &Limiter) -> Result<(), String> {
         let mut last = self.last.lock().await;
@@ -61,6 +73,11 @@ pub async fn readyz(
     limiter: web::Data<Limiter>,
     readiness: web::Data<Readiness>,
 ) -> impl Responder {
+    if readiness.stopping() {
+        return HttpResponse::ServiceUnavailable()
+            .content_type("text/plain")
+            .body("stopping");
+    }
     match readiness.check(&limiter).await {
         Ok(()) => HttpResponse::Ok().content_type("text/plain").body("ready"),
         Err(error) => HttpResponse::ServiceUnavailable()
