@@ -214,39 +214,10 @@ impl Application {
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
         let renewals = rate_limit.renewals();
-        let app_limiter = limiter.clone();
-        let metrics_here = settings.metrics_listen.is_none();
         let served = (rate_limit.clone(), exporters.clone());
-        let readiness = web::Data::new(routes::Readiness::default());
-        let stop_readiness = readiness.clone();
-        // A ledger given up on fails liveness; with none embedded, there is none to give up.
-        let gave_up = web::Data::new(
-            embedded
-                .as_ref()
-                .map_or_else(GaveUp::default, EmbeddedLedger::gave_up),
-        );
-        let server = HttpServer::new(move || {
-            App::new()
-                .app_data(web::Data::from(app_limiter.clone()))
-                .app_data(readiness.clone())
-                .app_data(gave_up.clone())
-                .configure(|config| all_routes(config, &rate_limit, &exporters, metrics_here))
-        })
-        .workers(settings.workers.get())
-        // The binary's own handlers stop it gracefully (main.rs); actix's stopped it at once on
-        // SIGINT, and the whole system 300 ms after either signal, admin API and all.
-        .disable_signals()
-        .shutdown_timeout(10)
-        .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
-        .client_disconnect_timeout(CLIENT_DISCONNECT_TIMEOUT)
-        .keep_alive(KEEP_ALIVE)
-        .max_connections(CONNECTIONS_PER_WORKER_MAX)
-        .listen(listener)
-        .map_err(|source| StartupError::Listen {
-            address: settings.listen.clone(),
-            source,
-        })?
-        .run();
+        let gave_up = embedded.as_ref().map(EmbeddedLedger::gave_up);
+        let app = (limiter.clone(), rate_limit, exporters, gave_up);
+        let (server, readiness) = main_server(&settings, listener, app)?;
         start_listeners(&settings, (&limiter, served), (listeners, &mut companions))?;
         let epoch = limiter
             .clone()
@@ -255,7 +226,7 @@ impl Application {
         let server = Serving::start(server);
         let stop = StopHandle {
             server: server.handle.clone(),
-            readiness: stop_readiness,
+            readiness,
             drain_delay: settings.drain_delay,
         };
         Ok(Application {
@@ -381,6 +352,46 @@ impl Application {
         }
         result
     }
+}
+
+/// What the main server's app serves with: the limiter, the rate-limit middleware, the
+/// exporters, and the embedded ledger's given-up flag (none: no ledger embedded).
+type AppParts = (Arc<Limiter>, RateLimit, Exporters, Option<GaveUp>);
+
+/// The main HTTP server on `listener`, running, and its readiness (which a stop turns off).
+fn main_server(
+    settings: &Settings,
+    listener: TcpListener,
+    (limiter, rate_limit, exporters, gave_up): AppParts,
+) -> Result<(Server, web::Data<routes::Readiness>), StartupError> {
+    let metrics_here = settings.metrics_listen.is_none();
+    let readiness = web::Data::new(routes::Readiness::default());
+    let app_readiness = readiness.clone();
+    // A ledger given up on fails liveness; with none embedded, there is none to give up.
+    let gave_up = web::Data::new(gave_up.unwrap_or_default());
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(web::Data::from(limiter.clone()))
+            .app_data(app_readiness.clone())
+            .app_data(gave_up.clone())
+            .configure(|config| all_routes(config, &rate_limit, &exporters, metrics_here))
+    })
+    .workers(settings.workers.get())
+    // The binary's own handlers stop it gracefully (main.rs); actix's stopped it at once on
+    // SIGINT, and the whole system 300 ms after either signal, admin API and all.
+    .disable_signals()
+    .shutdown_timeout(10)
+    .client_request_timeout(CLIENT_REQUEST_TIMEOUT)
+    .client_disconnect_timeout(CLIENT_DISCONNECT_TIMEOUT)
+    .keep_alive(KEEP_ALIVE)
+    .max_connections(CONNECTIONS_PER_WORKER_MAX)
+    .listen(listener)
+    .map_err(|source| StartupError::Listen {
+        address: settings.listen.clone(),
+        source,
+    })?
+    .run();
+    Ok((server, readiness))
 }
 
 /// Stops the Envoy front end, if it runs. Graceful: no new calls, the ones in flight finish

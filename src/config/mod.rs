@@ -480,24 +480,10 @@ impl Settings {
     /// Validates a merged configuration; the first error names its setting.
     pub fn from_file_config(file: FileConfig) -> Result<Self, ConfigError> {
         let listen = listen_address(require(file.listen, "listen")?, "listen")?;
-        let workers = NonZeroUsize::new(require(file.workers, "workers")?)
-            .filter(|n| n.get() <= WORKERS_MAX)
-            .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
-        let drain_delay = require(file.drain_delay_seconds, "drain_delay_seconds")?;
-        if drain_delay > DRAIN_DELAY_SECONDS_MAX {
-            let why = format!("must be 0 to {DRAIN_DELAY_SECONDS_MAX}");
-            return Err(invalid("drain_delay_seconds", why));
-        }
-        let drain_delay = Duration::from_secs(drain_delay);
+        let (workers, drain_delay) = serving(file.workers, file.drain_delay_seconds)?;
         let ledger = ledger_location(file.ledger.addresses.clone(), file.embedded)?;
         let cluster_id = file.ledger.cluster_id.unwrap_or(0);
-        let in_flight_max = file.ledger.in_flight_max;
-        let in_flight_max = NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
-            .filter(|n| n.get() <= IN_FLIGHT_MAX_LIMIT)
-            .ok_or_else(|| {
-                let message = format!("must be 1 to {IN_FLIGHT_MAX_LIMIT}");
-                invalid("ledger.in_flight_max", message)
-            })?;
+        let in_flight_max = in_flight_max(file.ledger.in_flight_max)?;
         let limiter = limiter_settings(&file.ledger)?;
         let batch_linger = batch_linger(&file.ledger, limiter.ledger_timeout)?;
         let caller = file.caller;
@@ -1148,6 +1134,32 @@ fn check_addresses(addresses: &[String]) -> Result<(), ConfigError> {
 fn endpoint(address: &str) -> (String, Option<u16>) {
     let (host, port) = address.rsplit_once(':').unwrap_or((address, ""));
     (host.to_ascii_lowercase(), port.parse().ok())
+}
+
+/// The HTTP workers (`workers`) and the stop's drain delay (`drain_delay_seconds`), bounded.
+fn serving(
+    workers: Option<usize>,
+    drain_delay_seconds: Option<u64>,
+) -> Result<(NonZeroUsize, Duration), ConfigError> {
+    let workers = NonZeroUsize::new(require(workers, "workers")?)
+        .filter(|n| n.get() <= WORKERS_MAX)
+        .ok_or_else(|| invalid("workers", format!("must be 1 to {WORKERS_MAX}")))?;
+    let drain_delay = require(drain_delay_seconds, "drain_delay_seconds")?;
+    if drain_delay > DRAIN_DELAY_SECONDS_MAX {
+        let why = format!("must be 0 to {DRAIN_DELAY_SECONDS_MAX}");
+        return Err(invalid("drain_delay_seconds", why));
+    }
+    Ok((workers, Duration::from_secs(drain_delay)))
+}
+
+/// `ledger.in_flight_max`, bounded.
+fn in_flight_max(in_flight_max: Option<usize>) -> Result<NonZeroUsize, ConfigError> {
+    NonZeroUsize::new(require(in_flight_max, "ledger.in_flight_max")?)
+        .filter(|n| n.get() <= IN_FLIGHT_MAX_LIMIT)
+        .ok_or_else(|| {
+            let message = format!("must be 1 to {IN_FLIGHT_MAX_LIMIT}");
+            invalid("ledger.in_flight_max", message)
+        })
 }
 
 fn limiter_settings(ledger: &LedgerFile) -> Result<LimiterSettings, ConfigError> {
