@@ -986,6 +986,29 @@ async fn a_moves_second_pass_outlives_the_runtime_the_move_ran_on() {
     );
 }
 
+/// A move whose new account is blocked between its read and the move's chain says so: the
+/// chain's carries, which debit the new account, fail first, and that refusal was taken for the
+/// old account's ("closed", though it was open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_new_account_is_blocked_meanwhile_says_the_target_is_blocked() {
+    use ledger_limiter::ledger::{Blocking, Moving};
+    let rig = MoveRig::new().await;
+    rig.hold(2, 40).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (moved, go) = rig.move_caught(deadline, Instant::now()).await;
+    let setup = Instant::now() + Duration::from_secs(10);
+    let to_id = rig.to.account.id;
+    let blocked = rig.direct.block(to_id, 60, MoveRig::actor(), setup).await;
+    assert!(matches!(blocked, Ok(Blocking::Done { .. })), "{blocked:?}");
+    go.send(()).unwrap();
+    assert_eq!(moved.await.unwrap(), Ok(Moving::TargetBlocked));
+    assert_eq!(
+        available(&rig.direct, &rig.from).await,
+        Some(8),
+        "not moved"
+    );
+}
+
 /// A move back records its own operator and reason, not the first move's: TigerBeetle gives a
 /// void's zero fields the pending transfer's values, and the void that reopens the account set
 /// none of them.

@@ -210,9 +210,15 @@ impl Ledger {
             None => {}
             // Closed since it was read: by a block, or another operator's move.
             Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
-                let why = self
-                    .closed_by(from, super::follow_up_deadline(deadline))
-                    .await?;
+                let follow_up = super::follow_up_deadline(deadline);
+                // The carries debit the new account, ahead of the move's debit of the old: a
+                // new account blocked since it was read failed the chain first, and was taken
+                // for the old one's refusal ("closed", or, for a caller once moved away and
+                // back, "moved meanwhile").
+                if !carried.is_empty() && self.is_closed(to.id, follow_up).await? {
+                    return Ok(Moving::TargetBlocked);
+                }
+                let why = self.closed_by(from, follow_up).await?;
                 return Ok(closed_as(why));
             }
             // Another operator moved the caller back to `to` first (its void of the same move).
@@ -311,6 +317,12 @@ impl Ledger {
             None => Vec::new(),
         };
         Ok(Ok((chain, target.available)))
+    }
+
+    /// Whether the account exists and is closed (a block, or a move away).
+    async fn is_closed(&self, account_id: u128, deadline: Instant) -> Result<bool, LedgerError> {
+        let account = self.lookup_account(account_id, deadline).await?;
+        Ok(account.is_some_and(|account| account.flags().contains(tb::account::Flags::CLOSED)))
     }
 
     /// Holds placed on the old account between the read and the close (requests in flight at
