@@ -419,7 +419,6 @@ async fn serve_exporting(
         ready = application.wait_for_ledger(Duration::from_secs(30)) => Some(ready),
         () = signals.recv() => None,
     };
-    let server = application.server_handle();
     match waited {
         Some(ready) => {
             if ready {
@@ -432,45 +431,41 @@ async fn serve_exporting(
                 application.port()
             );
         }
-        None => {
-            tracing::info!("stop signal while waiting for the ledger: stopping");
-            // The server serves already (from the build on): it drains as on any stop.
-            drop(server.stop(true));
-        }
+        // The server serves already (from the build on): it stops as on any signal, below.
+        None => tracing::info!("stop signal while waiting for the ledger"),
     }
-    let stopping = waited.is_none();
+    let signalled = waited.is_none();
     let stopper = tokio::spawn(stop_on_signals(
         signals,
         application.stop_handle(),
-        stopping,
+        signalled,
     ));
     let ran = application.run_until_stopped().await;
     stopper.abort();
     Ok(ran?)
 }
 
-/// Stops `server` gracefully at the first stop signal. Why not leave that to actix: it installs
-/// its handlers as its server first runs, and a signal just before that was lost, the process
-/// serving on (a CI run: "still running after SIGTERM", the log ending at actix's "starting
-/// service"). A second signal during the stop exits at once, as an operator's second Ctrl-C
-/// means: it was swallowed, and the stop went on through its drain, settling and companions'
-/// stop (up to about 32 s, minutes with a long ledger timeout). An embedded ledger stops with the process (its standard input closes).
-/// (`stopping`: a signal stopped it already, while it waited for the ledger.)
+/// Stops the server gracefully at the first stop signal (`signalled`: it came already, while
+/// the binary waited for the ledger). Why not leave that to actix: it installs its handlers as
+/// its server first runs, and a signal just before that was lost, the process serving on (a CI
+/// run: "still running after SIGTERM", the log ending at actix's "starting service"). A second
+/// signal during the stop exits at once, as an operator's second Ctrl-C means: it was
+/// swallowed, and the stop went on through its drain, settling and companions' stop (up to
+/// about 32 s, minutes with a long ledger timeout). An embedded ledger stops with the process
+/// (its standard input closes).
 async fn stop_on_signals(
     mut signals: StopSignals,
     stop: ledger_limiter::startup::StopHandle,
-    stopping: bool,
+    signalled: bool,
 ) {
-    if stopping {
+    if !signalled {
         signals.recv().await;
-    } else {
-        signals.recv().await;
-        tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
-        // The drain delay included: a second signal during it exits at once too.
-        tokio::select! {
-            () = stop.stop() => signals.recv().await,
-            () = signals.recv() => {}
-        }
+    }
+    tracing::info!("stop signal: stopping gracefully (a second one stops at once)");
+    // The drain delay included: a second signal during it exits at once too.
+    tokio::select! {
+        () = stop.stop() => signals.recv().await,
+        () = signals.recv() => {}
     }
     tracing::warn!("a second stop signal: exiting now, requests in flight cut off");
     std::process::exit(SECOND_SIGNAL_EXIT_CODE);
