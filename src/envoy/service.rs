@@ -159,12 +159,10 @@ pub fn descriptor_account(
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
     // As a call's text is decoded (`wire::text`), whose accounts derive from it: a U+FFFD is
     // doubled there, and a value with one was looked up as an account no call is charged to.
-    let domain = &super::wire::text(domain.as_bytes().to_vec());
+    let text = |text: String| super::wire::text(text.into_bytes());
+    let domain = &text(domain.to_owned());
     let entries: Vec<(String, String)> = (entries.into_iter())
-        .map(|(key, value)| {
-            let text = |text: String| super::wire::text(text.into_bytes());
-            (text(key), text(value))
-        })
+        .map(|(key, value)| (text(key), text(value)))
         .collect();
     if domain.is_empty() || domain.len() > KEY_VALUE_LENGTH_MAX {
         let detail = format!("a domain is 1 to {KEY_VALUE_LENGTH_MAX} bytes");
