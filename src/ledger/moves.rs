@@ -210,16 +210,10 @@ impl Ledger {
             None => {}
             // Closed since it was read: by a block, or another operator's move.
             Some(CreateTransferErrorKind::DebitAccountAlreadyClosed) => {
-                let follow_up = super::follow_up_deadline(deadline);
-                // The carries debit the new account, ahead of the move's debit of the old: a
-                // new account blocked since it was read failed the chain first, and was taken
-                // for the old one's refusal ("closed", or, for a caller once moved away and
-                // back, "moved meanwhile").
-                if !carried.is_empty() && self.is_closed(to.id, follow_up).await? {
-                    return Ok(Moving::TargetBlocked);
-                }
-                let why = self.closed_by(from, follow_up).await?;
-                return Ok(closed_as(why));
+                let carries = !carried.is_empty();
+                return self
+                    .closed_meanwhile((from, to.id), carries, deadline)
+                    .await;
             }
             // Another operator moved the caller back to `to` first (its void of the same move).
             Some(CreateTransferErrorKind::PendingTransferAlreadyVoided) => {
@@ -317,6 +311,23 @@ impl Ledger {
             None => Vec::new(),
         };
         Ok(Ok((chain, target.available)))
+    }
+
+    /// Why a move's chain found a debited account closed since it was read (`carries`: the
+    /// chain carried holds). The carries debit the new account, ahead of the move's debit of the
+    /// old: a new account blocked meanwhile failed the chain first, and was taken for the old
+    /// one's refusal ("closed", or, for a caller once moved away and back, "moved meanwhile").
+    async fn closed_meanwhile(
+        &self,
+        (from, to): (u128, u128),
+        carries: bool,
+        deadline: Instant,
+    ) -> Result<Moving, LedgerError> {
+        let follow_up = super::follow_up_deadline(deadline);
+        if carries && self.is_closed(to, follow_up).await? {
+            return Ok(Moving::TargetBlocked);
+        }
+        Ok(closed_as(self.closed_by(from, follow_up).await?))
     }
 
     /// Whether the account exists and is closed (a block, or a move away).
