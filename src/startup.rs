@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix_web::dev::Server;
+use actix_web::dev::{Server, ServerHandle};
 use actix_web::middleware::Condition;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use thiserror::Error;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 use tracing_actix_web::TracingLogger;
 
 use crate::config::{
@@ -31,6 +31,9 @@ use crate::ledger::{ConnectError, Ledger};
 use crate::limiter::moves::OPERATOR_EPOCH_INTERVAL;
 use crate::limiter::Limiter;
 use crate::telemetry::span::LimiterRootSpan;
+
+pub mod watch;
+use watch::{Ended, Reporter, Watch};
 
 /// A client must send its whole request head within this, or the connection is closed (a slow
 /// client cannot hold a connection open by trickling headers).
@@ -90,7 +93,7 @@ pub struct Application {
 /// were refused at once.
 #[derive(Clone)]
 pub struct StopHandle {
-    server: actix_web::dev::ServerHandle,
+    server: ServerHandle,
     readiness: web::Data<routes::Readiness>,
     drain_delay: Duration,
 }
@@ -116,7 +119,7 @@ impl StopHandle {
 /// answers. Stopped on drop, as the companions are, if never run to its end.
 struct Serving {
     task: Option<JoinHandle<std::io::Result<()>>>,
-    handle: actix_web::dev::ServerHandle,
+    handle: ServerHandle,
 }
 
 impl Serving {
@@ -128,11 +131,12 @@ impl Serving {
         }
     }
 
-    /// Until the server stops (through its handle).
+    /// Until the server stops (through its handle). Cancel-safe: awaited again, it waits on.
     async fn finished(&mut self) -> std::io::Result<()> {
-        let task = self.task.take().expect("run once");
-        task.await
-            .unwrap_or_else(|error| Err(std::io::Error::other(error)))
+        let task = self.task.as_mut().expect("awaited until it ends, once");
+        let ended = task.await;
+        self.task = None;
+        ended.unwrap_or_else(|error| Err(std::io::Error::other(error)))
     }
 }
 
@@ -148,27 +152,33 @@ impl Drop for Serving {
 
 /// What runs beside the HTTP server from the start. Stopped when the service stops, and on drop:
 /// an application dropped unrun, or a build that fails half-way, leaves no task following the
-/// ledger and no admin API serving a limiter nobody runs.
+/// ledger and no admin API serving a limiter nobody runs. Watched: one that ends before the
+/// stop stops the service ([`watch`]).
 #[derive(Default)]
 struct Companions {
+    /// Where each reports its end.
+    watch: Watch,
     /// Follows the ledger's addresses (and closes replaced clients).
-    follower: Option<JoinHandle<()>>,
+    follower: Option<AbortHandle>,
     /// Follows the ledger's operator epoch (see `Limiter::follow_operator_epoch`).
-    epoch_follower: Option<JoinHandle<()>>,
+    epoch_follower: Option<AbortHandle>,
+    /// Settles leases whose time is over, when a plan has leases.
+    settler: Option<AbortHandle>,
+    /// Tasks of the embedding program's, tied to the service ([`Application::watch_task`]).
+    others: Vec<AbortHandle>,
     /// The admin API's server (running) and its port.
-    admin: Option<(actix_web::dev::ServerHandle, u16)>,
+    admin: Option<(ServerHandle, u16)>,
     /// The metrics' own server (running) and its port, when `metrics.listen` is set.
-    metrics: Option<(actix_web::dev::ServerHandle, u16)>,
+    metrics: Option<(ServerHandle, u16)>,
     /// Envoy's rate-limit service (running), when configured.
     rls: Option<RlsServer>,
 }
 
 impl Drop for Companions {
     fn drop(&mut self) {
-        for task in [self.follower.take(), self.epoch_follower.take()]
-            .into_iter()
-            .flatten()
-        {
+        let followers = [self.follower.take(), self.epoch_follower.take()];
+        let tasks = followers.into_iter().chain([self.settler.take()]).flatten();
+        for task in tasks.chain(self.others.drain(..)) {
             task.abort();
         }
         for (server, _) in [self.admin.take(), self.metrics.take()]
@@ -180,6 +190,19 @@ impl Drop for Companions {
         }
         // Dropping its stop signal stops the Envoy front end (see `rls_server`).
         self.rls.take();
+    }
+}
+
+impl Companions {
+    /// A companion server, running, watched.
+    fn watched(
+        &self,
+        companion: &'static str,
+        (server, port): (Server, u16),
+    ) -> (ServerHandle, u16) {
+        let handle = server.handle();
+        self.watch.server_task(companion, tokio::spawn(server));
+        (handle, port)
     }
 }
 
@@ -196,7 +219,7 @@ impl Application {
         let (ledger, embedded, follower) = connect_ledger(&settings).await?;
         let (listener, port) = bound.listening()?;
         let mut companions = Companions::default();
-        companions.follower = Some(follower);
+        companions.follower = Some(companions.watch.task("ledger address follower", follower));
         let concurrency = ConcurrencyLimits::new(
             &ledger,
             &settings.concurrency,
@@ -208,8 +231,8 @@ impl Application {
             settings.plans.clone(),
             settings.limiter.clone(),
         ));
-        // Settles leases whose time is over; ends when the limiter is dropped.
-        crate::limiter::lease::spawn_settler(&limiter);
+        let settler = crate::limiter::lease::spawn_settler(&limiter);
+        companions.settler = settler.map(|task| companions.watch.task("lease settler", task));
         let slots_out = concurrency.slots_out();
         let rate_limit =
             RateLimit::new(limiter.clone(), settings.rules.clone()).with_concurrency(concurrency);
@@ -222,7 +245,10 @@ impl Application {
         let epoch = limiter
             .clone()
             .follow_operator_epoch(OPERATOR_EPOCH_INTERVAL);
-        companions.epoch_follower = Some(tokio::spawn(epoch));
+        let epoch = companions
+            .watch
+            .task("operator epoch follower", tokio::spawn(epoch));
+        companions.epoch_follower = Some(epoch);
         let server = Serving::start(server);
         let stop = StopHandle {
             server: server.handle.clone(),
@@ -283,8 +309,16 @@ impl Application {
         }
     }
 
+    /// Ties a task of the embedding program's to the service, as its own companions are: if it
+    /// ends before the stop (returns or panics), the service stops, and
+    /// [`Application::run_until_stopped`] answers an error naming `name`. Aborted at the stop.
+    pub fn watch_task(&mut self, name: &'static str, task: JoinHandle<()>) {
+        let abort = self.companions.watch.task(name, task);
+        self.companions.others.push(abort);
+    }
+
     /// A handle to stop the server gracefully (what SIGINT/SIGTERM do).
-    pub fn server_handle(&self) -> actix_web::dev::ServerHandle {
+    pub fn server_handle(&self) -> ServerHandle {
         self.server.handle.clone()
     }
 
@@ -296,10 +330,18 @@ impl Application {
 
     /// Until the server (serving since the build) is stopped through
     /// [`Application::server_handle`] (the binary does so at SIGINT/SIGTERM; the server's own
-    /// signal handlers are off); then settles leases, stops the companions and the embedded
-    /// ledger.
+    /// signal handlers are off), or a companion ends (an error naming it, once stopped as at a
+    /// signal); then settles leases, stops the companions and the embedded ledger.
     pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
-        let result = self.server.finished().await;
+        let result = tokio::select! {
+            served = self.server.finished() => served,
+            ended = self.companions.watch.first_end() => {
+                let failed = companion_failed(&ended);
+                // As at a signal: not ready, the drain delay, a graceful stop.
+                self.stop.stop().await;
+                self.server.finished().await.and(Err(failed))
+            }
+        };
         // A renewal still running would take its lease after the settling below: wait for it,
         // a decision's deadline at most (its own), with room for its last settlement's task.
         let within = self.limiter.settings().ledger_timeout + RENEWALS_END_GRACE;
@@ -352,6 +394,18 @@ impl Application {
         }
         result
     }
+}
+
+/// Says a companion ended before the stop, and why the service stops: the error
+/// [`Application::run_until_stopped`] answers.
+fn companion_failed(ended: &Ended) -> std::io::Error {
+    tracing::error!(
+        companion = ended.companion,
+        why = %ended.why,
+        "the {} ended: stopping the service, so that it is restarted whole",
+        ended.companion
+    );
+    std::io::Error::other(format!("the {} ended: {}", ended.companion, ended.why))
 }
 
 /// What the main server's app serves with: the limiter, the rate-limit middleware, the
@@ -566,7 +620,8 @@ fn start_listeners(
 ) -> Result<(), StartupError> {
     if let (Some(listen), Some(bound)) = (&settings.metrics_listen, listeners.metrics) {
         let bound = bound.listening()?;
-        companions.metrics = Some(metrics_server((listen, bound), rate_limit, exporters)?);
+        let metrics = metrics_server((listen, bound), rate_limit, exporters)?;
+        companions.metrics = Some(companions.watched("metrics server", metrics));
     }
     // The Envoy rules in force, as its front end and the admin API's look-up read them.
     let envoy_rules = (settings.rls.as_ref()).map(|rls| {
@@ -582,11 +637,14 @@ fn start_listeners(
             Arc::new(accounts) as Arc<dyn admin::DescriptorAccounts>
         });
         let admin_state = (limiter.clone(), settings.rules.clone(), envoy);
-        companions.admin = Some(admin_server((admin, bound.listening()?), admin_state)?);
+        let admin = admin_server((admin, bound.listening()?), admin_state)?;
+        companions.admin = Some(companions.watched("admin API", admin));
     }
     if let (Some(rls), Some(bound), Some(rules)) = (&settings.rls, listeners.rls, envoy_rules) {
         let (workers, bound) = (settings.workers.get(), bound.listening()?);
-        companions.rls = Some(rls_server((rls, bound), (limiter.clone(), rules), workers)?);
+        let reporter = companions.watch.reporter();
+        let rls = rls_server((rls, bound), (limiter.clone(), rules), (workers, reporter))?;
+        companions.rls = Some(rls);
     }
     Ok(())
 }
@@ -636,7 +694,7 @@ impl admin::DescriptorAccounts for EnvoyAccounts {
 fn admin_server(
     (admin, (listener, port)): (&AdminSettings, (TcpListener, u16)),
     (limiter, rules, envoy): AdminParts,
-) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
+) -> Result<(Server, u16), StartupError> {
     let listen_error = |source| StartupError::Listen {
         address: admin.listen.clone(),
         source,
@@ -667,10 +725,8 @@ fn admin_server(
     .listen(listener)
     .map_err(listen_error)?
     .run();
-    let handle = server.handle();
-    tokio::spawn(server);
     tracing::info!(port, "admin API listening on port {port}");
-    Ok((handle, port))
+    Ok((server, port))
 }
 
 /// `/metrics` and `/metrics/exemplars` on a listener of their own (one worker: a scrape renders
@@ -679,7 +735,7 @@ fn metrics_server(
     (listen, (listener, port)): (&str, (TcpListener, u16)),
     rate_limit: RateLimit,
     exporters: Exporters,
-) -> Result<(actix_web::dev::ServerHandle, u16), StartupError> {
+) -> Result<(Server, u16), StartupError> {
     let server = HttpServer::new(move || {
         App::new().configure(|config| metrics_routes(config, &rate_limit, &exporters))
     })
@@ -695,10 +751,8 @@ fn metrics_server(
         source,
     })?
     .run();
-    let handle = server.handle();
-    tokio::spawn(server);
     tracing::info!(port, "metrics listening on port {port}");
-    Ok((handle, port))
+    Ok((server, port))
 }
 
 /// How long a stop waits for concurrency slots to come back, at most.
@@ -716,7 +770,7 @@ const ADMIN_DRAIN_SECONDS: u64 = 8;
 fn rls_server(
     (rls, (listener, port)): (&RlsSettings, (TcpListener, u16)),
     (limiter, rules): (Arc<Limiter>, Arc<LiveRules>),
-    workers: usize,
+    (workers, reporter): (usize, Reporter),
 ) -> Result<RlsServer, StartupError> {
     let listen_error = |source| StartupError::Listen {
         address: rls.listen.clone(),
@@ -735,31 +789,16 @@ fn rls_server(
     let thread = std::thread::Builder::new()
         .name("rls".to_owned())
         .spawn(move || {
-            runtime.block_on(async move {
-                let listener =
-                    tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-                // Ends with this runtime, after the server.
-                tokio::spawn(rules.follow(RULES_CHECK_INTERVAL, RlsMetrics::register()));
-                let stopped = futures_util::FutureExt::shared(stopped);
-                let shutdown = {
-                    let stopped = stopped.clone();
-                    async move {
-                        let _ = stopped.await;
-                    }
-                };
-                // Calls in flight finish within their deadline; a call whose peer never ends it
-                // (no grpc-timeout, a half-sent body) must not keep the service from stopping.
-                let cut_off = async move {
-                    let _ = stopped.await;
-                    tokio::time::sleep(RLS_DRAIN_MAX).await;
-                };
-                tokio::select! {
-                    served = crate::envoy::serve(server, (listener, bounds), shutdown) => {
-                        served.map_err(|e| e.to_string())
-                    }
-                    () = cut_off => Err(format!("calls still open {RLS_DRAIN_MAX:?} after the stop; closed")),
-                }
-            })
+            let serving = serve_rls(server, (listener, bounds), (rules, stopped), &reporter);
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runtime.block_on(serving)
+            }));
+            let served = served.unwrap_or_else(|panic| Err(watch::panic_message(panic)));
+            if let Err(why) = &served {
+                // After the stop too (calls cut off): nobody is listening then.
+                reporter.ended(RLS_COMPANION, why.clone());
+            }
+            served
         })
         .map_err(listen_error)?;
     tracing::info!(
@@ -769,6 +808,41 @@ fn rls_server(
         "Envoy rate-limit service listening on port {port}"
     );
     Ok(RlsServer { port, stop, thread })
+}
+
+/// The Envoy front end's companion name, as its end is reported.
+const RLS_COMPANION: &str = "Envoy rate-limit service";
+
+/// The Envoy front end, on its runtime, with its rules' follower, until stopped.
+async fn serve_rls(
+    server: RateLimitServer,
+    (listener, bounds): (TcpListener, crate::envoy::Bounds),
+    (rules, stopped): (Arc<LiveRules>, tokio::sync::oneshot::Receiver<()>),
+    reporter: &Reporter,
+) -> Result<(), String> {
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
+    // Ends with this runtime, after the server.
+    let follow = tokio::spawn(rules.follow(RULES_CHECK_INTERVAL, RlsMetrics::register()));
+    reporter.task("Envoy rules follower", follow);
+    let stopped = futures_util::FutureExt::shared(stopped);
+    let shutdown = {
+        let stopped = stopped.clone();
+        async move {
+            let _ = stopped.await;
+        }
+    };
+    // Calls in flight finish within their deadline; a call whose peer never ends it (no
+    // grpc-timeout, a half-sent body) must not keep the service from stopping.
+    let cut_off = async move {
+        let _ = stopped.await;
+        tokio::time::sleep(RLS_DRAIN_MAX).await;
+    };
+    tokio::select! {
+        served = crate::envoy::serve(server, (listener, bounds), shutdown) => {
+            served.map_err(|e| e.to_string())
+        }
+        () = cut_off => Err(format!("calls still open {RLS_DRAIN_MAX:?} after the stop; closed")),
+    }
 }
 
 /// How long the Envoy front end waits for its calls in flight to finish once stopped, at most.

@@ -1235,3 +1235,88 @@ async fn a_caller_reduced_to_nothing_is_refused_not_provisioned_again() {
     let provisioned = ledger.calls_started_of(Operation::CreateAccounts) - accounts;
     assert_eq!(provisioned, 0, "not provisioned again");
 }
+
+/// Builds an app on the shared ledger (readiness waited for) with a task of the test's tied to
+/// it, and runs it: its port, its server's handle, and the run.
+async fn app_watching(
+    config: FileConfig,
+    task: tokio::task::JoinHandle<()>,
+) -> (
+    u16,
+    actix_web::dev::ServerHandle,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    use ledger_limiter::startup::{Application, Exporters};
+    let settings = ledger_limiter::config::Settings::with_overrides(config).unwrap();
+    let mut application = Application::build(settings, Exporters::default())
+        .await
+        .expect("application builds");
+    assert!(application.wait_for_ledger(Duration::from_secs(20)).await);
+    application.watch_task("test companion", task);
+    let (port, handle) = (application.port(), application.server_handle());
+    (port, handle, tokio::spawn(application.run_until_stopped()))
+}
+
+/// A companion that ends before the stop (here a task tied to the service as its admin API,
+/// metrics server, Envoy front end and followers are) stops it: not ready at once, no more
+/// connections after the drain delay, and the run ends with an error that names it. Before,
+/// the service served on without it, looking alive, until its stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_companion_that_ends_stops_the_service_saying_which() {
+    let mut config = test_config(shared_ledger().address);
+    config.drain_delay_seconds = Some(1);
+    let (fail, failed) = tokio::sync::oneshot::channel::<()>();
+    let companion = tokio::spawn(async move {
+        let _ = failed.await;
+        panic!("lost its way");
+    });
+    let (port, _, running) = app_watching(config, companion).await;
+    let client = reqwest::Client::new();
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    assert_eq!(client.get(&readyz).send().await.unwrap().status(), 200);
+    fail.send(()).unwrap();
+    let not_ready = Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = client
+            .get(&readyz)
+            .send()
+            .await
+            .expect("served during the delay");
+        if answer.status() == 503 {
+            assert!(answer.text().await.unwrap().contains("stopping"));
+            break;
+        }
+        assert!(
+            Instant::now() < not_ready,
+            "still ready 5 s after the companion ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ran = tokio::time::timeout(Duration::from_secs(30), running)
+        .await
+        .expect("the service stopped")
+        .expect("the run did not panic");
+    let error = ran
+        .expect_err("a companion's end is the run's error")
+        .to_string();
+    assert!(error.contains("test companion"), "{error}");
+    assert!(error.contains("it panicked: lost its way"), "{error}");
+    assert!(client.get(&readyz).send().await.is_err(), "still serving");
+}
+
+/// A tied task still running at the stop is aborted, and that is no companion's end: the run
+/// ends well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_companion_running_at_the_stop_is_no_failure() {
+    let config = test_config(shared_ledger().address);
+    let companion = tokio::spawn(std::future::pending::<()>());
+    let (port, handle, running) = app_watching(config, companion).await;
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    assert_eq!(reqwest::get(&readyz).await.unwrap().status(), 200);
+    handle.stop(true).await;
+    let ran = tokio::time::timeout(Duration::from_secs(30), running)
+        .await
+        .expect("the service stopped")
+        .expect("the run did not panic");
+    ran.expect("the run ended well");
+}
