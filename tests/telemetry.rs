@@ -215,8 +215,11 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(invented.status(), 429, "charged as any request");
     let spans = server_spans_of_trace(&invented_trace).await;
     let server = decided_span(&spans);
-    assert_eq!(server.name, "_OTHER /greeting");
-    assert_eq!(attribute(server, "http.method").as_deref(), Some("_OTHER"));
+    assert_eq!(server.name, "HTTP /greeting");
+    let method = attribute(server, "http.request.method");
+    assert_eq!(method.as_deref(), Some("_OTHER"));
+    let original = attribute(server, "http.request.method_original");
+    assert_eq!(original.as_deref(), Some("BREW42"));
 
     // A query string is no span's (a token in it would be exported), nor an address a client
     // claims: the target is the path, the client the connection's peer.
@@ -242,24 +245,31 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
     assert_eq!(queried.status(), 429);
     let spans = server_spans_of_trace(&queried_trace).await;
     let server = decided_span(&spans);
-    assert_eq!(
-        attribute(server, "http.target").as_deref(),
-        Some("/greeting")
-    );
-    assert_eq!(
-        attribute(server, "http.client_ip").as_deref(),
-        Some("127.0.0.1")
-    );
+    assert_eq!(attribute(server, "url.path").as_deref(), Some("/greeting"));
+    assert_eq!(attribute(server, "url.query"), None);
+    let client = attribute(server, "client.address");
+    assert_eq!(client.as_deref(), Some("127.0.0.1"));
     // The request's own host and the listener's scheme, not what the client claims; and no
     // more of its user agent than a span's share.
-    let host = format!("127.0.0.1:{}", app.port);
-    assert_eq!(attribute(server, "http.host"), Some(host));
-    assert_eq!(attribute(server, "http.scheme").as_deref(), Some("http"));
-    let user_agent = attribute(server, "http.user_agent").unwrap();
+    let address = attribute(server, "server.address");
+    assert_eq!(address.as_deref(), Some("127.0.0.1"));
+    let port = attribute(server, "server.port");
+    assert_eq!(port, Some(app.port.to_string()));
+    assert_eq!(attribute(server, "url.scheme").as_deref(), Some("http"));
+    let user_agent = attribute(server, "user_agent.original").unwrap();
     assert_eq!(user_agent.len(), 256, "{user_agent}");
-    assert_eq!(
-        attribute(server, "http.route").as_deref(),
-        Some("/greeting")
+    let route = attribute(server, "http.route");
+    assert_eq!(route.as_deref(), Some("/greeting"));
+    let version = attribute(server, "network.protocol.version");
+    assert_eq!(version.as_deref(), Some("1.1"));
+    let status = attribute(server, "http.response.status_code");
+    assert_eq!(status.as_deref(), Some("429"));
+    // A 429 is no error: no `error.type`, the span's status unset.
+    assert_eq!(attribute(server, "error.type"), None);
+    let status = server.status.as_ref().map(|s| s.code.as_str());
+    assert!(
+        matches!(status, None | Some("STATUS_CODE_UNSET")),
+        "{status:?}"
     );
     assert_eq!(
         attribute(server, "trace_id").as_deref(),
@@ -279,8 +289,12 @@ async fn server_spans_carry_the_caller_and_the_decision_and_never_the_key() {
         .unwrap();
     assert_eq!(long.status(), 401, "no key");
     let spans = server_spans_of_trace(&long_trace).await;
-    let target = spans.iter().find_map(|s| attribute(s, "http.target"));
-    assert_eq!(target.map(|t| t.len()), Some(256));
+    let server = spans.iter().find(|s| s.kind == "SPAN_KIND_SERVER").unwrap();
+    let path = attribute(server, "url.path");
+    assert_eq!(path.map(|t| t.len()), Some(256));
+    // A path no route matches: no `http.route`, the span named by its method alone.
+    assert_eq!(attribute(server, "http.route"), None);
+    assert_eq!(server.name, "GET");
 
     // The raw key is a secret: it is in no attribute or event of any span received; nor is a
     // query's token, nor a claimed address.
@@ -665,6 +679,10 @@ async fn a_request_failed_closed_is_an_error_in_its_trace() {
     let spans = server_spans_of_trace(&failed).await;
     let error = Some("STATUS_CODE_ERROR".to_owned());
     assert_eq!(status_of(&spans, "SPAN_KIND_SERVER"), error, "{spans:#?}");
+    let server = spans.iter().find(|s| s.kind == "SPAN_KIND_SERVER").unwrap();
+    let status = attribute(server, "http.response.status_code");
+    assert_eq!(status.as_deref(), Some("503"));
+    assert_eq!(attribute(server, "error.type").as_deref(), Some("503"));
     assert_eq!(status_of(&spans, "SPAN_KIND_CLIENT"), error, "{spans:#?}");
     let spans = server_spans_of_trace(&admitted).await;
     assert_ne!(status_of(&spans, "SPAN_KIND_SERVER"), error, "{spans:#?}");

@@ -9,7 +9,7 @@ use actix_web::Error;
 use actix_web::HttpMessage;
 use opentelemetry::trace::TraceContextExt;
 use tracing::Span;
-use tracing_actix_web::{DefaultRootSpanBuilder, RequestId, RootSpanBuilder};
+use tracing_actix_web::{RequestId, RootSpanBuilder};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Span fields the limiter records. `user.id` is the caller's account id, never the raw key.
@@ -55,14 +55,15 @@ impl opentelemetry::propagation::Extractor for HeaderCarrier<'_> {
     }
 }
 
-fn http_flavor(version: actix_web::http::Version) -> &'static str {
+/// `network.protocol.version`, as OpenTelemetry writes HTTP's (`2`, not `2.0`).
+fn protocol_version(version: actix_web::http::Version) -> &'static str {
     use actix_web::http::Version;
     match version {
         Version::HTTP_09 => "0.9",
         Version::HTTP_10 => "1.0",
         Version::HTTP_11 => "1.1",
-        Version::HTTP_2 => "2.0",
-        Version::HTTP_3 => "3.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
         _ => "other",
     }
 }
@@ -116,22 +117,43 @@ fn host(request: &ServiceRequest) -> &str {
         .unwrap_or("")
 }
 
-/// The server span of every request, with the limiter's fields declared (empty until recorded).
+/// A host as `server.address` and `server.port` name it: `host[:port]`, an IPv6 address in
+/// brackets (without them in the address). No port, or one that is no number: none.
+fn server_address(host: &str) -> (&str, Option<u16>) {
+    if let Some(bracketed) = host.strip_prefix('[') {
+        if let Some((address, rest)) = bracketed.split_once(']') {
+            return (address, rest.strip_prefix(':').and_then(|p| p.parse().ok()));
+        }
+        return (host, None);
+    }
+    match host.rsplit_once(':') {
+        Some((address, port)) => match port.parse() {
+            Ok(port) => (address, Some(port)),
+            Err(_) => (host, None),
+        },
+        None => (host, None),
+    }
+}
+
+/// The server span of every request, named and filled after OpenTelemetry's stable HTTP
+/// conventions (v1.26: `http.request.method`, `url.path`, `http.response.status_code`, ...),
+/// with the limiter's fields declared (empty until recorded).
 ///
-/// tracing-actix-web's fields, made here rather than by its `root_span!`: that macro records the
-/// path with its query string (`?access_token=…` would be exported in every trace) and the
-/// client address, host and scheme from `X-Forwarded-For`, `-Host`, `-Proto` or `Forwarded`,
-/// which any client writes (a trace would name whoever the client claimed to be). Here
-/// `http.target` is the path alone, `http.client_ip` the connection's peer, `http.host` the
-/// request's own and `http.scheme` the listener's; the method is bounded (`_OTHER`), so that a client's
-/// invented method names no span (Tempo's span metrics label by the name).
+/// Made here rather than by tracing-actix-web's `root_span!`, which writes the conventions'
+/// older names and records the path with its query string (`?access_token=…` would be exported
+/// in every trace) and the client address, host and scheme from `X-Forwarded-For`, `-Host`,
+/// `-Proto` or `Forwarded`, which any client writes (a trace would name whoever the client
+/// claimed to be). Here `url.path` is the path alone (no `url.query`), `client.address` the
+/// connection's peer, `server.address` the request's own host and `url.scheme` the listener's.
+/// The method is bounded (`_OTHER`, the span named `HTTP`), so that a client's invented method
+/// names no span (Tempo's span metrics label by the name); an unmatched path has no
+/// `http.route` and its span is named by the method alone.
 pub struct LimiterRootSpan;
 
 impl RootSpanBuilder for LimiterRootSpan {
     fn on_request_start(request: &ServiceRequest) -> Span {
         let method = method_label(request.method());
         let route = request.match_pattern();
-        let route = route.as_deref().unwrap_or("default");
         let user_agent = request.headers().get("User-Agent");
         let user_agent = capped(user_agent.and_then(|v| v.to_str().ok()).unwrap_or(""));
         let peer = request.peer_addr().map(|peer| peer.ip().to_string());
@@ -140,18 +162,22 @@ impl RootSpanBuilder for LimiterRootSpan {
         } else {
             "http"
         };
+        let (address, port) = server_address(capped(host(request)));
         let span = tracing::info_span!(
             "HTTP request",
-            http.method = method,
-            http.route = route,
-            http.flavor = http_flavor(request.version()),
-            http.scheme = scheme,
-            http.host = capped(host(request)),
-            http.client_ip = peer.as_deref().unwrap_or(""),
-            http.user_agent = user_agent,
-            http.target = capped(request.path()),
-            http.status_code = tracing::field::Empty,
-            otel.name = %format_args!("{method} {route}"),
+            http.request.method = method,
+            http.request.method_original = tracing::field::Empty,
+            http.route = tracing::field::Empty,
+            network.protocol.version = protocol_version(request.version()),
+            url.scheme = scheme,
+            url.path = capped(request.path()),
+            server.address = address,
+            server.port = tracing::field::Empty,
+            client.address = peer.as_deref().unwrap_or(""),
+            user_agent.original = user_agent,
+            http.response.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            otel.name = %span_name(method, route.as_deref()),
             otel.kind = "server",
             otel.status_code = tracing::field::Empty,
             trace_id = tracing::field::Empty,
@@ -168,6 +194,18 @@ impl RootSpanBuilder for LimiterRootSpan {
             ratelimit.shadow = tracing::field::Empty,
             ratelimit.limit = tracing::field::Empty,
         );
+        if let Some(route) = route {
+            span.record("http.route", route);
+        }
+        if let Some(port) = port {
+            span.record("server.port", port);
+        }
+        if method == METHOD_OTHER {
+            span.record(
+                "http.request.method_original",
+                capped(request.method().as_str()),
+            );
+        }
         // TracingLogger makes one before it calls this.
         if let Some(request_id) = request.extensions().get::<RequestId>() {
             span.record("request_id", tracing::field::display(request_id));
@@ -182,19 +220,73 @@ impl RootSpanBuilder for LimiterRootSpan {
         span
     }
 
-    /// As tracing-actix-web's, but a 5xx the limiter answers itself (failed closed, a caller it
-    /// cannot resolve) is an error too: the default marks only responses that carry an actix
-    /// error, and exported these `OK`, so a ledger outage showed no error in any trace. (Not
-    /// `ERROR` after the default's `OK`: OpenTelemetry keeps a span's `OK` once set.)
+    /// The response's status; an error's message and details when actix carries one. The span's
+    /// status is `ERROR` for a 5xx, the limiter's own included (failed closed, a caller it cannot
+    /// resolve: tracing-actix-web's default marks only responses that carry an actix error, and
+    /// a ledger outage showed no error in any trace), with `error.type` the status code; else
+    /// unset, as the conventions ask of a server's 4xx (the default set `OK`, which is the
+    /// application's to set).
     fn on_request_end<B: MessageBody>(span: Span, outcome: &Result<ServiceResponse<B>, Error>) {
-        match outcome {
-            Ok(response)
-                if response.response().error().is_none() && response.status().is_server_error() =>
-            {
-                span.record("http.status_code", i32::from(response.status().as_u16()));
-                span.record("otel.status_code", "ERROR");
+        let (status, error) = match outcome {
+            Ok(response) => {
+                let error = response.response().error();
+                (response.status(), error.map(|e| e.as_response_error()))
             }
-            _ => DefaultRootSpanBuilder::on_request_end(span, outcome),
+            Err(error) => {
+                let error = error.as_response_error();
+                (error.status_code(), Some(error))
+            }
+        };
+        span.record("http.response.status_code", status.as_u16());
+        if let Some(error) = error {
+            // Formatted first: tracing drops a `Display` value's field otherwise
+            // (tokio-rs/tracing#1565, as tracing-actix-web does).
+            let (message, details) = (format!("{error}"), format!("{error:?}"));
+            span.record("exception.message", message.as_str());
+            span.record("exception.details", details.as_str());
         }
+        if status.is_server_error() {
+            span.record("otel.status_code", "ERROR");
+            span.record("error.type", status.as_str());
+        }
+    }
+}
+
+/// A server span's name: `{method} {route}`; the method alone when no route matched; `HTTP`
+/// for a method outside the standard ones (the conventions' names).
+fn span_name(method: &'static str, route: Option<&str>) -> String {
+    let method = if method == METHOD_OTHER {
+        "HTTP"
+    } else {
+        method
+    };
+    match route {
+        Some(route) => format!("{method} {route}"),
+        None => method.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_names_its_address_and_port() {
+        assert_eq!(server_address("127.0.0.1:8080"), ("127.0.0.1", Some(8080)));
+        assert_eq!(server_address("api.example"), ("api.example", None));
+        assert_eq!(server_address("[::1]:443"), ("::1", Some(443)));
+        assert_eq!(server_address("[::1]"), ("::1", None));
+        assert_eq!(server_address("[::1"), ("[::1", None));
+        assert_eq!(server_address("host:http"), ("host:http", None));
+        assert_eq!(server_address("host:99999"), ("host:99999", None));
+        assert_eq!(server_address(""), ("", None));
+    }
+
+    #[test]
+    fn a_span_is_named_by_its_method_and_route() {
+        assert_eq!(span_name("GET", Some("/greeting")), "GET /greeting");
+        assert_eq!(span_name("POST", None), "POST");
+        assert_eq!(span_name(METHOD_OTHER, Some("/greeting")), "HTTP /greeting");
+        assert_eq!(span_name(METHOD_OTHER, None), "HTTP");
     }
 }
