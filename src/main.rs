@@ -253,7 +253,20 @@ async fn main() -> anyhow::Result<()> {
 
     // Before anything starts: a signal during start-up must stop us cleanly, not kill us.
     let signals = StopSignals::install()?;
-    serve(settings, signals).await
+    exit_now(serve(settings, signals).await)
+}
+
+/// Exits with the service's outcome (as `main` returning it would: 1 and the error), here rather
+/// than through the runtime's end, which waits for every blocking task: one stuck for good (a
+/// DNS lookup of the ledger's past its deadline, a file on a hung mount) held the exit as long.
+/// What has to end first has: the server drained, the leases settled, the companions and the
+/// embedded ledger stopped, the telemetry flushed.
+fn exit_now(served: anyhow::Result<()>) -> ! {
+    if let Err(error) = served {
+        eprintln!("Error: {error:?}");
+        std::process::exit(1);
+    }
+    std::process::exit(0)
 }
 
 /// SIGINT and SIGTERM, listened for from the start to the end, and the only handlers (the

@@ -793,6 +793,9 @@ fn rls_server(
             let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 runtime.block_on(serving)
             }));
+            // Not the runtime's drop, which waits for every blocking task: a rules reread stuck
+            // for good (a pipe nobody writes, a hung mount) held the stop for ever.
+            runtime.shutdown_timeout(BLOCKING_TASKS_GRACE);
             let served = served.unwrap_or_else(|panic| Err(watch::panic_message(panic)));
             if let Err(why) = &served {
                 // After the stop too (calls cut off): nobody is listening then.
@@ -809,6 +812,10 @@ fn rls_server(
     );
     Ok(RlsServer { port, stop, thread })
 }
+
+/// How long a runtime's end waits for its blocking tasks (a rules reread, a DNS lookup) before
+/// it leaves them behind.
+const BLOCKING_TASKS_GRACE: Duration = Duration::from_secs(1);
 
 /// The Envoy front end's companion name, as its end is reported.
 const RLS_COMPANION: &str = "Envoy rate-limit service";

@@ -1008,3 +1008,35 @@ fn too_few_open_files_are_refused_saying_so() {
     assert!(!said.contains("panicked"), "{said}");
     assert!(!said.contains("listening"), "{said}");
 }
+
+/// A blocking task stuck for good does not hold the stop: here the Envoy rules' reread, blocked
+/// opening a pipe nobody writes (as a DNS lookup past its deadline or a file on a hung mount
+/// blocks). The process exits after its drain; before, the runtimes' end waited for the task,
+/// and the process never exited. The stuck reread is said (no later change loads).
+#[test]
+fn a_stuck_rules_reread_does_not_hold_the_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules");
+    std::fs::create_dir(&rules).unwrap();
+    let rule = "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 5\n";
+    std::fs::write(rules.join("a.yaml"), rule).unwrap();
+    let mut command = command(dir.path());
+    command
+        .args(["--listen", "127.0.0.1:0", "--rls-listen", "127.0.0.1:0"])
+        .arg("--rls-config")
+        .arg(&rules)
+        .arg(format!(
+            "--ledger-addresses={}",
+            common::shared_ledger().address
+        ));
+    let (mut running, _, log) = start_binary_logged(command, "ledger-limiter listening on port ");
+    let made = Command::new("mkfifo").arg(rules.join("b.yaml")).status();
+    assert!(made.unwrap().success(), "mkfifo");
+    // The next reread (every 2 s) opens it, and blocks: said after 10 s.
+    let late = "Envoy rules reread still blocked reading the files";
+    assert!(wait_logged(&log, late, Duration::from_secs(20)), "said");
+    running.send_signal("-TERM");
+    let status = running.wait_exit(Duration::from_secs(20));
+    let status = status.expect("exited within 20 s of SIGTERM");
+    assert!(status.success(), "{status:?}");
+}

@@ -99,6 +99,22 @@ impl LiveRules {
         }
     }
 
+    /// A reread, waited for as long as it takes (another would block as this one does), but
+    /// said once it is late: a read blocked for good (a pipe nobody writes, a hung mount) stops
+    /// every later change from loading, and would otherwise go unsaid.
+    async fn waited(
+        &self,
+        mut reread: tokio::task::JoinHandle<Reread>,
+    ) -> Result<Reread, tokio::task::JoinError> {
+        match tokio::time::timeout(REREAD_LATE_AFTER, &mut reread).await {
+            Ok(reread) => reread,
+            Err(_) => {
+                tracing::warn!(path = %self.path.display(), late_seconds = REREAD_LATE_AFTER.as_secs(), "Envoy rules reread still blocked reading the files: no change loads until it ends");
+                reread.await
+            }
+        }
+    }
+
     /// Rereads the files every `every`, for good (the task ends with its runtime), and says
     /// what came of each change.
     pub async fn follow(self: Arc<Self>, every: Duration, metrics: RlsMetrics) {
@@ -109,7 +125,10 @@ impl LiveRules {
             tick.tick().await;
             // Blocking file reads, off the runtime's workers.
             let rules = self.clone();
-            let Ok(reread) = tokio::task::spawn_blocking(move || rules.reread()).await else {
+            let Ok(reread) = self
+                .waited(tokio::task::spawn_blocking(move || rules.reread()))
+                .await
+            else {
                 continue;
             };
             match reread {
@@ -126,6 +145,10 @@ impl LiveRules {
         }
     }
 }
+
+/// How long a rules reread may take before it is said to be late: reading a few files takes
+/// milliseconds.
+const REREAD_LATE_AFTER: Duration = Duration::from_secs(10);
 
 /// A hash of the rules files' names and texts ([`read_texts`]), to tell a change.
 pub fn fingerprint(texts: &[(String, String)]) -> u64 {
