@@ -569,6 +569,46 @@ async fn a_block_refused_late_still_says_it_was_blocked_already() {
     assert!(unblocked.is_ok(), "{unblocked:?}");
 }
 
+/// A top-up or a reduction of a blocked account whose refusal comes late (its answer held until
+/// 3 ms before the deadline) still says blocked, known not applied: the read of why the account
+/// is closed has a deadline of its own, and a read that fails leaves the answer blocked. Before,
+/// the read went out with the spent deadline and the operator had a 503 "may have been
+/// applied, retry" for a refused action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credit_or_debit_refused_late_still_says_blocked() {
+    use ledger_limiter::ledger::model::{
+        Actor, TRANSFER_CODE_REDUCE as REDUCE, TRANSFER_CODE_TOP_UP as TOP_UP,
+    };
+    use ledger_limiter::ledger::{Adjusted, Blocking};
+    let direct = ledger_client(vec![shared_ledger().address]);
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let proxied = ledger_client(vec![proxy.address]);
+    let limit = fresh_limit(5, 60, 1);
+    let id = limit.account.id;
+    let setup = Instant::now() + Duration::from_secs(10);
+    direct.provision(&limit.account, setup).await.unwrap();
+    let actor = Actor::from_reason(1, "test").unwrap();
+    let blocked = direct.block(id, 600, actor, setup).await.unwrap();
+    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    for code in [TOP_UP, REDUCE] {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let (caught, go) = proxy.lose_answer_to(code, deadline - Duration::from_millis(3));
+        let ledger = proxied.clone();
+        let adjusted = tokio::spawn(async move {
+            match code {
+                TOP_UP => ledger.top_up(id, 1, (actor, None), deadline).await,
+                _ => ledger.reduce_credit(id, 1, (actor, None), deadline).await,
+            }
+        });
+        caught_within(caught).await;
+        let _ = go.send(());
+        let adjusted = adjusted.await.unwrap();
+        assert_eq!(adjusted, Ok(Adjusted::Blocked), "transfer code {code}");
+    }
+    let unblocked = direct.unblock(id, actor, setup).await;
+    assert!(unblocked.is_ok(), "{unblocked:?}");
+}
+
 /// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
 /// old account holds 2 units for 1 s and 8 for 30 s; the new plan allows 2. Each carry is a
 /// balancing debit, so the first in the chain takes what is free. Carried shortest first, the
