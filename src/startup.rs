@@ -111,6 +111,11 @@ impl StopHandle {
         }
         drop(self.server.stop(true));
     }
+
+    /// Whether a stop began through this handle (a signal's, or a companion's end).
+    pub fn stopping(&self) -> bool {
+        self.readiness.stopping()
+    }
 }
 
 /// The HTTP server, serving from the build on: while the binary waits for the ledger (up to
@@ -309,6 +314,27 @@ impl Application {
         }
     }
 
+    /// A companion ended before the server did: the stop it makes (as a signal's: not ready,
+    /// the drain delay, a graceful stop), and the error naming it. With a stop under way already
+    /// (through the [`StopHandle`]), only said: a task that ends with the stop is no failure.
+    async fn companion_ended(&mut self, ended: Ended) -> std::io::Result<()> {
+        if self.stop.stopping() {
+            tracing::warn!(
+                companion = ended.companion,
+                why = %ended.why,
+                "the {} ended during the stop",
+                ended.companion
+            );
+            return self.server.finished().await;
+        }
+        let failed = companion_failed(&ended);
+        self.stop.stop().await;
+        if let Err(error) = self.server.finished().await {
+            tracing::warn!(%error, "the server ended on an error too");
+        }
+        Err(failed)
+    }
+
     /// Ties a task of the embedding program's to the service, as its own companions are: if it
     /// ends before the stop (returns or panics), the service stops, and
     /// [`Application::run_until_stopped`] answers an error naming `name`. Aborted at the stop.
@@ -335,12 +361,7 @@ impl Application {
     pub async fn run_until_stopped(mut self) -> std::io::Result<()> {
         let result = tokio::select! {
             served = self.server.finished() => served,
-            ended = self.companions.watch.first_end() => {
-                let failed = companion_failed(&ended);
-                // As at a signal: not ready, the drain delay, a graceful stop.
-                self.stop.stop().await;
-                self.server.finished().await.and(Err(failed))
-            }
+            ended = self.companions.watch.first_end() => self.companion_ended(ended).await,
         };
         // A renewal still running would take its lease after the settling below: wait for it,
         // a decision's deadline at most (its own), with room for its last settlement's task.

@@ -47,7 +47,8 @@ impl Readiness {
         (self.stopping).store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn stopping(&self) -> bool {
+    /// Whether a stop began.
+    pub fn stopping(&self) -> bool {
         self.stopping.load(std::sync::atomic::Ordering::Relaxed)
     }
 

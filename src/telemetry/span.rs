@@ -198,7 +198,9 @@ impl RootSpanBuilder for LimiterRootSpan {
             span.record("http.route", route);
         }
         if let Some(port) = port {
-            span.record("server.port", port);
+            // An i64: tracing-opentelemetry exports an unsigned integer as text, and the
+            // conventions' port (and status code) are integers.
+            span.record("server.port", i64::from(port));
         }
         if method == METHOD_OTHER {
             span.record(
@@ -237,7 +239,7 @@ impl RootSpanBuilder for LimiterRootSpan {
                 (error.status_code(), Some(error))
             }
         };
-        span.record("http.response.status_code", status.as_u16());
+        span.record("http.response.status_code", i64::from(status.as_u16()));
         if let Some(error) = error {
             // Formatted first: tracing drops a `Display` value's field otherwise
             // (tokio-rs/tracing#1565, as tracing-actix-web does).
