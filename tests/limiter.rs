@@ -1329,3 +1329,62 @@ async fn a_companion_that_ends_during_the_stop_is_no_failure() {
     ran.expect("the run ended well");
     stopping.await.unwrap();
 }
+
+/// A hold voided on another instance (a refund there; a late hold's void or a concurrency
+/// slot's give-back do the same) frees credit that this instance's listing still counts as
+/// held. The listing refuses from memory for a second at most: then one request looks at the
+/// caller's balance, finds room, and the ledger admits it. Before, this instance refused the
+/// caller from memory until the voided hold's end (a minute here; a window, an hour on an
+/// hourly plan).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_voided_on_another_instance_frees_its_credit_within_a_second() {
+    use ledger_limiter::limiter::plan::Plan;
+    use ledger_limiter::limiter::DecisionSource;
+    use std::num::{NonZeroU32, NonZeroU64};
+    let plan = Plan::new(
+        "free",
+        NonZeroU64::new(2).unwrap(),
+        NonZeroU32::new(60).unwrap(),
+    );
+    let plan = plan.unwrap();
+    let a = one_plan_limiter(ledger_client(vec![shared_ledger().address]), plan.clone());
+    let b = one_plan_limiter(ledger_client(vec![shared_ledger().address]), plan);
+    let key = caller(&fresh_key("k_"));
+    let one = NonZeroU64::new(1).unwrap();
+    let mut first = a.check(&key, one).await.unwrap();
+    let second = a.check(&key, one).await.unwrap();
+    assert_eq!(
+        (first.outcome.clone(), second.outcome),
+        (Outcome::Admitted, Outcome::Admitted)
+    );
+    let source = |outcome: &Outcome| match outcome {
+        Outcome::Limited { source, .. } => Some(*source),
+        _ => None,
+    };
+    // B: the ledger refuses, and B lists the account (both holds); then B refuses from memory.
+    let listed_at = Instant::now();
+    let refused = b.check(&key, one).await.unwrap().outcome;
+    assert_eq!(
+        source(&refused),
+        Some(DecisionSource::Ledger),
+        "{refused:?}"
+    );
+    let refused = b.check(&key, one).await.unwrap().outcome;
+    assert_eq!(
+        source(&refused),
+        Some(DecisionSource::LocalView),
+        "{refused:?}"
+    );
+    // A gives one back: the ledger has room for one request, which B's listing counts as held.
+    assert!(a.refund(&mut first).await.unwrap(), "given back");
+    tokio::time::sleep_until((listed_at + Duration::from_millis(1100)).into()).await;
+    let admitted = b.check(&key, one).await.unwrap().outcome;
+    assert_eq!(
+        admitted,
+        Outcome::Admitted,
+        "within a second of B's listing"
+    );
+    // And the credit is spent again: refused.
+    let refused = b.check(&key, one).await.unwrap().outcome;
+    assert!(source(&refused).is_some(), "{refused:?}");
+}

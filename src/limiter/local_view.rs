@@ -44,6 +44,19 @@ const NEVER_FITS_RETRY_MIN: Duration = Duration::from_secs(1);
 /// how long an instance that missed it (a bump lost in a failover) goes on refusing, which was
 /// up to the block's end (a week).
 const BLOCK_TRUSTED_FOR: Duration = Duration::from_secs(60);
+
+/// How long the ledger's word that a caller has no room (a listing, or a probe's look at its
+/// balance) refuses it from memory before the balance is looked at again
+/// ([`LocalView::check_trusted`]). Why: a hold voided on another instance (a refund, a late
+/// hold's void, a concurrency slot's give-back) frees credit this instance's listing still counts
+/// as held, and it refused the caller from memory until that hold's end, a window (an hour, on
+/// an hourly plan). A look is one lookup, no transfer (a refused hold would be stored: about
+/// 0.6 KB each), by one request per caller at a time.
+pub const LISTING_TRUSTED_FOR: Duration = Duration::from_secs(1);
+
+/// How long a probe of a caller's balance may go unanswered before another request probes
+/// again (its request may have been dropped, or the ledger failed it).
+const PROBE_PENDING_MAX: Duration = Duration::from_secs(1);
 /// Bits in the filter of callers the ledger may have verified: 512 bytes. A verified caller sets
 /// its bit, and with it every other caller's that shares the bit (they then take the shard's
 /// path, as every caller did before the filter). Bits are cleared with the view
@@ -110,6 +123,11 @@ struct CallerHolds {
     listed_at: Option<Instant>,
     /// That listing missed holds (more than a listing reads: the oldest ones).
     listed_incomplete: bool,
+    /// When the ledger last said this caller has no room: its listing was stored, or a probe
+    /// found its balance short ([`LISTING_TRUSTED_FOR`]).
+    confirmed_at: Option<Instant>,
+    /// When a probe of this caller's balance was sent, until it is answered.
+    probing_since: Option<Instant>,
 }
 
 /// Room for holds a caller's buffer keeps however few it holds: below it, shrinking would cost
@@ -171,7 +189,28 @@ impl CallerHolds {
             blocked_until: None,
             listed_at: None,
             listed_incomplete: false,
+            confirmed_at: None,
+            probing_since: None,
         }
+    }
+
+    /// A refusal from memory (`limit`, for want of credit or a block) as
+    /// [`LocalView::check_trusted`] answers it: a block, or a word the ledger gave less than
+    /// [`LISTING_TRUSTED_FOR`] ago, refuses; an older word refuses while a probe is out, else
+    /// this request probes (`take_probe`) or asks the ledger.
+    fn trusted(&mut self, limit: LocalLimit, now: Instant, take_probe: bool) -> Check {
+        let fresh = |at: Option<Instant>, within: Duration| at.is_some_and(|at| now < at + within);
+        if limit.blocked || fresh(self.confirmed_at, LISTING_TRUSTED_FOR) {
+            return Check::Refuse(limit);
+        }
+        if fresh(self.probing_since, PROBE_PENDING_MAX) {
+            return Check::Refuse(limit);
+        }
+        if !take_probe {
+            return Check::Ask;
+        }
+        self.probing_since = Some(now);
+        Check::Probe(limit)
     }
 
     /// Until when this caller has something live to remember (a hold, or a block); `None` when
@@ -293,6 +332,18 @@ pub struct LocalQuota {
     pub reset_after: Duration,
 }
 
+/// What the view says of a request ([`LocalView::check_trusted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Nothing that refuses it: the ledger decides.
+    Ask,
+    /// Refused from memory.
+    Refuse(LocalLimit),
+    /// Refused from memory on a word of the ledger's older than [`LISTING_TRUSTED_FOR`], unless
+    /// the caller's balance has room now: this request looks ([`LocalView::confirm`] after).
+    Probe(LocalLimit),
+}
+
 /// A caller this instance knows to be exhausted for a cost, or blocked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalLimit {
@@ -400,6 +451,41 @@ impl LocalView {
 
     /// `Some` when `cost` surely exceeds the caller's available credit right now.
     pub fn check(&self, account_id: u128, cost: u64, now: Instant) -> Option<LocalLimit> {
+        self.verified(account_id, now, |holds| holds.limit(cost, now))
+    }
+
+    /// [`LocalView::check`], trusting the ledger's word that the caller has no room for
+    /// [`LISTING_TRUSTED_FOR`] only ([`Check`]); past it, one request at a time looks at the
+    /// balance (`take_probe`; without it, such a request asks the ledger).
+    pub fn check_trusted(
+        &self,
+        account_id: u128,
+        cost: u64,
+        now: Instant,
+        take_probe: bool,
+    ) -> Check {
+        let checked = self.verified(account_id, now, |holds| {
+            let limit = holds.limit(cost, now)?;
+            Some(holds.trusted(limit, now, take_probe))
+        });
+        checked.unwrap_or(Check::Ask)
+    }
+
+    /// A probe found the caller's balance short of what it asked: its word is new again.
+    pub fn confirm(&self, account_id: u128, now: Instant) {
+        if let Some(holds) = self.shard(account_id).get_mut(&account_id) {
+            holds.confirmed_at = Some(now);
+            holds.probing_since = None;
+        }
+    }
+
+    /// `what` of a caller the ledger listed (pruned first); `None` for a caller it did not.
+    fn verified<R>(
+        &self,
+        account_id: u128,
+        now: Instant,
+        what: impl FnOnce(&mut CallerHolds) -> Option<R>,
+    ) -> Option<R> {
         // Relaxed is enough: a bit read clear while another thread sets it sends this request to
         // the ledger, as if it had come a moment earlier.
         let (word, bit) = self.verified_bit(account_id);
@@ -412,7 +498,7 @@ impl LocalView {
         if !holds.verified {
             return None;
         }
-        holds.limit(cost, now)
+        what(holds)
     }
 
     /// The block this instance last read of `account_id`, while it lasts, trusted or not
@@ -755,6 +841,7 @@ impl LocalView {
         let mut holds = CallerHolds::new(view.credit);
         holds.verified = true;
         holds.listed_at = Some(now);
+        holds.confirmed_at = Some(now);
         holds.listed_incomplete = !view.complete;
         // A moved caller's old account is closed for good, but the caller is not refused: the
         // limiter follows the move instead.
@@ -1037,6 +1124,39 @@ mod tests {
         let holds = vec![WINDOW; listed];
         list(&view, 7, &ledger_view(5, &holds, wall), listed_at, wall);
         (view, t0, listed_at)
+    }
+
+    /// Past [`LISTING_TRUSTED_FOR`], one request at a time looks at the caller's balance (the
+    /// middleware's fast path leaves it to a decision); a probe unanswered for
+    /// [`PROBE_PENDING_MAX`] is taken by another request; a short balance renews the word.
+    #[test]
+    fn an_old_listing_is_probed_by_one_request_at_a_time() {
+        let (view, _, listed_at) = listed_after_one_recorded(5);
+        let refuses = |at: Instant, take: bool| {
+            matches!(view.check_trusted(7, 1, at, take), Check::Refuse(_))
+        };
+        let probes = |at: Instant| matches!(view.check_trusted(7, 1, at, true), Check::Probe(_));
+        assert!(
+            refuses(listed_at + Duration::from_millis(900), true),
+            "a fresh word"
+        );
+        let old = listed_at + LISTING_TRUSTED_FOR;
+        assert_eq!(view.check_trusted(7, 1, old, false), Check::Ask);
+        assert!(probes(old));
+        assert!(
+            refuses(old, true) && refuses(old, false),
+            "one probe at a time"
+        );
+        let unanswered = old + PROBE_PENDING_MAX;
+        assert!(probes(unanswered), "another request probes");
+        view.confirm(7, unanswered);
+        assert!(
+            refuses(unanswered + Duration::from_millis(900), true),
+            "the word renewed"
+        );
+        assert!(probes(unanswered + LISTING_TRUSTED_FOR));
+        // A caller with room is no probe's: nothing refuses it.
+        assert_eq!(view.check_trusted(8, 1, old, true), Check::Ask);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
 pub use lease::RenewalAhead;
 pub use local_view::BlockAct;
-use local_view::{Generation, Listing, LocalQuota, LocalView};
+use local_view::{Check, Generation, Listing, LocalLimit, LocalQuota, LocalView};
 use metrics::{DecisionLabel, DecisionMetrics, SourceLabel};
 pub use multi::{Limit, LimitStatus, LimitsError, MultiDecision, LIMITS_PER_CHECK_MAX};
 use plan::{Plan, PlanBook, PlanId};
@@ -934,9 +934,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// The local view's refusal of `charge` at `now`, if it refuses: the one answer both
     /// [`Limiter::check`] (before any ledger call) and [`Limiter::from_memory`] give from memory.
     fn refused_locally(&self, charge: &Charge<'_>, now: Instant) -> Option<(Outcome, LocalQuota)> {
-        let limit = self.local.check(charge.account.id, charge.cost, now)?;
-        let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
-        Some((outcome, limit.quota))
+        let id = charge.account.id;
+        match self.local.check_trusted(id, charge.cost, now, false) {
+            Check::Refuse(limit) => Some(refused_from_memory(limit)),
+            // A probe is the decision's (off this path, which never waits for the ledger).
+            Check::Ask | Check::Probe(_) => None,
+        }
     }
 
     /// `Ok` when admitted (with the hold's receipt), `Err` with any other outcome.
@@ -945,13 +948,54 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         charge: &Charge<'_>,
         at: Timing,
     ) -> Result<(Outcome, LocalQuota, Option<HoldReceipt>), NotAdmitted> {
-        if let Some((outcome, quota)) = self.refused_locally(charge, at.started) {
-            return Err(NotAdmitted::Refused(outcome, quota));
-        }
+        let id = charge.account.id;
+        let probe = match self.local.check_trusted(id, charge.cost, at.started, true) {
+            Check::Refuse(limit) => {
+                let (outcome, quota) = refused_from_memory(limit);
+                return Err(NotAdmitted::Refused(outcome, quota));
+            }
+            Check::Probe(limit) => Some(limit),
+            Check::Ask => None,
+        };
         // Boxed: the ledger's futures are kilobytes, and every enclosing future (up to the
         // middleware's) would otherwise be that large and copied on each request, refusals from
         // memory included. One allocation on a path that waits for the ledger anyway.
-        Box::pin(self.decide_on_ledger(charge, at.deadline)).await
+        Box::pin(async move {
+            if let Some(limit) = probe {
+                if !self.has_room_now(charge, at.deadline).await {
+                    let (outcome, quota) = refused_from_memory(limit);
+                    return Err(NotAdmitted::Refused(outcome, quota));
+                }
+            }
+            self.decide_on_ledger(charge, at.deadline).await
+        })
+        .await
+    }
+
+    /// A probe of a caller the view has refused on a word of the ledger's over
+    /// [`local_view::LISTING_TRUSTED_FOR`] old: whether its balance has room for this request
+    /// (or its account is closed, or gone: the ledger then says what). With room, a hold voided
+    /// on another instance freed credit the view counts as held: it forgets the caller, and the
+    /// ledger decides. Short, or the look failed: refused from memory as before (a short
+    /// balance renews the view's word; a failed look is tried again by a later request).
+    async fn has_room_now(&self, charge: &Charge<'_>, deadline: Instant) -> bool {
+        let id = charge.account.id;
+        let hold_seconds_max = self.plans.hold_seconds_max().get();
+        match self
+            .store
+            .account_free(id, hold_seconds_max, deadline)
+            .await
+        {
+            Ok(Some(free)) if !free.closed && free.available < charge.cost => {
+                self.local.confirm(id, self.clock.now());
+                false
+            }
+            Ok(_) => {
+                self.local.forget(id);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// [`Limiter::try_decide`] past the local view: a hold, and the ledger's word on a refusal.
@@ -1003,9 +1047,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// as that listing had it, without listing the account again.
     fn refused_as_listed(&self, charge: &Charge<'_>) -> Option<(Outcome, LocalQuota)> {
         let listed = self.listed_lately_incomplete(charge.account.id)?;
+        // `t` never before `Retry-After`: the listing's holds may all be gone by now.
         let quota = LocalQuota {
             remaining: 0,
-            ..listed
+            reset_after: listed.reset_after.max(INCOMPLETE_LISTING_STANDS),
         };
         let outcome = refused(INCOMPLETE_LISTING_STANDS, DecisionSource::Ledger, false);
         Some((outcome, quota))
@@ -1296,8 +1341,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// When enough credit comes back, from what the ledger said of the account; remembered, so the
     /// next requests of this exhausted caller are answered locally. If the ledger could not say
-    /// within the deadline, the longest window is a safe answer: every current hold is released by
-    /// then.
+    /// within the deadline, the caller's own plan's hold (its window, and L on a lease plan):
+    /// the longest of every plan's told a caller on a plan of a second to come back in a day
+    /// when another plan's window is a day (its next request asks the ledger again anyway).
     fn retry_after(
         &self,
         charge: &Charge<'_>,
@@ -1306,20 +1352,23 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> (Duration, Option<LocalQuota>) {
         let view = lease::listing_settling_soon(view, charge.plan.lease(), self.clock.wall());
         let hold_max = self.hold_max();
-        self.retry_after_for(charge.account.id, charge.cost, hold_max, (view, read))
+        let own = own_hold(charge.account.window_seconds, charge.plan.lease());
+        let holds = (hold_max, own);
+        self.retry_after_for(charge.account.id, charge.cost, holds, (view, read))
     }
 
     /// [`Limiter::retry_after`] for `cost` units of account `id`, whose holds last at most
-    /// `window_max`, from a listing asked for at its generation; with the quota the listing
-    /// says, when it refuses `cost` (whether the local view stored it or not).
+    /// `window_max` (its own plan's, `own`), from a listing asked for at its generation; with
+    /// the quota the listing says, when it refuses `cost` (whether the local view stored it or
+    /// not). Without a listing, its own plan's hold.
     fn retry_after_for(
         &self,
         id: u128,
         cost: u64,
-        window_max: Duration,
+        (window_max, own): (Duration, Duration),
         (view, read): (Result<Option<AccountView>, LedgerError>, Generation),
     ) -> (Duration, Option<LocalQuota>) {
-        let fallback = window_max + self.settings.expiry_margin;
+        let fallback = own.min(window_max) + self.settings.expiry_margin;
         match view {
             Ok(Some(view)) => {
                 let now = self.clock.now();
@@ -1391,6 +1440,20 @@ fn decision<'a>(
 
 /// The shortest `Retry-After` a refusal says (`refused` rounds up to it).
 const RETRY_AFTER_MIN: Duration = Duration::from_secs(1);
+
+/// How long a hold of a plan of `window_seconds` lasts at most: its window, and L on a lease
+/// plan (a lease's timeout).
+fn own_hold(window_seconds: std::num::NonZeroU32, lease: Option<plan::LeaseTerms>) -> Duration {
+    let lease_seconds = lease.map_or(0, |terms| terms.seconds.get());
+    let seconds = window_seconds.get().saturating_add(lease_seconds);
+    Duration::from_secs(seconds.into())
+}
+
+/// A refusal from this instance's memory ([`LocalLimit`]).
+fn refused_from_memory(limit: LocalLimit) -> (Outcome, LocalQuota) {
+    let outcome = refused(limit.retry_after, DecisionSource::LocalView, limit.blocked);
+    (outcome, limit.quota)
+}
 
 fn refused(retry_after: Duration, source: DecisionSource, blocked: bool) -> Outcome {
     let retry_after_seconds = whole_seconds_up(retry_after).max(1);

@@ -456,6 +456,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
 
     /// How long any hold of this account may last: its own window, or a plan's hold (a
     /// lease's window + L) if longer.
+    /// How long `limit`'s account's holds last at most, and its own plan's hold (see
+    /// `Limiter::retry_after_for`).
+    fn holds_of(&self, limit: &Limit) -> (Duration, Duration) {
+        let own = super::own_hold(limit.account.window_seconds, limit.lease);
+        (self.window_max_of(&limit.account), own)
+    }
+
     fn window_max_of(&self, account: &UserAccount) -> Duration {
         let seconds = self
             .plans
@@ -583,10 +590,10 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let Ok(Some(view)) = view else { return };
         let limit = &limits[i];
         let cost = cost_on_account(limits, limit.account.id);
-        let window_max = self.window_max_of(&limit.account);
+        let holds = self.holds_of(limit);
         let view = listing_settling_soon(Ok(Some(view)), limit.lease, self.clock.wall());
         let (retry_after, spent) =
-            self.retry_after_for(limit.account.id, cost, window_max, (view, read));
+            self.retry_after_for(limit.account.id, cost, holds, (view, read));
         let Some(spent) = spent else { return };
         let Outcome::Limited {
             retry_after_seconds,
@@ -620,9 +627,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let blocked = matches!(&view, Ok(Some(v)) if v.blocked.is_some());
         let moved_to = super::moved_to(&view);
         let (retry_after, listed) = if limit.local_view {
-            let window_max = self.window_max_of(&limit.account);
+            let holds = self.holds_of(limit);
             let view = listing_settling_soon(view, limit.lease, self.clock.wall());
-            self.retry_after_for(limit.account.id, cost, window_max, (view, read))
+            self.retry_after_for(limit.account.id, cost, holds, (view, read))
         } else {
             // Not remembered: a concurrency limit's slot, which comes back as soon as a call in
             // flight ends (its window is only the safety timeout of one never released). A

@@ -1158,3 +1158,40 @@ fn a_quota_given_back_whole_resets_at_once() {
     super::credit_back(&mut short, 1);
     assert_eq!((short.remaining, short.reset_seconds), (3, 31));
 }
+
+/// A refusal whose listing fails says to come back after the caller's own plan's window, not
+/// the longest of every plan's: a caller on a plan of a second was told a day when another plan
+/// was daily.
+#[tokio::test]
+async fn a_refusal_whose_listing_fails_waits_out_the_callers_own_window() {
+    let plan = |name: &str, seconds: u32| {
+        Plan::new(
+            name,
+            NonZeroU64::new(CAPACITY).unwrap(),
+            std::num::NonZeroU32::new(seconds).unwrap(),
+        )
+        .unwrap()
+    };
+    let plans = PlanBook::new(
+        vec![plan("second", 1), plan("daily", 86_400)],
+        "second",
+        [],
+        [],
+        UnknownKeys::DefaultPlan,
+    )
+    .unwrap();
+    let f = Fixture::closed();
+    let settings = f.limiter.settings().clone();
+    let store = FakeStore(Mutex::new(Script::default()));
+    let f = Fixture {
+        limiter: Limiter::with_seams(store, f.clock.clone(), Arc::new(plans), settings),
+        clock: f.clock,
+    };
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Err(timeout()));
+    });
+    let decision = f.check(ONE).await;
+    assert_eq!(limited_by(&decision), Some((1, DecisionSource::Ledger)));
+    assert_eq!(f.calls(), ["hold", "view"]);
+}
