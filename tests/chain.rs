@@ -540,12 +540,20 @@ async fn a_move_is_found_past_thousands_of_voids_after_it() {
     assert_eq!(unblocked, Unblocking::Moved);
 }
 
-/// A block refused late (the account closed already, its answer just before the action's
-/// deadline) reads why with a deadline of its own: the read was never sent, past the action's,
-/// and the operator got a 503 ("unknown, retry") for a block the ledger had refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_block_refused_late_still_says_it_was_blocked_already() {
-    use ledger_limiter::ledger::model::{Actor, TRANSFER_CODE_BLOCK};
+/// A caller's account blocked for 10 minutes, and the clients to act on it: straight to the
+/// ledger (`direct`: set-up and clean-up, by `setup`), and through a proxy that can hold an
+/// answer back (`proxied`).
+struct Blocked {
+    direct: ledger_limiter::ledger::Ledger,
+    proxy: LedgerProxy,
+    proxied: ledger_limiter::ledger::Ledger,
+    id: u128,
+    actor: ledger_limiter::ledger::model::Actor,
+    setup: Instant,
+}
+
+async fn blocked_behind_a_proxy() -> Blocked {
+    use ledger_limiter::ledger::model::Actor;
     use ledger_limiter::ledger::Blocking;
     let direct = ledger_client(vec![shared_ledger().address]);
     let proxy = LedgerProxy::start(shared_ledger().address).await;
@@ -555,8 +563,33 @@ async fn a_block_refused_late_still_says_it_was_blocked_already() {
     let setup = Instant::now() + Duration::from_secs(10);
     direct.provision(&limit.account, setup).await.unwrap();
     let actor = Actor::from_reason(1, "test").unwrap();
-    let first = direct.block(id, 600, actor, setup).await.unwrap();
-    assert!(matches!(first, Blocking::Done { .. }), "{first:?}");
+    let blocked = direct.block(id, 600, actor, setup).await.unwrap();
+    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    Blocked {
+        direct,
+        proxy,
+        proxied,
+        id,
+        actor,
+        setup,
+    }
+}
+
+/// A block refused late (the account closed already, its answer just before the action's
+/// deadline) reads why with a deadline of its own: the read was never sent, past the action's,
+/// and the operator got a 503 ("unknown, retry") for a block the ledger had refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_refused_late_still_says_it_was_blocked_already() {
+    use ledger_limiter::ledger::model::TRANSFER_CODE_BLOCK;
+    use ledger_limiter::ledger::Blocking;
+    let Blocked {
+        direct,
+        proxy,
+        proxied,
+        id,
+        actor,
+        setup,
+    } = blocked_behind_a_proxy().await;
     let deadline = Instant::now() + Duration::from_secs(2);
     let (caught, go) =
         proxy.lose_answer_to(TRANSFER_CODE_BLOCK, deadline - Duration::from_millis(3));
@@ -577,19 +610,17 @@ async fn a_block_refused_late_still_says_it_was_blocked_already() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_credit_or_debit_refused_late_still_says_blocked() {
     use ledger_limiter::ledger::model::{
-        Actor, TRANSFER_CODE_REDUCE as REDUCE, TRANSFER_CODE_TOP_UP as TOP_UP,
+        TRANSFER_CODE_REDUCE as REDUCE, TRANSFER_CODE_TOP_UP as TOP_UP,
     };
-    use ledger_limiter::ledger::{Adjusted, Blocking};
-    let direct = ledger_client(vec![shared_ledger().address]);
-    let proxy = LedgerProxy::start(shared_ledger().address).await;
-    let proxied = ledger_client(vec![proxy.address]);
-    let limit = fresh_limit(5, 60, 1);
-    let id = limit.account.id;
-    let setup = Instant::now() + Duration::from_secs(10);
-    direct.provision(&limit.account, setup).await.unwrap();
-    let actor = Actor::from_reason(1, "test").unwrap();
-    let blocked = direct.block(id, 600, actor, setup).await.unwrap();
-    assert!(matches!(blocked, Blocking::Done { .. }), "{blocked:?}");
+    use ledger_limiter::ledger::Adjusted;
+    let Blocked {
+        direct,
+        proxy,
+        proxied,
+        id,
+        actor,
+        setup,
+    } = blocked_behind_a_proxy().await;
     for code in [TOP_UP, REDUCE] {
         let deadline = Instant::now() + Duration::from_secs(2);
         let (caught, go) = proxy.lose_answer_to(code, deadline - Duration::from_millis(3));

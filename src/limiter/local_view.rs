@@ -45,17 +45,19 @@ const NEVER_FITS_RETRY_MIN: Duration = Duration::from_secs(1);
 /// up to the block's end (a week).
 const BLOCK_TRUSTED_FOR: Duration = Duration::from_secs(60);
 
-/// How long the ledger's word that a caller has no room (a listing, or a probe's look at its
-/// balance) refuses it from memory before the balance is looked at again
-/// ([`LocalView::check_trusted`]). Why: a hold voided on another instance (a refund, a late
-/// hold's void, a concurrency slot's give-back) frees credit this instance's listing still counts
-/// as held, and it refused the caller from memory until that hold's end, a window (an hour, on
-/// an hourly plan). A look is one lookup, no transfer (a refused hold would be stored: about
-/// 0.6 KB each), by one request per caller at a time.
-pub const LISTING_TRUSTED_FOR: Duration = Duration::from_secs(1);
+/// How long the ledger's word that a caller has no room (its listing) refuses it from memory
+/// before one of its requests lists it again ([`LocalView::check_trusted`]). Why: a hold voided
+/// on another instance (a refund, a late hold's void, a concurrency slot's give-back) frees
+/// credit this instance's listing still counts as held, and it refused the caller from memory
+/// until that hold's end, a window (an hour, on an hourly plan). A listing is reads, no
+/// transfer (a refused hold would be stored: about 0.6 KB each), by one request per caller at
+/// a time.
+/// Five seconds, not one: a caller sending a request a second (k6's reference run) then had every
+/// refusal listed again, and the view spared the ledger nothing.
+pub const LISTING_TRUSTED_FOR: Duration = Duration::from_secs(5);
 
-/// How long a probe of a caller's balance may go unanswered before another request probes
-/// again (its request may have been dropped, or the ledger failed it).
+/// How long a probe (a caller's listing asked for again) may go unanswered before another
+/// request probes again (its request may have been dropped, or the ledger failed it).
 const PROBE_PENDING_MAX: Duration = Duration::from_secs(1);
 /// Bits in the filter of callers the ledger may have verified: 512 bytes. A verified caller sets
 /// its bit, and with it every other caller's that shares the bit (they then take the shard's
@@ -123,10 +125,11 @@ struct CallerHolds {
     listed_at: Option<Instant>,
     /// That listing missed holds (more than a listing reads: the oldest ones).
     listed_incomplete: bool,
-    /// When the ledger last said this caller has no room: its listing was stored, or a probe
-    /// found its balance short ([`LISTING_TRUSTED_FOR`]).
+    /// When the ledger last said this caller has no room: its listing was stored
+    /// ([`LISTING_TRUSTED_FOR`]).
     confirmed_at: Option<Instant>,
-    /// When a probe of this caller's balance was sent, until it is answered.
+    /// When a probe of this caller (its listing asked for again) was sent, until a listing is
+    /// stored.
     probing_since: Option<Instant>,
 }
 
@@ -340,7 +343,7 @@ pub enum Check {
     /// Refused from memory.
     Refuse(LocalLimit),
     /// Refused from memory on a word of the ledger's older than [`LISTING_TRUSTED_FOR`], unless
-    /// the caller's balance has room now: this request looks ([`LocalView::confirm`] after).
+    /// the caller's account, listed again, has room now: this request lists it.
     Probe(LocalLimit),
 }
 
@@ -455,8 +458,8 @@ impl LocalView {
     }
 
     /// [`LocalView::check`], trusting the ledger's word that the caller has no room for
-    /// [`LISTING_TRUSTED_FOR`] only ([`Check`]); past it, one request at a time looks at the
-    /// balance (`take_probe`; without it, such a request asks the ledger).
+    /// [`LISTING_TRUSTED_FOR`] only ([`Check`]); past it, one request at a time lists the
+    /// caller again (`take_probe`; without it, such a request asks the ledger).
     pub fn check_trusted(
         &self,
         account_id: u128,
@@ -469,14 +472,6 @@ impl LocalView {
             Some(holds.trusted(limit, now, take_probe))
         });
         checked.unwrap_or(Check::Ask)
-    }
-
-    /// A probe found the caller's balance short of what it asked: its word is new again.
-    pub fn confirm(&self, account_id: u128, now: Instant) {
-        if let Some(holds) = self.shard(account_id).get_mut(&account_id) {
-            holds.confirmed_at = Some(now);
-            holds.probing_since = None;
-        }
     }
 
     /// `what` of a caller the ledger listed (pruned first); `None` for a caller it did not.
@@ -1126,9 +1121,9 @@ mod tests {
         (view, t0, listed_at)
     }
 
-    /// Past [`LISTING_TRUSTED_FOR`], one request at a time looks at the caller's balance (the
+    /// Past [`LISTING_TRUSTED_FOR`], one request at a time lists the caller again (the
     /// middleware's fast path leaves it to a decision); a probe unanswered for
-    /// [`PROBE_PENDING_MAX`] is taken by another request; a short balance renews the word.
+    /// [`PROBE_PENDING_MAX`] is taken by another request; a listing still short renews the word.
     #[test]
     fn an_old_listing_is_probed_by_one_request_at_a_time() {
         let (view, _, listed_at) = listed_after_one_recorded(5);
@@ -1149,7 +1144,15 @@ mod tests {
         );
         let unanswered = old + PROBE_PENDING_MAX;
         assert!(probes(unanswered), "another request probes");
-        view.confirm(7, unanswered);
+        // The probe's listing, still short, is the ledger's word anew.
+        let wall = SystemTime::now();
+        list(
+            &view,
+            7,
+            &ledger_view(5, &[WINDOW; 5], wall),
+            unanswered,
+            wall,
+        );
         assert!(
             refuses(unanswered + Duration::from_millis(900), true),
             "the word renewed"

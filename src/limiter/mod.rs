@@ -76,7 +76,9 @@ pub struct Quota {
 pub enum DecisionSource {
     /// The ledger answered `exceeds_credits`.
     Ledger,
-    /// This instance's [`LocalView`] knew the caller to be exhausted: no ledger call.
+    /// This instance's [`LocalView`] knew the caller to be exhausted: no ledger call. (Once
+    /// its word is over 5 s old, one request lists the account again: a refusal then is
+    /// the ledger's, [`DecisionSource::Ledger`].)
     LocalView,
 }
 
@@ -961,10 +963,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         // middleware's) would otherwise be that large and copied on each request, refusals from
         // memory included. One allocation on a path that waits for the ledger anyway.
         Box::pin(async move {
-            if let Some(limit) = probe {
-                if !self.has_room_now(charge, at.deadline).await {
-                    let (outcome, quota) = refused_from_memory(limit);
-                    return Err(NotAdmitted::Refused(outcome, quota));
+            if let Some(stale) = probe {
+                if let Some(refusal) = self.listed_again(charge, stale, at.deadline).await {
+                    return Err(refusal.into());
                 }
             }
             self.decide_on_ledger(charge, at.deadline).await
@@ -973,29 +974,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     }
 
     /// A probe of a caller the view has refused on a word of the ledger's over
-    /// [`local_view::LISTING_TRUSTED_FOR`] old: whether its balance has room for this request
-    /// (or its account is closed, or gone: the ledger then says what). With room, a hold voided
-    /// on another instance freed credit the view counts as held: it forgets the caller, and the
-    /// ledger decides. Short, or the look failed: refused from memory as before (a short
-    /// balance renews the view's word; a failed look is tried again by a later request).
-    async fn has_room_now(&self, charge: &Charge<'_>, deadline: Instant) -> bool {
-        let id = charge.account.id;
-        let hold_seconds_max = self.plans.hold_seconds_max().get();
-        match self
-            .store
-            .account_free(id, hold_seconds_max, deadline)
-            .await
-        {
-            Ok(Some(free)) if !free.closed && free.available < charge.cost => {
-                self.local.confirm(id, self.clock.now());
-                false
-            }
-            Ok(_) => {
-                self.local.forget(id);
-                true
-            }
-            Err(_) => false,
+    /// [`local_view::LISTING_TRUSTED_FOR`] old: its account listed again (reads, no transfer),
+    /// in place of the old listing, which counts as held what another instance may have voided
+    /// since (a refund, a late hold's void, a slot's give-back). Still short: refused, on the
+    /// ledger's word just read (its holds, so its `Retry-After`). With room, or closed, or
+    /// gone: `None`, and the ledger decides. The listing failed: refused from memory as before
+    /// (`stale`; a later request probes again).
+    async fn listed_again(
+        &self,
+        charge: &Charge<'_>,
+        stale: LocalLimit,
+        deadline: Instant,
+    ) -> Option<(Outcome, LocalQuota)> {
+        let read = self.local.generation(charge.account.id);
+        let view = self.refused_view(charge, deadline).await;
+        match &view {
+            Err(_) => return Some(refused_from_memory(stale)),
+            Ok(Some(listed)) if listed.blocked.is_none() => {}
+            // Closed or gone: what the ledger says of a hold, it says best.
+            Ok(_) => return None,
         }
+        let (retry_after, quota) = self.retry_after(charge, view, read);
+        let outcome = refused(retry_after, DecisionSource::Ledger, false);
+        quota.map(|quota| (outcome, quota))
     }
 
     /// [`Limiter::try_decide`] past the local view: a hold, and the ledger's word on a refusal.
@@ -1352,7 +1353,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> (Duration, Option<LocalQuota>) {
         let view = lease::listing_settling_soon(view, charge.plan.lease(), self.clock.wall());
         let hold_max = self.hold_max();
-        let own = own_hold(charge.account.window_seconds, charge.plan.lease());
+        // A moved caller's account carries holds of its old plan's (their remaining time).
+        let own = match charge.plan_id == charge.home_plan_id {
+            true => own_hold(charge.account.window_seconds, charge.plan.lease()),
+            false => hold_max,
+        };
         let holds = (hold_max, own);
         self.retry_after_for(charge.account.id, charge.cost, holds, (view, read))
     }

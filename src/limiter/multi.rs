@@ -454,8 +454,6 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         u32::try_from(seconds).unwrap_or(u32::MAX)
     }
 
-    /// How long any hold of this account may last: its own window, or a plan's hold (a
-    /// lease's window + L) if longer.
     /// How long `limit`'s account's holds last at most, and its own plan's hold (see
     /// `Limiter::retry_after_for`).
     fn holds_of(&self, limit: &Limit) -> (Duration, Duration) {
@@ -463,6 +461,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         (self.window_max_of(&limit.account), own)
     }
 
+    /// How long any hold of this account may last: its own window, or a plan's hold (a
+    /// lease's window + L) if longer.
     fn window_max_of(&self, account: &UserAccount) -> Duration {
         let seconds = self
             .plans

@@ -697,7 +697,7 @@ async fn a_topped_up_caller_never_shows_more_remaining_than_its_limit() {
 }
 
 #[tokio::test]
-async fn without_a_view_retry_after_is_the_longest_window() {
+async fn without_a_view_retry_after_is_the_callers_window() {
     for view in [Err(timeout()), Ok(None)] {
         let f = Fixture::closed();
         f.script(|s| {
