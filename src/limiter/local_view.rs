@@ -57,7 +57,9 @@ const BLOCK_TRUSTED_FOR: Duration = Duration::from_secs(60);
 pub const LISTING_TRUSTED_FOR: Duration = Duration::from_secs(5);
 
 /// How long a probe (a caller's listing asked for again) may go unanswered before another
-/// request probes again (its request may have been dropped, or the ledger failed it).
+/// request probes again (its request may have been dropped, or the ledger failed it), at
+/// least: a limiter sets the ledger's deadline if longer ([`LocalView::with_probe_pending`]),
+/// or a slow ledger got a listing of the caller a second, all at once.
 const PROBE_PENDING_MAX: Duration = Duration::from_secs(1);
 /// Bits in the filter of callers the ledger may have verified: 512 bytes. A verified caller sets
 /// its bit, and with it every other caller's that shares the bit (they then take the shard's
@@ -201,12 +203,17 @@ impl CallerHolds {
     /// [`LocalView::check_trusted`] answers it: a block, or a word the ledger gave less than
     /// [`LISTING_TRUSTED_FOR`] ago, refuses; an older word refuses while a probe is out, else
     /// this request probes (`take_probe`) or asks the ledger.
-    fn trusted(&mut self, limit: LocalLimit, now: Instant, take_probe: bool) -> Check {
+    fn trusted(
+        &mut self,
+        limit: LocalLimit,
+        (now, pending): (Instant, Duration),
+        take_probe: bool,
+    ) -> Check {
         let fresh = |at: Option<Instant>, within: Duration| at.is_some_and(|at| now < at + within);
         if limit.blocked || fresh(self.confirmed_at, LISTING_TRUSTED_FOR) {
             return Check::Refuse(limit);
         }
-        if fresh(self.probing_since, PROBE_PENDING_MAX) {
+        if fresh(self.probing_since, pending) {
             return Check::Refuse(limit);
         }
         if !take_probe {
@@ -400,6 +407,8 @@ pub struct LocalView {
     blocks_kept: Mutex<HashMap<u128, KeptBlock>>,
     /// How many `blocks_kept` holds: a caller's hold recorded looks there only when some are.
     blocks_kept_count: AtomicUsize,
+    /// How long a probe stands pending ([`PROBE_PENDING_MAX`], or the ledger's deadline).
+    probe_pending: Duration,
 }
 
 impl LocalView {
@@ -421,7 +430,15 @@ impl LocalView {
             expiry_margin,
             blocks_kept: Mutex::new(HashMap::new()),
             blocks_kept_count: AtomicUsize::new(0),
+            probe_pending: PROBE_PENDING_MAX,
         }
+    }
+
+    /// A probe stands pending up to `deadline` (the ledger's, for its listing), if over a
+    /// second.
+    pub fn with_probe_pending(mut self, deadline: Duration) -> Self {
+        self.probe_pending = deadline.max(PROBE_PENDING_MAX);
+        self
     }
 
     /// Read before asking the ledger for a listing of `account_id`: [`LocalView::replace`]
@@ -469,7 +486,7 @@ impl LocalView {
     ) -> Check {
         let checked = self.verified(account_id, now, |holds| {
             let limit = holds.limit(cost, now)?;
-            Some(holds.trusted(limit, now, take_probe))
+            Some(holds.trusted(limit, (now, self.probe_pending), take_probe))
         });
         checked.unwrap_or(Check::Ask)
     }
@@ -1156,6 +1173,10 @@ mod tests {
         assert!(
             refuses(unanswered + Duration::from_millis(900), true),
             "the word renewed"
+        );
+        assert!(
+            refuses(unanswered + 2 * PROBE_PENDING_MAX, true),
+            "not the probe's wait"
         );
         assert!(probes(unanswered + LISTING_TRUSTED_FOR));
         // A caller with room is no probe's: nothing refuses it.

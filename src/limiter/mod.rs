@@ -358,7 +358,8 @@ impl Limiter {
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// A limiter over any [`Store`] and [`Clock`] (tests script both).
     pub fn with_seams(store: S, clock: C, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
-        let local = LocalView::new(settings.local_callers_max, settings.expiry_margin);
+        let local = LocalView::new(settings.local_callers_max, settings.expiry_margin)
+            .with_probe_pending(settings.ledger_timeout);
         let decisions = DecisionMetrics::register(&plans, settings.ledger_timeout);
         let leases = lease::LeaseBook::new(&plans);
         let account_ids = AccountIds::new(plans.plans().len());
