@@ -26,7 +26,7 @@ use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
 use crate::limiter::lease::listing_settling_soon;
-use crate::limiter::local_view::{Generation, Listing, LocalQuota};
+use crate::limiter::local_view::{Check, Generation, Listing, LocalQuota};
 use crate::limiter::plan::LeaseTerms;
 
 /// At most this many limits per decision (the ledger's chain bound).
@@ -118,8 +118,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<MultiDecision, LimitsError> {
         validate(limits)?;
         let started = self.clock.now();
-        if let Some(refused) = self.refuse_locally(limits, started) {
+        if let Some(refused) = self.refuse_locally(limits, started, DecisionSource::LocalView) {
             return Ok(refused);
+        }
+        // Limits refused on a word of the ledger's over `LISTING_TRUSTED_FOR` old are listed
+        // again first (as a plain plan's are, `Limiter::listed_again`); still short, refused on
+        // that word.
+        if let Some(listed) = self.list_stale_again(limits, started, deadline).await {
+            let source = match listed {
+                true => DecisionSource::Ledger,
+                false => DecisionSource::LocalView,
+            };
+            if let Some(refused) = self.refuse_locally(limits, self.clock.now(), source) {
+                return Ok(refused);
+            }
         }
         // Before any listing of an account is asked for (`LocalView::replace` says why).
         let reads = self.generations(limits);
@@ -234,14 +246,24 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// The limits this instance knows to be exhausted for the request's cost on their accounts:
     /// refused by the one that comes back last (a block first), so that waiting out its
     /// Retry-After finds every limit with room. The first one's, sooner, met another 429.
-    fn refuse_locally(&self, limits: &[Limit], now: Instant) -> Option<MultiDecision> {
+    /// A refusal on a word of the ledger's over `LISTING_TRUSTED_FOR` old waits for
+    /// [`Self::list_stale_again`] (while another request lists it, it refuses). `source` says
+    /// whose word refuses.
+    fn refuse_locally(
+        &self,
+        limits: &[Limit],
+        now: Instant,
+        source: DecisionSource,
+    ) -> Option<MultiDecision> {
         let spent = limits.iter().enumerate().filter_map(|(index, limit)| {
             if !limit.local_view {
                 return None;
             }
             let cost = cost_on_account(limits, limit.account.id);
-            let local = self.local.check(limit.account.id, cost, now)?;
-            Some((index, local))
+            match self.local.check_trusted(limit.account.id, cost, now, false) {
+                Check::Refuse(local) => Some((index, local)),
+                Check::Ask | Check::Probe(_) => None,
+            }
         });
         // The first of equals: the order the limits are configured in.
         let (index, local) = spent.max_by(|(a, x), (b, y)| {
@@ -251,11 +273,66 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut statuses = self.local_statuses(limits, now);
         statuses[index].quota = quota(&limits[index].account, local.quota);
         Some(MultiDecision {
-            outcome: refused(local.retry_after, DecisionSource::LocalView, local.blocked),
+            outcome: refused(local.retry_after, source, local.blocked),
             refused_by: Some(index),
             limits: statuses,
             moved_to: None,
         })
+    }
+
+    /// Lists again, in place of their old listings, the accounts of `limits` whose word of the
+    /// ledger's is over `LISTING_TRUSTED_FOR` old and that this request probes (one request at
+    /// a time per account). Why: a hold voided on another instance frees credit an old listing
+    /// counts as held. `None`: none to list; else whether every listing came.
+    async fn list_stale_again(
+        &self,
+        limits: &[Limit],
+        now: Instant,
+        deadline: Instant,
+    ) -> Option<bool> {
+        let stale: Vec<usize> = (0..limits.len())
+            .filter(|&i| {
+                let (limit, cost) = (&limits[i], cost_on_account(limits, limits[i].account.id));
+                let check = || self.local.check_trusted(limit.account.id, cost, now, true);
+                limit.local_view && matches!(check(), Check::Probe(_))
+            })
+            .collect();
+        if stale.is_empty() {
+            return None;
+        }
+        let reads = self.generations(limits);
+        let listings = stale
+            .iter()
+            .map(|&i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
+        let mut listed = true;
+        for (i, view) in futures_util::future::join_all(listings).await {
+            let view = listing_settling_soon(view, limits[i].lease, self.clock.wall());
+            let account = &limits[i].account;
+            let view = match view {
+                Ok(Some(view)) => view,
+                // Gone: what the ledger says of the chain, it says best.
+                Ok(None) => {
+                    self.local.forget(account.id);
+                    continue;
+                }
+                Err(_) => {
+                    listed = false;
+                    continue;
+                }
+            };
+            let listing = Listing {
+                view: &view,
+                read: reads[i],
+            };
+            let (cost, window_max) = (
+                cost_on_account(limits, account.id),
+                self.window_max_of(account),
+            );
+            let (now, wall) = (self.clock.now(), self.clock.wall());
+            self.local
+                .replace(account.id, listing, cost, window_max, now, wall);
+        }
+        Some(listed)
     }
 
     /// The checks among `limits`: accounts that only costs of 0 name (Envoy's `hits_addend` 0,
