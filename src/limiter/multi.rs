@@ -26,7 +26,7 @@ use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
 use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
 use crate::limiter::lease::listing_settling_soon;
-use crate::limiter::local_view::{Check, Generation, Listing, LocalQuota};
+use crate::limiter::local_view::{Check, Generation, Listing, LocalLimit, LocalQuota};
 use crate::limiter::plan::LeaseTerms;
 
 /// At most this many limits per decision (the ledger's chain bound).
@@ -100,6 +100,17 @@ enum Chained {
     RefusedAsListed { limit: usize },
 }
 
+/// What a limit's account listed again said ([`Limiter::list_stale_again`]).
+#[derive(Debug, Clone, Copy)]
+enum Relisted {
+    /// Still short: refused on the ledger's word just read.
+    Short(LocalLimit),
+    /// Room (or the account is gone): the ledger decides.
+    Room,
+    /// The listing failed: refused on the old word.
+    Failed(LocalLimit),
+}
+
 impl<S: Store, C: Clock> Limiter<S, C> {
     /// Decides one request against every limit of `limits` (at most [`LIMITS_PER_CHECK_MAX`]):
     /// all hold, or none does. No limits: admitted, no ledger call. A limit that costs nothing is
@@ -118,18 +129,15 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> Result<MultiDecision, LimitsError> {
         validate(limits)?;
         let started = self.clock.now();
-        if let Some(refused) = self.refuse_locally(limits, started, DecisionSource::LocalView) {
+        if let Some(refused) = self.refuse_locally(limits, started, &[]) {
             return Ok(refused);
         }
         // Limits refused on a word of the ledger's over `LISTING_TRUSTED_FOR` old are listed
         // again first (as a plain plan's are, `Limiter::listed_again`); still short, refused on
         // that word.
-        if let Some(listed) = self.list_stale_again(limits, started, deadline).await {
-            let source = match listed {
-                true => DecisionSource::Ledger,
-                false => DecisionSource::LocalView,
-            };
-            if let Some(refused) = self.refuse_locally(limits, self.clock.now(), source) {
+        let listed = self.list_stale_again(limits, started, deadline).await;
+        if !listed.is_empty() {
+            if let Some(refused) = self.refuse_locally(limits, self.clock.now(), &listed) {
                 return Ok(refused);
             }
         }
@@ -246,27 +254,46 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// The limits this instance knows to be exhausted for the request's cost on their accounts:
     /// refused by the one that comes back last (a block first), so that waiting out its
     /// Retry-After finds every limit with room. The first one's, sooner, met another 429.
-    /// A refusal on a word of the ledger's over `LISTING_TRUSTED_FOR` old waits for
-    /// [`Self::list_stale_again`] (while another request lists it, it refuses). `source` says
-    /// whose word refuses.
+    /// A limit refused on a word of the ledger's over `LISTING_TRUSTED_FOR` old refuses only
+    /// while another request lists it again, or once [`Self::list_stale_again`] said what it
+    /// is (`listed`: the ledger's word just read, or the old one when the listing failed). Once
+    /// one refuses, every limit's memory counts for the latest `Retry-After`.
     fn refuse_locally(
         &self,
         limits: &[Limit],
         now: Instant,
-        source: DecisionSource,
+        listed: &[(usize, Relisted)],
     ) -> Option<MultiDecision> {
-        let spent = limits.iter().enumerate().filter_map(|(index, limit)| {
-            if !limit.local_view {
-                return None;
-            }
-            let cost = cost_on_account(limits, limit.account.id);
-            match self.local.check_trusted(limit.account.id, cost, now, false) {
-                Check::Refuse(local) => Some((index, local)),
-                Check::Ask | Check::Probe(_) => None,
+        let relisted = |index: usize| listed.iter().find(|(i, _)| *i == index).map(|(_, r)| *r);
+        let cost_of = |limit: &Limit| cost_on_account(limits, limit.account.id);
+        let refuses = limits.iter().enumerate().any(|(index, limit)| {
+            let trusted = || {
+                self.local
+                    .check_trusted(limit.account.id, cost_of(limit), now, false)
+            };
+            match relisted(index) {
+                Some(relisted) => !matches!(relisted, Relisted::Room),
+                None => limit.local_view && matches!(trusted(), Check::Refuse(_)),
             }
         });
+        if !refuses {
+            return None;
+        }
+        let spent = limits
+            .iter()
+            .enumerate()
+            .filter_map(|(index, limit)| match relisted(index) {
+                Some(Relisted::Short(local)) => Some((index, (local, DecisionSource::Ledger))),
+                Some(Relisted::Failed(local)) => Some((index, (local, DecisionSource::LocalView))),
+                Some(Relisted::Room) => None,
+                None if !limit.local_view => None,
+                None => {
+                    let local = self.local.check(limit.account.id, cost_of(limit), now)?;
+                    Some((index, (local, DecisionSource::LocalView)))
+                }
+            });
         // The first of equals: the order the limits are configured in.
-        let (index, local) = spent.max_by(|(a, x), (b, y)| {
+        let (index, (local, source)) = spent.max_by(|(a, (x, _)), (b, (y, _))| {
             let later = (x.blocked, x.retry_after).cmp(&(y.blocked, y.retry_after));
             later.then(b.cmp(a))
         })?;
@@ -283,56 +310,61 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// Lists again, in place of their old listings, the accounts of `limits` whose word of the
     /// ledger's is over `LISTING_TRUSTED_FOR` old and that this request probes (one request at
     /// a time per account). Why: a hold voided on another instance frees credit an old listing
-    /// counts as held. `None`: none to list; else whether every listing came.
+    /// counts as held. What each listing said (none: nothing to list).
     async fn list_stale_again(
         &self,
         limits: &[Limit],
         now: Instant,
         deadline: Instant,
-    ) -> Option<bool> {
-        let stale: Vec<usize> = (0..limits.len())
-            .filter(|&i| {
+    ) -> Vec<(usize, Relisted)> {
+        let stale: Vec<(usize, LocalLimit)> = (0..limits.len())
+            .filter_map(|i| {
                 let (limit, cost) = (&limits[i], cost_on_account(limits, limits[i].account.id));
-                let check = || self.local.check_trusted(limit.account.id, cost, now, true);
-                limit.local_view && matches!(check(), Check::Probe(_))
+                if !limit.local_view {
+                    return None;
+                }
+                match self.local.check_trusted(limit.account.id, cost, now, true) {
+                    Check::Probe(stale) => Some((i, stale)),
+                    Check::Ask | Check::Refuse(_) => None,
+                }
             })
             .collect();
-        if stale.is_empty() {
-            return None;
-        }
         let reads = self.generations(limits);
-        let listings = stale
-            .iter()
-            .map(|&i| async move { (i, self.account_view_of(&limits[i].account, deadline).await) });
-        let mut listed = true;
-        for (i, view) in futures_util::future::join_all(listings).await {
+        let listings = stale.iter().map(|&(i, stale)| async move {
+            let view = self.account_view_of(&limits[i].account, deadline).await;
+            (i, stale, view)
+        });
+        let mut relisted = Vec::with_capacity(stale.len());
+        for (i, stale, view) in futures_util::future::join_all(listings).await {
             let view = listing_settling_soon(view, limits[i].lease, self.clock.wall());
             let account = &limits[i].account;
-            let view = match view {
-                Ok(Some(view)) => view,
+            let said = match view {
+                Ok(Some(view)) => {
+                    let listing = Listing {
+                        view: &view,
+                        read: reads[i],
+                    };
+                    let (cost, window_max) = (
+                        cost_on_account(limits, account.id),
+                        self.window_max_of(account),
+                    );
+                    let (now, wall) = (self.clock.now(), self.clock.wall());
+                    // Its answer whether stored or not (a change in its shard meanwhile).
+                    let limit = self
+                        .local
+                        .replace(account.id, listing, cost, window_max, now, wall);
+                    limit.map_or(Relisted::Room, Relisted::Short)
+                }
                 // Gone: what the ledger says of the chain, it says best.
                 Ok(None) => {
                     self.local.forget(account.id);
-                    continue;
+                    Relisted::Room
                 }
-                Err(_) => {
-                    listed = false;
-                    continue;
-                }
+                Err(_) => Relisted::Failed(stale),
             };
-            let listing = Listing {
-                view: &view,
-                read: reads[i],
-            };
-            let (cost, window_max) = (
-                cost_on_account(limits, account.id),
-                self.window_max_of(account),
-            );
-            let (now, wall) = (self.clock.now(), self.clock.wall());
-            self.local
-                .replace(account.id, listing, cost, window_max, now, wall);
+            relisted.push((i, said));
         }
-        Some(listed)
+        relisted
     }
 
     /// The checks among `limits`: accounts that only costs of 0 name (Envoy's `hits_addend` 0,

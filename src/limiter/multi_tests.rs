@@ -758,48 +758,61 @@ async fn a_known_block_refused_while_the_ledger_fails_says_nothing_is_free() {
 }
 
 /// A limit refused on a word of the ledger's over `LISTING_TRUSTED_FOR` old is listed again
-/// before the request is refused: still short, refused on that word (the ledger's); with room
-/// (a hold voided on another instance, which the old listing counted), the chain is placed.
-/// Before, the old listing refused until its holds ended.
+/// before the request is refused: still short, refused on that word (the ledger's, with its
+/// `Retry-After`); the listing failed, refused on the old word; with room (a hold voided on
+/// another instance, which the old listing counted), the chain is placed. Before, the old
+/// listing refused until its holds ended.
 #[tokio::test]
 async fn a_limit_refused_on_an_old_word_is_listed_again_first() {
     use crate::limiter::local_view::LISTING_TRUSTED_FOR;
     let f = Fixture::closed();
     let limits = [limit(A, 5, 60, 1), limit(B, 2, 30, 1)];
+    let check = || f.limiter.check_all(&limits);
     let full = f.view(2, &[30, 30], true);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
         s.views.push_back(Ok(Some(full)));
     });
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let decision = check().await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
         Some((30, DecisionSource::Ledger))
     );
     assert_eq!(f.calls(), ["chain", "view"]);
+    // 5 s on, listed again: still short, its holds end in 28 s (the old listing said 25).
     f.clock.advance(LISTING_TRUSTED_FOR);
-    let still_full = f.view(2, &[25, 25], true);
+    let still_full = f.view(2, &[28, 28], true);
     f.script(|s| s.views.push_back(Ok(Some(still_full))));
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let decision = check().await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
-        Some((25, DecisionSource::Ledger))
+        Some((28, DecisionSource::Ledger))
     );
     assert_eq!(f.calls(), ["view"], "listed again, no chain");
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let decision = check().await.unwrap();
     assert_eq!(
         limited_by_outcome(&decision.outcome),
-        Some((25, DecisionSource::LocalView))
+        Some((28, DecisionSource::LocalView))
     );
     assert!(f.calls().is_empty(), "the word is new again");
+    // 5 s on, the listing fails: refused on the old word, not the failure policy's.
     f.clock.advance(LISTING_TRUSTED_FOR);
-    let one_voided = f.view(2, &[20], true);
+    f.script(|s| s.views.push_back(Err(timeout())));
+    let decision = check().await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((23, DecisionSource::LocalView))
+    );
+    assert_eq!(f.calls(), ["view"]);
+    // A second on, another request lists it: one of the holds was voided elsewhere.
+    f.clock.advance(Duration::from_secs(1));
+    let one_voided = f.view(2, &[22], true);
     let answer = held(&f, &[5, 6]);
     f.script(|s| {
         s.views.push_back(Ok(Some(one_voided)));
         s.chains.push_back(answer);
     });
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let decision = check().await.unwrap();
     assert_eq!(decision.outcome, Outcome::Admitted);
     assert_eq!(f.calls(), ["view", "chain"]);
 }
