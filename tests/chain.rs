@@ -74,6 +74,44 @@ async fn concurrent_requests_on_two_limits_admit_exactly_the_tighter_one() {
     assert_eq!(available(ledger, &hour).await, Some(30 - 12));
 }
 
+/// A limit's hold given back on another instance (an Envoy negative hit there, a release) frees
+/// credit this instance's listing still counts as held: it refuses from memory for
+/// `LISTING_TRUSTED_FOR` at most, then one request lists the account again, finds room, and
+/// the chain is placed. Before, the listing refused until the given-back hold's window ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_given_back_on_another_instance_admits_again_within_seconds() {
+    use ledger_limiter::limiter::local_view::LISTING_TRUSTED_FOR;
+    let address = shared_ledger().address;
+    let a = limiter(ledger_client(vec![address]));
+    let b = limiter(ledger_client(vec![address]));
+    let limit = fresh_limit(2, 60, 1);
+    let first = a.check_all(&[limit]).await.unwrap();
+    let second = a.check_all(&[limit]).await.unwrap();
+    assert_eq!(
+        (first.outcome, second.outcome),
+        (Outcome::Admitted, Outcome::Admitted)
+    );
+    let source = |outcome: &Outcome| match outcome {
+        Outcome::Limited { source, .. } => Some(*source),
+        _ => None,
+    };
+    // B: the ledger refuses, B lists the account; then B refuses from memory.
+    let refused = b.check_all(&[limit]).await.unwrap().outcome;
+    let listed_at = Instant::now();
+    assert_eq!(source(&refused), Some(DecisionSource::Ledger));
+    let refused = b.check_all(&[limit]).await.unwrap().outcome;
+    assert_eq!(source(&refused), Some(DecisionSource::LocalView));
+    // A gives its first hold back.
+    let hold = first.limits[0].hold.expect("admitted: held");
+    assert_eq!(a.release(limit.account.id, hold).await, Ok(true));
+    let lapsed = listed_at + LISTING_TRUSTED_FOR + Duration::from_millis(100);
+    tokio::time::sleep_until(lapsed.into()).await;
+    let admitted = b.check_all(&[limit]).await.unwrap().outcome;
+    assert_eq!(admitted, Outcome::Admitted, "listed again, room found");
+    let refused = b.check_all(&[limit]).await.unwrap().outcome;
+    assert!(source(&refused).is_some(), "{refused:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_request_consumes_nothing_on_any_limit() {
     let address = shared_ledger().address;
