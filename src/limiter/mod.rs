@@ -1447,12 +1447,9 @@ fn decision<'a>(
 /// The shortest `Retry-After` a refusal says (`refused` rounds up to it).
 const RETRY_AFTER_MIN: Duration = Duration::from_secs(1);
 
-/// How long a hold of a plan of `window_seconds` lasts at most: its window, and L on a lease
-/// plan (a lease's timeout).
+/// [`plan::hold_seconds`] as a duration.
 fn own_hold(window_seconds: std::num::NonZeroU32, lease: Option<plan::LeaseTerms>) -> Duration {
-    let lease_seconds = lease.map_or(0, |terms| terms.seconds.get());
-    let seconds = window_seconds.get().saturating_add(lease_seconds);
-    Duration::from_secs(seconds.into())
+    Duration::from_secs(plan::hold_seconds(window_seconds, lease).into())
 }
 
 /// A refusal from this instance's memory ([`LocalLimit`]).

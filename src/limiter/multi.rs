@@ -317,25 +317,29 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         now: Instant,
         deadline: Instant,
     ) -> Vec<(usize, Relisted)> {
-        let stale: Vec<(usize, LocalLimit)> = (0..limits.len())
+        let stale: Vec<(usize, u64, LocalLimit)> = (0..limits.len())
             .filter_map(|i| {
                 let (limit, cost) = (&limits[i], cost_on_account(limits, limits[i].account.id));
                 if !limit.local_view {
                     return None;
                 }
                 match self.local.check_trusted(limit.account.id, cost, now, true) {
-                    Check::Probe(stale) => Some((i, stale)),
+                    Check::Probe(stale) => Some((i, cost, stale)),
                     Check::Ask | Check::Refuse(_) => None,
                 }
             })
             .collect();
+        // The common case (nothing stale): no generations read, nothing awaited.
+        if stale.is_empty() {
+            return Vec::new();
+        }
         let reads = self.generations(limits);
-        let listings = stale.iter().map(|&(i, stale)| async move {
+        let listings = stale.iter().map(|&(i, cost, stale)| async move {
             let view = self.account_view_of(&limits[i].account, deadline).await;
-            (i, stale, view)
+            (i, cost, stale, view)
         });
         let mut relisted = Vec::with_capacity(stale.len());
-        for (i, stale, view) in futures_util::future::join_all(listings).await {
+        for (i, cost, stale, view) in futures_util::future::join_all(listings).await {
             let view = listing_settling_soon(view, limits[i].lease, self.clock.wall());
             let account = &limits[i].account;
             let said = match view {
@@ -344,10 +348,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         view: &view,
                         read: reads[i],
                     };
-                    let (cost, window_max) = (
-                        cost_on_account(limits, account.id),
-                        self.window_max_of(account),
-                    );
+                    let window_max = self.window_max_of(account);
                     let (now, wall) = (self.clock.now(), self.clock.wall());
                     // Its answer whether stored or not (a change in its shard meanwhile).
                     let limit = self

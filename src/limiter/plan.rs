@@ -325,19 +325,21 @@ impl PlanBook {
 
     /// The longest any hold of these plans lasts: a window, or a lease's window + L.
     pub fn hold_seconds_max(&self) -> NonZeroU32 {
-        let lease_seconds = |plan: &Plan| plan.lease().map_or(0, |terms| terms.seconds.get());
         let seconds = (self.plans.iter())
-            .map(|plan| {
-                plan.window_seconds()
-                    .get()
-                    .saturating_add(lease_seconds(plan))
-            })
+            .map(|plan| hold_seconds(plan.window_seconds(), plan.lease()))
             .max();
         // Every plan's window is at least 1 s, and a book has a plan.
         seconds
             .and_then(NonZeroU32::new)
             .unwrap_or(self.window_seconds_max)
     }
+}
+
+/// How long a hold of a plan of `window_seconds` lasts at most: its window, and L on a lease
+/// plan (a lease's timeout).
+pub(crate) fn hold_seconds(window_seconds: NonZeroU32, lease: Option<LeaseTerms>) -> u32 {
+    let lease_seconds = lease.map_or(0, |terms| terms.seconds.get());
+    window_seconds.get().saturating_add(lease_seconds)
 }
 
 /// A plan with a 30-second window, for tests.
