@@ -327,18 +327,23 @@ async fn a_request_held_at_the_paused_ledger(
     in_flight
 }
 
+/// Starts the binary on `ledger` (one a test can pause) with a ledger deadline of `timeout_ms`.
+fn start_on(ledger: &common::TestLedger, timeout_ms: &str) -> (Guard, u16) {
+    let mut command = binary_command();
+    command
+        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", timeout_ms])
+        .arg(format!("--ledger-addresses={}", ledger.address));
+    start_binary(command)
+}
+
 /// SIGINT drains a request in flight, as SIGTERM does (README: "SIGINT/SIGTERM drain in-flight
 /// requests"). actix's own handlers, left on beside the binary's, stopped at once on SIGINT: the
 /// connection was closed with no answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_drains_a_request_in_flight() {
     let ledger = common::TestLedger::start();
-    let mut command = binary_command();
-    command
-        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "5000"])
-        .arg(format!("--ledger-addresses={}", ledger.address));
-    let (mut running, port) = start_binary(command);
     // Its deadline, 5 s, leaves room for the rest.
+    let (mut running, port) = start_on(&ledger, "5000");
     let in_flight = a_request_held_at_the_paused_ledger(&ledger, port).await;
     running.send_signal("-INT");
     // Past the 300 ms after which actix's own stop also ended the whole system.
@@ -360,12 +365,8 @@ async fn sigint_drains_a_request_in_flight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_stop_signal_exits_at_once() {
     let ledger = common::TestLedger::start();
-    let mut command = binary_command();
-    command
-        .args(["--listen", "127.0.0.1:0", "--ledger-timeout-ms", "20000"])
-        .arg(format!("--ledger-addresses={}", ledger.address));
-    let (mut running, port) = start_binary(command);
-    // It keeps the drain going for its whole 10 s.
+    // A deadline of 20 s keeps the drain going for its whole 10 s.
+    let (mut running, port) = start_on(&ledger, "20000");
     let in_flight = a_request_held_at_the_paused_ledger(&ledger, port).await;
     running.send_signal("-TERM");
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -613,6 +613,30 @@ async fn blocked_behind_a_proxy() -> Blocked {
     }
 }
 
+impl Blocked {
+    /// `act` through the proxy, with the ledger's answer to its transfer of `code` held until
+    /// 3 ms before its deadline (2 s away): a refusal that comes late.
+    async fn answered_late<T, F>(&self, code: u16, act: impl FnOnce(Ledger, Instant) -> F) -> T
+    where
+        F: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let late = deadline - Duration::from_millis(3);
+        let (caught, go) = self.proxy.lose_answer_to(code, late);
+        let acting = tokio::spawn(act(self.proxied.clone(), deadline));
+        caught_within(caught).await;
+        let _ = go.send(());
+        acting.await.unwrap()
+    }
+
+    /// Clean-up: the block lifted.
+    async fn unblock(self) {
+        let unblocked = self.direct.unblock(self.id, self.actor, self.setup).await;
+        assert!(unblocked.is_ok(), "{unblocked:?}");
+    }
+}
+
 /// A block refused late (the account closed already, its answer just before the action's
 /// deadline) reads why with a deadline of its own: the read was never sent, past the action's,
 /// and the operator got a 503 ("unknown, retry") for a block the ledger had refused.
@@ -620,24 +644,15 @@ async fn blocked_behind_a_proxy() -> Blocked {
 async fn a_block_refused_late_still_says_it_was_blocked_already() {
     use ledger_limiter::ledger::model::TRANSFER_CODE_BLOCK;
     use ledger_limiter::ledger::Blocking;
-    let Blocked {
-        direct,
-        proxy,
-        proxied,
-        id,
-        actor,
-        setup,
-    } = blocked_behind_a_proxy().await;
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let (caught, go) =
-        proxy.lose_answer_to(TRANSFER_CODE_BLOCK, deadline - Duration::from_millis(3));
-    let again = tokio::spawn(async move { proxied.block(id, 600, actor, deadline).await });
-    caught_within(caught).await;
-    let _ = go.send(());
-    let again = again.await.unwrap();
+    let blocked = blocked_behind_a_proxy().await;
+    let (id, actor) = (blocked.id, blocked.actor);
+    let block_again =
+        move |ledger: Ledger, deadline| async move { ledger.block(id, 600, actor, deadline).await };
+    let again = blocked
+        .answered_late(TRANSFER_CODE_BLOCK, block_again)
+        .await;
     assert_eq!(again, Ok(Blocking::AlreadyBlocked));
-    let unblocked = direct.unblock(id, actor, setup).await;
-    assert!(unblocked.is_ok(), "{unblocked:?}");
+    blocked.unblock().await;
 }
 
 /// A top-up or a reduction of a blocked account whose refusal comes late (its answer held until
@@ -651,31 +666,19 @@ async fn a_credit_or_debit_refused_late_still_says_blocked() {
         TRANSFER_CODE_REDUCE as REDUCE, TRANSFER_CODE_TOP_UP as TOP_UP,
     };
     use ledger_limiter::ledger::Adjusted;
-    let Blocked {
-        direct,
-        proxy,
-        proxied,
-        id,
-        actor,
-        setup,
-    } = blocked_behind_a_proxy().await;
+    let blocked = blocked_behind_a_proxy().await;
+    let (id, actor) = (blocked.id, blocked.actor);
     for code in [TOP_UP, REDUCE] {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let (caught, go) = proxy.lose_answer_to(code, deadline - Duration::from_millis(3));
-        let ledger = proxied.clone();
-        let adjusted = tokio::spawn(async move {
+        let adjust = move |ledger: Ledger, deadline| async move {
             match code {
                 TOP_UP => ledger.top_up(id, 1, (actor, None), deadline).await,
                 _ => ledger.reduce_credit(id, 1, (actor, None), deadline).await,
             }
-        });
-        caught_within(caught).await;
-        let _ = go.send(());
-        let adjusted = adjusted.await.unwrap();
+        };
+        let adjusted = blocked.answered_late(code, adjust).await;
         assert_eq!(adjusted, Ok(Adjusted::Blocked), "transfer code {code}");
     }
-    let unblocked = direct.unblock(id, actor, setup).await;
-    assert!(unblocked.is_ok(), "{unblocked:?}");
+    blocked.unblock().await;
 }
 
 /// A move to a smaller plan keeps the caller refused for as long as its longest holds live: the
