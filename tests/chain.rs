@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use futures_util::future::join_all;
 use ledger_limiter::ledger::model::UserAccount;
-use ledger_limiter::ledger::{ChainLink, ChainReply, Ledger, LinkRefusal};
+use ledger_limiter::ledger::{ChainLink, ChainReply, HoldReply, Ledger, LinkRefusal, Roundtrip};
 use ledger_limiter::limiter::plan::Plan;
 use ledger_limiter::limiter::{DecisionSource, Limit, Limiter, Outcome};
 
@@ -189,6 +189,39 @@ async fn the_ledger_names_the_link_that_refused() {
     assert_eq!(available(&ledger, &known).await, Some(1));
 }
 
+/// A hold's and a chain's `Roundtrip` bracket the ledger's work: the send taken before the call
+/// went, the answer's instant once it came (the local view counts a hold a listing lists once by
+/// its send, and bounds its expiry by its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holds_roundtrip_is_sent_before_it_is_answered() {
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let limit = fresh_limit(5, 60, 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    ledger.provision(&limit.account, deadline).await.unwrap();
+    let brackets = |before: Instant, roundtrip: Roundtrip, after: Instant| {
+        before <= roundtrip.sent_at
+            && roundtrip.sent_at < roundtrip.answered_at
+            && roundtrip.answered_at <= after
+    };
+    let before = Instant::now();
+    let held = ledger.hold(limit.account.id, 1, 60, deadline, true).await;
+    let Ok(HoldReply::Held { roundtrip, .. }) = held else {
+        panic!("held: {held:?}");
+    };
+    assert!(brackets(before, roundtrip, Instant::now()), "{roundtrip:?}");
+    let link = ChainLink {
+        account_id: limit.account.id,
+        amount: 1,
+        timeout_seconds: 60,
+    };
+    let before = Instant::now();
+    let chained = ledger.hold_chain(vec![link], deadline, true).await;
+    let Ok(ChainReply::Held { roundtrip, .. }) = chained else {
+        panic!("held: {chained:?}");
+    };
+    assert!(brackets(before, roundtrip, Instant::now()), "{roundtrip:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_given_back_is_no_longer_listed_as_live() {
     // A voided hold remains a pending transfer in the ledger; the listing that times Retry-After
@@ -353,10 +386,7 @@ async fn an_over_charge_holds_what_remains_and_is_audited_apart() {
     ledger.provision(&limit.account, deadline).await.unwrap();
     let id = limit.account.id;
     let held = ledger.hold(id, 3, 30, deadline, false).await.unwrap();
-    assert!(matches!(
-        held,
-        ledger_limiter::ledger::HoldReply::Held { .. }
-    ));
+    assert!(matches!(held, HoldReply::Held { .. }));
     // 7 asked, 2 free: the 2 are held.
     ledger.hold_what_remains(id, 7, 30, deadline).await.unwrap();
     assert_eq!(available(&ledger, &limit).await, Some(0));
@@ -413,7 +443,7 @@ async fn a_recharge_on_a_blocked_account_changes_nothing_and_says_closed() {
     let deadline = Instant::now() + Duration::from_secs(5);
     ledger.provision(&limit.account, deadline).await.unwrap();
     let id = limit.account.id;
-    let ledger_limiter::ledger::HoldReply::Held { transfer_id, .. } =
+    let HoldReply::Held { transfer_id, .. } =
         ledger.hold(id, 2, 60, deadline, false).await.unwrap()
     else {
         panic!("held");
@@ -689,7 +719,7 @@ async fn a_credit_or_debit_refused_late_still_says_blocked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_to_a_smaller_plan_carries_the_longest_holds_first() {
     use ledger_limiter::ledger::model::Actor;
-    use ledger_limiter::ledger::{HoldReply, Moving};
+    use ledger_limiter::ledger::Moving;
     let ledger = ledger_client(vec![shared_ledger().address]);
     let from = fresh_limit(10, 60, 1);
     let to = fresh_limit(2, 60, 1);
@@ -861,10 +891,7 @@ impl MoveRig {
         let id = self.from.account.id;
         let held = self.direct.hold(id, amount, seconds, deadline, false).await;
         let held = held.unwrap();
-        assert!(
-            matches!(held, ledger_limiter::ledger::HoldReply::Held { .. }),
-            "{held:?}"
-        );
+        assert!(matches!(held, HoldReply::Held { .. }), "{held:?}");
     }
 
     /// The move to the new plan, by `deadline`, in a task of its own through the proxy; once

@@ -37,7 +37,7 @@ use tigerbeetle_unofficial as tb;
 use tokio::sync::oneshot;
 
 use super::metrics::Operation;
-use super::{client_error, model, Connection, InFlight, LedgerError};
+use super::{client_error, model, Connection, InFlight, LedgerError, Roundtrip};
 use crate::sync::lock;
 
 /// Transfers per call: well under a development-mode cluster's 32 KiB request (about 255).
@@ -77,12 +77,9 @@ impl Batching {
     }
 }
 
-/// One transfer's result: `None` when created; and when the batch's answer arrived, taken once
-/// in the batch's task (not as each member's task gets round to it). Why: the ledger answers one
-/// client's calls in the order they went, so a transfer answered before a read of its account
-/// was answered is in what that read lists; the local view relies on it to count such a hold
-/// once (`LocalView::record_hold`).
-pub type TransferResult = Result<(Option<CreateTransferErrorKind>, Instant), LedgerError>;
+/// One transfer's result: `None` when created; and when its batch went and its answer was read,
+/// both in the batch's task ([`Roundtrip`]: the local view counts a hold a listing counts once).
+pub type TransferResult = Result<(Option<CreateTransferErrorKind>, Roundtrip), LedgerError>;
 
 struct Batch {
     /// Taken when sent: a thread's `FILLING` may keep a sent batch until that thread opens
@@ -240,6 +237,7 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
     let (connection, transfers, mut members, in_flight) = close(opened);
     let count = transfers.len();
     let ids: Vec<(u128, u32)> = transfers.iter().map(|t| (t.id(), t.ledger())).collect();
+    let sent_at = Instant::now();
     let answer = {
         let call = connection.client.create_transfers(transfers);
         tokio::pin!(call);
@@ -276,10 +274,13 @@ async fn send(opened: &Arc<Mutex<Batch>>) {
         }
     }
     let mut voids = Vec::new();
-    let answered_at = Instant::now();
+    let roundtrip = Roundtrip {
+        sent_at,
+        answered_at: Instant::now(),
+    };
     let answered = members
         .into_iter()
-        .zip(results(answer, count, answered_at))
+        .zip(results(answer, count, roundtrip))
         .zip(ids);
     for ((member, result), (id, ledger_id)) in answered {
         let created = matches!(result, Ok((None, _)));
@@ -349,17 +350,17 @@ fn time_out(members: &mut [Member]) {
 fn results(
     answer: Result<(), tb::error::CreateTransfersError>,
     count: usize,
-    answered_at: Instant,
+    roundtrip: Roundtrip,
 ) -> Vec<TransferResult> {
     match answer {
-        Ok(()) => vec![Ok((None, answered_at)); count],
+        Ok(()) => vec![Ok((None, roundtrip)); count],
         Err(tb::error::CreateTransfersError::Api(errors)) => {
-            let mut kinds: Vec<TransferResult> = vec![Ok((None, answered_at)); count];
+            let mut kinds: Vec<TransferResult> = vec![Ok((None, roundtrip)); count];
             for error in errors.as_slice() {
                 // An index outside the batch would be the client's bug: that transfer's caller
                 // gets no kind, the others theirs.
                 if let Some(kind) = kinds.get_mut(error.index() as usize) {
-                    *kind = Ok((Some(error.kind()), answered_at));
+                    *kind = Ok((Some(error.kind()), roundtrip));
                 }
             }
             kinds

@@ -15,6 +15,7 @@ use tigerbeetle_unofficial as tb;
 use super::metrics::Operation;
 use super::{
     client_error, model, no_event_error, unexpected_transfer, Connection, Ledger, LedgerError,
+    Roundtrip,
 };
 
 /// At most this many holds in one chain. A decision with more limits than this is a configuration
@@ -47,9 +48,9 @@ pub enum LinkRefusal {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChainReply {
     /// Every hold was placed. `transfer_ids[i]` is link `i`'s pending transfer (to void it);
-    /// `answered_at` bounds every hold's timestamp from above (see [`super::HoldReply::Held`]).
+    /// `roundtrip` is the chain's, as [`super::HoldReply::Held`]'s.
     Held {
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_ids: Vec<u128>,
     },
     /// Link `index` refused; no hold of the chain was placed.
@@ -86,9 +87,13 @@ impl Ledger {
             Operation::CreateTransfers,
             deadline,
             move |client| async move {
+                let sent_at = Instant::now();
                 match client.create_transfers(transfers).await {
                     Ok(()) => Ok(ChainReply::Held {
-                        answered_at: Instant::now(),
+                        roundtrip: Roundtrip {
+                            sent_at,
+                            answered_at: Instant::now(),
+                        },
                         transfer_ids,
                     }),
                     Err(tb::error::CreateTransfersError::Api(errors)) => {

@@ -215,13 +215,38 @@ impl LedgerError {
     }
 }
 
+/// When a transfer went to the ledger and when its answer was read.
+///
+/// The ledger answers one client's calls in the order they went, so a hold sent before a read of
+/// its account went is in what that read lists: `sent_at`, taken before the hold is handed to
+/// the client, tells the local view which holds a listing already counts
+/// (`LocalView::record_hold`). The answer's instant would not: the task that reads it may be
+/// polled well after it arrived, and a hold the listing counts was then counted twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roundtrip {
+    /// No later than the transfer was handed to the client.
+    pub sent_at: Instant,
+    /// No earlier than the ledger's answer arrived: the transfer's timestamp is no later, so
+    /// `answered_at + timeout` bounds a hold's expiry from above.
+    pub answered_at: Instant,
+}
+
+impl Roundtrip {
+    /// Sent and answered at one instant (the tests' ledgers answer at once).
+    pub fn at(instant: Instant) -> Self {
+        Roundtrip {
+            sent_at: instant,
+            answered_at: instant,
+        }
+    }
+}
+
 /// The ledger's answer to a hold (a pending debit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HoldReply {
-    /// Credit is held. `answered_at` is when the ledger's reply arrived: the transfer's timestamp is
-    /// no later than that, so `answered_at + timeout` is a safe upper bound for its expiry.
+    /// Credit is held: when it went and when its answer came ([`Roundtrip`]).
     Held {
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         /// The pending transfer, to void it (a refund).
         transfer_id: u128,
     },
@@ -576,9 +601,9 @@ impl Ledger {
             transfer,
             deadline,
             void_code,
-            |kind, answered_at| match kind {
+            |kind, roundtrip| match kind {
                 None => Ok(HoldReply::Held {
-                    answered_at,
+                    roundtrip,
                     transfer_id,
                 }),
                 Some(CreateTransferErrorKind::ExceedsCredits) => Ok(HoldReply::ExceedsCredits),
@@ -594,7 +619,7 @@ impl Ledger {
 
     /// One single (not linked) transfer, in the batch this thread is filling (`batch.rs`), under
     /// the in-flight bound and waited for until `deadline`. `answer` reads the ledger's result
-    /// (`None`: created) and when it arrived. The batch's task, not one of the call's own, keeps
+    /// (`None`: created) and when it went and came back. The batch's task, not one of the call's own, keeps
     /// the in-flight permit and, given `void_code`, voids a transfer that lands after its caller
     /// stopped waiting.
     async fn single_transfer<T>(
@@ -602,7 +627,7 @@ impl Ledger {
         transfer: tb::Transfer,
         deadline: Instant,
         void_code: Option<u16>,
-        answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
+        answer: impl FnOnce(Option<CreateTransferErrorKind>, Roundtrip) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
         let place = match transfer
             .flags()
@@ -621,7 +646,7 @@ impl Ledger {
         transfer: tb::Transfer,
         (place, deadline): (Place, Instant),
         void_code: Option<u16>,
-        answer: impl FnOnce(Option<CreateTransferErrorKind>, Instant) -> Result<T, LedgerError>,
+        answer: impl FnOnce(Option<CreateTransferErrorKind>, Roundtrip) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
         let operation = Operation::CreateTransfers;
         // Not sent with no time left, as in `call`: a hold that landed would be voided again.
@@ -642,7 +667,7 @@ impl Ledger {
         let created = batch::create_transfer(connection, &self.batching, transfer, leave, deadline)
             .instrument(span.clone())
             .await;
-        let result = created.and_then(|(kind, answered_at)| answer(kind, answered_at));
+        let result = created.and_then(|(kind, roundtrip)| answer(kind, roundtrip));
         self.finish(operation, started, &span, &result);
         result
     }

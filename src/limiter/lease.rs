@@ -1013,11 +1013,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             slot.lock().refused = true;
         }
         let reply = placed?;
-        let (answered_at, transfer_id) = match reply {
+        let (roundtrip, transfer_id) = match reply {
             HoldReply::Held {
-                answered_at,
+                roundtrip,
                 transfer_id,
-            } => (answered_at, transfer_id),
+            } => (roundtrip, transfer_id),
             HoldReply::ExceedsCredits => {
                 let mut caller = slot.lock();
                 caller.next_units = (units / 2).max(1);
@@ -1033,7 +1033,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             id,
             holder.capacity,
             units,
-            answered_at,
+            roundtrip,
             timeout,
             self.clock.now(),
         );
@@ -1049,7 +1049,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             requests: 0,
             sent_at,
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
-            local_expires_at: answered_at + timeout + self.settings.expiry_margin,
+            local_expires_at: roundtrip.answered_at + timeout + self.settings.expiry_margin,
             unknown_tries: 0,
             retry_not_before: None,
             settling_since: None,

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::ledger::AccountView;
+use crate::ledger::{AccountView, Roundtrip};
 use crate::sync::lock;
 
 pub const HOLDS_PER_CALLER_MAX: usize = 1024;
@@ -677,31 +677,33 @@ impl LocalView {
 
     /// Records a hold the ledger accepted; returns the caller's quota after it.
     ///
-    /// A hold answered before the caller's holds were last replaced by a listing
-    /// ([`LocalView::replace`]) is not recorded again: the ledger answers one client's calls in
-    /// the order they went, so a hold answered before the listing was is in it (`answered_at`
-    /// is when the answer arrived, `ledger/batch.rs`). Recording it twice counted it twice for
-    /// a window, and the view refused the caller once the ledger had credit for it again: a
-    /// caller at its limit, whose refusals read the account while its admissions were being
-    /// recorded, was admitted less than its limit. (A hold that reached the ledger after the
-    /// listing but was answered before it was stored is then not counted: the view counts too
-    /// little, which only sends a request to the ledger.)
+    /// A hold sent before the caller's holds were last replaced by a listing
+    /// ([`LocalView::replace`], stored after the listing's answer) is not recorded again: the
+    /// ledger answers one client's calls in the order they went, so a hold sent before the
+    /// listing was is in it ([`Roundtrip`]). Recording it twice counted it twice for a window,
+    /// and the view refused the caller while the ledger had credit for it: a caller at its
+    /// limit, whose refusals read the account while its admissions were being recorded, was
+    /// admitted less than its limit. (A hold sent after the listing went but before it was
+    /// stored is then not counted: the view counts too little, which only sends a request to
+    /// the ledger.) The hold expires by `roundtrip.answered_at + timeout`.
     pub fn record_hold(
         &self,
         account_id: u128,
         credit: u64,
         amount: u64,
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         timeout: Duration,
         now: Instant,
     ) -> LocalQuota {
         let hold = LocalHold {
             amount,
-            expires_at: answered_at + timeout + self.expiry_margin,
+            expires_at: roundtrip.answered_at + timeout + self.expiry_margin,
         };
-        let quota = self.record_hold_in_shard(account_id, credit, hold, (answered_at, now), true);
-        // After the shard: a clear between the two then finds the caller unblocked there.
-        self.heard_of(account_id, answered_at);
+        let sent_at = roundtrip.sent_at;
+        let quota = self.record_hold_in_shard(account_id, credit, hold, (sent_at, now), true);
+        // After the shard: a clear between the two then finds the caller unblocked there. The
+        // send, not the answer: only a hold sent after a block was read proves it lifted since.
+        self.heard_of(account_id, sent_at);
         quota
     }
 
@@ -728,7 +730,7 @@ impl LocalView {
         account_id: u128,
         credit: u64,
         hold: LocalHold,
-        (answered_at, now): (Instant, Instant),
+        (sent_at, now): (Instant, Instant),
         proves_open: bool,
     ) -> LocalQuota {
         let mut shard = self.shard(account_id);
@@ -748,7 +750,7 @@ impl LocalView {
             }
         };
         holds.prune(now);
-        let listed = holds.listed_at.is_some_and(|at| answered_at <= at);
+        let listed = holds.listed_at.is_some_and(|at| sent_at <= at);
         if !listed {
             holds.push(hold);
             // Admitted after the block was read: lifted since (kept, a later clear would keep
@@ -1131,7 +1133,7 @@ mod tests {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
         let wall = SystemTime::now();
-        view.record_hold(7, 5, 1, t0, WINDOW, t0);
+        view.record_hold(7, 5, 1, Roundtrip::at(t0), WINDOW, t0);
         let listed_at = t0 + Duration::from_millis(2);
         let holds = vec![WINDOW; listed];
         list(&view, 7, &ledger_view(5, &holds, wall), listed_at, wall);
@@ -1189,13 +1191,44 @@ mod tests {
         // request gets round to recording it only now.
         let (view, t0, listed_at) = listed_after_one_recorded(2);
         let late = t0 + Duration::from_millis(1);
-        let quota = view.record_hold(7, 5, 1, late, WINDOW, listed_at);
+        let quota = view.record_hold(7, 5, 1, Roundtrip::at(late), WINDOW, listed_at);
         assert_eq!(quota.remaining, 3, "counted once, from the listing");
         // One answered after the listing is not in it.
         let after = t0 + Duration::from_millis(3);
-        let quota = view.record_hold(7, 5, 1, after, WINDOW, after);
+        let quota = view.record_hold(7, 5, 1, Roundtrip::at(after), WINDOW, after);
         assert_eq!(quota.remaining, 2);
         assert!(view.check(7, 2, after).is_none(), "2 of 5 are still free");
+    }
+
+    /// The batch's task may read the ledger's answer well after it came: a hold sent before the
+    /// listing went is in it, though the listing was stored before the hold's answer was read.
+    #[test]
+    fn a_hold_sent_before_the_listing_is_counted_once_however_late_its_answer_is_read() {
+        // Two of five held, both in the listing stored at t0 + 2 ms; the second went at
+        // t0 + 1 ms, and its answer was read at t0 + 3 ms.
+        let (view, t0, listed_at) = listed_after_one_recorded(2);
+        let read_late = Roundtrip {
+            sent_at: t0 + Duration::from_millis(1),
+            answered_at: listed_at + Duration::from_millis(1),
+        };
+        let quota = view.record_hold(7, 5, 1, read_late, WINDOW, read_late.answered_at);
+        assert_eq!(quota.remaining, 3, "counted once, from the listing");
+        // One sent after the listing was stored is not in it, and is held to its answer's
+        // instant + the window (+ the margin).
+        let after = Roundtrip {
+            sent_at: listed_at + Duration::from_millis(1),
+            answered_at: listed_at + Duration::from_millis(5),
+        };
+        let quota = view.record_hold(7, 5, 1, after, WINDOW, after.answered_at);
+        assert_eq!(quota.remaining, 2);
+        let expired = after.answered_at + WINDOW + MARGIN;
+        let before_it = expired - Duration::from_millis(1);
+        assert_eq!(
+            view.quota(7, 5, before_it).remaining,
+            4,
+            "the listing's 2 ended"
+        );
+        assert_eq!(view.quota(7, 5, expired).remaining, 5);
     }
 
     /// A request's hold recorded after a lease (window + L) that outlives it is still pruned
@@ -1208,9 +1241,23 @@ mod tests {
         list(&view, 7, &ledger_view(10, &[], wall), t0, wall);
         let ms = Duration::from_millis;
         // A lease of 5 for a window of 1 s and L of 10 s, then five holds of 1 for the window.
-        view.record_hold(7, 10, 5, t0 + ms(1), Duration::from_secs(11), t0 + ms(1));
+        view.record_hold(
+            7,
+            10,
+            5,
+            Roundtrip::at(t0 + ms(1)),
+            Duration::from_secs(11),
+            t0 + ms(1),
+        );
         for _ in 0..5 {
-            view.record_hold(7, 10, 1, t0 + ms(2), Duration::from_secs(1), t0 + ms(2));
+            view.record_hold(
+                7,
+                10,
+                1,
+                Roundtrip::at(t0 + ms(2)),
+                Duration::from_secs(1),
+                t0 + ms(2),
+            );
         }
         assert!(view.check(7, 1, t0 + ms(3)).is_some(), "all 10 held");
         let later = t0 + Duration::from_secs(2);
@@ -1227,7 +1274,7 @@ mod tests {
         list(&view, 7, &ledger_view(5_000, &[], wall), t0, wall);
         let second = Duration::from_secs(1);
         for at in (0..1_000).map(|ms| t0 + Duration::from_micros(ms)) {
-            view.record_hold(7, 5_000, 1, at, second, at);
+            view.record_hold(7, 5_000, 1, Roundtrip::at(at), second, at);
         }
         let room = |view: &LocalView| {
             let shard = lock(&view.shards[LocalView::shard_index(7)]);
@@ -1235,7 +1282,7 @@ mod tests {
         };
         assert!(room(&view) >= 1_000);
         let later = t0 + 2 * second;
-        view.record_hold(7, 5_000, 1, later, second, later);
+        view.record_hold(7, 5_000, 1, Roundtrip::at(later), second, later);
         assert_eq!(view.quota(7, 5_000, later).remaining, 4_999);
         assert!(room(&view) <= HOLDS_ROOM_KEPT, "{}", room(&view));
     }
@@ -1274,7 +1321,7 @@ mod tests {
         let wall = SystemTime::now();
         list(&view, 7, &ledger_view(5, &[], wall), t0, wall);
         let answered_at = t0 + Duration::from_millis(1);
-        view.record_hold(7, 5, 1, answered_at, WINDOW, answered_at);
+        view.record_hold(7, 5, 1, Roundtrip::at(answered_at), WINDOW, answered_at);
         let old = LocalRecharge {
             amount: 1,
             expires_at: answered_at + WINDOW + MARGIN,
@@ -1296,7 +1343,7 @@ mod tests {
         let view = LocalView::new(100, MARGIN);
         let t0 = Instant::now();
         let answered_at = t0 + Duration::from_millis(1);
-        view.record_hold(7, 5, 1, answered_at, WINDOW, answered_at);
+        view.record_hold(7, 5, 1, Roundtrip::at(answered_at), WINDOW, answered_at);
         assert_eq!(view.quota(7, 5, answered_at).remaining, 4);
         let unknown = LocalRecharge {
             amount: 2,
@@ -1331,7 +1378,7 @@ mod tests {
             "unknown callers go to the ledger"
         );
         for i in 0..5 {
-            let q = view.record_hold(7, 5, 1, t0, WINDOW, t0);
+            let q = view.record_hold(7, 5, 1, Roundtrip::at(t0), WINDOW, t0);
             assert_eq!(q.remaining, 4 - i);
         }
         // The plan's capacity is only a guess at the credit (an operator may have topped it up).
@@ -1349,7 +1396,7 @@ mod tests {
         list(&view, 7, &ledger_view(5, &[WINDOW; 4], wall), t0, wall);
         // A hold answered after the listing.
         let t1 = t0 + Duration::from_millis(1);
-        view.record_hold(7, 5, 1, t1, WINDOW, t1);
+        view.record_hold(7, 5, 1, Roundtrip::at(t1), WINDOW, t1);
         assert!(
             view.check(7, 1, t1).is_some(),
             "the ledger's word stands across holds"
@@ -1411,14 +1458,21 @@ mod tests {
             "read blocked again, not stored"
         );
         // Heard of since: a listing that reads it unblocked, a hold the ledger admitted, an
-        // operator's unblock here. Each is newer than the block; a hold answered before the
-        // block was read is not.
+        // operator's unblock here. Each is newer than the block; a hold sent before the block
+        // was read is not, however late its answer was read.
         let t1 = t0 + Duration::from_millis(1);
         list(&view, 4, &ledger_view(5, &[], wall), t1, wall);
         assert!(view.known_block(4, t1).is_none(), "listed unblocked");
-        view.record_hold(5, 5, 1, t0 - Duration::from_millis(1), hour, t1);
+        let before = t0 - Duration::from_millis(1);
+        view.record_hold(5, 5, 1, Roundtrip::at(before), hour, t1);
         assert!(view.known_block(5, t1).is_some(), "a hold answered before");
-        view.record_hold(5, 5, 1, t1, hour, t1);
+        let read_late = Roundtrip {
+            sent_at: before,
+            answered_at: t1,
+        };
+        view.record_hold(5, 5, 1, read_late, hour, t1);
+        assert!(view.known_block(5, t1).is_some(), "a hold sent before");
+        view.record_hold(5, 5, 1, Roundtrip::at(t1), hour, t1);
         assert!(view.known_block(5, t1).is_none(), "a hold admitted since");
         view.forget_acted_on(6, BlockAct::Lifted, t0);
         assert!(view.known_block(6, t0).is_none(), "unblocked here");
@@ -1659,7 +1713,7 @@ mod tests {
         assert!(!LocalView::new(0, MARGIN).has_room_for(1), "off: no room");
         // One caller per shard: a known caller has room, and so has one whose shard is empty.
         let view = LocalView::new(SHARD_COUNT, MARGIN);
-        view.record_hold(1, 5, 1, now, WINDOW, now);
+        view.record_hold(1, 5, 1, Roundtrip::at(now), WINDOW, now);
         assert!(view.has_room_for(1));
         // Shards are picked by the id's low bits.
         let (full, empty) = (1 + SHARD_COUNT as u128, 2);
@@ -1679,7 +1733,14 @@ mod tests {
         assert!(view.known_block(1, now).is_some());
         // Another caller of the same shard, a window later: no room (the block is live).
         let later = now + WINDOW + Duration::from_secs(1);
-        view.record_hold(1 + SHARD_COUNT as u128, 5, 1, later, WINDOW, later);
+        view.record_hold(
+            1 + SHARD_COUNT as u128,
+            5,
+            1,
+            Roundtrip::at(later),
+            WINDOW,
+            later,
+        );
         assert!(view.known_block(1, later).is_some(), "kept");
         assert!(!view.has_room_for(1 + SHARD_COUNT as u128));
     }
@@ -1690,9 +1751,9 @@ mod tests {
     fn a_full_shard_is_swept_again_only_once_something_can_go() {
         let view = LocalView::new(SHARD_COUNT, MARGIN);
         let now = Instant::now();
-        view.record_hold(1, 5, 1, now, WINDOW, now);
+        view.record_hold(1, 5, 1, Roundtrip::at(now), WINDOW, now);
         let other = 1 + SHARD_COUNT as u128;
-        view.record_hold(other, 5, 1, now, WINDOW, now);
+        view.record_hold(other, 5, 1, Roundtrip::at(now), WINDOW, now);
         let shard = LocalView::shard_index(1);
         let not_before = *lock(&view.sweep_not_before[shard]);
         assert_eq!(
@@ -1703,7 +1764,7 @@ mod tests {
         assert!(!view.has_room_for(other));
         // Once it ends, the next caller finds room.
         let later = now + WINDOW + MARGIN + Duration::from_millis(1);
-        view.record_hold(other, 5, 1, later, WINDOW, later);
+        view.record_hold(other, 5, 1, Roundtrip::at(later), WINDOW, later);
         assert!(view.has_room_for(other), "stored");
         assert_eq!(*lock(&view.sweep_not_before[shard]), None);
     }
@@ -1715,7 +1776,7 @@ mod tests {
         let view = LocalView::new(SHARD_COUNT, MARGIN);
         let now = Instant::now();
         let other = 1 + SHARD_COUNT as u128;
-        view.record_hold(1, 5, 1, now, WINDOW, now);
+        view.record_hold(1, 5, 1, Roundtrip::at(now), WINDOW, now);
         assert!(view.can_keep(1, now), "known");
         assert!(
             !view.can_keep(other, now),
@@ -1724,7 +1785,7 @@ mod tests {
         let later = now + WINDOW + MARGIN + Duration::from_millis(1);
         assert!(view.can_keep(other, later), "the hold ended: room is made");
         // A full shard, swept (its first end remembered), then thinned by a forget: room at once.
-        view.record_hold(1, 5, 1, later, WINDOW, later);
+        view.record_hold(1, 5, 1, Roundtrip::at(later), WINDOW, later);
         assert!(!view.can_keep(other, later));
         view.forget(1);
         assert!(view.can_keep(other, later), "thinned since the sweep");
@@ -1734,7 +1795,7 @@ mod tests {
     fn a_view_of_no_callers_remembers_nothing() {
         let view = LocalView::new(0, MARGIN);
         let now = Instant::now();
-        view.record_hold(1, 1, 1, now, WINDOW, now);
+        view.record_hold(1, 1, 1, Roundtrip::at(now), WINDOW, now);
         assert!(view.check(1, 1, now).is_none());
         assert_eq!(view.callers(), 0);
     }
@@ -1752,7 +1813,7 @@ mod tests {
             view.verified_bit(sharing).0
         ));
         for _ in 0..5 {
-            view.record_hold(sharing, 5, 1, t0, WINDOW, t0);
+            view.record_hold(sharing, 5, 1, Roundtrip::at(t0), WINDOW, t0);
         }
         list(
             &view,
@@ -1807,7 +1868,7 @@ mod tests {
         let now = Instant::now();
         let wall = SystemTime::now();
         for id in 0..10_000u128 {
-            view.record_hold(id, 5, 1, now, WINDOW, now);
+            view.record_hold(id, 5, 1, Roundtrip::at(now), WINDOW, now);
         }
         assert!(view.callers() <= 64, "{}", view.callers());
         // Refused callers too: the ledger's word takes no room a full view does not have.
@@ -1850,7 +1911,7 @@ mod tests {
             let t0 = Instant::now();
             let credit = expiries.len() as u64;
             for e in &expiries {
-                view.record_hold(1, credit, 1, t0, Duration::from_secs(*e), t0);
+                view.record_hold(1, credit, 1, Roundtrip::at(t0), Duration::from_secs(*e), t0);
             }
             let at = t0 + Duration::from_secs(probe);
             let truly_held = expiries.iter().filter(|e| **e > probe).count() as u64;
@@ -1896,7 +1957,7 @@ mod tests {
             if ledger_admits {
                 // The ledger stamps the hold no later than its answer arrives.
                 ledger.push((now + window, cost));
-                view.record_hold(1, capacity, cost, now, window, now);
+                view.record_hold(1, capacity, cost, Roundtrip::at(now), window, now);
                 continue;
             }
             let wall = |at: Instant| wall0 + (at - t0);

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 
 use crate::ledger::model::{self, UserAccount};
-use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError};
+use crate::ledger::{AccountView, HoldReply, Ledger, LedgerError, Roundtrip};
 use crate::telemetry::span::fields;
 use account_ids::AccountIds;
 use caller::{CallerKey, KeyError};
@@ -268,7 +268,7 @@ struct Charge<'a> {
 /// What a hold came to once a missing account was provisioned.
 enum Placed {
     Held {
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_id: u128,
     },
     ExceedsCredits,
@@ -1011,9 +1011,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let mut provisioned = false;
         match self.place(charge, deadline, &mut provisioned).await? {
             Placed::Held {
-                answered_at,
+                roundtrip,
                 transfer_id,
-            } => return Ok(self.admitted(charge, answered_at, transfer_id)),
+            } => return Ok(self.admitted(charge, roundtrip, transfer_id)),
             Placed::ExceedsCredits => {
                 if let Some(refusal) = self.refused_as_listed(charge) {
                     return Err(refusal.into());
@@ -1033,9 +1033,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         match self.place(charge, deadline, &mut provisioned).await? {
             Placed::Held {
-                answered_at,
+                roundtrip,
                 transfer_id,
-            } => Ok(self.admitted(charge, answered_at, transfer_id)),
+            } => Ok(self.admitted(charge, roundtrip, transfer_id)),
             Placed::Blocked => Err(self.refused_closed(charge, deadline, read).await),
             Placed::ExceedsCredits => {
                 let view = self.refused_view(charge, deadline).await;
@@ -1168,11 +1168,11 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .await?;
             match reply {
                 HoldReply::Held {
-                    answered_at,
+                    roundtrip,
                     transfer_id,
                 } => {
                     return Ok(Placed::Held {
-                        answered_at,
+                        roundtrip,
                         transfer_id,
                     })
                 }
@@ -1257,7 +1257,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     fn admitted(
         &self,
         charge: &Charge<'_>,
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_id: u128,
     ) -> (Outcome, LocalQuota, Option<HoldReceipt>) {
         let window = Duration::from_secs(charge.account.window_seconds.get().into());
@@ -1265,14 +1265,14 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             charge.account.id,
             charge.account.capacity.get(),
             charge.cost,
-            answered_at,
+            roundtrip,
             window,
             self.clock.now(),
         );
         let receipt = HoldReceipt {
             transfer_id,
             amount: charge.cost,
-            expires_at: answered_at + window + self.settings.expiry_margin,
+            expires_at: roundtrip.answered_at + window + self.settings.expiry_margin,
         };
         (Outcome::Admitted, local, Some(receipt))
     }

@@ -24,7 +24,7 @@ use super::{
 };
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
-use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal};
+use crate::ledger::{AccountView, ChainLink, ChainReply, LedgerError, LinkRefusal, Roundtrip};
 use crate::limiter::lease::listing_settling_soon;
 use crate::limiter::local_view::{Check, Generation, Listing, LocalLimit, LocalQuota};
 use crate::limiter::plan::LeaseTerms;
@@ -85,7 +85,7 @@ pub enum LimitsError {
 /// How the chain came out once new accounts were provisioned and the second look was taken.
 enum Chained {
     Held {
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_ids: Vec<u128>,
     },
     Refused {
@@ -168,13 +168,13 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     ) -> MultiDecision {
         let links: Vec<usize> = (0..limits.len()).filter(|i| limits[*i].cost > 0).collect();
         if links.is_empty() {
-            return self.all_admitted(limits, &links, started, &[]);
+            return self.all_admitted(limits, &links, Roundtrip::at(started), &[]);
         }
         match self.chain(limits, &links, deadline).await {
             Ok(Chained::Held {
-                answered_at,
+                roundtrip,
                 transfer_ids,
-            }) => self.all_admitted(limits, &links, answered_at, &transfer_ids),
+            }) => self.all_admitted(limits, &links, roundtrip, &transfer_ids),
             Ok(Chained::Refused { limit, view }) => {
                 let decision = self.refused_by_ledger(limits, limit, (view, reads[limit]));
                 self.wait_for_every_spent_limit(decision, limits, reads, deadline)
@@ -460,9 +460,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                 .await?;
             let (index, refusal) = match reply {
                 ChainReply::Held {
-                    answered_at,
+                    roundtrip,
                     transfer_ids,
-                } => return self.held_chain(answered_at, transfer_ids, links.len()),
+                } => return self.held_chain(roundtrip, transfer_ids, links.len()),
                 ChainReply::Refused { index, refusal } => (index, refusal),
             };
             let Some(&limit) = links.get(index) else {
@@ -512,7 +512,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// A chain the ledger held: one id per link, or the ledger answered what the model rules out.
     fn held_chain(
         &self,
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_ids: Vec<u128>,
         links: usize,
     ) -> Result<Chained, LedgerError> {
@@ -520,7 +520,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             return Err(self.unexpected("a chain's ids do not match its links"));
         }
         Ok(Chained::Held {
-            answered_at,
+            roundtrip,
             transfer_ids,
         })
     }
@@ -597,7 +597,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         limits: &[Limit],
         links: &[usize],
-        answered_at: Instant,
+        roundtrip: Roundtrip,
         transfer_ids: &[u128],
     ) -> MultiDecision {
         assert_eq!(links.len(), transfer_ids.len());
@@ -614,9 +614,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             let capacity = account.capacity.get();
             let status = &mut statuses[*limit];
             if local_view {
-                let local =
-                    self.local
-                        .record_hold(account.id, capacity, cost, answered_at, window, now);
+                let local = self
+                    .local
+                    .record_hold(account.id, capacity, cost, roundtrip, window, now);
                 status.quota = quota(&account, local);
             } else {
                 status.quota.remaining = capacity.saturating_sub(cost);
@@ -625,7 +625,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             status.hold = Some(HoldReceipt {
                 transfer_id: *transfer_id,
                 amount: cost,
-                expires_at: answered_at + window + self.settings.expiry_margin,
+                expires_at: roundtrip.answered_at + window + self.settings.expiry_margin,
             });
         }
         same_account_same_quota(limits, links, &mut statuses);

@@ -25,7 +25,7 @@ const B: u128 = 1 << 127 | 2;
 
 fn held(f: &Fixture, ids: &[u128]) -> Reply<ChainReply> {
     Ok(ChainReply::Held {
-        answered_at: f.clock.now(),
+        roundtrip: Roundtrip::at(f.clock.now()),
         transfer_ids: ids.to_vec(),
     })
 }

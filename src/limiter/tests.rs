@@ -200,7 +200,7 @@ impl Fixture {
 
     fn held(&self) -> Reply<HoldReply> {
         Ok(HoldReply::Held {
-            answered_at: self.clock.now(),
+            roundtrip: Roundtrip::at(self.clock.now()),
             transfer_id: 42,
         })
     }
@@ -854,7 +854,7 @@ async fn first_of_a_whole_quota(f: &Fixture) -> Decision<'_> {
         for id in 0..CAPACITY {
             let transfer_id = 100 + u128::from(id);
             let held = HoldReply::Held {
-                answered_at,
+                roundtrip: Roundtrip::at(answered_at),
                 transfer_id,
             };
             s.holds.push_back(Ok(held));
@@ -920,7 +920,7 @@ async fn admitted_with_a_route_limit<'f>(
     let answered_at = f.clock.now();
     f.script(|s| {
         s.chains.push_back(Ok(ChainReply::Held {
-            answered_at,
+            roundtrip: Roundtrip::at(answered_at),
             transfer_ids: vec![41, 42],
         }));
         s.voids.extend(voids);
@@ -1062,7 +1062,7 @@ async fn a_closed_plan_under_route_limits_is_read_once_and_a_move_followed() {
         s.chains.push_back(refused);
         s.views.push_back(Ok(Some(closed(Some("pro")))));
         s.chains.push_back(Ok(ChainReply::Held {
-            answered_at,
+            roundtrip: Roundtrip::at(answered_at),
             transfer_ids: vec![1, 2],
         }));
     });

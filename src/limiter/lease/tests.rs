@@ -20,7 +20,7 @@ use super::RenewalAhead;
 use crate::ledger::lease::{Settled, Settlement};
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::{UserAccount, LEDGER_REQUEST_RATE};
-use crate::ledger::{AccountView, Hold, HoldReply, LedgerError};
+use crate::ledger::{AccountView, Hold, HoldReply, LedgerError, Roundtrip};
 
 const CAPACITY: u64 = 24;
 const WINDOW_SECONDS: u32 = 3;
@@ -178,7 +178,7 @@ impl ModelStore {
                     model.leases += u64::from(lease);
                     model.holds += u64::from(!lease);
                     HoldReply::Held {
-                        answered_at: now,
+                        roundtrip: Roundtrip::at(now),
                         transfer_id,
                     }
                 }
@@ -305,10 +305,13 @@ impl Store for ModelStore {
         let latency = self.model.lock().unwrap().lease_latency;
         placed.map(|reply| match reply {
             HoldReply::Held {
-                answered_at,
+                roundtrip,
                 transfer_id,
             } => HoldReply::Held {
-                answered_at: answered_at + latency,
+                roundtrip: Roundtrip {
+                    sent_at: roundtrip.sent_at,
+                    answered_at: roundtrip.answered_at + latency,
+                },
                 transfer_id,
             },
             other => other,
@@ -1461,9 +1464,14 @@ fn a_renewal_ahead_without_room_is_not_asked_again_from_the_same_lease() {
     // What else the caller holds, as the view knows it: everything but the lease.
     let now = store.clock.now();
     let first = super::LEASE_UNITS_FIRST;
-    limiter
-        .local
-        .record_hold(id, CAPACITY, CAPACITY - first, now, WINDOW, now);
+    limiter.local.record_hold(
+        id,
+        CAPACITY,
+        CAPACITY - first,
+        Roundtrip::at(now),
+        WINDOW,
+        now,
+    );
     let mut renewals = 0;
     for _ in 2..=first {
         let (fast, due) = leased_from_memory(&limiter, &key, one).expect("room in the lease");
