@@ -1185,6 +1185,27 @@ mod tests {
         assert_eq!(view.check_trusted(8, 1, old, true), Check::Ask);
     }
 
+    /// A probe waits for its listing as long as the ledger may take to answer it (its deadline,
+    /// when longer than [`PROBE_PENDING_MAX`]): taken sooner by another request, a second
+    /// listing went for the same caller.
+    #[test]
+    fn a_probe_stands_pending_for_the_ledgers_deadline_when_longer() {
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let slow = Duration::from_secs(3);
+        let fast = Duration::from_millis(200);
+        for (deadline, pending) in [(slow, slow), (fast, PROBE_PENDING_MAX)] {
+            let view = LocalView::new(100, MARGIN).with_probe_pending(deadline);
+            list(&view, 7, &ledger_view(5, &[WINDOW; 5], wall), t0, wall);
+            let probes = |at| matches!(view.check_trusted(7, 1, at, true), Check::Probe(_));
+            let old = t0 + LISTING_TRUSTED_FOR;
+            assert!(probes(old));
+            let just_before = old + pending - Duration::from_millis(1);
+            assert!(!probes(just_before), "pending for {pending:?}");
+            assert!(probes(old + pending), "taken by another after {pending:?}");
+        }
+    }
+
     #[test]
     fn a_hold_answered_before_the_listing_is_counted_once() {
         // Two of five held, both in the listing; the second was answered at t0 + 1 ms, and its

@@ -816,3 +816,48 @@ async fn a_limit_refused_on_an_old_word_is_listed_again_first() {
     assert_eq!(decision.outcome, Outcome::Admitted);
     assert_eq!(f.calls(), ["view", "chain"]);
 }
+
+/// Two limits listed by one refusal, both past their trust: the next request lists both again
+/// (one listing each); the one still short refuses on its new word, the other's room is stored,
+/// so the request after lists only the short one again, and with its room the chain goes.
+#[tokio::test]
+async fn two_old_words_in_one_request_are_both_listed_again() {
+    use crate::limiter::local_view::LISTING_TRUSTED_FOR;
+    let f = Fixture::closed();
+    let limits = [limit(A, 2, 60, 1), limit(B, 2, 30, 1)];
+    let check = || f.limiter.check_all(&limits);
+    let (a_full, b_full) = (f.view(2, &[60, 60], true), f.view(2, &[30, 30], true));
+    f.script(|s| {
+        s.chains.push_back(refused(0, LinkRefusal::ExceedsCredits));
+        let b_listed = Ok(Some(b_full.clone()));
+        s.views
+            .extend([Ok(Some(a_full)), Ok(Some(b_full)), b_listed]);
+    });
+    let decision = check().await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((60, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["chain", "view", "free", "view"], "both listed");
+    f.clock.advance(LISTING_TRUSTED_FOR);
+    let (a_still_full, b_room) = (f.view(2, &[55, 55], true), f.view(2, &[], true));
+    f.script(|s| {
+        s.views.extend([Ok(Some(a_still_full)), Ok(Some(b_room))]);
+    });
+    let decision = check().await.unwrap();
+    assert_eq!(
+        limited_by_outcome(&decision.outcome),
+        Some((55, DecisionSource::Ledger))
+    );
+    assert_eq!(f.calls(), ["view", "view"], "both listed again, no chain");
+    f.clock.advance(LISTING_TRUSTED_FOR);
+    let a_room = f.view(2, &[], true);
+    let answer = held(&f, &[5, 6]);
+    f.script(|s| {
+        s.views.push_back(Ok(Some(a_room)));
+        s.chains.push_back(answer);
+    });
+    let decision = check().await.unwrap();
+    assert_eq!(decision.outcome, Outcome::Admitted);
+    assert_eq!(f.calls(), ["view", "chain"], "B's room was kept");
+}

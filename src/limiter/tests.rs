@@ -796,6 +796,27 @@ async fn a_listing_that_missed_holds_stands_for_a_second() {
     assert_eq!(f.calls(), ["hold", "view"], "listed again after a second");
 }
 
+/// Refusals on a listing that missed holds, whose listed holds have all ended (here it listed
+/// none): `t` (the quota's reset) is never sooner than `Retry-After` (it said `t=0` beside
+/// `Retry-After: 1` once the listing's holds were gone).
+#[tokio::test]
+async fn a_listing_that_missed_holds_resets_no_sooner_than_it_retries() {
+    let f = Fixture::closed();
+    f.script(|s| {
+        s.holds.push_back(Ok(HoldReply::ExceedsCredits));
+        s.views.push_back(Ok(Some(f.view(CAPACITY, &[], false))));
+    });
+    let first = f.check(ONE).await;
+    assert_eq!(limited_by(&first), Some((1, DecisionSource::Ledger)));
+    assert!(first.quota.reset_seconds >= 1, "{:?}", first.quota);
+    f.clock.advance(Duration::from_millis(900));
+    f.script(|s| s.holds.push_back(Ok(HoldReply::ExceedsCredits)));
+    let again = f.check(ONE).await;
+    assert_eq!(limited_by(&again), Some((1, DecisionSource::Ledger)));
+    assert_eq!(f.calls(), ["hold", "view", "hold"], "refused as listed");
+    assert!(again.quota.reset_seconds >= 1, "{:?}", again.quota);
+}
+
 #[tokio::test]
 async fn ledger_errors_follow_the_failure_policy() {
     for (policy, void) in [(FailurePolicy::Closed, true), (FailurePolicy::Open, false)] {
