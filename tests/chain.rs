@@ -645,15 +645,17 @@ async fn blocked_behind_a_proxy() -> Blocked {
 
 impl Blocked {
     /// `act` through the proxy, with the ledger's answer to its transfer of `code` held until
-    /// 3 ms before its deadline (2 s away): a refusal that comes late.
+    /// 300 ms before its deadline (2 s away), and what the action asks next held until 100 ms
+    /// past it: a refusal that comes late, and a follow-up that needs a deadline of its own.
     async fn answered_late<T, F>(&self, code: u16, act: impl FnOnce(Ledger, Instant) -> F) -> T
     where
         F: std::future::Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
         let deadline = Instant::now() + Duration::from_secs(2);
-        let late = deadline - Duration::from_millis(3);
+        let late = deadline - Duration::from_millis(300);
         let (caught, go) = self.proxy.lose_answer_to(code, late);
+        (self.proxy).hold_later_requests_until(deadline + Duration::from_millis(100));
         let acting = tokio::spawn(act(self.proxied.clone(), deadline));
         caught_within(caught).await;
         let _ = go.send(());
@@ -686,7 +688,7 @@ async fn a_block_refused_late_still_says_it_was_blocked_already() {
 }
 
 /// A top-up or a reduction of a blocked account whose refusal comes late (its answer held until
-/// 3 ms before the deadline) still says blocked, known not applied: the read of why the account
+/// 300 ms before the deadline, its follow-up past it) still says blocked, known not applied: the read of why the account
 /// is closed has a deadline of its own, and a read that fails leaves the answer blocked. Before,
 /// the read went out with the spent deadline and the operator had a 503 "may have been
 /// applied, retry" for a refused action.

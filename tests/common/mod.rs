@@ -898,6 +898,8 @@ struct Trap {
     answer_at: tokio::time::Instant,
     /// The caught request's client and number, which its replies (resent ones too) carry.
     request: Option<(u128, u32)>,
+    /// When set, that client's later requests (a follow-up to the caught one) go on no sooner.
+    later_requests_at: Option<tokio::time::Instant>,
 }
 
 /// TigerBeetle's message header: its size, and the fields the proxy reads.
@@ -944,8 +946,16 @@ impl LedgerProxy {
             go: Some(go_heard),
             answer_at: answer_at.into(),
             request: None,
+            later_requests_at: None,
         });
         (caught_heard, go)
+    }
+
+    /// With the trap armed ([`LedgerProxy::lose_answer_to`]): the caught request's client's
+    /// later requests go on to the ledger no sooner than `at`.
+    pub fn hold_later_requests_until(&self, at: Instant) {
+        let mut trap = self.trap.lock().unwrap();
+        trap.as_mut().expect("armed").later_requests_at = Some(at.into());
     }
 }
 
@@ -983,10 +993,23 @@ async fn pump(
     }
 }
 
-/// Holds `message` if it is the request the trap is armed for, until the test says go.
+/// Holds `message` if it is the request the trap is armed for, until the test says go; or a
+/// later request of its client, until the trap's instant for those.
 async fn hold_request(message: &[u8], trap: &Mutex<Option<Trap>>) {
-    let is_create_transfers =
-        message[114] == COMMAND_REQUEST && message[196] == OPERATION_CREATE_TRANSFERS;
+    let is_request = message[114] == COMMAND_REQUEST;
+    let is_create_transfers = is_request && message[196] == OPERATION_CREATE_TRANSFERS;
+    let client = u128::from_le_bytes(message[160..176].try_into().unwrap());
+    let request = u32::from_le_bytes(message[192..196].try_into().unwrap());
+    let later_at = (trap.lock().unwrap().as_ref()).and_then(|trap| match trap.request {
+        Some((of, number)) if is_request && of == client && request > number => {
+            trap.later_requests_at
+        }
+        _ => None,
+    });
+    if let Some(at) = later_at {
+        tokio::time::sleep_until(at).await;
+        return;
+    }
     let (caught, go) = {
         let mut trap = trap.lock().unwrap();
         let Some(trap) = trap.as_mut().filter(|trap| trap.caught.is_some()) else {
@@ -999,8 +1022,6 @@ async fn hold_request(message: &[u8], trap: &Mutex<Option<Trap>>) {
         if !(is_create_transfers && of_code) {
             return;
         }
-        let client = u128::from_le_bytes(message[160..176].try_into().unwrap());
-        let request = u32::from_le_bytes(message[192..196].try_into().unwrap());
         trap.request = Some((client, request));
         (trap.caught.take().unwrap(), trap.go.take().unwrap())
     };
