@@ -952,6 +952,43 @@ async fn hits_addend_precedence_and_costs_above_what_remains() {
     assert_eq!(request_calls(app.limiter.ledger()), calls, "no ledger call");
 }
 
+/// A charge refused by one of the call's descriptors counts on the others as far as they go, as
+/// envoyproxy/ratelimit adds the hits to every descriptor: a charge reported after the response
+/// (tokens counted at the end) that overran the short budget still counts on the long one.
+/// Before, only the refusing descriptor was charged, and the long budget never ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_charge_counts_on_the_calls_other_descriptors() {
+    let rules_kept = rules_dir();
+    let rules = rules_kept.path().to_path_buf();
+    let (_app, mut client) =
+        spawn_rls(rls_config(shared_ledger().address, &rules, "closed", 5_000)).await;
+    let value = fresh_key("v");
+    let hits = |key: &str, value_hits: u64| {
+        let mut d = descriptor(&[(key, &value)]);
+        d.hits_addend = Some(UInt64Value { value: value_hits });
+        d
+    };
+    let charge = |short: u64, long: u64| {
+        request(
+            "extra",
+            vec![hits("costly_short", short), hits("costly", long)],
+        )
+    };
+    // The short budget (10 per 10 s) down to 2, the long one (10 a minute) to 9.
+    let first = call(&mut client, charge(8, 1)).await;
+    let remaining = |r: &RateLimitResponse| -> Vec<u32> {
+        r.statuses.iter().map(|s| s.limit_remaining).collect()
+    };
+    assert_eq!(remaining(&first), [2, 9]);
+    // 5 on both: the short one refuses (and spends its 2); the long one is charged the 5.
+    let over = call(&mut client, charge(5, 5)).await;
+    assert_eq!(overall(&over), Code::OverLimit);
+    assert_eq!(remaining(&over), [0, 4]);
+    // A check of the long one alone reads the ledger.
+    let check = call(&mut client, request("extra", vec![hits("costly", 0)])).await;
+    assert_eq!((overall(&check), remaining(&check)), (Code::Ok, vec![4]));
+}
+
 /// A charge refused with 3 free and 7 held, due back in 7 s: the 3 are spent for a window
 /// (10 s), and the charge of 5 fits once the 7 are back, in about 7 s. The refusal says so,
 /// counting the over-charge, rather than when the over-charge itself expires (10 s).

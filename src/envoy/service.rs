@@ -505,7 +505,8 @@ impl RateLimitServer {
     /// was dropped, the budget never ran out, and checks (`hits_addend` 0) passed for good. One
     /// more write, on a refusal that left something free only; best effort, by the decision's
     /// `deadline`. It holds at most the charge less one (a refusal is never charged in full),
-    /// and the refusal then says when the charge fits with that hold counted.
+    /// and the refusal then says when the charge fits with that hold counted. The call's other
+    /// descriptors are charged as far as they go too ([`RateLimitServer::over_charge_the_rest`]).
     async fn hold_what_remains(
         &self,
         limits: &[Limit],
@@ -516,6 +517,24 @@ impl RateLimitServer {
         else {
             return;
         };
+        let rest = self.over_charge_the_rest(limits, refused, deadline);
+        let refused_one = self.over_charge_refused(limits, refused, decision, deadline);
+        let ((), charged) = futures_util::join!(refused_one, rest);
+        for (limit, status) in limits.iter().zip(&mut decision.limits) {
+            if let Some((_, charge)) = charged.iter().find(|(id, _)| *id == limit.account.id) {
+                status.quota.remaining = status.quota.remaining.saturating_sub(*charge);
+            }
+        }
+    }
+
+    /// [`RateLimitServer::hold_what_remains`] on the descriptor that refused (`limits[refused]`).
+    async fn over_charge_refused(
+        &self,
+        limits: &[Limit],
+        refused: usize,
+        decision: &mut MultiDecision,
+        deadline: std::time::Instant,
+    ) {
         let limit = &limits[refused];
         let charge = cost_on_account(limits, limit.account.id);
         // A charge of 1 refused has nothing left to hold. A concurrency rule's holds are slots
@@ -552,6 +571,55 @@ impl RateLimitServer {
                 status.quota.remaining = 0;
             }
         }
+    }
+
+    /// The call's other descriptors, when a charge of more than one unit was refused for want of
+    /// credit: each account is charged too, as far as it goes (the charge, or what it has left
+    /// if less), for its window, as envoyproxy/ratelimit adds the hits to every descriptor of
+    /// the call. Without it, a charge reported after the response (tokens counted at the end)
+    /// that one budget refused was counted on none of the others: a client that overran the
+    /// minute's budget once a minute was never counted on the day's. Concurrency rules and
+    /// checks (`hits_addend` 0) hold nothing, nor an account not made yet (a caller's first
+    /// call, refused before its chain made it). Best effort, by `deadline`, all at once. What
+    /// was held: each account and its charge (the most it can have held).
+    async fn over_charge_the_rest(
+        &self,
+        limits: &[Limit],
+        refused: usize,
+        deadline: std::time::Instant,
+    ) -> Vec<(u128, u64)> {
+        let refused_id = limits[refused].account.id;
+        // A charge of 1 refused is a request refused: nothing anywhere, as the chain left it.
+        if cost_on_account(limits, refused_id) <= 1 {
+            return Vec::new();
+        }
+        let rest = (0..limits.len()).filter(|&i| {
+            let id = limits[i].account.id;
+            let first = limits[..i].iter().all(|l| l.account.id != id);
+            first && id != refused_id && limits[i].local_view && limits[i].cost > 0
+        });
+        let holds = rest.map(|i| async move {
+            let account = &limits[i].account;
+            let charge = cost_on_account(limits, account.id);
+            let window = account.window_seconds.get();
+            let held = (self.ledger())
+                .hold_up_to(account.id, charge, window, deadline)
+                .await;
+            // The view does not count it (what was held is unknown to it): listed anew.
+            match held {
+                Ok(HoldReply::Held { .. }) => {
+                    self.limiter.forget(account.id);
+                    Some((account.id, charge))
+                }
+                Ok(_) => None,
+                Err(error) => {
+                    tracing::debug!(%error, "could not charge a refused call's other descriptor");
+                    self.limiter.forget(account.id);
+                    None
+                }
+            }
+        });
+        join_all(holds).await.into_iter().flatten().collect()
     }
 
     /// When a charge refused and over-charged fits again, if later than the refusal said; and

@@ -52,8 +52,10 @@ pub struct AccountAudit {
     /// refused at its deadline, each then voided).
     pub holds: u64,
     /// The Envoy front end's holds of what remained of a charge that did not fit (code 2,
-    /// `user_data_32` = [`model::OVER_CHARGE_USER_DATA_32`]), one per such refused request: not
-    /// in `holds`, which stays the requests placed (and recharges, each with its void).
+    /// `user_data_32` = [`model::OVER_CHARGE_USER_DATA_32`]), one per such refused request on
+    /// each of its descriptors' accounts (the one that refused, and the call's others: their
+    /// charge as far as it went): not in `holds`, which stays the requests placed (and
+    /// recharges, each with its void).
     pub over_charges: u64,
     /// Holds voided: their request had been refused when they landed, or was refunded.
     pub voids: u64,

@@ -567,8 +567,6 @@ impl Ledger {
             .await
     }
 
-    /// Creates one pending debit (a request's hold, a lease) and answers as [`Ledger::hold`]
-    /// does, voiding it (with its own code) if it lands after its caller stopped waiting.
     /// Holds what the account has free of a refused `charge` (a balancing debit), for
     /// `timeout_seconds`, but never all of it: a charge that does not fit, counted as far as it
     /// goes (envoyproxy/ratelimit's counter goes past the limit; a ledger account cannot).
@@ -584,11 +582,43 @@ impl Ledger {
         deadline: Instant,
     ) -> Result<HoldReply, LedgerError> {
         assert!(charge > 1, "a refused charge of 1 has nothing left to hold");
+        let charged = (charge, charge - 1);
+        self.over_charge(account_id, charged, timeout_seconds, deadline)
+            .await
+    }
+
+    /// Holds as much of `charge` as the account has free, all of it when it fits, for
+    /// `timeout_seconds`: a refused call's charge on its other descriptors (the Envoy front
+    /// end's), counted as far as it goes on each, as envoyproxy/ratelimit adds the hits to every
+    /// descriptor. Audited as an over-charge, not as a request admitted. `Held` even when
+    /// nothing was free (a hold of 0).
+    pub async fn hold_up_to(
+        &self,
+        account_id: u128,
+        charge: u64,
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> Result<HoldReply, LedgerError> {
+        self.over_charge(account_id, (charge, charge), timeout_seconds, deadline)
+            .await
+    }
+
+    /// An over-charge of `charge`, holding at most `amount_max` ([`model::over_charge_transfer`]).
+    async fn over_charge(
+        &self,
+        account_id: u128,
+        charged: (u64, u64),
+        timeout_seconds: u32,
+        deadline: Instant,
+    ) -> Result<HoldReply, LedgerError> {
         let ledger = self.ledger_id;
-        let transfer = model::over_charge_transfer(account_id, ledger, charge, timeout_seconds);
+        let transfer = model::over_charge_transfer(account_id, ledger, charged, timeout_seconds);
         self.place_pending(transfer, deadline, false).await
     }
 
+    /// Creates one pending debit (a request's hold, a lease, an over-charge) and answers as
+    /// [`Ledger::hold`] does, voiding it (with its own code) if it lands after its caller stopped
+    /// waiting, given `void_if_abandoned`.
     async fn place_pending(
         &self,
         transfer: tb::Transfer,

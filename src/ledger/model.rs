@@ -376,15 +376,16 @@ pub fn void_transfer(pending_id: u128, ledger: u32) -> tb::Transfer {
 pub const OVER_CHARGE_USER_DATA_32: u32 = 1;
 
 /// The Envoy front end's over-charge: what remains on the account of a refused `charge`, held,
-/// up to `charge − 1` (never the whole: [`super::Ledger::hold_what_remains`]).
+/// up to `amount_max` (`charge − 1` on the descriptor that refused, never the whole:
+/// [`super::Ledger::hold_what_remains`]; `charge` on the call's others: [`super::Ledger::hold_up_to`]).
 pub fn over_charge_transfer(
     user_account_id: u128,
     ledger: u32,
-    charge: u64,
+    (charge, amount_max): (u64, u64),
     timeout_seconds: u32,
 ) -> tb::Transfer {
-    assert!(charge > 1);
-    balancing_hold_transfer(user_account_id, ledger, charge - 1, timeout_seconds)
+    assert!(amount_max <= charge);
+    balancing_hold_transfer(user_account_id, ledger, amount_max, timeout_seconds)
         .with_user_data_64(charge)
         .with_user_data_32(OVER_CHARGE_USER_DATA_32)
 }
