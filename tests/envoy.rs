@@ -870,8 +870,13 @@ async fn a_value_that_is_not_utf8_is_limited_like_any_other() {
     assert_eq!(codes[5], Code::OverLimit, "limited like any value");
     // Another byte is another caller.
     value[0] = 0xfe;
-    let other = call_raw(channel, &value).await.expect("an answer");
+    let other = call_raw(channel.clone(), &value).await.expect("an answer");
     assert_eq!(overall(&other), Code::Ok);
+    // A message under the gRPC bound (1 MiB) whose text would be over it once escaped (each
+    // invalid byte five): refused, where each call in flight held five times its size.
+    let hostile = vec![0xff_u8; 300 * 1024];
+    let refused = call_raw(channel, &hostile).await.expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
     app.stop().await;
 }
 

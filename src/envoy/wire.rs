@@ -98,14 +98,7 @@ pub fn text(bytes: Vec<u8>) -> String {
     };
     // Its exact length, so that a message of invalid bytes is not held at up to twice its text
     // (a growing string doubles).
-    let length: usize = (bytes.utf8_chunks())
-        .map(|chunk| {
-            let marks = chunk.valid().matches(MARK).count();
-            chunk.valid().len()
-                + marks * MARK.len_utf8()
-                + chunk.invalid().len() * (MARK.len_utf8() + 2)
-        })
-        .sum();
+    let length = text_length(&bytes);
     let mut text = String::with_capacity(length);
     for chunk in bytes.utf8_chunks() {
         text.push_str(&chunk.valid().replace(MARK, "\u{FFFD}\u{FFFD}"));
@@ -115,6 +108,31 @@ pub fn text(bytes: Vec<u8>) -> String {
     }
     debug_assert_eq!(text.len(), length);
     text
+}
+
+/// The length of [`text`]`(bytes)`: up to five times theirs (an invalid byte is U+FFFD and two
+/// hex digits).
+fn text_length(bytes: &[u8]) -> usize {
+    const MARK: char = char::REPLACEMENT_CHARACTER;
+    (bytes.utf8_chunks())
+        .map(|chunk| {
+            let marks = chunk.valid().matches(MARK).count();
+            chunk.valid().len()
+                + marks * MARK.len_utf8()
+                + chunk.invalid().len() * (MARK.len_utf8() + 2)
+        })
+        .sum()
+}
+
+impl WireRequest {
+    /// The bytes of its strings once read as text ([`text`]).
+    fn text_length(&self) -> usize {
+        let entries = self.descriptors.iter().flat_map(|d| &d.entries);
+        let entries: usize = entries
+            .map(|e| text_length(&e.key) + text_length(&e.value))
+            .sum();
+        text_length(&self.domain) + entries
+    }
 }
 
 /// Decodes [`WireRequest`]s into `RateLimitRequest`s; encodes responses as prost does.
@@ -134,6 +152,15 @@ impl Decoder for WireDecoder {
         let wire = WireRequest::decode(buf).map_err(|error| {
             Status::invalid_argument(format!("not a RateLimitRequest: {error}"))
         })?;
+        // Escaped, a message's text may be five times its size, and each call in flight holds
+        // it: the bound on calls bounds their memory only if the text's size is bounded too.
+        if wire.text_length() > super::REQUEST_BYTES_MAX {
+            return Err(Status::invalid_argument(format!(
+                "the request's strings are over {} bytes once their bytes that are not UTF-8 are \
+                 escaped",
+                super::REQUEST_BYTES_MAX
+            )));
+        }
         Ok(Some(wire.into()))
     }
 }
