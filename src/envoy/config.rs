@@ -25,7 +25,9 @@ pub const CONFIG_FILES_MAX: usize = 256;
 pub const RULES_MAX: usize = 4096;
 /// Descriptors nest at most this deep (a request's descriptor has at most as many entries).
 pub const DEPTH_MAX: usize = 16;
-/// Keys and values (in files and requests) are at most this long.
+/// Keys and values in rule files are at most this long. A request's descriptor with a longer
+/// key matches no rule (`OK`, as envoyproxy/ratelimit answers it); its values are never judged
+/// (an API key may be longer, and is its own caller).
 pub const KEY_VALUE_LENGTH_MAX: usize = 256;
 
 /// The time units of `rate_limit.unit`, as Envoy's `RateLimitResponse.RateLimit.Unit` numbers.
@@ -413,6 +415,12 @@ impl RlsConfig {
     }
 }
 
+/// How deep a rules folder's subfolders are read (deeper ones are not).
+const CONFIG_FOLDER_DEPTH_MAX: usize = 8;
+
+/// The rules' files: `path` itself, or the `*.yaml` and `*.yml` files of the folder and its
+/// subfolders (as envoyproxy/ratelimit's runtime loads a folder's tree: rules in a subfolder
+/// were skipped, and their descriptors answered `OK` with no limit), hidden ones left out.
 fn config_files(path: &Path) -> Result<Vec<PathBuf>, RlsConfigError> {
     let name = path.display().to_string();
     let read_error = |e: std::io::Error| RlsConfigError::Read {
@@ -423,17 +431,37 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, RlsConfigError> {
         return Ok(vec![path.to_owned()]);
     }
     let mut files = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(read_error)? {
-        let file = entry.map_err(read_error)?.path();
-        let yaml = matches!(
-            file.extension().and_then(|e| e.to_str()),
-            Some("yaml" | "yml")
-        );
-        if yaml {
-            files.push(file);
-        }
-        if files.len() > CONFIG_FILES_MAX {
-            return Err(RlsConfigError::TooManyFiles(name));
+    let mut folders = vec![(path.to_owned(), 0)];
+    while let Some((folder, depth)) = folders.pop() {
+        let folder_error = |e: std::io::Error| RlsConfigError::Read {
+            file: folder.display().to_string(),
+            message: e.to_string(),
+        };
+        for entry in std::fs::read_dir(&folder).map_err(folder_error)? {
+            let entry = entry.map_err(folder_error)?;
+            let file = entry.path();
+            // Hidden: an editor's, or Kubernetes' `..data` and `..<time>` copies of a mounted
+            // ConfigMap (read, each domain would be defined twice).
+            if entry.file_name().as_encoded_bytes().starts_with(b".") {
+                continue;
+            }
+            // Not a link to one: a link may loop.
+            if entry.file_type().map_err(folder_error)?.is_dir() {
+                if depth < CONFIG_FOLDER_DEPTH_MAX {
+                    folders.push((file, depth + 1));
+                }
+                continue;
+            }
+            let yaml = matches!(
+                file.extension().and_then(|e| e.to_str()),
+                Some("yaml" | "yml")
+            );
+            if yaml {
+                files.push(file);
+            }
+            if files.len() > CONFIG_FILES_MAX {
+                return Err(RlsConfigError::TooManyFiles(name));
+            }
         }
     }
     if files.is_empty() {
@@ -930,6 +958,35 @@ mod tests {
         let error = load(&[("f", &deep)]).unwrap_err().to_string();
         assert!(error.contains("nest deeper"), "{error}");
         assert!(!error.contains("sk_live"), "{error}");
+    }
+
+    /// Rules in subfolders are read (envoyproxy/ratelimit's runtime reads a folder's tree);
+    /// hidden files and folders are not (Kubernetes mounts a ConfigMap's files twice, the
+    /// second time under `..<time>/`).
+    #[test]
+    fn a_folders_tree_is_read_but_not_its_hidden_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = |domain: &str| {
+            format!("domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 1\n")
+        };
+        std::fs::write(dir.path().join("top.yaml"), rules("top")).unwrap();
+        let team = dir.path().join("team-a");
+        std::fs::create_dir(&team).unwrap();
+        std::fs::write(team.join("nested.yml"), rules("nested")).unwrap();
+        let copy = dir.path().join("..2026_12_07");
+        std::fs::create_dir(&copy).unwrap();
+        std::fs::write(copy.join("top.yaml"), rules("top")).unwrap();
+        std::fs::write(dir.path().join(".top.yaml.swp"), "not rules").unwrap();
+        let files = config_files(dir.path()).unwrap();
+        assert_eq!(
+            files,
+            [
+                dir.path().join("team-a/nested.yml"),
+                dir.path().join("top.yaml")
+            ]
+        );
+        let config = RlsConfig::load(dir.path()).unwrap();
+        assert_eq!(config.domains.len(), 2);
     }
 
     #[test]
