@@ -9,7 +9,10 @@
 //! - A lease is stamped by the ledger at `T0 ≥ sent_at` (the ledger stamps what it received) and
 //!   released no earlier than `T0 + window + L`. Requests are admitted from it only before
 //!   `sent_at + L`, so a unit admitted at `t < sent_at + L` stays held until at least
-//!   `t + window`, and never more units than the lease holds.
+//!   `t + window`, and never more units than the lease holds. "Before `sent_at + L`" by both
+//!   of this host's clocks: the monotonic one (`Instant`) stands still while the host is
+//!   suspended, the ledger's does not, and a host resumed past the lease's expiry would admit
+//!   from units nothing holds any more; the wall clock goes on.
 //! - The settlement is stamped at `S ≥` its sending, which is after every admission from the lease
 //!   (a lease is taken out of the caller's state, under its lock, before its settlement is sent;
 //!   nothing admits from it after), and holds the used units until `S + window`: each
@@ -21,12 +24,13 @@
 //!   `T0 + window + L`. A lease found expired needs nothing: its units are out of the window.
 //!   An instance that dies leaves its lease to expire the same way.
 //!
-//! The cost is a bounded over-hold: a unit admitted at `t` may stay held until `t + window + L`
-//! (the lease, or a settlement sent up to L after `t`), and other instances may see the caller's
-//! unused leased units as held for up to L (settlement is due L after the lease was sent; a sweeper
-//! settles idle leases within [`SETTLE_TICK`] of that). Each lease takes at most half of what the
-//! local view knows to be left (fairness across instances) and at most the plan's
-//! `lease_units_max`.
+//! The cost is a bounded over-hold: a unit admitted at `t` may stay held until about
+//! `t + window + L + 1 s` (the lease, or a settlement first tried up to L + [`SETTLE_TICK`]
+//! after `t`, and sent again holding whole seconds rounded in the caller's favour), and other
+//! instances may see the caller's unused leased units as held for up to L (settlement is due L
+//! after the lease was sent; a sweeper settles idle leases within [`SETTLE_TICK`] of that). Each lease takes at most half of what the
+//! local view knows to be left (fairness across instances; but never less than the request's
+//! cost, which may be more than half) and at most the plan's `lease_units_max`.
 
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -97,6 +101,10 @@ struct Lease {
     sent_at: Instant,
     /// No admission at or after this (`sent_at + L`): see the module's proof.
     admit_until: Instant,
+    /// Nor at or after this, by the wall clock (taken with `sent_at`, + L): `Instant` does not
+    /// count the time the host is suspended, and the ledger's clock does. A wall clock set back
+    /// lengthens nothing (`admit_until` still ends it); one set forward ends it early.
+    admit_until_wall: SystemTime,
     /// The expiry the local view recorded for the lease (to forget it once settled).
     local_expires_at: Instant,
     /// Settlements of unknown outcome sent so far (counted to 8), and when the next may go: a
@@ -217,12 +225,14 @@ impl Slot {
 }
 
 impl CallerLease {
-    /// Admits `cost` from the lease, in memory, if it has the units and its time is not over.
-    fn admit(&mut self, cost: u64, now: Instant) -> bool {
+    /// Admits `cost` from the lease, in memory, if it has the units and its time is not over
+    /// by either clock.
+    fn admit(&mut self, cost: u64, (now, wall): (Instant, SystemTime)) -> bool {
         let Some(lease) = &mut self.lease else {
             return false;
         };
-        if now >= lease.admit_until || lease.units_used + cost > lease.units {
+        let over = now >= lease.admit_until || wall >= lease.admit_until_wall;
+        if over || lease.units_used + cost > lease.units {
             return false;
         }
         lease.units_used += cost;
@@ -772,8 +782,8 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let slot = self.leases.slot(charge, terms)?;
         let mut caller = slot.lock();
         // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
-        let now = self.clock.now();
-        let (decided, leased, renewing) = self.admit_locked(&mut caller, charge.cost, now)?;
+        let clocks = (self.clock.now(), self.clock.wall());
+        let (decided, leased, renewing) = self.admit_locked(&mut caller, charge.cost, clocks)?;
         drop(caller);
         let renewal = renewing.then(|| RenewalAhead {
             slot: Some(slot),
@@ -789,9 +799,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         &self,
         caller: &mut CallerLease,
         cost: u64,
-        now: Instant,
+        (now, wall): (Instant, SystemTime),
     ) -> Option<(Decided, LeaseReceipt, bool)> {
-        if !caller.admit(cost, now) {
+        if !caller.admit(cost, (now, wall)) {
             return None;
         }
         let (decided, leased) = self.admitted_from_lease(caller, cost, now);
@@ -828,7 +838,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         }
         // Read under the lock: a wait for it is not time the lease's `admit_until` allowed.
         let now = self.clock.now();
-        match self.admit_locked(&mut caller, cost, now) {
+        match self.admit_locked(&mut caller, cost, (now, self.clock.wall())) {
             Some((decided, leased, true)) => return Look::AdmittedRenewing(decided, leased),
             Some((decided, leased, false)) => return Look::Admitted(decided, leased),
             None => {}
@@ -995,7 +1005,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         cost: u64,
         deadline: Instant,
     ) -> Result<Taken, LedgerError> {
-        let sent_at = self.clock.now();
+        let (sent_at, sent_wall) = (self.clock.now(), self.clock.wall());
         let id = holder.account_id;
         let Some(units) = self.lease_units(slot, holder, cost, sent_at) else {
             // No room, as the view knows: else each later admission renews ahead for nothing.
@@ -1049,6 +1059,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             requests: 0,
             sent_at,
             admit_until: sent_at + Duration::from_secs(lease_seconds.into()),
+            admit_until_wall: sent_wall + Duration::from_secs(lease_seconds.into()),
             local_expires_at: roundtrip.answered_at + timeout + self.settings.expiry_margin,
             unknown_tries: 0,
             retry_not_before: None,
@@ -1149,13 +1160,20 @@ impl<S: Store, C: Clock> Limiter<S, C> {
     /// the lease and it can be sent again (a lease left to expire instead holds every unit it
     /// admitted, and its unused ones, for window + L: half a caller's capacity for a minute,
     /// from every settlement a ledger blip or a failover caught in flight):
-    /// - never sent (refused a place under the in-flight bound): the lease is untouched, and
-    ///   still counted whole in the ledger as in the local view;
+    /// - never sent (refused a place under the in-flight bound, or no time left): the lease is
+    ///   untouched, and still counted whole in the ledger as in the local view;
     /// - sent, its outcome unknown (a timeout, a lost answer): see
     ///   [`Limiter::unknown_settlement`].
     async fn settle(&self, holder: &Holder, lease: Lease, deadline: Instant) -> Option<Lease> {
         assert!(lease.units_used <= lease.units);
         let now = self.clock.now();
+        // No time left (a sweep's late round): the ledger's client would send nothing and
+        // answer `Timeout`, read as an unknown outcome: the view then counted the lease settled
+        // while the ledger held it whole, and its retry waited a ledger timeout. Untouched, it
+        // goes with the next sweep.
+        if now >= deadline {
+            return Some(lease);
+        }
         let lease = Lease {
             settling_since: lease.settling_since.or(Some(now)),
             ..lease

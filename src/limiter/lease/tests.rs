@@ -38,6 +38,16 @@ impl TestClock {
         now.0 = to;
         now.1 += by;
     }
+
+    /// The wall clock alone moves on, as over a suspended host's sleep (or set forward).
+    fn advance_wall(&self, by: Duration) {
+        self.0.lock().unwrap().1 += by;
+    }
+
+    /// The wall clock alone set back.
+    fn set_wall_back(&self, by: Duration) {
+        self.0.lock().unwrap().1 -= by;
+    }
 }
 
 impl Clock for TestClock {
@@ -661,6 +671,26 @@ fn a_request_after_the_lease_time_is_not_admitted_from_the_old_lease() {
     run(&events).unwrap();
 }
 
+/// The host slept past the lease's time: `Instant` (Linux's `CLOCK_MONOTONIC`) stood still
+/// while the ledger's clock went on and expired the lease, so nothing holds its units any more;
+/// the wall clock says L is over, and nothing more is admitted from it. A wall clock set back
+/// lengthens no lease.
+#[test]
+fn a_lease_admits_nothing_once_either_clock_says_its_time_is_over() {
+    let (_runtime, store, limiter, key) = with_a_first_lease();
+    let from_lease = || leased_from_memory(&limiter, &key, NonZeroU64::MIN).is_some();
+    assert!(from_lease(), "room, in time");
+    let slept = WINDOW + Duration::from_secs(u64::from(LEASE_SECONDS) + 1);
+    store.clock.advance_wall(slept);
+    assert!(!from_lease(), "over by the wall clock");
+    let (_runtime, store, limiter, key) = with_a_first_lease();
+    let from_lease = || leased_from_memory(&limiter, &key, NonZeroU64::MIN).is_some();
+    store.clock.set_wall_back(slept);
+    assert!(from_lease(), "the wall clock set back: still in time");
+    store.past_l();
+    assert!(!from_lease(), "over by the monotonic clock");
+}
+
 /// A renewal ahead of need that the ledger refused (credit held elsewhere) is not asked again
 /// by every later admission from the same lease: one ledger call, not one per request.
 /// A hot caller whose first request took its first lease (8 units).
@@ -1214,6 +1244,22 @@ fn a_settlement_past_the_renewals_deadline_is_left_to_the_sweeper() {
     );
 }
 
+/// A sweep's round that starts with its deadline spent sends nothing: its leases are left as
+/// they were, for the next sweep at once. Read as an unknown outcome (the ledger's client answers
+/// `Timeout` unsent), the view counted them settled while the ledger held them whole, and they
+/// waited a ledger timeout more.
+#[test]
+fn a_settlement_with_no_time_left_is_sent_by_the_next_sweep() {
+    let (runtime, store, limiter, _key) = with_a_first_lease();
+    store.past_l();
+    let spent = store.clock.now();
+    let swept = runtime.block_on(limiter.settle_leases((None, false), Some(spent)));
+    assert_eq!((swept.due, swept.sent), (1, 0));
+    assert_eq!(store.model.lock().unwrap().settlements, 0, "not sent");
+    assert_eq!(runtime.block_on(limiter.settle_due_leases()), 1, "no wait");
+    assert_eq!(store.model.lock().unwrap().settlements, 1);
+}
+
 #[test]
 fn a_clean_shutdown_gives_unused_leased_units_back_at_once() {
     let (runtime, store) = runtime_and_store();
@@ -1540,7 +1586,7 @@ fn leases_past_an_acts_batch_admit_no_more_meanwhile() {
     assert_eq!(taken.len(), super::SETTLE_BATCH_MAX, "one batch");
     let admitting = (limiter.leases.shards.iter())
         .flat_map(|shard| super::lock(shard).values().cloned().collect::<Vec<_>>())
-        .filter(|slot| slot.lock().admit(1, now))
+        .filter(|slot| slot.lock().admit(1, (now, store.clock.wall())))
         .count();
     assert_eq!(admitting, 0, "none of the leases sent before the act");
     // The next sweep takes the rest as over.
