@@ -730,6 +730,7 @@ fn admin_server(
         App::new()
             .app_data(state.clone())
             .configure(admin::configure)
+            .default_service(admin::unknown_path())
             .wrap_fn(|req, service| {
                 let answer = actix_web::dev::Service::call(service, req);
                 crate::ledger::as_operator_action(answer)
@@ -783,8 +784,11 @@ const SLOTS_BACK_WAIT: Duration = Duration::from_secs(3);
 /// bounds its ledger calls, and this its scheduling on a busy machine.
 const RENEWALS_END_GRACE: Duration = Duration::from_secs(1);
 
-/// How long a stopping admin API waits for the actions in flight, at most.
-const ADMIN_DRAIN_SECONDS: u64 = 8;
+/// How long a stopping admin API waits for the actions in flight, at most: an action's
+/// deadline (5 s) and three follow-ups of a second each (a move's lost-answer search, its
+/// second pass, the operator epoch's bump), with a second to spare (at 8 s, such an answer was
+/// cut off).
+const ADMIN_DRAIN_SECONDS: u64 = 9;
 
 /// Envoy's rate-limit service on its own listener and its own multi-threaded runtime (the binary's
 /// main runtime is actix's single thread), on the HTTP front end's limiter.

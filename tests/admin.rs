@@ -265,8 +265,9 @@ async fn a_top_up_of_an_account_never_granted_grants_it_first() {
     app.stop().await;
 }
 
-/// An adjustment retried with its `Idempotency-Key` (its first answer lost, say) is applied once;
-/// the key reused for a different adjustment changes nothing (422); a malformed one is a 400.
+/// An adjustment retried with its `Idempotency-Key` (its first answer lost, say) is applied once,
+/// with another secret too (a rotation renumbers them); the key reused for a different
+/// adjustment changes nothing (422); a malformed one is a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     let app = spawn_app(config(2)).await;
@@ -274,11 +275,11 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     let key = fresh_key("k_");
     assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
     let id = admin.account_of(&key).await;
-    let send = |action: &str, once: &str, amount: u64| {
+    let send_as = |secret: &str, action: &str, once: &str, amount: u64| {
         let request = app
             .http
             .post(admin.url(&format!("/admin/callers/{id}/{action}")))
-            .bearer_auth(SECRET)
+            .bearer_auth(secret)
             .header("Idempotency-Key", once)
             .json(&json!({"amount": amount, "reason": "ticket 7"}));
         async move {
@@ -290,6 +291,7 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
             )
         }
     };
+    let send = |action, once, amount| send_as(SECRET, action, once, amount);
     let once = fresh_key("adj_");
     let (status, first) = send("credit", &once, 3).await;
     assert_eq!(status, 200, "{first}");
@@ -297,6 +299,15 @@ async fn an_adjustment_retried_with_its_idempotency_key_is_applied_once() {
     assert_eq!(status, 200, "{again}");
     assert_eq!(again["top_ups"].as_u64(), Some(1), "applied once: {again}");
     assert_eq!(again["credits_posted"], first["credits_posted"]);
+    // Sent again with the other secret: the same adjustment (the secret's number, in the
+    // ledger's `user_data_64`, is who sent it, not what it is).
+    let (status, rotated) = send_as(ROTATED, "credit", &once, 3).await;
+    assert_eq!(status, 200, "{rotated}");
+    assert_eq!(
+        rotated["top_ups"].as_u64(),
+        Some(1),
+        "applied once: {rotated}"
+    );
     for (action, amount) in [("credit", 4), ("debit", 3)] {
         let (status, problem) = send(action, &once, amount).await;
         assert_eq!(status, 422, "{action} {amount}: {problem}");
@@ -449,6 +460,30 @@ async fn no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem() {
     assert_eq!(status, 403);
     let (status, _) = admin.send("GET", &path, Some(SECRET), None).await;
     assert_eq!(status, 404, "no such account");
+    // Unknown paths, in the admin scope or not: strangers learn none (401), operators a 404.
+    for unknown in ["/admin/nope", "/nope"] {
+        let (status, _) = admin.send("GET", unknown, None, None).await;
+        assert_eq!(status, 401, "{unknown}");
+        let (status, problem) = admin.send("GET", unknown, Some(SECRET), None).await;
+        assert_eq!(
+            (status, problem["status"].as_u64()),
+            (404, Some(404)),
+            "{unknown}"
+        );
+    }
+    // A top-up of no account spends its key (the ledger keeps the refused id): said so.
+    let response = (admin.app.http)
+        .post(admin.url(&format!("{path}/credit")))
+        .bearer_auth(SECRET)
+        .header("Idempotency-Key", "welcome")
+        .json(&json!({"amount": 1, "reason": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    let problem: Value = response.json().await.unwrap();
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("Idempotency-Key is spent"), "{problem}");
     // The operator's own accounts (the grants' source, the operator epoch) are nobody's to block.
     for internal in [1u128, 1 << 64 | 1] {
         let block = json!({"seconds": 60, "reason": "x"});
@@ -610,9 +645,52 @@ async fn a_body_is_judged_only_after_the_secret_and_with_the_right_status() {
     assert_eq!(post(Some(SECRET), json, unknown_field).await, 400);
     let key = r#"{"key": "k"}"#.to_owned();
     assert_eq!(post(Some(SECRET), "text/plain", key).await, 415);
-    let huge = format!(r#"{{"key": "{}"}}"#, "k".repeat(8 * 1024));
+    // The longest key any configuration allows (4,096 bytes), each byte escaped, is read (and
+    // refused here, past this service's `caller.key_length_max`), not refused for its size.
+    let longest = format!(r#"{{"key": "{}"}}"#, r#"\""#.repeat(4096));
+    assert_eq!(post(Some(SECRET), json, longest).await, 400);
+    let huge = format!(r#"{{"key": "{}"}}"#, "k".repeat(16 * 1024));
     assert_eq!(post(Some(SECRET), json, huge).await, 413);
     app.stop().await;
+}
+
+/// An app that mounts the admin routes beside its own keeps its own answers: its unknown paths
+/// are its 404s (not the admin API's 401, counted as a refused secret), and its JSON bodies
+/// have its own bound (not the admin's 12 KiB). Only `/admin` is the admin API's (the bundled
+/// server's unknown paths stay its 401 and 404: `no_secret_is_401_a_wrong_one_403_and_bad_input_a_problem`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_mounting_the_admin_routes_keeps_its_own_answers() {
+    use actix_web::{web, App, HttpServer};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = HttpServer::new(|| {
+        App::new()
+            .route(
+                "/mine",
+                web::post()
+                    .to(|body: web::Json<Value>| async move { body.to_string().len().to_string() }),
+            )
+            .configure(ledger_limiter::http::admin::configure)
+    })
+    .workers(1)
+    .listen(listener)
+    .unwrap()
+    .run();
+    let handle = server.handle();
+    let running = tokio::spawn(server);
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("http://127.0.0.1:{port}{path}");
+    let unknown = http.get(url("/elsewhere")).send().await.unwrap();
+    assert_eq!(unknown.status().as_u16(), 404);
+    assert!(
+        unknown.headers().get("content-type").is_none(),
+        "the app's own 404, not a problem+json"
+    );
+    let large = json!({"text": "x".repeat(20 * 1024)});
+    let mine = http.post(url("/mine")).json(&large).send().await.unwrap();
+    assert_eq!(mine.status().as_u16(), 200, "the app's JSON bound");
+    handle.stop(true).await;
+    running.await.unwrap().unwrap();
 }
 
 /// A secret cannot be guessed online: past ten wrong ones in a minute, a peer is answered 429

@@ -32,7 +32,7 @@ use crate::ledger::model::{
     Actor, IdempotencyKey, IDEMPOTENCY_KEY_LENGTH_MAX, UNBLOCK_REASON_DEFAULT,
 };
 use crate::ledger::{Adjusted, Blocking, LedgerError, Unblocking};
-use crate::limiter::caller::CallerKey;
+use crate::limiter::caller::{CallerKey, KEY_LENGTH_MAX_LIMIT};
 use crate::limiter::{BlockAct, Limiter};
 
 pub use crate::ledger::model::REASON_LENGTH_MAX;
@@ -44,8 +44,10 @@ pub const SECRET_LENGTH_MIN: usize = 16;
 pub const BLOCK_SECONDS_MAX: u32 = 7 * 24 * 3600;
 const DEADLINE: Duration = Duration::from_secs(5);
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
-/// The largest admin request body (every one is a few short fields).
-const JSON_BYTES_MAX: usize = 4096;
+/// The largest admin request body: a few short fields, and a caller's key, which may be
+/// [`KEY_LENGTH_MAX_LIMIT`] bytes, each written as two in JSON (`\"`, `\\`). At 4 KiB, an
+/// operator could not look up or move a caller with a long key the middleware serves (413).
+const JSON_BYTES_MAX: usize = 2 * KEY_LENGTH_MAX_LIMIT + 4096;
 /// The largest Envoy descriptor look-up: its values are header values as Envoy sends them (a
 /// token can be several KiB), up to Envoy's default bound on a request's headers, 60 KiB.
 const DESCRIPTOR_JSON_BYTES_MAX: usize = 64 * 1024;
@@ -150,7 +152,11 @@ pub enum DescriptorFound {
     },
 }
 
-/// The admin routes, under `/admin`.
+/// The admin routes, under `/admin`: one scope, which alone reads bodies up to the admin's bound
+/// and answers its unknown paths (401 without a secret, else 404), so that an app mounting it
+/// beside its own routes keeps its own 404s and JSON bounds (an App-level default service
+/// answered every unknown path of the app as the admin API's, and counted it as a refused
+/// secret). The bundled admin server answers paths outside `/admin` the same ([`unknown_path`]).
 pub fn configure(config: &mut web::ServiceConfig) {
     metrics::describe_counter!(
         ADMIN_REFUSED_TOTAL,
@@ -171,28 +177,25 @@ pub fn configure(config: &mut web::ServiceConfig) {
     let resource = |path: &str, allow: &'static str| {
         web::resource(path).default_service(web::to(move |who| not_allowed(who, allow)))
     };
-    config
+    let scope = web::scope("/admin")
         .app_data(json)
-        .service(resource("/admin/callers/lookup", "POST").route(web::post().to(lookup)))
-        .service(resource("/admin/callers/move", "POST").route(web::post().to(move_caller)))
+        .service(resource("/callers/lookup", "POST").route(web::post().to(lookup)))
+        .service(resource("/callers/move", "POST").route(web::post().to(move_caller)))
         .service(
-            resource("/admin/envoy/lookup", "POST")
+            resource("/envoy/lookup", "POST")
                 .app_data(json_config(DESCRIPTOR_JSON_BYTES_MAX))
                 .route(web::post().to(lookup_descriptor)),
         )
-        .service(resource("/admin/callers/{account_id}", "GET").route(web::get().to(inspect)))
+        .service(resource("/callers/{account_id}", "GET").route(web::get().to(inspect)))
+        .service(resource("/callers/{account_id}/debit", "POST").route(web::post().to(reduce)))
+        .service(resource("/callers/{account_id}/credit", "POST").route(web::post().to(top_up)))
         .service(
-            resource("/admin/callers/{account_id}/debit", "POST").route(web::post().to(reduce)),
-        )
-        .service(
-            resource("/admin/callers/{account_id}/credit", "POST").route(web::post().to(top_up)),
-        )
-        .service(
-            resource("/admin/callers/{account_id}/block", "POST, DELETE")
+            resource("/callers/{account_id}/block", "POST, DELETE")
                 .route(web::post().to(block))
                 .route(web::delete().to(unblock)),
         )
         .default_service(web::to(not_found));
+    config.service(scope);
 }
 
 /// How an admin request's JSON body is read: at most `bytes_max` (bodies are small), and a body
@@ -229,6 +232,12 @@ async fn not_allowed(_: Authorized, allow: &'static str) -> HttpResponse {
 }
 
 /// No such path in the admin API: a problem like every other answer.
+/// The bundled admin server's answer to a path outside `/admin`: 401 without a secret, else 404.
+pub fn unknown_path() -> actix_web::Route {
+    web::to(not_found)
+}
+
+/// An unknown admin path: 401 without a secret (strangers learn no path), else 404.
 async fn not_found(_: Authorized) -> HttpResponse {
     admin_problem(StatusCode::NOT_FOUND, "no such admin path")
 }
@@ -613,7 +622,13 @@ fn adjusted_problem(adjusted: Adjusted) -> HttpResponse {
             Conflict::NotEnoughCredit,
             "the caller has less credit not held than that",
         ),
-        Adjusted::NoSuchAccount => admin_problem(StatusCode::NOT_FOUND, "no such account"),
+        // The ledger keeps a refused transfer's id for good: the key's retries would meet a 409
+        // "refused before" once the account is made, unexplained.
+        Adjusted::NoSuchAccount => admin_problem(
+            StatusCode::NOT_FOUND,
+            "no such account (a caller's account is made at its first request); this \
+             Idempotency-Key is spent: a new one applies the adjustment once the account exists",
+        ),
         Adjusted::Blocked => conflict(Conflict::Blocked, "the caller is blocked; unblock it first"),
         Adjusted::Moved => conflict(Conflict::Moved, MOVED),
         Adjusted::KeyReused => admin_problem(
@@ -914,6 +929,7 @@ mod tests {
     fn account_ids_are_32_hex_digits() {
         assert!(account_id("80000000000000000000000000000001").is_ok());
         assert!(account_id("0x80000000000000000000000000000001").is_ok());
+        assert!(account_id("0x0x80000000000000000000000000000001").is_err());
         // The operator's own accounts (top bit clear) are no caller's.
         assert!(account_id("00000000000000000000000000000001").is_err());
         assert!(account_id("1").is_err());

@@ -205,7 +205,8 @@ pub fn is_caller_account_id(id: u128) -> bool {
 
 /// An account id as operators write it: 32 hex digits, `0x` allowed.
 pub fn parse_account_id(text: &str) -> Option<u128> {
-    let hex = text.trim_start_matches("0x");
+    // One `0x` at most: `0x0x…` is no id (`trim_start_matches` took any number).
+    let hex = text.strip_prefix("0x").unwrap_or(text);
     let valid = hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit());
     valid.then(|| u128::from_str_radix(hex, 16).ok()).flatten()
 }

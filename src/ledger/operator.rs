@@ -34,8 +34,9 @@ pub enum Adjusted {
     /// The account is closed for good by a move of its caller to another plan: the caller's
     /// account is the new plan's.
     Moved,
-    /// The idempotency key named an adjustment that differs from this one (amount, direction,
-    /// who or why): nothing was changed.
+    /// The idempotency key named an adjustment that differs from this one (amount, direction
+    /// or why): nothing was changed. (Who sent it is not what it is: the same adjustment sent
+    /// with another secret is [`Adjusted::AlreadyDone`].)
     KeyReused,
     /// The idempotency key's adjustment was refused before (not enough credit, no account, a
     /// block), and a refused transfer's id answers `id_already_failed` for good: nothing was
@@ -78,9 +79,15 @@ fn adjusted(kind: Option<CreateTransferErrorKind>, what: &str) -> Result<Adjuste
             | K::ExistsWithDifferentCreditAccountId
             | K::ExistsWithDifferentDebitAccountId
             | K::ExistsWithDifferentFlags
-            | K::ExistsWithDifferentUserData128
-            | K::ExistsWithDifferentUserData64,
+            | K::ExistsWithDifferentUserData128,
         ) => Ok(Adjusted::KeyReused),
+        // Only who sent it differs (the secret's number, `user_data_64`): the same adjustment,
+        // sent again with another secret, as after a rotation renumbered them (a 422 then had an
+        // operator's retry of a lost answer refused). The ledger compares the fields in order
+        // (`create_transfer_exists`, 0.16): flags, accounts, amount and why before it; after
+        // it, `user_data_32`, the ledger and the code, which one key's adjustments share (a
+        // top-up and a reduction differ in their accounts).
+        Some(K::ExistsWithDifferentUserData64) => Ok(Adjusted::AlreadyDone),
         Some(K::ExceedsCredits) => Ok(Adjusted::NotEnoughCredit),
         // Not found, or not a caller of this ledger (a concurrency slot's account, ledger 2).
         Some(
