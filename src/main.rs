@@ -206,9 +206,15 @@ fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
     Ok(Settings::with_overrides(file)?)
 }
 
-/// `ledger-limiter probe`, knowing only the listen address (of the file and the flags).
+/// `ledger-limiter probe`, knowing only the listen address (of the file and the flags). The file
+/// is read for `listen` alone: a setting added to it since the service started (a typo, one of
+/// a newer release) failed the health check of every instance serving well.
 async fn run_probe(cli: &Cli, probe: &probe::Probe) -> anyhow::Result<()> {
-    let listen = Settings::listen_with_overrides(overrides(cli)?)?;
+    let file = match &cli.config {
+        Some(path) => FileConfig::load_listen(path)?,
+        None => FileConfig::default(),
+    };
+    let listen = Settings::listen_with_overrides(file.merge(cli.overrides()?))?;
     probe::probe(&listen, probe).await
 }
 
@@ -241,6 +247,15 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     if cli.check_config {
+        if let Some(refused) = ledger_limiter::telemetry::otlp_refused() {
+            eprintln!("ledger-limiter: {refused}");
+            std::process::exit(2);
+        }
+        // What the service would warn of at its start: a check that said "valid" alone let an
+        // operator ship a variable no setting reads.
+        for ignored in ignored_settings(&settings) {
+            eprintln!("ledger-limiter: warning: {ignored}");
+        }
         println!("configuration is valid:\n{settings:#?}");
         return Ok(());
     }
@@ -300,6 +315,20 @@ impl StopSignals {
 /// file-only setting (`LEDGER_LIMITER_IN_FLIGHT_MAX`), which was ignored without a word. Not
 /// the scripts' own: `LEDGER_LIMITER_CACHE` (`scripts/setup`), `_BIN` and `_CLUSTER_DIR`
 /// (`scripts/cluster`).
+/// What the configuration sets that nothing reads: `LEDGER_LIMITER_*` variables no setting
+/// reads, and embedded-ledger settings beside `ledger.addresses`. Said at the start and by
+/// `--check-config`.
+fn ignored_settings(settings: &Settings) -> Vec<String> {
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    let variables = unread_variables(names).into_iter().map(|variable| {
+        format!("no setting reads {variable}: it is ignored (file-only settings are read from the --config file)")
+    });
+    let embedded = settings.unread.iter().map(|setting| {
+        format!("{setting} is ignored: ledger.addresses names the ledger, so none is embedded")
+    });
+    variables.chain(embedded).collect()
+}
+
 fn unread_variables(names: impl Iterator<Item = String>) -> Vec<String> {
     use clap::CommandFactory;
     let command = Cli::command();
@@ -320,17 +349,16 @@ fn unread_variables(names: impl Iterator<Item = String>) -> Vec<String> {
 /// drops what was built (an embedded ledger is killed with it); one while the ledger is awaited
 /// stops the built servers gracefully.
 async fn serve(settings: Settings, signals: StopSignals) -> anyhow::Result<()> {
+    if let Some(refused) = ledger_limiter::telemetry::otlp_refused() {
+        anyhow::bail!(refused);
+    }
     let telemetry = ledger_limiter::telemetry::init("ledger-limiter")?;
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         "ledger-limiter starting"
     );
-    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
-    for variable in unread_variables(names) {
-        tracing::warn!(%variable, "no setting reads this variable: it is ignored (file-only settings are read from the --config file)");
-    }
-    for setting in &settings.unread {
-        tracing::warn!(%setting, "this setting is ignored: ledger.addresses names the ledger, so none is embedded");
+    for ignored in ignored_settings(&settings) {
+        tracing::warn!("{ignored}");
     }
     let exporting_traces = telemetry.exporting();
     let served = match raise_open_files_limit() {

@@ -17,6 +17,21 @@ fn command(dir: &Path) -> Command {
     command
 }
 
+/// A stand-in service on a free port that answers one request `200 ready`: its port, and its
+/// thread (joined once the probe is done).
+fn ready_once() -> (u16, std::thread::JoinHandle<()>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let answering = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut stream, _) = listener.accept().unwrap();
+        let _request = stream.read(&mut [0u8; 1024]).unwrap();
+        let answer = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nready";
+        stream.write_all(answer.as_bytes()).unwrap();
+    });
+    (port, answering)
+}
+
 /// Starts the binary on port 0 and reads the port from its log line.
 fn start(dir: &Path, args: &[&str]) -> (Guard, u16) {
     let mut command = command(dir);
@@ -168,21 +183,27 @@ fn a_probe_fails_saying_why_when_the_service_is_not_ready_or_not_there() {
     assert!(said.contains("connecting to 127.0.0.1"), "{said}");
 
     // A keys file edited since the service started (here: gone) does not fail its probe.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let ready_port = listener.local_addr().unwrap().port();
-    let answering = std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        let (mut stream, _) = listener.accept().unwrap();
-        let _request = stream.read(&mut [0u8; 1024]).unwrap();
-        let answer = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nready";
-        stream.write_all(answer.as_bytes()).unwrap();
-    });
+    let (ready_port, answering) = ready_once();
     let keys = dir.path().join("gone.keys");
     let listen = format!("127.0.0.1:{ready_port}");
     let mut probing = command(dir.path());
     probing.env("LEDGER_LIMITER_KEYS_FILE", &keys);
     let ready = probing
         .args(["--listen", &listen, "probe"])
+        .output()
+        .unwrap();
+    assert!(ready.status.success(), "{ready:?}");
+    answering.join().unwrap();
+    // Nor does a setting added to the config file since (one of a newer release, a typo): the
+    // probe reads `listen` alone.
+    let (file_port, answering) = ready_once();
+    let config = dir.path().join("edited.toml");
+    let text = format!("listen = \"127.0.0.1:{file_port}\"\n[ledger]\ntimeout = 5\n");
+    std::fs::write(&config, text).unwrap();
+    let ready = command(dir.path())
+        .arg("--config")
+        .arg(&config)
+        .arg("probe")
         .output()
         .unwrap();
     assert!(ready.status.success(), "{ready:?}");
@@ -664,6 +685,44 @@ fn bad_configuration_is_refused_naming_the_setting() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    // Valid, but with a variable no setting reads: said, as the service says it at its start.
+    let output = command(dir.path())
+        .env("LEDGER_LIMITER_LEDGER_TIMEOUT", "100")
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: no setting reads LEDGER_LIMITER_LEDGER_TIMEOUT"),
+        "{stderr}"
+    );
+    // An OTLP export this build cannot make is refused, saying why, never with the endpoint
+    // (a URL may carry credentials).
+    for (name, value, said) in [
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "https://user:pw@collector:4317",
+            "https endpoint",
+        ),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", "gRPC only"),
+    ] {
+        let mut checking = command(dir.path());
+        if name != "OTEL_EXPORTER_OTLP_ENDPOINT" {
+            checking.env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317");
+        }
+        let output = checking
+            .env(name, value)
+            .arg("--check-config")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{name}: {stderr}");
+        assert!(
+            stderr.contains(said) && !stderr.contains("pw@"),
+            "{name}: {stderr}"
+        );
+    }
 }
 
 /// `--check-config` prints the settings with no secret: an Envoy rule's value may be a

@@ -36,6 +36,8 @@ pub(super) fn plan_with_lease(
     plan.with_lease(terms).map_err(|e| {
         let field = match e {
             crate::limiter::plan::PlanError::LeaseSeconds => "lease_seconds",
+            // Window + L past what a transfer's timeout holds: the window is the larger part.
+            crate::limiter::plan::PlanError::LeaseWindow(_) => "window_seconds",
             _ => "lease_units_max",
         };
         invalid(setting(field), e.to_string())
@@ -87,6 +89,14 @@ mod tests {
             let error = with(&plan(extra)).unwrap_err();
             assert_eq!(error.setting, setting, "{extra}: {error}");
         }
+        // Window + L past a transfer's timeout: the window is named (it was `lease_units_max`).
+        let longest = plan("lease_units_max = 10\nlease_seconds = 1").replacen(
+            "window_seconds = 30",
+            "window_seconds = 4294967295",
+            1,
+        );
+        let error = with(&longest).unwrap_err();
+        assert_eq!(error.setting, "plans.hot.window_seconds", "{error}");
     }
 
     /// A reported cost replaces a request's hold, and a lease admission has none: such a

@@ -296,6 +296,27 @@ impl FileConfig {
         Self::parse(&text, &format!("config ({})", path.display()))
     }
 
+    /// The file's `listen` alone, whatever else it holds (read as any TOML table): for
+    /// `ledger-limiter probe` ([`Settings::listen_with_overrides`]).
+    pub fn load_listen(path: &Path) -> Result<Self, ConfigError> {
+        let name = format!("config ({})", path.display());
+        let text = read_bounded(path, CONFIG_FILE_BYTES_MAX)
+            .map_err(|message| invalid("config", message))?;
+        // The parser's message names no key (a key prefix may be one): where is enough here.
+        let table: toml::Table = text
+            .parse()
+            .map_err(|_| invalid(&name, "not a TOML file"))?;
+        let listen = match table.get("listen") {
+            None => None,
+            Some(toml::Value::String(listen)) => Some(listen.clone()),
+            Some(_) => return Err(invalid(&name, "listen must be a string")),
+        };
+        Ok(FileConfig {
+            listen,
+            ..FileConfig::default()
+        })
+    }
+
     /// The built-in defaults ([`DEFAULT_CONFIG_TOML`]).
     pub fn defaults() -> Result<Self, ConfigError> {
         Self::parse(DEFAULT_CONFIG_TOML, "built-in defaults")
@@ -365,17 +386,20 @@ impl FileConfig {
 }
 
 /// A parser's message without the name it quotes of a key that is duplicate, or unknown and
-/// not shaped like a setting: that name may be a `[key_prefixes]` entry (listed twice, or under
-/// another table), which admits whoever knows it and never reaches a log. The line and column
-/// say where it is. A misspelled setting (`timeout`, lowercase and underscores, not ending in one
-/// as prefixes do) is still named.
+/// not a misspelling of a setting: that name may be a `[key_prefixes]` entry (listed twice, or
+/// under another table), which admits whoever knows it and never reaches a log. The line and
+/// column say where it is. A misspelled setting (`timeout` for `timeout_ms`: lowercase and
+/// underscores, not ending in one as prefixes do, and near a setting the table has) is still
+/// named; a name like a setting but near none of the table's (`partnerx` under `[response]`)
+/// is not.
 fn without_names(message: &str) -> String {
-    let like_a_setting = |name: &str| {
+    let like_a_setting = |name: &str, expected: &[&str]| {
         name.len() <= SETTING_NAME_BYTES_MAX
             && !name.ends_with('_')
             && name
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && expected.iter().any(|setting| misspelling(name, setting))
     };
     for (lead, unknown) in [("unknown field `", true), ("duplicate key `", false)] {
         let Some(start) = message.find(lead).map(|at| at + lead.len()) else {
@@ -384,13 +408,38 @@ fn without_names(message: &str) -> String {
         let Some(length) = message[start..].find('`') else {
             continue;
         };
-        if unknown && like_a_setting(&message[start..start + length]) {
+        // The table's settings, as the parser lists them after the name.
+        let expected: Vec<&str> = message[start + length + 1..]
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .collect();
+        if unknown && like_a_setting(&message[start..start + length], &expected) {
             return message.to_owned();
         }
         let (before, after) = (&message[..start], &message[start + length..]);
         return format!("{before}(not shown: it may be a key prefix){after}");
     }
     message.to_owned()
+}
+
+/// Whether `name` reads as a misspelling of `setting`: at most two edits apart, or one begun and
+/// not finished (`timeout` for `timeout_ms`).
+fn misspelling(name: &str, setting: &str) -> bool {
+    let (a, b) = (name.as_bytes(), setting.as_bytes());
+    let begun = a.len() >= 4 && b.starts_with(a);
+    // Levenshtein's distance, one row at a time (names are at most 40 bytes).
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, x) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, y) in b.iter().enumerate() {
+            let substituted = diagonal + usize::from(x != y);
+            diagonal = row[j + 1];
+            row[j + 1] = substituted.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    begun || row[b.len()] <= 2
 }
 
 /// The longest name of a setting, with room: `ipv4_translation_prefixes` is 25 bytes.
@@ -2013,16 +2062,21 @@ mod tests {
             format!("[key_prefixes]\n\"{prefix}\" = \"pro\"\n\"{prefix}\" = \"free\""),
             format!("[caller]\n\"{prefix}\" = \"pro\""),
             "[caller]\n\"Acme7F3k2\" = \"pro\"".to_owned(),
+            // Shaped like a setting, but near none of the table's.
+            "[response]\n\"acme7f3k2\" = \"pro\"".to_owned(),
         ] {
             let err = FileConfig::parse(&text, "f.toml").unwrap_err();
             assert!(!err.to_string().contains(prefix), "{err}");
             assert!(!err.to_string().contains("Acme7F3k2"), "{err}");
+            assert!(!err.to_string().contains("acme7f3k2"), "{err}");
             assert!(err.to_string().contains("not shown"), "{err}");
             assert!(err.message.starts_with("line "), "{err}");
         }
-        // A misspelled setting is still named.
+        // A misspelled setting is still named: begun, or two edits off.
         let err = FileConfig::parse("[ledger]\ntimeout = 5", "f.toml").unwrap_err();
         assert!(err.message.contains("unknown field `timeout`"), "{err}");
+        let err = FileConfig::parse("[ledger]\ntimeuot_ms = 5", "f.toml").unwrap_err();
+        assert!(err.message.contains("unknown field `timeuot_ms`"), "{err}");
     }
 
     #[test]

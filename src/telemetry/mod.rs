@@ -87,6 +87,44 @@ pub fn otlp_requested() -> bool {
         && (env_set("OTEL_EXPORTER_OTLP_ENDPOINT") || env_set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 }
 
+/// Why the OTLP export the environment asks for cannot be made here, if it cannot. This build
+/// exports over plain gRPC (no TLS: a collector beside the service forwards over TLS), so an
+/// `https` endpoint, or another protocol, is refused at the start and by `--check-config`,
+/// saying what to do: the exporter's own error told an operator to rebuild with a Cargo
+/// feature, and `http/protobuf` was sent gRPC to an HTTP port. The endpoint itself is never
+/// printed (a URL may carry credentials).
+pub fn otlp_refused() -> Option<String> {
+    if !otlp_requested() {
+        return None;
+    }
+    // The traces' own variable wins over the general one, as the exporter reads them.
+    let first_set = |names: [&'static str; 2]| {
+        names.into_iter().find_map(|name| {
+            let value = std::env::var(name).ok()?;
+            (!value.trim().is_empty()).then(|| (name, value.trim().to_ascii_lowercase()))
+        })
+    };
+    let endpoints = [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ];
+    if let Some((name, endpoint)) = first_set(endpoints) {
+        if endpoint.starts_with("https://") {
+            return Some(format!("{name} is an https endpoint: this build exports traces over gRPC without TLS; point it at a collector over http:// (one beside the service can forward over TLS)"));
+        }
+    }
+    let protocols = [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ];
+    if let Some((name, protocol)) = first_set(protocols) {
+        if protocol != "grpc" {
+            return Some(format!("{name} is {protocol:?}: this build exports traces over OTLP/gRPC only (\"grpc\", port 4317 by default)"));
+        }
+    }
+    None
+}
+
 /// Builds a tracer provider exporting over OTLP/gRPC in batches, configured by `OTEL_*` variables
 /// (endpoint, headers, timeout, sampler, resource). Must run inside a Tokio runtime.
 pub fn otlp_tracer_provider(
