@@ -1372,3 +1372,61 @@ async fn an_escaped_slash_finds_the_routes_slots_and_the_fewer_of_two() {
     assert_eq!(slots_of(&two, "/reports/x"), Some(3));
     assert_eq!(slots_of(&two, "/reports%2Fx"), Some(1));
 }
+
+/// A path whose two forms are on two routes takes a slot on each, both or neither:
+/// `/reports%2Fx` counts on `/reports/*` as well as on `/rep*`. It took `/rep*`'s alone, and
+/// came in as a fourth request in flight beside three `/reports/x` under a limit of three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escaped_slash_takes_a_slot_on_both_routes() {
+    use ledger_limiter::http::ConcurrencyLimits;
+    use ledger_limiter::limiter::caller::CallerKey;
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::time::Instant;
+    let ledger = ledger_client(vec![shared_ledger().address]);
+    let routes = [("/reports/*", 3), ("/rep*", 2)]
+        .map(|(pattern, n)| (pattern.to_owned(), NonZeroU64::new(n).unwrap()));
+    let timeout = NonZeroU32::new(30).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let key = fresh_key("k");
+    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 64).unwrap();
+    let take = |path: &'static str| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        limits.take(path, &key, false, deadline)
+    };
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(take("/reports/x").await.ok().flatten().expect("a slot"));
+    }
+    let refused = take("/reports%2Fx")
+        .await
+        .err()
+        .expect("/reports/* is full");
+    assert_eq!(refused.status().as_u16(), 429);
+    // The `/rep*` slot it took first went back with the refusal: both are free.
+    for _ in 0..2 {
+        held.push(take("/repx").await.ok().flatten().expect("a /rep* slot"));
+    }
+    for slot in held.drain(..) {
+        slot.release().await;
+    }
+    // Taken on both routes: one of `/reports/*`'s three, one of `/rep*`'s two.
+    held.push(take("/reports%2Fx").await.ok().flatten().expect("both"));
+    for _ in 0..2 {
+        held.push(take("/reports/x").await.ok().flatten().expect("a slot"));
+    }
+    assert!(
+        take("/reports/x").await.is_err(),
+        "three in flight on /reports/*"
+    );
+    held.push(
+        take("/repx")
+            .await
+            .ok()
+            .flatten()
+            .expect("the last /rep* slot"),
+    );
+    assert!(take("/repx").await.is_err(), "two in flight on /rep*");
+    for slot in held {
+        slot.release().await;
+    }
+}

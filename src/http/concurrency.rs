@@ -149,6 +149,10 @@ impl ConcurrencyLimits {
     /// A slot for `key` if `path` has a concurrency limit; `Err` is the answer when none is free
     /// (429, `Retry-After: 1`: slots come back as requests finish) or the ledger failed closed
     /// (503), by `deadline`. In `shadow` mode a refusal lets the request through without a slot.
+    ///
+    /// A path whose two forms are on two routes ([`ConcurrencyLimits::for_path`]) takes a slot
+    /// on each, both or neither: one on the stricter alone let `/reports%2Fx` in beside three
+    /// `/reports/x` under a limit of three on `/reports/*`, as it took a slot of `/rep*`.
     pub async fn take(
         &self,
         path: &str,
@@ -159,6 +163,36 @@ impl ConcurrencyLimits {
         let Some(slots) = self.for_path(path) else {
             return Ok(None);
         };
+        let taken = self.take_on(slots, key, shadow, deadline).await?;
+        let Some(other) = self.other_for_path(path) else {
+            return Ok(taken);
+        };
+        match self.take_on(other, key, shadow, deadline).await {
+            Ok(Some(also)) => match taken {
+                Some(mut slot) => {
+                    slot.also = Some(Box::new(also));
+                    Ok(Some(slot))
+                }
+                None => Ok(Some(also)),
+            },
+            Ok(None) => Ok(taken),
+            Err(refused) => {
+                if let Some(slot) = taken {
+                    slot.release().await;
+                }
+                Err(refused)
+            }
+        }
+    }
+
+    /// [`ConcurrencyLimits::take`] on one route's `slots`.
+    async fn take_on(
+        &self,
+        slots: &Arc<Limiter>,
+        key: &CallerKey,
+        shadow: bool,
+        deadline: Instant,
+    ) -> Result<Option<Slot>, HttpResponse> {
         // Boxed: only routes with a concurrency limit carry the decision's state.
         let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
             Ok(slot) => {
@@ -221,6 +255,29 @@ impl ConcurrencyLimits {
             (a, b) => a.or(b),
         }
     }
+
+    /// Where `path` and its decoded form are on two routes, the one [`Self::for_path`] did not
+    /// choose: a request takes a slot on both ([`ConcurrencyLimits::take`]).
+    fn other_for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
+        let std::borrow::Cow::Owned(decoded) = decoded_path(path) else {
+            return None;
+        };
+        let find = |path: &str| {
+            (self.routes.iter())
+                .find(|(pattern, _)| path_matches(pattern, path))
+                .map(|(_, limiter)| limiter)
+        };
+        let (routed, decoded) = (find(path)?, find(&decoded)?);
+        if Arc::ptr_eq(routed, decoded) {
+            return None;
+        }
+        let chosen = self.for_path(path)?;
+        Some(if Arc::ptr_eq(chosen, routed) {
+            decoded
+        } else {
+            routed
+        })
+    }
 }
 
 /// What the request's span says of a route's concurrency refusal: the rate's decision was
@@ -258,6 +315,9 @@ pub struct Slot {
     hold: Option<HoldReceipt>,
     /// Counted out by its limits until given back (and their fallback runtime with it).
     out: Option<OutGuard>,
+    /// The slot of the path's other route, taken with this one and given back with it
+    /// ([`ConcurrencyLimits::take`]).
+    also: Option<Box<Slot>>,
 }
 
 impl Slot {
@@ -283,6 +343,7 @@ impl Slot {
                 account_id: decision.account_id,
                 hold: decision.hold,
                 out: None,
+                also: None,
             })),
             Outcome::FailedOpen(_) => Ok(None),
             _ if shadow => {
@@ -299,8 +360,12 @@ impl Slot {
     /// waited for a place or to be sent again, the slot held until its timeout. (A slot of
     /// [`Slot::take`] has no such runtime: its hold's timeout gives it back then.)
     pub async fn release(mut self) {
+        let also = self.also.take();
         if let Some(give_back) = self.give_back() {
             give_back.run().await;
+        }
+        if let Some(also) = also {
+            Box::pin(also.release()).await;
         }
     }
 
