@@ -259,6 +259,9 @@ async fn main() -> anyhow::Result<()> {
         println!("configuration is valid:\n{settings:#?}");
         return Ok(());
     }
+    if matches!(cli.command, Some(Command::Audit(_) | Command::Admin(_))) {
+        ledger_limiter::telemetry::init_log_only()?;
+    }
     match &cli.command {
         Some(Command::Audit(caller)) => return commands::audit(&settings, caller).await,
         Some(Command::Admin(command)) => return commands::admin(&settings, command).await,

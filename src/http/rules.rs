@@ -423,18 +423,20 @@ impl RouteCosts {
     }
 
     /// The highest cost of any path `pattern` matches: the cost that applies to the pattern as a
-    /// whole, and for a prefix, every exact path and narrower prefix with a cost of its own.
+    /// whole, and for a prefix, every exact path and narrower prefix with a cost of its own,
+    /// written plainly or with an escape (`/a%2F*` is charged on `/a/x` too: `RequestRules::cost`).
     fn cost_max_under(&self, pattern: &str) -> NonZeroU64 {
         let pattern = &*upper_escapes(pattern);
         let own = self.cost(pattern);
         let Some(prefix) = pattern.strip_suffix('*') else {
             return own;
         };
+        let under = |path: &str| path.starts_with(prefix) || decoded_path(path).starts_with(prefix);
         let exact = (self.exact.iter())
-            .filter(|(path, _)| path.starts_with(prefix))
+            .filter(|(path, _)| under(path))
             .map(|(_, cost)| *cost);
         let narrower = (self.prefixes.iter())
-            .filter(|(other, _)| other.starts_with(prefix))
+            .filter(|(other, _)| under(other))
             .map(|(_, cost)| *cost);
         exact.chain(narrower).fold(own, NonZeroU64::max)
     }
@@ -1356,6 +1358,14 @@ mod tests {
             RequestRules::builder()
                 .cost("/f/a/b", 5)
                 .limits("/f/a%2Fb", limit()),
+        );
+        assert!(matches!(e, Err(RulesError::RouteLimits(..))), "{e:?}");
+        // And the other way: a cost written with an escape is charged on the path its decoded
+        // form is, here under the limit's route (`/a%2Fx` costs 5, limited by `/a/*`).
+        let e = build(
+            RequestRules::builder()
+                .cost("/a%2F*", 5)
+                .limits("/a/*", limit()),
         );
         assert!(matches!(e, Err(RulesError::RouteLimits(..))), "{e:?}");
     }

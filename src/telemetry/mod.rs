@@ -220,24 +220,40 @@ fn log_filter(value: Result<String, std::env::VarError>) -> EnvFilter {
     })
 }
 
+/// The log alone (standard error, `RUST_LOG`, `info` by default), no traces: for the command
+/// line's `audit` and `admin`, whose library calls warn of what an operator must know (a move's
+/// holds not carried, a client replaced); without a subscriber they said nothing.
+pub fn init_log_only() -> Result<(), TelemetryError> {
+    (tracing_subscriber::registry().with(log_layer()))
+        .try_init()
+        .map_err(|e| TelemetryError::Subscriber(e.to_string()))
+}
+
+/// The log: events only (RUST_LOG, default info), never the per-request span events. Spans are
+/// for traces: keeping them from the log layer spares formatting their fields on every request,
+/// and without OTLP export they are not even created.
+fn log_layer<S>() -> impl Layer<S>
+where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+{
+    let log_filter = log_filter(std::env::var("RUST_LOG")).add_directive(
+        format!("{SPAN_EVENTS_TARGET}=off")
+            .parse()
+            .expect("a valid directive"),
+    );
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(log_filter.and(EventsOnly))
+}
+
 /// Installs the global subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`), and
 /// spans to OTLP when [`otlp_requested`]. W3C `traceparent` from callers is honoured.
 pub fn init(default_service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
-    // The log: events only (RUST_LOG, default info), never the per-request span events. Spans
-    // are for traces: keeping them from the log layer spares formatting their fields on every
-    // request, and without OTLP export they are not even created.
-    let log_filter = log_filter(std::env::var("RUST_LOG")).add_directive(
-        format!("{SPAN_EVENTS_TARGET}=off")
-            .parse()
-            .expect("a valid directive"),
-    );
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_filter(log_filter.and(EventsOnly));
+    let fmt = log_layer();
     let provider = if otlp_requested() {
         Some(otlp_tracer_provider(default_service_name)?)
     } else {
