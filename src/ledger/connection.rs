@@ -100,12 +100,16 @@ impl Connection {
     }
 
     /// The rest of a call on this connection's client whose callers have all left: its answer, or
-    /// `None` once the connection has been retired for [`RETIRED_CALLS_GRACE`] without one. On
-    /// the connection in use, it waits for the answer as long as the client does.
+    /// `None` once the connection has been retired and its callers gone for
+    /// [`RETIRED_CALLS_GRACE`] without one (from the later of the two: counted from the retiring
+    /// alone, a call whose caller waited out a deadline longer than the grace got none, and its
+    /// hold, landing a moment later, was never voided). On the connection in use, it waits for
+    /// the answer as long as the client does.
     ///
     /// Only for calls nobody waits for: so the calls answered in time (nearly all) never pay
     /// for the watch.
     pub(crate) async fn unless_given_up<F: Future>(&self, call: F) -> Option<F::Output> {
+        let left = Instant::now();
         let mut retired = self.retired.subscribe();
         let given_up = async move {
             let at = *retired
@@ -113,7 +117,7 @@ impl Connection {
                 .await
                 .expect("the connection, and so its sender, outlives this call");
             let at = at.expect("waited for");
-            tokio::time::sleep_until((at + RETIRED_CALLS_GRACE).into()).await;
+            tokio::time::sleep_until((at.max(left) + RETIRED_CALLS_GRACE).into()).await;
         };
         tokio::select! {
             biased;
@@ -144,7 +148,7 @@ impl Connection {
         }
         // At most once a second: a slow ledger fails every batch's.
         if crate::telemetry::log_throttle(&VOID_FAILURE_LOGGED_SECOND) {
-            tracing::warn!(%error, "could not void holds whose callers left; they will expire (logged at most once a second)");
+            tracing::warn!(%error, "could not void some or all of the holds whose callers left (one already ended is among them too); those not voided expire (logged at most once a second)");
         }
     }
 }
@@ -166,5 +170,29 @@ pub(crate) fn close_unused(retired: &mut Vec<Arc<Connection>>) {
     if let Err(error) = closing {
         // The closure, and with it the clients, was dropped here: closed on this thread instead.
         tracing::warn!(%error, "closed replaced ledger clients on a runtime thread");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client retired longer ago than the grace still gives a call whose callers just left its
+    /// grace: counted from the retiring, it had none, and a hold landing a moment later was
+    /// never voided.
+    #[tokio::test]
+    async fn a_call_left_after_the_retiring_gets_its_whole_grace() {
+        let address: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let connection = Connection::new(0, &[address]).unwrap();
+        let long_ago = Instant::now() - RETIRED_CALLS_GRACE - Duration::from_secs(1);
+        connection.retired.send_replace(Some(long_ago));
+        let answer = tokio::time::sleep(Duration::from_millis(20));
+        assert_eq!(connection.unless_given_up(answer).await, Some(()));
+        // A call that never answers is still given up (the grace from when its callers left).
+        let given_up = tokio::time::timeout(
+            RETIRED_CALLS_GRACE + Duration::from_secs(2),
+            connection.unless_given_up(std::future::pending::<()>()),
+        );
+        assert_eq!(given_up.await, Ok(None));
     }
 }

@@ -343,7 +343,8 @@ pub use batch::BATCH_LINGER_MAX;
 
 /// A handle on the ledger, cheap to clone; every clone shares one TigerBeetle client (which batches
 /// concurrent requests by itself). The client is replaced only when the replicas' addresses change
-/// ([`Ledger::reconnect`]).
+/// ([`Ledger::reconnect`]), or when it can send nothing more (evicted by the cluster, or of a
+/// release it no longer serves: the next call replaces it).
 #[derive(Clone)]
 pub struct Ledger {
     client: Arc<ArcSwap<Connection>>,
@@ -445,6 +446,20 @@ impl Ledger {
     /// it keeps sessions for) made one per call, each with a thread of its own, hundreds a
     /// second. Meanwhile a call fails at once, `client_gone`: one submitted to the evicted
     /// client would never be answered, and keep its place until its deadline.
+    /// [`Ledger::connection`] for a call that got its place: `Timeout` if the wait for the place
+    /// spent its deadline (a waited call may be handed one as its deadline passes: sent then, it
+    /// would be answered `Timeout` all the same while it lands, a release's voids among them).
+    fn connection_in_time(
+        &self,
+        operation: Operation,
+        deadline: Instant,
+    ) -> Result<Arc<Connection>, LedgerError> {
+        if Instant::now() >= deadline {
+            return Err(LedgerError::Timeout { operation });
+        }
+        self.connection(operation)
+    }
+
     fn connection(&self, operation: Operation) -> Result<Arc<Connection>, LedgerError> {
         let connection = self.client.load_full();
         if !connection.is_gone() {
@@ -690,7 +705,7 @@ impl Ledger {
             in_flight,
             void_if_abandoned: void_code,
         };
-        let connection = match self.connection(operation) {
+        let connection = match self.connection_in_time(operation, deadline) {
             Ok(connection) => connection,
             Err(error) => return self.finished_early(operation, started, &span, error),
         };
@@ -1165,7 +1180,7 @@ impl Ledger {
             return Err(error);
         }
         let (in_flight, span, started) = self.place(operation, place, deadline).await?;
-        let connection = match self.connection(operation) {
+        let connection = match self.connection_in_time(operation, deadline) {
             Ok(connection) => connection,
             Err(error) => return self.finished_early(operation, started, &span, error),
         };

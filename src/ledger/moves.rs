@@ -74,14 +74,25 @@ fn carried_holds(holds: &[super::Hold], now: SystemTime) -> Vec<(u64, u32)> {
 /// its look-back of a window (a lease, held for window + L, whose settlement failed or whose
 /// instance died), listed or not as `complete`. A hold that expired between the balance and the
 /// listing is carried too: refusing more for a while, never admitting more.
+///
+/// `held` is the account's credit held, read after the listing ([`Ledger::held_after`]): read
+/// before it, holds placed between the two reads were listed but not in it, and took their
+/// share of what the listing left out (4,000 held, 3,000 of them unlisted, 200 placed meanwhile:
+/// 4,000 carried where 4,200 were live, fresh credit on the new plan). Only listed holds live
+/// past [`HOLD_EXPIRY_LAG`] by this host's clock count against it: one that expired since (by
+/// the cluster's clock) holds nothing there, and subtracted, would hide as much unlisted.
 fn carried_from(
     view: &super::AccountView,
+    held: u64,
     now: SystemTime,
     window_seconds: u32,
 ) -> Vec<(u64, u32)> {
     let mut carried = carried_holds(&view.holds, now);
-    let held = view.credit.saturating_sub(view.available);
-    let listed: u64 = view.holds.iter().map(|hold| hold.amount).sum();
+    let live_after = now + HOLD_EXPIRY_LAG;
+    let listed: u64 = (view.holds.iter())
+        .filter(|hold| hold.expires_at > live_after)
+        .map(|hold| hold.amount)
+        .sum();
     let unlisted = held.saturating_sub(listed);
     if unlisted > 0 {
         match carried.last_mut() {
@@ -92,6 +103,10 @@ fn carried_from(
     }
     carried
 }
+
+/// How far this host's clock may be off the cluster's, for a listed hold's expiry: one that ends
+/// within it may have ended already.
+const HOLD_EXPIRY_LAG: Duration = Duration::from_secs(1);
 
 /// The carries of `carried` (sorted shortest first, as [`carried_holds`] gives them), longest
 /// first. Why: each is a balancing debit, so when the new plan is smaller than what is carried,
@@ -190,7 +205,8 @@ impl Ledger {
             Ok(target) => target,
             Err(moving) => return Ok(moving),
         };
-        let carried = carried_from(&view, SystemTime::now(), window_seconds_max);
+        let held = self.held_after(from, &view, deadline).await?;
+        let carried = carried_from(&view, held, SystemTime::now(), window_seconds_max);
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         let move_transfer = model::move_transfer(from, self.ledger_id, plan_tag, actor);
         let move_id = move_transfer.id();
@@ -339,6 +355,24 @@ impl Ledger {
     /// Holds placed on the old account between the read and the close (requests in flight at
     /// the move) are carried by a second pass, each for the rest of its own timeout: the old
     /// account is closed now, so this read is final.
+    /// The credit `from` holds, read again after `view`'s listing ([`carried_from`] says why);
+    /// `view`'s own if the account is gone meanwhile (the move then finds it so).
+    async fn held_after(
+        &self,
+        from: u128,
+        view: &super::AccountView,
+        deadline: Instant,
+    ) -> Result<u64, LedgerError> {
+        let held = match self.lookup_account(from, deadline).await? {
+            Some(account) => {
+                let (credit, available) = super::credit_and_available(&account);
+                u64::try_from(credit - available).unwrap_or(u64::MAX)
+            }
+            None => view.credit.saturating_sub(view.available),
+        };
+        Ok(held)
+    }
+
     async fn carry_late_holds(
         &self,
         from: u128,
@@ -665,24 +699,47 @@ mod tests {
                 blocked: None,
             };
         let view = |holds, complete| spent(0, holds, complete);
+        let carried = |view: &super::super::AccountView| {
+            let held = view.credit - view.available;
+            carried_from(view, held, now, 60)
+        };
         let listed = vec![hold(1500, 3), hold(30_500, 4)];
         // All listed: what is listed, nothing more.
         assert_eq!(
-            carried_from(&spent(4_993, listed.clone(), true), now, 60),
+            carried(&spent(4_993, listed.clone(), true)),
             [(3, 2), (4, 31)]
         );
         // A whole listing that misses held credit (a lease older than the look-back): carried.
-        assert_eq!(
-            carried_from(&view(listed.clone(), true), now, 60),
-            [(3, 2), (4_997, 31)]
-        );
+        assert_eq!(carried(&view(listed.clone(), true)), [(3, 2), (4_997, 31)]);
         // 4,993 held but not listed: with the longest listed.
-        assert_eq!(
-            carried_from(&view(listed, false), now, 60),
-            [(3, 2), (4_997, 31)]
-        );
+        assert_eq!(carried(&view(listed.clone(), false)), [(3, 2), (4_997, 31)]);
         // Nothing listed at all: a whole window.
-        assert_eq!(carried_from(&view(vec![], false), now, 60), [(5_000, 60)]);
+        assert_eq!(carried(&view(vec![], false)), [(5_000, 60)]);
+        // 4,000 held when the balance was read, 1,000 of them listed, and 200 placed before the
+        // listing (listed too): read after the listing, 4,200 are held, and all are carried.
+        let mut newer = vec![hold(30_500, 1_000)];
+        newer.extend((0..200).map(|_| hold(59_500, 1)));
+        let before = super::super::AccountView {
+            credit: 5_000,
+            available: 1_000,
+            ..spent(0, newer, false)
+        };
+        let total =
+            |carried: Vec<(u64, u32)>| carried.iter().map(|(amount, _)| amount).sum::<u64>();
+        assert_eq!(total(carried_from(&before, 4_200, now, 60)), 4_200);
+        assert_eq!(
+            total(carried(&before)),
+            4_000,
+            "the balance read first fell short"
+        );
+        // A listed hold that may have expired since (by the cluster's clock) hides nothing: 10
+        // held after the listing, 5 of them listed for 30 s, and 10 listed for 0.5 s, gone.
+        let ending = vec![hold(500, 10), hold(30_500, 5)];
+        assert_eq!(
+            carried_from(&view(ending, false), 10, now, 60),
+            [(10, 1), (10, 31)],
+            "the 5 unlisted carried as long as the longest listed"
+        );
     }
 
     #[test]
