@@ -290,6 +290,30 @@ async fn concurrent_releases_give_back_every_unit_they_ask_for() {
     );
 }
 
+/// A release of more than is held gives back what is, with one listing: another round reads the
+/// account again only when another release voided holds this one chose (it read it again
+/// whenever it fell short, up to 16 pages more for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_more_than_is_held_lists_the_account_once() {
+    use ledger_limiter::ledger::metrics::Operation;
+    let instance = limiter(ledger_client(vec![shared_ledger().address]));
+    let limit = fresh_limit(10, 60, 1);
+    for _ in 0..3 {
+        let decision = instance.check_all(&[limit]).await.unwrap();
+        assert_eq!(decision.outcome, Outcome::Admitted);
+    }
+    let ledger = instance.ledger();
+    let listings = || ledger.calls_started_of(Operation::GetAccountTransfers);
+    let before = listings();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let released = ledger
+        .release_units(limit.account.id, 5, 60, deadline)
+        .await
+        .unwrap();
+    assert_eq!((released.units, released.available), (3, Some(10)));
+    assert_eq!(listings() - before, 1, "one listing");
+}
+
 /// A busy account's release finds its live holds: they are its newest transfers, past the first
 /// 16 pages of its window read oldest first, where holds voided long ago looked live (their voids
 /// were past the pages read) and a release gave back nothing. Here 2,100 holds, the oldest 2,090
