@@ -42,8 +42,8 @@ pub const CONNECTIONS_MAX_MAX: usize = 1 << 20;
 /// Calls in flight at once by default, over every connection (`rls.calls_max`): each may hold a
 /// message of up to [`REQUEST_BYTES_MAX`] while it is read, its strings as bytes and as text
 /// (the text at most as large, its escapes counted: `wire.rs`), so this bounds their memory
-/// (about 3 MiB a call, 12 GiB at most, where Envoy's messages are a few hundred bytes). 4,096 calls of 1 ms each are 4
-/// million a second; of a ledger's whole deadline (250 ms), 16,000.
+/// (about 3 MiB a call, 12 GiB at most, where Envoy's messages are a few hundred bytes). 4,096
+/// calls of 1 ms each are 4 million a second; of a ledger's whole deadline (250 ms), 16,000.
 pub const CALLS_MAX_DEFAULT: usize = 4096;
 /// The most `rls.calls_max` may be.
 pub const CALLS_MAX_MAX: usize = 1 << 20;

@@ -85,11 +85,13 @@ impl From<WireRequest> for RateLimitRequest {
     }
 }
 
+/// What [`text`] marks an escape with (and doubles where the text has it).
+const MARK: char = char::REPLACEMENT_CHARACTER;
+
 /// `bytes` as text, one to one: UTF-8 as it is, but each byte of an invalid sequence as U+FFFD
 /// and its two hex digits, and each U+FFFD of the text doubled, so that two byte strings never
 /// read as the same text (a value's text names its caller's account).
 pub fn text(bytes: Vec<u8>) -> String {
-    const MARK: char = char::REPLACEMENT_CHARACTER;
     // The common case, UTF-8 without the mark, is the text as it came.
     let bytes = match String::from_utf8(bytes) {
         Ok(text) if !text.contains(MARK) => return text,
@@ -113,7 +115,6 @@ pub fn text(bytes: Vec<u8>) -> String {
 /// The length of [`text`]`(bytes)`: up to five times theirs (an invalid byte is U+FFFD and two
 /// hex digits).
 fn text_length(bytes: &[u8]) -> usize {
-    const MARK: char = char::REPLACEMENT_CHARACTER;
     (bytes.utf8_chunks())
         .map(|chunk| {
             let marks = chunk.valid().matches(MARK).count();

@@ -160,11 +160,11 @@ impl ConcurrencyLimits {
         shadow: bool,
         deadline: Instant,
     ) -> Result<Option<Slot>, HttpResponse> {
-        let Some(slots) = self.for_path(path) else {
+        let (Some(slots), other) = self.routes_for(path) else {
             return Ok(None);
         };
         let taken = self.take_on(slots, key, shadow, deadline).await?;
-        let Some(other) = self.other_for_path(path) else {
+        let Some(other) = other else {
             return Ok(taken);
         };
         match self.take_on(other, key, shadow, deadline).await {
@@ -239,6 +239,12 @@ impl ConcurrencyLimits {
     /// on another route, the one of the two with fewer slots: an escaped `/` in a path parameter
     /// neither dodges a route's slots nor trades them for a looser route's.
     pub fn for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
+        self.routes_for(path).0
+    }
+
+    /// [`Self::for_path`]'s limiter, and where `path` and its decoded form are on two routes,
+    /// the other one: a request takes a slot on both ([`ConcurrencyLimits::take`]).
+    fn routes_for(&self, path: &str) -> (Option<&Arc<Limiter>>, Option<&Arc<Limiter>>) {
         let find = |path: &str| {
             (self.routes.iter())
                 .find(|(pattern, _)| path_matches(pattern, path))
@@ -246,37 +252,17 @@ impl ConcurrencyLimits {
         };
         let routed = find(path);
         let std::borrow::Cow::Owned(decoded) = decoded_path(path) else {
-            return routed;
+            return (routed, None);
         };
         match (find(&decoded), routed) {
-            (Some(a), Some(b)) => Some(std::cmp::min_by_key(a, b, |slots| {
-                slots.plans().capacity_min()
-            })),
-            (a, b) => a.or(b),
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => (Some(a), None),
+            // The one with fewer slots first (the decoded form's on a tie).
+            (Some(a), Some(b)) if b.plans().capacity_min() < a.plans().capacity_min() => {
+                (Some(b), Some(a))
+            }
+            (Some(a), Some(b)) => (Some(a), Some(b)),
+            (a, b) => (a.or(b), None),
         }
-    }
-
-    /// Where `path` and its decoded form are on two routes, the one [`Self::for_path`] did not
-    /// choose: a request takes a slot on both ([`ConcurrencyLimits::take`]).
-    fn other_for_path(&self, path: &str) -> Option<&Arc<Limiter>> {
-        let std::borrow::Cow::Owned(decoded) = decoded_path(path) else {
-            return None;
-        };
-        let find = |path: &str| {
-            (self.routes.iter())
-                .find(|(pattern, _)| path_matches(pattern, path))
-                .map(|(_, limiter)| limiter)
-        };
-        let (routed, decoded) = (find(path)?, find(&decoded)?);
-        if Arc::ptr_eq(routed, decoded) {
-            return None;
-        }
-        let chosen = self.for_path(path)?;
-        Some(if Arc::ptr_eq(chosen, routed) {
-            decoded
-        } else {
-            routed
-        })
     }
 }
 

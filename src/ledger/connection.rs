@@ -148,7 +148,7 @@ impl Connection {
         }
         // At most once a second: a slow ledger fails every batch's.
         if crate::telemetry::log_throttle(&VOID_FAILURE_LOGGED_SECOND) {
-            tracing::warn!(%error, "could not void some or all of the holds whose callers left (one already ended is among them too); those not voided expire (logged at most once a second)");
+            tracing::warn!(%error, "could not void every hold whose callers left (one may have ended already); those not voided expire (logged at most once a second)");
         }
     }
 }

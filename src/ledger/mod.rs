@@ -664,9 +664,9 @@ impl Ledger {
 
     /// One single (not linked) transfer, in the batch this thread is filling (`batch.rs`), under
     /// the in-flight bound and waited for until `deadline`. `answer` reads the ledger's result
-    /// (`None`: created) and when it went and came back. The batch's task, not one of the call's own, keeps
-    /// the in-flight permit and, given `void_code`, voids a transfer that lands after its caller
-    /// stopped waiting.
+    /// (`None`: created) and when it went and came back. The batch's task, not one of the call's
+    /// own, keeps the in-flight permit and, given `void_code`, voids a transfer that lands after
+    /// its caller stopped waiting.
     async fn single_transfer<T>(
         &self,
         transfer: tb::Transfer,

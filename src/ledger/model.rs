@@ -378,7 +378,8 @@ pub const OVER_CHARGE_USER_DATA_32: u32 = 1;
 
 /// The Envoy front end's over-charge: what remains on the account of a refused `charge`, held,
 /// up to `amount_max` (`charge − 1` on the descriptor that refused, never the whole:
-/// [`super::Ledger::hold_what_remains`]; `charge` on the call's others: [`super::Ledger::hold_up_to`]).
+/// [`super::Ledger::hold_what_remains`]; `charge` on the call's others:
+/// [`super::Ledger::hold_up_to`]).
 pub fn over_charge_transfer(
     user_account_id: u128,
     ledger: u32,

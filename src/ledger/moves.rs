@@ -352,9 +352,6 @@ impl Ledger {
         Ok(account.is_some_and(|account| account.flags().contains(tb::account::Flags::CLOSED)))
     }
 
-    /// Holds placed on the old account between the read and the close (requests in flight at
-    /// the move) are carried by a second pass, each for the rest of its own timeout: the old
-    /// account is closed now, so this read is final.
     /// The credit `from` holds, read again after `view`'s listing ([`carried_from`] says why);
     /// `view`'s own if the account is gone meanwhile (the move then finds it so).
     async fn held_after(
@@ -363,16 +360,14 @@ impl Ledger {
         view: &super::AccountView,
         deadline: Instant,
     ) -> Result<u64, LedgerError> {
-        let held = match self.lookup_account(from, deadline).await? {
-            Some(account) => {
-                let (credit, available) = super::credit_and_available(&account);
-                u64::try_from(credit - available).unwrap_or(u64::MAX)
-            }
-            None => view.credit.saturating_sub(view.available),
-        };
-        Ok(held)
+        let free = self.account_free(from, deadline).await?;
+        let free = free.map_or((view.credit, view.available), |f| (f.credit, f.available));
+        Ok(free.0.saturating_sub(free.1))
     }
 
+    /// Holds placed on the old account between the read and the close (requests in flight at
+    /// the move) are carried by a second pass, each for the rest of its own timeout: the old
+    /// account is closed now, so this read is final.
     async fn carry_late_holds(
         &self,
         from: u128,

@@ -28,9 +28,10 @@
 //! `t + window + L + 1 s` (the lease, or a settlement first tried up to L + [`SETTLE_TICK`]
 //! after `t`, and sent again holding whole seconds rounded in the caller's favour), and other
 //! instances may see the caller's unused leased units as held for up to L (settlement is due L
-//! after the lease was sent; a sweeper settles idle leases within [`SETTLE_TICK`] of that). Each lease takes at most half of what the
-//! local view knows to be left (fairness across instances; but never less than the request's
-//! cost, which may be more than half) and at most the plan's `lease_units_max`.
+//! after the lease was sent; a sweeper settles idle leases within [`SETTLE_TICK`] of that). Each
+//! lease takes at most half of what the local view knows to be left (fairness across instances;
+//! but never less than the request's cost, which may be more than half) and at most the plan's
+//! `lease_units_max`.
 
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
