@@ -1401,7 +1401,9 @@ async fn an_escaped_slash_takes_a_slot_on_both_routes() {
         .await
         .err()
         .expect("/reports/* is full");
-    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.response.status().as_u16(), 429);
+    // Refused by `/reports/*`, the looser route (taken second): its slots named, not `/rep*`'s.
+    assert_eq!(refused.in_flight_max.map(NonZeroU64::get), Some(3));
     // The `/rep*` slot it took first went back with the refusal: both are free.
     for _ in 0..2 {
         held.push(take("/repx").await.ok().flatten().expect("a /rep* slot"));
@@ -1429,4 +1431,48 @@ async fn an_escaped_slash_takes_a_slot_on_both_routes() {
     for slot in held {
         slot.release().await;
     }
+}
+
+/// A path on two routes refused by the second answers by its deadline however slow the first
+/// slot's give-back: the refusal waited for it inline, sent again until it landed or the slot
+/// would have expired (30 s here), and held the request and its connection that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_on_the_second_route_answers_by_its_deadline() {
+    use ledger_limiter::http::ConcurrencyLimits;
+    use ledger_limiter::ledger::model::TRANSFER_CODE_REQUEST;
+    use ledger_limiter::limiter::caller::CallerKey;
+    use std::num::{NonZeroU32, NonZeroU64};
+    use std::time::Instant;
+    let proxy = LedgerProxy::start(shared_ledger().address).await;
+    let ledger = ledger_client(vec![proxy.address]);
+    let routes = [("/reports/*", 3), ("/rep*", 2)]
+        .map(|(pattern, n)| (pattern.to_owned(), NonZeroU64::new(n).unwrap()));
+    let timeout = NonZeroU32::new(30).unwrap();
+    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
+    let key = fresh_key("k");
+    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 64).unwrap();
+    let take =
+        |path: &'static str, by: Duration| limits.take(path, &key, false, Instant::now() + by);
+    // `/reports/*` full; `/rep*`'s account made, so its next slot is one hold.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let slot = take("/reports/x", Duration::from_secs(5)).await;
+        held.push(slot.ok().flatten().expect("a slot"));
+    }
+    let rep = take("/repx", Duration::from_secs(5)).await;
+    rep.ok().flatten().expect("a /rep* slot").release().await;
+    // `/rep*`'s hold goes through; every later call of the client (its give-back) waits 20 s.
+    let (caught, go) = proxy.lose_answer_to(TRANSFER_CODE_REQUEST, Instant::now());
+    proxy.hold_later_requests_until(Instant::now() + Duration::from_secs(20));
+    let started = Instant::now();
+    let (refused, ()) = tokio::join!(take("/reports%2Fx", Duration::from_secs(2)), async {
+        let heard = tokio::time::timeout(Duration::from_secs(10), caught).await;
+        heard.expect("the /rep* hold is sent").unwrap();
+        let _ = go.send(());
+    });
+    let took = started.elapsed();
+    let refused = refused.err().expect("/reports/* is full");
+    assert!([429, 503].contains(&refused.response.status().as_u16()));
+    assert!(took < Duration::from_secs(4), "answered in {took:?}");
+    drop(held); // given back from their tasks, late: the proxy holds them
 }

@@ -86,6 +86,15 @@ impl Drop for GiveBack {
     }
 }
 
+/// A slot refused ([`ConcurrencyLimits::take`]): the answer, and the refusing route's slots per
+/// caller when they are known spent (its 429; `None` on a 503: the ledger could not decide).
+/// The route is the one that refused: a path on two routes may be refused by the looser one.
+#[derive(Debug)]
+pub struct SlotRefused {
+    pub response: HttpResponse,
+    pub in_flight_max: Option<NonZeroU64>,
+}
+
 #[derive(Debug, Error)]
 pub enum ConcurrencyError {
     #[error("{0:?} {rule}", rule = super::rules::ROUTE_PATTERN_RULE)]
@@ -159,7 +168,7 @@ impl ConcurrencyLimits {
         key: &CallerKey,
         shadow: bool,
         deadline: Instant,
-    ) -> Result<Option<Slot>, HttpResponse> {
+    ) -> Result<Option<Slot>, SlotRefused> {
         let (Some(slots), other) = self.routes_for(path) else {
             return Ok(None);
         };
@@ -177,8 +186,11 @@ impl ConcurrencyLimits {
             },
             Ok(None) => Ok(taken),
             Err(refused) => {
+                // Given back by the deadline, or from the limits' fallback runtime past it (a
+                // dropped release goes on there): a ledger slow or down held the refusal until
+                // the slot's timeout, a minute by default, as the release was sent again.
                 if let Some(slot) = taken {
-                    slot.release().await;
+                    let _ = tokio::time::timeout_at(deadline.into(), slot.release()).await;
                 }
                 Err(refused)
             }
@@ -192,7 +204,7 @@ impl ConcurrencyLimits {
         key: &CallerKey,
         shadow: bool,
         deadline: Instant,
-    ) -> Result<Option<Slot>, HttpResponse> {
+    ) -> Result<Option<Slot>, SlotRefused> {
         // Boxed: only routes with a concurrency limit carry the decision's state.
         let refused = match Box::pin(Slot::take(slots, key, shadow, deadline)).await {
             Ok(slot) => {
@@ -205,26 +217,31 @@ impl ConcurrencyLimits {
         };
         record_refusal(&refused);
         let in_flight_max = slots.plans().capacity_min();
-        let mut response = match refused {
+        let (mut response, spent) = match refused {
             Outcome::FailedClosed(error) => {
                 let detail = format!(
                     "the rate limiter could not decide in time ({})",
                     error.kind().as_str()
                 );
-                problem::response(ProblemKind::LedgerUnavailable, &detail)
+                let response = problem::response(ProblemKind::LedgerUnavailable, &detail);
+                (response, None)
             }
             _ => {
                 let detail = format!(
                     "at most {in_flight_max} requests of one caller in flight on this route"
                 );
-                problem::response(ProblemKind::RateLimited, &detail)
+                let response = problem::response(ProblemKind::RateLimited, &detail);
+                (response, Some(in_flight_max))
             }
         };
         let retry = actix_web::http::header::HeaderValue::from_static("1");
         response
             .headers_mut()
             .insert(actix_web::http::header::RETRY_AFTER, retry);
-        Err(response)
+        Err(SlotRefused {
+            response,
+            in_flight_max: spent,
+        })
     }
 
     /// Moves every route's per-thread decision counts to their counters (at each scrape).

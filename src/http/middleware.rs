@@ -41,7 +41,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::{Error, HttpResponse};
 use futures_util::future::{Either, LocalBoxFuture};
 
-use super::concurrency::{ConcurrencyLimits, Slot};
+use super::concurrency::{ConcurrencyLimits, Slot, SlotRefused};
 use super::headers::PolicyHeaders;
 use super::respond::{self, Fields};
 use super::rules::{Classified, RequestRules};
@@ -274,8 +274,7 @@ where
     unserved.disarm();
     let slot = match taken {
         Ok(slot) => slot,
-        Err(response) => {
-            let refused = (req.match_info().as_str(), response);
+        Err(refused) => {
             let response = inner.slot_refused(&mut decision, refused);
             return Ok(req.into_response(response).map_into_right_body());
         }
@@ -505,18 +504,17 @@ impl Inner {
     /// server error: not counted as one), after the answer (the deadline may be spent). The
     /// rate-limit fields as on any refusal: what the caller has left of its rate (given back),
     /// beside the concurrency's Retry-After.
-    fn slot_refused(
-        &self,
-        decision: &mut Decision<'_>,
-        (path, mut response): (&str, HttpResponse),
-    ) -> HttpResponse {
+    fn slot_refused(&self, decision: &mut Decision<'_>, refused: SlotRefused) -> HttpResponse {
+        let SlotRefused {
+            mut response,
+            in_flight_max,
+        } = refused;
         give_back_unserved(&self.limiter, decision);
         respond::add_fields(response.headers_mut(), &self.fields, decision, Some(1));
-        // Not on a 503 (the slot's ledger could not decide): its slots are not known spent.
-        let spent = response.status() == actix_web::http::StatusCode::TOO_MANY_REQUESTS;
-        if let Some(slots) = self.concurrency.for_path(path).filter(|_| spent) {
-            let slots = slots.plans().plans()[0].capacity().get();
-            respond::add_slot_refusal(response.headers_mut(), &self.fields, slots);
+        // The refusing route's slots (a path on two routes may be refused by the looser one);
+        // none on a 503 (the slot's ledger could not decide): its slots are not known spent.
+        if let Some(slots) = in_flight_max {
+            respond::add_slot_refusal(response.headers_mut(), &self.fields, slots.get());
         }
         response
     }

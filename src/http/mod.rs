@@ -19,6 +19,6 @@ pub mod rules;
 pub mod slot_body;
 
 pub use client_ip::ForwardedHeader;
-pub use concurrency::ConcurrencyLimits;
+pub use concurrency::{ConcurrencyLimits, SlotRefused};
 pub use middleware::RateLimit;
 pub use rules::{KeySource, RequestRules, RequestRulesBuilder, RulesError};
