@@ -17,6 +17,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::limiter::metrics::{CONCURRENCY_PLAN_PREFIX, PLAN_NONE};
+
 /// A configuration file larger than this is refused (they are hand-written rule sets).
 pub const CONFIG_FILE_BYTES_MAX: u64 = 1 << 20;
 /// At most this many files in a configuration directory.
@@ -346,6 +348,10 @@ impl RlsConfig {
             return Err(invalid("config file cannot have empty domain".into()));
         }
         check_length(&root.domain, "the domain").map_err(invalid)?;
+        // The domain begins its descriptors' labels, which name their `plan` on the metrics.
+        if root.domain.starts_with(CONCURRENCY_PLAN_PREFIX) {
+            return Err(invalid(format!("domain '{}': {RESERVED}", root.domain)));
+        }
         // As a request's domain is read (`wire::text`), like keys and values: a U+FFFD in it is
         // two there, and a domain kept as written never matched.
         let domain = super::wire::text(root.domain.into_bytes());
@@ -578,6 +584,13 @@ fn value_digest(value: &str) -> String {
     hex::encode(&Sha256::digest(value.as_bytes())[..4])
 }
 
+/// Why a rule's name (its `plan` on the decision metrics) or a domain (which begins the label
+/// of its rules without one) may not be `none` or start `concurrency-`: there they mean keys
+/// refused before any plan and the HTTP front end's concurrency slots, which the dashboard's
+/// request panels leave out (the HTTP configuration refuses them as plan names too).
+const RESERVED: &str = "reserved: the metrics' plan \"none\" and plans starting \"concurrency-\" \
+                        are labels of their own; choose another name";
+
 fn rule(
     descriptor: &YamlDescriptor,
     yaml: &YamlRateLimit,
@@ -623,6 +636,9 @@ fn rule(
         if replaces.name == yaml.name {
             return Err("replaces should not contain name of same descriptor".into());
         }
+    }
+    if yaml.name == PLAN_NONE || yaml.name.starts_with(CONCURRENCY_PLAN_PREFIX) {
+        return Err(format!("'{label}': name '{}': {RESERVED}", yaml.name));
     }
     Ok(Rule {
         path: path.into(),
@@ -877,6 +893,34 @@ mod tests {
         }
         let twice = load(&[file!("basic_config"), file!("basic_config")]).unwrap_err();
         assert!(twice.to_string().contains("duplicate domain 'test-domain'"));
+    }
+
+    /// A rule's name is its `plan` on the metrics, and a domain begins the label of its rules
+    /// without one: `none` and `concurrency-…` there mean something else (keys refused before
+    /// any plan; the HTTP front end's slots, which the dashboard's request panels leave out).
+    #[test]
+    fn names_the_metrics_reserve_are_refused() {
+        let rule = |domain: &str, name: &str| {
+            format!(
+                "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{name: {name}, \
+                 unit: second, requests_per_unit: 1}}\n"
+            )
+        };
+        for (domain, name) in [
+            ("d", "concurrency-uploads"),
+            ("d", "none"),
+            ("concurrency-api", "uploads"),
+        ] {
+            let error = load(&[("r.yaml", &rule(domain, name))])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("reserved"), "{domain} {name}: {error}");
+            assert!(error.starts_with("r.yaml"), "{error}");
+        }
+        for (domain, name) in [("d", "concurrency"), ("d", "nones"), ("concurrency", "x")] {
+            let loaded = load(&[("r.yaml", &rule(domain, name))]);
+            assert!(loaded.is_ok(), "{domain} {name}: {:?}", loaded.err());
+        }
     }
 
     #[test]

@@ -388,6 +388,7 @@ pub enum ConnectError {
 
 impl Ledger {
     /// Creates the client. It connects lazily: a ledger that is down shows up as call timeouts.
+    /// Install the `metrics` recorder first: the ledger's metrics bind to it here.
     pub fn connect(settings: &LedgerSettings) -> Result<Self, ConnectError> {
         let linger = settings.batch_linger;
         if linger > BATCH_LINGER_MAX {
