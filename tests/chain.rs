@@ -1405,6 +1405,20 @@ async fn a_ping_waits_for_a_place_under_a_full_bound() {
     let _ = full.other.await;
 }
 
+/// The operator epoch, which every instance reads each second to learn of an operator's act,
+/// waits for a place too: refused `Overloaded` at once in a flood, a block reached no other
+/// instance (leases admitted the blocked caller until their L was over) until the flood ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_epoch_is_read_under_a_full_bound() {
+    let process = TestLedger::start();
+    let full = full_bound(&process).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let resume = resume_after(&process, Duration::from_millis(300));
+    let (epoch, ()) = tokio::join!(full.ledger.operator_epoch(deadline), resume);
+    assert!(epoch.is_ok(), "{epoch:?}");
+    let _ = full.other.await;
+}
+
 /// A fresh caller's request of `cost`, admitted on `limiter`'s plan and a route limit of 10 a
 /// minute; and the caller.
 async fn admitted_beside_a_route_limit(

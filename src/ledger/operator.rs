@@ -135,10 +135,13 @@ impl Ledger {
         }
     }
 
-    /// How many operator actions this ledger has seen (0 before the first).
+    /// How many operator actions this ledger has seen (0 before the first). Read as an
+    /// operator's action (it waits for a place under the in-flight bound by `deadline`): each
+    /// instance's follower reads it to learn of every act, and a flood that fills the bound is
+    /// when an operator acts; refused at once, a block reached no instance until it ended.
     pub async fn operator_epoch(&self, deadline: Instant) -> Result<u128, LedgerError> {
         let id = model::operator_epoch_account_id(self.ledger_id);
-        let account = self.lookup_account(id, deadline).await?;
+        let account = super::as_operator_action(self.lookup_account(id, deadline)).await?;
         Ok(account.map_or(0, |a| a.credits_posted()))
     }
 

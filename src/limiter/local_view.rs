@@ -899,9 +899,21 @@ impl LocalView {
                 let learned_at = now;
                 self.keep(account_id, KeptBlock { until, learned_at }, now);
             }
+            // Stale, with room: the entry it could not replace is older still, and counts what
+            // the ledger no longer holds. Kept, with this listing's probe fresh, it refused the
+            // caller from memory for as long as a probe stands pending (the ledger's deadline,
+            // and again at each stale probe, likely in a busy shard) while the ledger had room.
+            (Stored::Stale, None) if limit.is_none() => self.forget_older(account_id, now),
             (Stored::Yes, Some(_)) | (Stored::Stale, None) => {}
         }
         limit
+    }
+
+    /// Takes out `account_id`'s entry, older than a listing with room that came back stale
+    /// (its block, if any, kept for the failure policy): the ledger decides its next request.
+    fn forget_older(&self, account_id: u128, now: Instant) {
+        let removed = self.shard(account_id).remove(&account_id);
+        self.keep_block_of(account_id, removed, now);
     }
 
     /// Stores a listing's `holds` unless something it may predate happened in its shard since
@@ -1204,6 +1216,47 @@ mod tests {
             assert!(!probes(just_before), "pending for {pending:?}");
             assert!(probes(old + pending), "taken by another after {pending:?}");
         }
+    }
+
+    /// A probe's listing that finds room but comes back stale (a change in its shard while it
+    /// was read) cannot replace the old entry: the entry goes, and the ledger decides. Kept,
+    /// with the probe it had just taken, it refused the caller from memory for the probe's
+    /// pending time while the ledger had room.
+    #[test]
+    fn a_stale_probe_with_room_leaves_no_refusal_behind() {
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let view = LocalView::new(100, MARGIN);
+        list(&view, 7, &ledger_view(5, &[WINDOW; 5], wall), t0, wall);
+        let old = t0 + LISTING_TRUSTED_FOR;
+        assert!(matches!(
+            view.check_trusted(7, 1, old, true),
+            Check::Probe(_)
+        ));
+        // Another instance voided the holds; a change in the shard while the probe read.
+        let read = view.generation(7);
+        view.forget(7 + SHARD_COUNT as u128);
+        let listing = Listing {
+            view: &ledger_view(5, &[], wall),
+            read,
+        };
+        let answer = view.replace(7, listing, 1, WINDOW, old, wall);
+        assert!(answer.is_none(), "room for one");
+        assert_eq!(view.check_trusted(7, 1, old, true), Check::Ask);
+        assert!(view.check(7, 1, old).is_none());
+        // Stale and still short, the old entry stands (it refuses as the ledger does).
+        list(&view, 7, &ledger_view(5, &[WINDOW; 5], wall), old, wall);
+        let read = view.generation(7);
+        view.forget(7 + SHARD_COUNT as u128);
+        let listing = Listing {
+            view: &ledger_view(5, &[WINDOW; 5], wall),
+            read,
+        };
+        assert!(view.replace(7, listing, 1, WINDOW, old, wall).is_some());
+        assert!(matches!(
+            view.check_trusted(7, 1, old, true),
+            Check::Refuse(_)
+        ));
     }
 
     #[test]

@@ -819,7 +819,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
                         tracing::warn!(account_id = %format_args!("{:032x}", charge.account.id), "caller moved to a plan this configuration does not have");
                         let window =
                             Duration::from_secs(charge.account.window_seconds.get().into());
-                        let quota = self.local.quota(charge.account.id, 0, self.clock.now());
+                        let mut quota = self.local.quota(charge.account.id, 0, self.clock.now());
+                        // `t` as long as the Retry-After, as on any block.
+                        quota.reset_after = quota.reset_after.max(window);
                         let outcome = refused(window, DecisionSource::Ledger, true);
                         break ((outcome, quota, None), None, None);
                     }

@@ -761,10 +761,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             None => status.remaining = 0,
         }
+        // No sooner than the Retry-After the outcome says (a second at least: with no listing
+        // to wait for, `t=0` beside `Retry-After: 1`).
         statuses[refused].quota.reset_seconds = statuses[refused]
             .quota
             .reset_seconds
-            .max(whole_seconds_up(retry_after));
+            .max(whole_seconds_up(retry_after).max(1));
         MultiDecision {
             outcome: super::refused(retry_after, DecisionSource::Ledger, blocked),
             refused_by: Some(refused),

@@ -269,6 +269,28 @@ async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
     assert!(f.calls().is_empty());
 }
 
+/// A refusal whose listing gives no instant to wait for (the view off here; or the listing
+/// found room again) says `Retry-After: 1`, and its limit's reset is no sooner: it said `t=0`.
+#[tokio::test]
+async fn a_refusal_with_no_instant_to_wait_for_resets_no_sooner_than_it_retries() {
+    let f = Fixture::with_view(0);
+    let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
+    f.script(|s| {
+        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
+        s.views.push_back(Ok(Some(full)));
+    });
+    let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
+    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let (retry_after_seconds, _) = limited_by_outcome(&decision.outcome).expect("limited");
+    assert_eq!(decision.refused_by, Some(1));
+    assert!(retry_after_seconds >= 1);
+    let reset_seconds = decision.limits[1].quota.reset_seconds;
+    assert!(
+        reset_seconds >= retry_after_seconds,
+        "t={reset_seconds} under Retry-After: {retry_after_seconds}"
+    );
+}
+
 /// A costly request refused by the ledger says what is left (2 of 5, under its cost of 3), as
 /// a refusal from memory does: not 0.
 #[tokio::test]

@@ -1146,11 +1146,15 @@ async fn a_move_to_a_plan_this_configuration_lacks_is_refused_as_blocked() {
         s.views.push_back(Ok(Some(moved)));
     });
     let decision = f.check(ONE).await;
-    assert!(
-        matches!(decision.outcome, Outcome::Blocked { .. }),
-        "{:?}",
-        decision.outcome
-    );
+    let Outcome::Blocked {
+        retry_after_seconds,
+        ..
+    } = decision.outcome
+    else {
+        panic!("{:?}", decision.outcome);
+    };
+    // `t` as long as the Retry-After, as on any block (it said `t=0`).
+    assert_eq!(decision.quota.reset_seconds, retry_after_seconds);
 }
 
 /// A library user renders its scrape after `drain_counts` alone (as the README says): the
