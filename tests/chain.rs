@@ -974,6 +974,36 @@ impl MoveRig {
     }
 }
 
+/// A request's hold placed while the move makes the new account (provisions it, reads it) is
+/// carried once, by the second pass: the balance was read again after that, and the hold
+/// counted both as credit the listing left out and as a late hold (8 of 10 carried, 5 live).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_placed_while_the_new_account_is_made_is_carried_once() {
+    use ledger_limiter::ledger::model::TRANSFER_CODE_GRANT;
+    use ledger_limiter::ledger::Moving;
+    let rig = MoveRig::new().await;
+    rig.hold(2, 30).await;
+    let (caught, go) = rig
+        .proxy
+        .lose_answer_to(TRANSFER_CODE_GRANT, Instant::now());
+    let (id, target, mover) = (rig.from.account.id, rig.to.account, rig.moving.clone());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let moved = tokio::spawn(async move {
+        (mover.move_caller(id, &target, 7, MoveRig::actor(), 60, deadline)).await
+    });
+    // The new account's grant caught at the proxy: a request lands meanwhile.
+    caught_within(caught).await;
+    rig.hold(3, 40).await;
+    go.send(()).unwrap();
+    let moved = moved.await.unwrap();
+    assert!(matches!(moved, Ok(Moving::Done { .. })), "{moved:?}");
+    assert_eq!(
+        rig.free_on_new_once(5).await,
+        Some(5),
+        "2 and 3 carried once"
+    );
+}
+
 /// Until the proxy caught the request its trap was armed for (10 s at most).
 async fn caught_within(caught: tokio::sync::oneshot::Receiver<()>) {
     tokio::time::timeout(Duration::from_secs(10), caught)

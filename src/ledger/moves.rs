@@ -133,8 +133,10 @@ fn closed_as(closed: super::Blocked) -> Moving {
 /// apart by id, not by a difference of balances, in which a hold that expired between the reads
 /// would hide as much of the new ones. Both listings read newest first, so a hold placed after
 /// `before` is listed in `after` even when neither is complete. A lease settled in flight
-/// leaves its settlement here while the lease's own carry still stands: counted twice until
-/// they expire, which refuses more, never admits more.
+/// leaves its settlement here while the lease's own carry still stands, and a hold placed
+/// between `before`'s listing and the balance's second read (one round trip) is in the first
+/// pass's unlisted credit too ([`carried_from`]): counted twice until they expire, which
+/// refuses more, never admits more.
 fn late_holds(before: &super::AccountView, after: &super::AccountView) -> Vec<super::Hold> {
     let seen: std::collections::HashSet<u128> = before.holds.iter().map(|hold| hold.id).collect();
     (after.holds.iter())
@@ -198,6 +200,10 @@ impl Ledger {
         if let Some(closed) = view.blocked {
             return Ok(closed_as(closed));
         }
+        // Read at once after the listing: a hold placed between the two counts in `held` as
+        // unlisted and is a late hold of the second pass too (carried twice). Read after the
+        // new account was made (several round trips), every request in that gap was.
+        let held = self.held_after(from, &view, deadline).await?;
         let (mut chain, to_free) = match self
             .open_target(to, actor, window_seconds_max, deadline)
             .await?
@@ -205,7 +211,6 @@ impl Ledger {
             Ok(target) => target,
             Err(moving) => return Ok(moving),
         };
-        let held = self.held_after(from, &view, deadline).await?;
         let carried = carried_from(&view, held, SystemTime::now(), window_seconds_max);
         chain.extend(carry_transfers(from, to.id, self.ledger_id, &carried));
         let move_transfer = model::move_transfer(from, self.ledger_id, plan_tag, actor);
