@@ -1373,22 +1373,32 @@ async fn an_escaped_slash_finds_the_routes_slots_and_the_fewer_of_two() {
     assert_eq!(slots_of(&two, "/reports%2Fx"), Some(1));
 }
 
+/// Concurrency limits of 3 on `/reports/*` and 2 on `/rep*` (30 s slots) over `ledger`, and a
+/// fresh caller: `/reports%2Fx` is on both routes.
+fn reports_and_rep(
+    ledger: &ledger_limiter::ledger::Ledger,
+) -> (
+    ledger_limiter::http::ConcurrencyLimits,
+    ledger_limiter::limiter::caller::CallerKey,
+) {
+    use std::num::{NonZeroU32, NonZeroU64};
+    let routes = [("/reports/*", 3), ("/rep*", 2)]
+        .map(|(pattern, n)| (pattern.to_owned(), NonZeroU64::new(n).unwrap()));
+    let timeout = NonZeroU32::new(30).unwrap();
+    let settings = library_settings();
+    let limits = ledger_limiter::http::ConcurrencyLimits::new(ledger, &routes, timeout, &settings);
+    (limits.unwrap(), caller(&fresh_key("k")))
+}
+
 /// A path whose two forms are on two routes takes a slot on each, both or neither:
 /// `/reports%2Fx` counts on `/reports/*` as well as on `/rep*`. It took `/rep*`'s alone, and
 /// came in as a fourth request in flight beside three `/reports/x` under a limit of three.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_escaped_slash_takes_a_slot_on_both_routes() {
-    use ledger_limiter::http::ConcurrencyLimits;
-    use ledger_limiter::limiter::caller::CallerKey;
-    use std::num::{NonZeroU32, NonZeroU64};
+    use std::num::NonZeroU64;
     use std::time::Instant;
     let ledger = ledger_client(vec![shared_ledger().address]);
-    let routes = [("/reports/*", 3), ("/rep*", 2)]
-        .map(|(pattern, n)| (pattern.to_owned(), NonZeroU64::new(n).unwrap()));
-    let timeout = NonZeroU32::new(30).unwrap();
-    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
-    let key = fresh_key("k");
-    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 64).unwrap();
+    let (limits, key) = reports_and_rep(&ledger);
     let take = |path: &'static str| {
         let deadline = Instant::now() + Duration::from_secs(5);
         limits.take(path, &key, false, deadline)
@@ -1438,19 +1448,11 @@ async fn an_escaped_slash_takes_a_slot_on_both_routes() {
 /// would have expired (30 s here), and held the request and its connection that long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_on_the_second_route_answers_by_its_deadline() {
-    use ledger_limiter::http::ConcurrencyLimits;
     use ledger_limiter::ledger::model::TRANSFER_CODE_REQUEST;
-    use ledger_limiter::limiter::caller::CallerKey;
-    use std::num::{NonZeroU32, NonZeroU64};
     use std::time::Instant;
     let proxy = LedgerProxy::start(shared_ledger().address).await;
     let ledger = ledger_client(vec![proxy.address]);
-    let routes = [("/reports/*", 3), ("/rep*", 2)]
-        .map(|(pattern, n)| (pattern.to_owned(), NonZeroU64::new(n).unwrap()));
-    let timeout = NonZeroU32::new(30).unwrap();
-    let limits = ConcurrencyLimits::new(&ledger, &routes, timeout, &library_settings()).unwrap();
-    let key = fresh_key("k");
-    let key = CallerKey::from_header_value("x-api-key", key.as_bytes(), 64).unwrap();
+    let (limits, key) = reports_and_rep(&ledger);
     let take =
         |path: &'static str, by: Duration| limits.take(path, &key, false, Instant::now() + by);
     // `/reports/*` full; `/rep*`'s account made, so its next slot is one hold.
