@@ -485,7 +485,10 @@ async fn serve_exporting(
         signalled,
     ));
     let ran = application.run_until_stopped().await;
-    stopper.abort();
+    // Not aborted: the stop goes on past the server, through the trace flush (up to 5 s with a
+    // collector that does not answer), and a second signal then must still exit at once. It
+    // ends with the runtime.
+    drop(stopper);
     Ok(ran?)
 }
 

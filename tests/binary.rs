@@ -871,20 +871,38 @@ async fn stand_in_ledger(
     dir: &Path,
     start: &str,
 ) -> ledger_limiter::ledger::embedded::EmbeddedLedger {
-    use ledger_limiter::ledger::embedded::{EmbeddedLedger, EmbeddedOptions};
+    let options = stand_in_options(dir, start);
+    let started = ledger_limiter::ledger::embedded::EmbeddedLedger::start(options).await;
+    started.expect("it starts (and exits at once)")
+}
+
+/// The options of an embedded ledger whose server is a script: it formats by touching the
+/// file, and runs `start` to start.
+fn stand_in_options(dir: &Path, start: &str) -> ledger_limiter::ledger::embedded::EmbeddedOptions {
     use std::os::unix::fs::PermissionsExt;
     let bin = dir.join("tigerbeetle");
     let script = format!("#!/bin/sh\ncase \"$1\" in\n  format) for last; do :; done; touch \"$last\"; exit 0 ;;\n  start) {start} ;;\nesac\nexit 2\n");
     std::fs::write(&bin, script).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    EmbeddedLedger::start(EmbeddedOptions {
+    ledger_limiter::ledger::embedded::EmbeddedOptions {
         bin,
         data_dir: dir.join("data"),
         cluster_id: 0,
         development: true,
-    })
-    .await
-    .expect("it starts (and exits at once)")
+    }
+}
+
+/// A server that exits before it says its port is reported with what it said on stderr: that
+/// went out at debug alone (dropped at the default level), with a hint, `RUST_LOG=tigerbeetle=debug`,
+/// that turned the service's own log off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_ledger_that_cannot_start_says_why() {
+    use ledger_limiter::ledger::embedded::EmbeddedLedger;
+    let dir = common::ledger_dir();
+    let start = "echo 'error(main): the data file is locked by another process' >&2; exit 1";
+    let started = EmbeddedLedger::start(stand_in_options(dir.path(), start)).await;
+    let error = started.err().expect("it exits").to_string();
+    assert!(error.contains("the data file is locked"), "{error}");
 }
 
 /// A server that keeps exiting is restarted ten times in a row, then given up on, and that is

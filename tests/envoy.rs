@@ -1647,7 +1647,11 @@ async fn the_port_answers_grpcs_health_check() {
         }
     };
     const CHECK: &str = "/grpc.health.v1.Health/Check";
-    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+    for service in [
+        "",
+        "ratelimit",
+        "envoy.service.ratelimit.v3.RateLimitService",
+    ] {
         let answer = ask(service, CHECK).await.expect("answered");
         assert_eq!(answer.get_ref().status, SERVING, "{service:?}");
     }

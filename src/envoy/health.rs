@@ -38,9 +38,13 @@ pub struct HealthCheckResponse {
 /// `HealthCheckResponse.ServingStatus.SERVING`.
 pub const SERVING: i32 = 1;
 
-/// The names a check may ask about: the server's (empty) and the rate-limit service's.
-const NAMES: [&str; 2] = [
+/// The names a check may ask about: the server's (empty), the rate-limit service's, and
+/// `ratelimit`, the one envoyproxy/ratelimit reports its health under (its `NewHealthChecker`),
+/// which migrated Envoy clusters and Kubernetes probes ask for: answered `NOT_FOUND`, every host
+/// was unhealthy and every readiness probe failed.
+const NAMES: [&str; 3] = [
     "",
+    "ratelimit",
     <super::wire::WireServer as tonic::server::NamedService>::NAME,
 ];
 

@@ -91,10 +91,11 @@ impl GaveUp {
 }
 
 impl EmbeddedLedger {
-    pub async fn start(options: EmbeddedOptions) -> Result<Self, EmbeddedError> {
+    pub async fn start(mut options: EmbeddedOptions) -> Result<Self, EmbeddedError> {
         if !options.bin.is_file() {
             return Err(EmbeddedError::BinaryMissing(options.bin.clone()));
         }
+        options.bin = runnable(&options.bin);
         std::fs::create_dir_all(&options.data_dir).map_err(|source| EmbeddedError::DataDir {
             path: options.data_dir.clone(),
             source,
@@ -109,12 +110,12 @@ impl EmbeddedLedger {
             format(&options, &file).await?;
         }
         tracing::info!(file = %file.display(), "starting the embedded TigerBeetle");
-        let (child, stdin, port) = spawn(&options, &file).await?;
+        let (child, stdin, port, tail) = spawn(&options, &file).await?;
         let (moved, address) = watch::channel(loopback(port));
         tracing::info!(address = %loopback(port), file = %file.display(), "embedded TigerBeetle started");
         let (stop, stopped) = watch::channel(false);
         let gave_up = GaveUp::default();
-        let server = (child, stdin);
+        let server = (child, stdin, tail);
         let task = tokio::spawn(supervise(
             options,
             file,
@@ -198,6 +199,16 @@ async fn format(options: &EmbeddedOptions, file: &Path) -> Result<(), EmbeddedEr
     })
 }
 
+/// `bin` as a path that runs the file `is_file` found: a bare name (`tigerbeetle`) is that file
+/// in the working directory, and run as given, a name without a `/` is looked up on `PATH`
+/// (not found, or another TigerBeetle formatting and serving the data file).
+fn runnable(bin: &Path) -> PathBuf {
+    match bin.parent() {
+        Some(parent) if parent.as_os_str().is_empty() => Path::new(".").join(bin),
+        _ => bin.to_owned(),
+    }
+}
+
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
@@ -207,7 +218,7 @@ fn loopback(port: u16) -> SocketAddr {
 async fn spawn(
     options: &EmbeddedOptions,
     file: &Path,
-) -> Result<(Child, std::io::PipeWriter, u16), EmbeddedError> {
+) -> Result<(Child, std::io::PipeWriter, u16, StderrTail), EmbeddedError> {
     // TigerBeetle's watchdog treats any failed read of stdin as "closed", and a pipe made by
     // tokio is non-blocking (reads fail with EAGAIN at once): hand it a blocking pipe of our own.
     let (stdin_reader, stdin_writer) = std::io::pipe().map_err(|source| EmbeddedError::Spawn {
@@ -232,27 +243,69 @@ async fn spawn(
             bin: options.bin.clone(),
             source,
         })?;
-    // TigerBeetle logs to stderr; forward it at debug level so it is there when asked for.
-    if let Some(stderr) = child.stderr.take() {
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                tracing::debug!(target: "tigerbeetle", "{line}");
-            }
-        });
-    }
+    let stderr = child.stderr.take().expect("piped");
+    let tail = StderrTail::default();
+    let forwarding = tokio::spawn(forward_stderr(stderr, tail.clone()));
     let stdout = child.stdout.take().expect("piped");
     let mut lines = BufReader::new(stdout).lines();
-    let port = read_port(&mut child, &mut lines).await?;
+    let port = read_port(&mut child, &mut lines, (forwarding, &tail)).await?;
     // Keep draining stdout so the server never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, stdin_writer, port))
+    Ok((child, stdin_writer, port, tail))
+}
+
+/// The last lines the server wrote to stderr (at most [`STDERR_TAIL_LINES`], each cut at
+/// [`STDERR_LINE_BYTES_MAX`]): why it exited, said with its exit. Its log went out at debug
+/// alone, which the default `info` drops, and a crash at run time cannot be run again to see.
+#[derive(Clone, Default)]
+struct StderrTail(std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>);
+
+const STDERR_TAIL_LINES: usize = 10;
+const STDERR_LINE_BYTES_MAX: usize = 512;
+
+impl StderrTail {
+    fn push(&self, mut line: String) {
+        if line.len() > STDERR_LINE_BYTES_MAX {
+            let end = (0..=STDERR_LINE_BYTES_MAX)
+                .rev()
+                .find(|at| line.is_char_boundary(*at));
+            line.truncate(end.unwrap_or(0));
+        }
+        let mut tail = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if tail.len() == STDERR_TAIL_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(line);
+    }
+
+    /// The lines kept, oldest first, joined by ` | `; empty when none.
+    fn joined(&self) -> String {
+        let tail = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        Vec::from_iter(tail.iter().map(String::as_str)).join(" | ")
+    }
+}
+
+/// Forwards the server's stderr to the log, its errors and panics at `error`, its warnings at
+/// `warn`, the rest at `debug`; keeps its last lines in `tail`.
+async fn forward_stderr(stderr: tokio::process::ChildStderr, tail: StderrTail) {
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.starts_with("error") || line.contains("panic") {
+            tracing::error!(target: "tigerbeetle", "{line}");
+        } else if line.starts_with("warning") {
+            tracing::warn!(target: "tigerbeetle", "{line}");
+        } else {
+            tracing::debug!(target: "tigerbeetle", "{line}");
+        }
+        tail.push(line);
+    }
 }
 
 /// The port a server started with `--addresses=0` prints as its first line.
 async fn read_port(
     child: &mut Child,
     lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    (forwarding, tail): (JoinHandle<()>, &StderrTail),
 ) -> Result<u16, EmbeddedError> {
     let first = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
     match first {
@@ -265,9 +318,15 @@ async fn read_port(
                 .await
                 .map(|s| s.to_string())
                 .unwrap_or_default();
+            // Its stderr read to the end (it exited), a second at most.
+            let _ = tokio::time::timeout(Duration::from_secs(1), forwarding).await;
+            let said = match tail.joined() {
+                said if said.is_empty() => "it said nothing on stderr".to_owned(),
+                said => format!("it said: {said}"),
+            };
             Err(EmbeddedError::NoPort(
                 START_TIMEOUT,
-                format!("it exited ({status}); run with RUST_LOG=tigerbeetle=debug to see why"),
+                format!("it exited ({status}); {said}"),
             ))
         }
         Ok(Err(e)) => Err(EmbeddedError::NoPort(START_TIMEOUT, e.to_string())),
@@ -281,7 +340,7 @@ async fn read_port(
 async fn supervise(
     options: EmbeddedOptions,
     file: PathBuf,
-    (mut child, mut stdin): (Child, std::io::PipeWriter),
+    (mut child, mut stdin, mut tail): (Child, std::io::PipeWriter, StderrTail),
     moved: watch::Sender<SocketAddr>,
     (mut stopped, gave_up): (watch::Receiver<bool>, GaveUp),
 ) {
@@ -307,7 +366,8 @@ async fn supervise(
             restarts = 0;
         }
         restarts += 1;
-        tracing::error!(status = ?status.ok(), restarts, "embedded TigerBeetle exited; restarting");
+        let said = tail.joined();
+        tracing::error!(status = ?status.ok(), restarts, last_stderr = %said, "embedded TigerBeetle exited; restarting");
         if restarts > RESTARTS_MAX {
             tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy, /healthz answers 503)");
             gave_up.set();
@@ -324,13 +384,46 @@ async fn supervise(
         };
         started_at = tokio::time::Instant::now();
         match restarted {
-            Ok((next, next_stdin, port)) => {
+            Ok((next, next_stdin, port, next_tail)) => {
                 child = next;
                 stdin = next_stdin;
+                tail = next_tail;
                 tracing::info!(address = %loopback(port), "embedded TigerBeetle restarted");
                 moved.send_replace(loopback(port));
             }
             Err(error) => tracing::error!(%error, "cannot restart embedded TigerBeetle"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_name_runs_the_file_in_the_working_directory() {
+        let run = |bin: &str| runnable(Path::new(bin));
+        assert_eq!(run("tigerbeetle"), Path::new("./tigerbeetle"));
+        assert_eq!(run("./tigerbeetle"), Path::new("./tigerbeetle"));
+        assert_eq!(run(".tools/tigerbeetle"), Path::new(".tools/tigerbeetle"));
+        assert_eq!(
+            run("/usr/bin/tigerbeetle"),
+            Path::new("/usr/bin/tigerbeetle")
+        );
+    }
+
+    /// The tail keeps the last lines, each cut at its bound on a character's edge.
+    #[test]
+    fn the_stderr_tail_keeps_the_last_lines_bounded() {
+        let tail = StderrTail::default();
+        for n in 0..STDERR_TAIL_LINES + 3 {
+            tail.push(format!("line {n}"));
+        }
+        let joined = tail.joined();
+        assert!(joined.starts_with("line 3 | "), "{joined}");
+        assert!(joined.ends_with(&format!("line {}", STDERR_TAIL_LINES + 2)));
+        let long = StderrTail::default();
+        long.push("é".repeat(STDERR_LINE_BYTES_MAX));
+        assert_eq!(long.joined().len(), STDERR_LINE_BYTES_MAX);
     }
 }
