@@ -669,17 +669,20 @@ async fn blocked_behind_a_proxy() -> Blocked {
 
 impl Blocked {
     /// `act` through the proxy, with the ledger's answer to its transfer of `code` held until
-    /// 300 ms before its deadline (2 s away), and what the action asks next held until 100 ms
-    /// past it: a refusal that comes late, and a follow-up that needs a deadline of its own.
+    /// 500 ms before its deadline (3 s away), and what the action asks next held until 50 ms
+    /// past it: a refusal that comes late, and a follow-up that needs a deadline of its own (a
+    /// second from when it goes, past the hold by 450 ms). The two margins are the test's:
+    /// the answer's (proxy, client thread, wake-up) and the follow-up's; 300 ms and 600 ms
+    /// left the first too little on a loaded machine.
     async fn answered_late<T, F>(&self, code: u16, act: impl FnOnce(Ledger, Instant) -> F) -> T
     where
         F: std::future::Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let late = deadline - Duration::from_millis(300);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let late = deadline - Duration::from_millis(500);
         let (caught, go) = self.proxy.lose_answer_to(code, late);
-        (self.proxy).hold_later_requests_until(deadline + Duration::from_millis(100));
+        (self.proxy).hold_later_requests_until(deadline + Duration::from_millis(50));
         let acting = tokio::spawn(act(self.proxied.clone(), deadline));
         caught_within(caught).await;
         let _ = go.send(());
@@ -712,7 +715,7 @@ async fn a_block_refused_late_still_says_it_was_blocked_already() {
 }
 
 /// A top-up or a reduction of a blocked account whose refusal comes late (its answer held until
-/// 300 ms before the deadline, its follow-up past it) still says blocked, known not applied: the read of why the account
+/// 500 ms before the deadline, its follow-up past it) still says blocked, known not applied: the read of why the account
 /// is closed has a deadline of its own, and a read that fails leaves the answer blocked. Before,
 /// the read went out with the spent deadline and the operator had a 503 "may have been
 /// applied, retry" for a refused action.

@@ -843,7 +843,7 @@ async fn a_call_whose_body_never_ends_is_ended_in_time() {
     let took = started.elapsed();
     assert!(
         took >= Duration::from_millis(500 + 1_000)
-            && took < Duration::from_millis(500 + 1_000 + 700),
+            && took < Duration::from_millis(500 + 1_000 + 3_000),
         "took {took:?}"
     );
 }
@@ -1226,7 +1226,7 @@ async fn shadow_rules_never_deny_replaced_rules_do_not_apply_and_overrides_do() 
 const DEAD_LEDGER_TIMEOUT: Duration = Duration::from_millis(300);
 /// What the machine may add to that deadline before the answer reaches the test's client; a call
 /// that hung would take the client's whole timeout instead.
-const ANSWER_SLACK: Duration = Duration::from_millis(700);
+const ANSWER_SLACK: Duration = Duration::from_secs(3);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_ledger_is_unavailable_or_ok_within_the_deadline() {

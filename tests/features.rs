@@ -869,8 +869,17 @@ async fn retry_after_waits_for_every_spent_limit() {
     }
     // The ledger's refusal (the chain stops at the plan's link), then memory's (both listed).
     for source in ["ledger", "local view"] {
+        let calls = request_calls(app.limiter.ledger());
         let refused = app.get("/greeting", Some(&key)).await;
         assert_eq!(refused.status(), 429, "{source}");
+        // Each source asserted, not only named: a second trip to the ledger left memory's
+        // Retry-After untested.
+        let asked = request_calls(app.limiter.ledger()) - calls;
+        assert_eq!(
+            asked > 0,
+            source == "ledger",
+            "{source}: {asked} ledger calls"
+        );
         let retry = refused.headers()["retry-after"]
             .to_str()
             .unwrap()

@@ -48,8 +48,10 @@ async fn admits_capacity_then_limits_with_headers_then_admits_after_retry_after(
     assert_eq!(body["type"], "urn:ledger-limiter:problem:rate-limited");
 
     // The next one is answered from this instance's memory of the exhausted caller.
+    let calls = request_calls(app.limiter.ledger());
     let again = app.get("/greeting", Some(&key)).await;
     assert_eq!(again.status(), 429);
+    assert_eq!(request_calls(app.limiter.ledger()), calls, "from memory");
     let retry_after_again: u64 = header(&again, "retry-after").parse().unwrap();
     assert!(retry_after_again <= retry_after);
 
@@ -330,9 +332,9 @@ fn down_config(policy: &str) -> FileConfig {
 }
 
 /// What the machine may add to a decision's deadline before its answer reaches the test's client
-/// (two loaded cores, 50 requests at once). A request that hung would instead take the client's
-/// whole timeout.
-const ANSWER_SLACK: Duration = Duration::from_millis(800);
+/// (two loaded cores, 50 requests at once, a ledger formatting beside them). A request that hung
+/// would instead take the client's whole timeout (the ledger client has none of its own).
+const ANSWER_SLACK: Duration = Duration::from_secs(3);
 
 /// Sends `requests` requests from new callers at once and checks each is answered `status`
 /// within `deadline` (plus [`ANSWER_SLACK`]); returns their content types.
@@ -380,7 +382,7 @@ async fn ledger_down_fail_open_admits_within_the_deadline() {
 /// [`ANSWER_SLACK`], so two cannot pass for one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_down_a_concurrency_route_answers_within_one_deadline() {
-    let timeout = Duration::from_millis(1_200);
+    let timeout = Duration::from_secs(4);
     let mut config = down_config("open");
     config.ledger.timeout_ms = Some(timeout.as_millis() as u64);
     config.routes.concurrency = Some([("/greeting".to_owned(), 2)].into());
@@ -706,18 +708,20 @@ async fn holds_in_one_batch_each_time_out_at_their_own_deadline() {
             (result, started.elapsed())
         }
     };
-    let ((early, early_at), (late, late_at)) = tokio::join!(hold(100), hold(700));
+    let ((early, early_at), (late, late_at)) = tokio::join!(hold(100), hold(3_000));
     let timeout = ledger::LedgerError::Timeout {
         operation: ledger::metrics::Operation::CreateTransfers,
     };
     assert_eq!(early.unwrap_err(), timeout);
     assert_eq!(late.unwrap_err(), timeout);
+    // The premise: in separate batches each would time out at its own deadline trivially.
+    assert_eq!(ledger.batches_sent(), 1, "the two holds shared a batch");
     assert!(
-        early_at >= Duration::from_millis(100) && early_at < Duration::from_millis(600),
+        early_at >= Duration::from_millis(100) && early_at < Duration::from_secs(2),
         "the early hold at {early_at:?}"
     );
     assert!(
-        late_at >= Duration::from_millis(700),
+        late_at >= Duration::from_secs(3),
         "the late hold at {late_at:?}"
     );
     // Their callers left, but the ledger has not answered: the batch still holds their places.
@@ -791,8 +795,20 @@ async fn two_holds_apart(linger: Duration) -> u64 {
 
 /// A transfer due before a lingering batch goes does not join it (it would be answered late, and
 /// sent for nothing): it goes in a batch of its own, which lingers at most half its time left.
+///
+/// Up to three tries, as [`a_linger_lets_transfers_that_come_apart_share_one_call`]: a thread
+/// descheduled for 2 ms spends the second hold's deadline before it opens a batch.
 #[tokio::test]
 async fn a_transfer_due_before_a_lingering_batch_goes_opens_its_own() {
+    let mut calls = Vec::new();
+    while calls.len() < 3 && !calls.contains(&2) {
+        calls.push(a_lingering_batch_and_one_due_before_it().await);
+    }
+    assert_eq!(calls.last(), Some(&2), "a batch each: {calls:?}");
+}
+
+/// A hold in a lingering batch, then one due 2 ms later on the same thread: the calls made.
+async fn a_lingering_batch_and_one_due_before_it() -> u64 {
     let ledger = ledger_client_with(vec![shared_ledger().address], 8, ledger::BATCH_LINGER_MAX);
     let first = ledger.hold(
         fresh_id(),
@@ -820,7 +836,7 @@ async fn a_transfer_due_before_a_lingering_batch_goes_opens_its_own() {
         ),
         "{second:?}"
     );
-    assert_eq!(ledger.batches_sent(), 2, "a batch each");
+    ledger.batches_sent()
 }
 
 /// A linger past the most is refused when the ledger handle is made, not when a batch waits.

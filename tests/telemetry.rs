@@ -399,7 +399,7 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                 "plan" if value == concurrency::plan_name("/greeting") => continue,
                 // The Envoy front end's: `<domain>.<rule>` (`an_envoy_call_continues_...`).
                 "plan" => &[
-                    "free", "basic", "pro", "slots", "shadowed", "none", "traced.k",
+                    "free", "basic", "pro", "slots", "shadowed", "scraped", "none", "traced.k",
                 ],
                 "frontend" => &["envoy"],
                 "source" => &["ledger", "local_view", "none"],
@@ -454,7 +454,10 @@ async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
     telemetry();
     let ledger = shared_ledger();
     let mut config = test_config(ledger.address);
-    config.plans = Some([("free".to_owned(), plan(1, 30))].into());
+    // A plan of its own: the recorder is the process', and another test's scrape of `free`
+    // met the check below whatever this app's listener served.
+    config.plans = Some([("scraped".to_owned(), plan(1, 30))].into());
+    config.default_plan = Some("scraped".to_owned());
     config.metrics.listen = Some("127.0.0.1:0".into());
     // Not exempt here: the public port's 404 must not depend on it (else a 401, and charged).
     config.routes.exempt = Some(vec!["/healthz".into(), "/readyz".into()]);
@@ -480,9 +483,10 @@ async fn metrics_on_a_listener_of_their_own_are_not_served_to_callers() {
         async move { http.get(url).send().await.unwrap() }
     };
     let text = scrape("/metrics").await.text().await.unwrap();
-    let admitted = ["decision=\"admitted\"", "plan=\"free\""];
-    assert!(
-        metric_sum(&text, "ledger_limiter_decisions_total", &admitted) >= 1.0,
+    let admitted = ["decision=\"admitted\"", "plan=\"scraped\""];
+    assert_eq!(
+        metric_sum(&text, "ledger_limiter_decisions_total", &admitted),
+        1.0,
         "{text}"
     );
     assert!(!text.contains(&key), "keys never reach metrics");

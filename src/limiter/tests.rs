@@ -861,6 +861,8 @@ async fn a_refund_voids_the_hold_and_gives_the_credit_back_locally() {
     assert_eq!(decision.quota.remaining, CAPACITY - 1);
     assert_eq!(f.limiter.refund(&mut decision).await, Ok(true));
     assert_eq!(f.calls(), ["hold", "void"]);
+    // Given back, not forgotten (a forgotten caller's next hold reads the same quota).
+    assert_eq!(f.limiter.local_callers(), 1, "still known");
     // This instance knows the credit is back: the next request sees the whole quota again.
     let held = f.held();
     f.script(|s| s.holds.push_back(held));
