@@ -1156,6 +1156,56 @@ async fn a_moved_caller_keeps_what_it_holds_on_every_instance() {
     other.stop().await;
 }
 
+/// A move to a plan whose account for the caller is blocked says so, naming that account (a
+/// key the keys file moved between plans leaves its old plan's account as it was): it said
+/// "the caller is blocked", which no lookup of the caller showed and no unblock of it lifted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_to_a_blocked_account_names_it() {
+    use ledger_limiter::ledger::model;
+    use std::num::{NonZeroU32, NonZeroU64};
+    let mut config = config(2);
+    let plans = [("free", plan(2, 60)), ("pro", plan(5, 60))];
+    config.plans = Some(plans.map(|(name, plan)| (name.to_owned(), plan)).into());
+    config.default_plan = Some("free".into());
+    let app = spawn_app(config).await;
+    let admin = Admin { app: &app };
+    let key = fresh_key("k_");
+    let ledger = app.limiter.ledger();
+    let five = NonZeroU64::new(5).unwrap();
+    let pro = model::UserAccount {
+        id: model::user_account_id(ledger.ledger_id(), "pro", five, key.as_bytes()),
+        capacity: five,
+        window_seconds: NonZeroU32::new(60).unwrap(),
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    ledger.provision(&pro, deadline).await.unwrap();
+    let pro_id = format!("{:032x}", pro.id);
+    let path = format!("/admin/callers/{pro_id}/block");
+    let block = json!({"seconds": 600, "reason": "abuse on pro"});
+    let (status, _) = admin.send("POST", &path, Some(SECRET), Some(block)).await;
+    assert_eq!(status, 200);
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let body = json!({"key": key, "plan": "pro", "reason": "upgrade"});
+    let send_move = || {
+        admin.send(
+            "POST",
+            "/admin/callers/move",
+            Some(SECRET),
+            Some(body.clone()),
+        )
+    };
+    let (status, problem) = send_move().await;
+    assert_eq!((status, &problem["cause"]), (409, &json!("target_blocked")));
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(&pro_id), "{problem}");
+    // The named account's unblock lets the move go.
+    let (status, _) = admin.send("DELETE", &path, Some(SECRET), None).await;
+    assert_eq!(status, 200);
+    let (status, moved) = send_move().await;
+    assert_eq!(status, 200, "{moved}");
+    app.stop().await;
+}
+
 /// A caller moved through every plan is followed to its end: a lookup, a request and a move, each
 /// on an instance that never heard of the moves (one decision or lookup followed at most three
 /// moves: the lookup failed, the request was refused as blocked, and a fifth move as "moved

@@ -271,6 +271,7 @@ pub enum Conflict {
     SamePlan,
     MovedMeanwhile,
     MovedElsewhere,
+    TargetBlocked,
 }
 
 impl Conflict {
@@ -285,6 +286,7 @@ impl Conflict {
             Conflict::SamePlan => "same_plan",
             Conflict::MovedMeanwhile => "moved_meanwhile",
             Conflict::MovedElsewhere => "moved_elsewhere",
+            Conflict::TargetBlocked => "target_blocked",
         }
     }
 }
@@ -851,6 +853,9 @@ async fn move_caller(
                     }
                     MoveError::SamePlan(_) => (StatusCode::CONFLICT, Some(Conflict::SamePlan)),
                     MoveError::Blocked => (StatusCode::CONFLICT, Some(Conflict::Blocked)),
+                    MoveError::TargetBlocked { .. } => {
+                        (StatusCode::CONFLICT, Some(Conflict::TargetBlocked))
+                    }
                     MoveError::MovedMeanwhile => {
                         (StatusCode::CONFLICT, Some(Conflict::MovedMeanwhile))
                     }

@@ -346,7 +346,11 @@ impl Ledger {
     ) -> Result<Moving, LedgerError> {
         let follow_up = super::follow_up_deadline(deadline);
         if carries && self.is_closed(to, follow_up).await? {
-            return Ok(Moving::TargetBlocked);
+            // Closed by a move away from it (another operator's move of the caller) or a block.
+            return Ok(match self.closed_by_move(to, follow_up).await? {
+                true => Moving::MovedMeanwhile,
+                false => Moving::TargetBlocked,
+            });
         }
         Ok(closed_as(self.closed_by(from, follow_up).await?))
     }

@@ -203,7 +203,7 @@ impl Ledger {
     }
 
     /// Whether a closed account was closed by a move (else by a block).
-    async fn closed_by_move(
+    pub(super) async fn closed_by_move(
         &self,
         account_id: u128,
         deadline: Instant,

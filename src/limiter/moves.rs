@@ -75,6 +75,11 @@ pub enum MoveError {
     NoSuchAccount,
     #[error("the caller is blocked; unblock it first")]
     Blocked,
+    /// The new plan's account for the caller is blocked (not the caller's own: a key that
+    /// moved plans by the keys file left a block on its old plan's account). It answered
+    /// "the caller is blocked", which no lookup of the caller could show or unblock.
+    #[error("the caller's account on that plan, {account}, is blocked: unblock that account, or move the caller to another plan")]
+    TargetBlocked { account: String },
     #[error("another move of the caller landed first; look it up, and move it again if need be")]
     MovedMeanwhile,
     #[error("the caller was moved to a plan this configuration does not have")]
@@ -137,7 +142,11 @@ impl super::Limiter {
         {
             Moving::Done { carried } => carried,
             Moving::NoSuchAccount => return Err(MoveError::NoSuchAccount),
-            Moving::Closed | Moving::TargetBlocked => return Err(MoveError::Blocked),
+            Moving::Closed => return Err(MoveError::Blocked),
+            Moving::TargetBlocked => {
+                let account = format!("{to:032x}");
+                return Err(MoveError::TargetBlocked { account });
+            }
             Moving::MovedMeanwhile => return Err(MoveError::MovedMeanwhile),
         };
         self.local.forget(from);
