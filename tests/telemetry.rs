@@ -399,7 +399,15 @@ async fn metrics_have_bounded_labels_and_exemplars_only_for_sampled_traces() {
                 "plan" if value == concurrency::plan_name("/greeting") => continue,
                 // The Envoy front end's: `<domain>.<rule>` (`an_envoy_call_continues_...`).
                 "plan" => &[
-                    "free", "basic", "pro", "slots", "shadowed", "scraped", "none", "traced.k",
+                    "free",
+                    "basic",
+                    "pro",
+                    "slots",
+                    "shadowed",
+                    "scraped",
+                    "leasedroute",
+                    "none",
+                    "traced.k",
                 ],
                 "frontend" => &["envoy"],
                 "source" => &["ledger", "local_view", "none"],
@@ -600,6 +608,40 @@ async fn a_shadow_pass_has_no_limited_event() {
     assert_eq!(attribute(server, "ratelimit.shadow").unwrap(), "true");
     let events: Vec<_> = server.events.iter().map(|e| &e.name).collect();
     assert!(!events.iter().any(|name| *name == "limited"), "{events:?}");
+    app.stop().await;
+}
+
+/// A lease plan on a route with route limits holds per request (one chain each): its holds count
+/// in `lease_transfers_total`, the numerator of the transfers per admitted request the README
+/// has operators read; they were left out, and the ratio read low on such routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_plans_hold_under_a_route_limit_is_a_transfer_counted() {
+    use ledger_limiter::config::PlanFile;
+    telemetry();
+    let mut config = test_config(shared_ledger().address);
+    let mut leased = plan(100, 60);
+    leased.lease_units_max = Some(10);
+    leased.lease_seconds = Some(5);
+    config.plans = Some([("leasedroute".to_owned(), leased)].into());
+    config.default_plan = Some("leasedroute".to_owned());
+    let limits: [(String, PlanFile); 1] = [("burst".into(), plan(10, 60))];
+    config.limits = Some(limits.into());
+    config.routes.limits = Some([("/greeting".to_owned(), vec!["burst".into()])].into());
+    let (app, _) = spawn_observed_app(config).await;
+    let key = fresh_key("k_");
+    assert_eq!(app.get("/greeting", Some(&key)).await.status(), 200);
+    let text = app.get("/metrics", None).await.text().await.unwrap();
+    let plan = ["plan=\"leasedroute\""];
+    let admitted = ["decision=\"admitted\"", "plan=\"leasedroute\""];
+    assert_eq!(
+        metric_sum(&text, "ledger_limiter_decisions_total", &admitted),
+        1.0
+    );
+    assert_eq!(
+        metric_sum(&text, "ledger_limiter_lease_transfers_total", &plan),
+        1.0,
+        "{text}"
+    );
     app.stop().await;
 }
 

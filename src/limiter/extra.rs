@@ -128,6 +128,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             let decision = self.multi_decision(multi, &charge, route_limits, &limits);
             self.record(&decision, key, cost);
+            // A lease plan under route limits holds per request (the chain): counted in the
+            // transfers per admitted request as the per-request path counts its own, which read
+            // low on such routes.
+            if decision.plan.lease().is_some() && decision.hold.is_some() {
+                self.leases.count_transfers(decision.plan_id, 1);
+            }
             self.record_route_limit(&decision);
             return Ok(decision);
         }

@@ -440,7 +440,7 @@ impl LeaseBook {
         }
     }
 
-    fn count_transfers(&self, plan_id: PlanId, transfers: u64) {
+    pub(super) fn count_transfers(&self, plan_id: PlanId, transfers: u64) {
         if let Some(counter) = self.metrics.transfers.get(plan_id.index()) {
             counter.increment(transfers);
         }
