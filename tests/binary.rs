@@ -899,7 +899,9 @@ fn stand_in_options(dir: &Path, start: &str) -> ledger_limiter::ledger::embedded
 async fn an_embedded_ledger_that_cannot_start_says_why() {
     use ledger_limiter::ledger::embedded::EmbeddedLedger;
     let dir = common::ledger_dir();
-    let start = "echo 'error(main): the data file is locked by another process' >&2; exit 1";
+    let line = "2026-12-08 02:36:10.875Z error(main): the data file is locked by another process";
+    let start = format!("echo '{line}' >&2; exit 1");
+    let start = start.as_str();
     let started = EmbeddedLedger::start(stand_in_options(dir.path(), start)).await;
     let error = started.err().expect("it exits").to_string();
     assert!(error.contains("the data file is locked"), "{error}");

@@ -110,12 +110,12 @@ impl EmbeddedLedger {
             format(&options, &file).await?;
         }
         tracing::info!(file = %file.display(), "starting the embedded TigerBeetle");
-        let (child, stdin, port, tail) = spawn(&options, &file).await?;
+        let (child, stdin, port, stderr) = spawn(&options, &file).await?;
         let (moved, address) = watch::channel(loopback(port));
         tracing::info!(address = %loopback(port), file = %file.display(), "embedded TigerBeetle started");
         let (stop, stopped) = watch::channel(false);
         let gave_up = GaveUp::default();
-        let server = (child, stdin, tail);
+        let server = (child, stdin, stderr);
         let task = tokio::spawn(supervise(
             options,
             file,
@@ -218,7 +218,7 @@ fn loopback(port: u16) -> SocketAddr {
 async fn spawn(
     options: &EmbeddedOptions,
     file: &Path,
-) -> Result<(Child, std::io::PipeWriter, u16, StderrTail), EmbeddedError> {
+) -> Result<(Child, std::io::PipeWriter, u16, Stderr), EmbeddedError> {
     // TigerBeetle's watchdog treats any failed read of stdin as "closed", and a pipe made by
     // tokio is non-blocking (reads fail with EAGAIN at once): hand it a blocking pipe of our own.
     let (stdin_reader, stdin_writer) = std::io::pipe().map_err(|source| EmbeddedError::Spawn {
@@ -246,12 +246,34 @@ async fn spawn(
     let stderr = child.stderr.take().expect("piped");
     let tail = StderrTail::default();
     let forwarding = tokio::spawn(forward_stderr(stderr, tail.clone()));
+    let mut stderr = Stderr {
+        tail,
+        forwarding: Some(forwarding),
+    };
     let stdout = child.stdout.take().expect("piped");
     let mut lines = BufReader::new(stdout).lines();
-    let port = read_port(&mut child, &mut lines, (forwarding, &tail)).await?;
+    let port = read_port(&mut child, &mut lines, &mut stderr).await?;
     // Keep draining stdout so the server never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, stdin_writer, port, tail))
+    Ok((child, stdin_writer, port, stderr))
+}
+
+/// The server's stderr: its last lines, and the task that reads them (it ends as the server
+/// exits).
+struct Stderr {
+    tail: StderrTail,
+    forwarding: Option<JoinHandle<()>>,
+}
+
+impl Stderr {
+    /// What the server said last, once its stderr was read to the end (it exited), a second at
+    /// most: read at once, its last lines (a panic's, most often) were still in the pipe.
+    async fn said(&mut self) -> String {
+        if let Some(forwarding) = self.forwarding.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), forwarding).await;
+        }
+        self.tail.joined()
+    }
 }
 
 /// The last lines the server wrote to stderr (at most [`STDERR_TAIL_LINES`], each cut at
@@ -285,14 +307,16 @@ impl StderrTail {
     }
 }
 
-/// Forwards the server's stderr to the log, its errors and panics at `error`, its warnings at
-/// `warn`, the rest at `debug`; keeps its last lines in `tail`.
+/// Forwards the server's stderr to the log at its lines' levels ([`level_of`]); keeps its last
+/// lines in `tail`.
 async fn forward_stderr(stderr: tokio::process::ChildStderr, tail: StderrTail) {
+    use tracing::Level;
     let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        if line.starts_with("error") || line.contains("panic") {
+        let level = level_of(&line);
+        if level == Level::ERROR {
             tracing::error!(target: "tigerbeetle", "{line}");
-        } else if line.starts_with("warning") {
+        } else if level == Level::WARN {
             tracing::warn!(target: "tigerbeetle", "{line}");
         } else {
             tracing::debug!(target: "tigerbeetle", "{line}");
@@ -301,11 +325,28 @@ async fn forward_stderr(stderr: tokio::process::ChildStderr, tail: StderrTail) {
     }
 }
 
+/// The level of a line of the server's stderr: its errors and panics `error`, its warnings
+/// `warn`, the rest `debug`. TigerBeetle 0.16 writes `<date> <time>Z warning(main): …`, the
+/// level after a timestamp.
+fn level_of(line: &str) -> tracing::Level {
+    let is = |level: &str| {
+        let scope = format!("{level}(");
+        line.starts_with(&scope) || line.contains(&format!(" {scope}"))
+    };
+    if is("error") || line.contains("panic") {
+        tracing::Level::ERROR
+    } else if is("warning") {
+        tracing::Level::WARN
+    } else {
+        tracing::Level::DEBUG
+    }
+}
+
 /// The port a server started with `--addresses=0` prints as its first line.
 async fn read_port(
     child: &mut Child,
     lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-    (forwarding, tail): (JoinHandle<()>, &StderrTail),
+    stderr: &mut Stderr,
 ) -> Result<u16, EmbeddedError> {
     let first = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
     match first {
@@ -318,9 +359,7 @@ async fn read_port(
                 .await
                 .map(|s| s.to_string())
                 .unwrap_or_default();
-            // Its stderr read to the end (it exited), a second at most.
-            let _ = tokio::time::timeout(Duration::from_secs(1), forwarding).await;
-            let said = match tail.joined() {
+            let said = match stderr.said().await {
                 said if said.is_empty() => "it said nothing on stderr".to_owned(),
                 said => format!("it said: {said}"),
             };
@@ -340,7 +379,7 @@ async fn read_port(
 async fn supervise(
     options: EmbeddedOptions,
     file: PathBuf,
-    (mut child, mut stdin, mut tail): (Child, std::io::PipeWriter, StderrTail),
+    (mut child, mut stdin, mut stderr): (Child, std::io::PipeWriter, Stderr),
     moved: watch::Sender<SocketAddr>,
     (mut stopped, gave_up): (watch::Receiver<bool>, GaveUp),
 ) {
@@ -366,7 +405,7 @@ async fn supervise(
             restarts = 0;
         }
         restarts += 1;
-        let said = tail.joined();
+        let said = stderr.said().await;
         tracing::error!(status = ?status.ok(), restarts, last_stderr = %said, "embedded TigerBeetle exited; restarting");
         if restarts > RESTARTS_MAX {
             tracing::error!("embedded TigerBeetle keeps exiting; giving up (requests follow the failure policy, /healthz answers 503)");
@@ -384,10 +423,10 @@ async fn supervise(
         };
         started_at = tokio::time::Instant::now();
         match restarted {
-            Ok((next, next_stdin, port, next_tail)) => {
+            Ok((next, next_stdin, port, next_stderr)) => {
                 child = next;
                 stdin = next_stdin;
-                tail = next_tail;
+                stderr = next_stderr;
                 tracing::info!(address = %loopback(port), "embedded TigerBeetle restarted");
                 moved.send_replace(loopback(port));
             }
@@ -410,6 +449,31 @@ mod tests {
             run("/usr/bin/tigerbeetle"),
             Path::new("/usr/bin/tigerbeetle")
         );
+    }
+
+    /// Lines as TigerBeetle 0.16 writes them, a timestamp before the level.
+    #[test]
+    fn the_servers_lines_are_logged_at_their_levels() {
+        use tracing::Level;
+        let cases = [
+            (
+                "2026-12-08 02:36:10.875Z warning(main): Grid cache size of 32MiB is small",
+                Level::WARN,
+            ),
+            (
+                "2026-12-08 02:36:10.875Z error(io): could not lock the data file",
+                Level::ERROR,
+            ),
+            ("thread 4242 panic: reached unreachable code", Level::ERROR),
+            (
+                "2026-12-08 02:36:06.135Z info(io): opening \"0_0.tigerbeetle\"...",
+                Level::DEBUG,
+            ),
+            ("error(main): no timestamp", Level::ERROR),
+        ];
+        for (line, level) in cases {
+            assert_eq!(level_of(line), level, "{line}");
+        }
     }
 
     /// The tail keeps the last lines, each cut at its bound on a character's edge.
