@@ -892,6 +892,42 @@ fn stand_in_options(dir: &Path, start: &str) -> ledger_limiter::ledger::embedded
     }
 }
 
+/// The binary's `/healthz` answers 503 over its socket once its embedded ledger is given up on
+/// (it kept exiting): the flag's wiring into the served app, which `routes.rs`'s own test (an
+/// app it builds itself) and the library test above (the flag alone) do not reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binarys_healthz_fails_once_its_embedded_ledger_is_given_up_on() {
+    let dir = common::ledger_dir();
+    let options = stand_in_options(dir.path(), "echo 3999; exit 1");
+    let port = common::port_outside_ephemeral_range();
+    let mut command = common::binary_command();
+    command
+        .arg("--tigerbeetle-bin")
+        .arg(&options.bin)
+        .arg("--data-dir")
+        .arg(&options.data_dir)
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _running = common::Guard(Some(command.spawn().expect("the binary starts")));
+    let http = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}/healthz");
+    let (mut seen, until) = (Vec::new(), Instant::now() + Duration::from_secs(60));
+    while seen.last() != Some(&503) && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let sent = http.get(&url).timeout(Duration::from_secs(2)).send().await;
+        if let Ok(answer) = sent {
+            let status = answer.status().as_u16();
+            if seen.last() != Some(&status) {
+                seen.push(status);
+            }
+        }
+    }
+    // 503 is the given-up flag's alone (`routes::healthz`); a 200 first, if the binary served
+    // before the tenth restart (it does, unless the machine stalls it for ten seconds).
+    assert_eq!(seen.last(), Some(&503), "given up on: {seen:?}");
+}
+
 /// A server that exits before it says its port is reported with what it said on stderr: that
 /// went out at debug alone (dropped at the default level), with a hint, `RUST_LOG=tigerbeetle=debug`,
 /// that turned the service's own log off.
