@@ -314,10 +314,6 @@ impl StopSignals {
     }
 }
 
-/// The `LEDGER_LIMITER_*` names among `names` that no setting reads: a misspelling, or a
-/// file-only setting (`LEDGER_LIMITER_IN_FLIGHT_MAX`), which was ignored without a word. Not
-/// the scripts' own: `LEDGER_LIMITER_CACHE` (`scripts/setup`), `_BIN` and `_CLUSTER_DIR`
-/// (`scripts/cluster`).
 /// What the configuration sets that nothing reads: `LEDGER_LIMITER_*` variables no setting
 /// reads, and embedded-ledger settings beside `ledger.addresses`. Said at the start and by
 /// `--check-config`.
@@ -332,6 +328,10 @@ fn ignored_settings(settings: &Settings) -> Vec<String> {
     variables.chain(embedded).collect()
 }
 
+/// The `LEDGER_LIMITER_*` names among `names` that no setting reads: a misspelling, or a
+/// file-only setting (`LEDGER_LIMITER_IN_FLIGHT_MAX`), which was ignored without a word. Not
+/// the scripts' own: `LEDGER_LIMITER_CACHE` (`scripts/setup`), `_BIN` and `_CLUSTER_DIR`
+/// (`scripts/cluster`).
 fn unread_variables(names: impl Iterator<Item = String>) -> Vec<String> {
     use clap::CommandFactory;
     let command = Cli::command();

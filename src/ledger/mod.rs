@@ -438,15 +438,6 @@ impl Ledger {
         Ok(true)
     }
 
-    /// The connection to call on: the one in use, or, if its client can send nothing more (an
-    /// eviction), a new one at the same addresses. The evicted one is retired like a replaced
-    /// one, so its calls that will never be answered give their places back.
-    ///
-    /// At most one new client each [`EVICTED_REPLACE_INTERVAL`]: a cluster that evicts every
-    /// client it registers (it serves a later release only, or more instances share it than
-    /// it keeps sessions for) made one per call, each with a thread of its own, hundreds a
-    /// second. Meanwhile a call fails at once, `client_gone`: one submitted to the evicted
-    /// client would never be answered, and keep its place until its deadline.
     /// [`Ledger::connection`] for a call that got its place: `Timeout` if the wait for the place
     /// spent its deadline (a waited call may be handed one as its deadline passes: sent then, it
     /// would be answered `Timeout` all the same while it lands, a release's voids among them).
@@ -461,6 +452,15 @@ impl Ledger {
         self.connection(operation)
     }
 
+    /// The connection to call on: the one in use, or, if its client can send nothing more (an
+    /// eviction), a new one at the same addresses. The evicted one is retired like a replaced
+    /// one, so its calls that will never be answered give their places back.
+    ///
+    /// At most one new client each [`EVICTED_REPLACE_INTERVAL`]: a cluster that evicts every
+    /// client it registers (it serves a later release only, or more instances share it than
+    /// it keeps sessions for) made one per call, each with a thread of its own, hundreds a
+    /// second. Meanwhile a call fails at once, `client_gone`: one submitted to the evicted
+    /// client would never be answered, and keep its place until its deadline.
     fn connection(&self, operation: Operation) -> Result<Arc<Connection>, LedgerError> {
         let connection = self.client.load_full();
         if !connection.is_gone() {
