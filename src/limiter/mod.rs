@@ -348,6 +348,12 @@ fn whole_seconds_up(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
+/// A Retry-After's whole seconds as a refusal says it: rounded up, and a second at least (the
+/// reset of the limit that refused is no sooner).
+fn retry_after_seconds(retry_after: Duration) -> u64 {
+    whole_seconds_up(retry_after).max(1)
+}
+
 impl Limiter {
     /// Install the `metrics` recorder first: the decision counters bind to it here.
     pub fn new(ledger: Ledger, plans: Arc<PlanBook>, settings: LimiterSettings) -> Self {
@@ -1461,7 +1467,7 @@ fn refused_from_memory(limit: LocalLimit) -> (Outcome, LocalQuota) {
 }
 
 fn refused(retry_after: Duration, source: DecisionSource, blocked: bool) -> Outcome {
-    let retry_after_seconds = whole_seconds_up(retry_after).max(1);
+    let retry_after_seconds = retry_after_seconds(retry_after);
     if blocked {
         Outcome::Blocked {
             retry_after_seconds,

@@ -19,8 +19,8 @@ use thiserror::Error;
 
 use super::store::{Clock, Store};
 use super::{
-    refused, second_chance, whole_seconds_up, DecisionSource, FailurePolicy, HoldReceipt, Limiter,
-    Outcome, Quota, SecondChance, INCOMPLETE_LISTING_STANDS,
+    refused, retry_after_seconds, second_chance, whole_seconds_up, DecisionSource, FailurePolicy,
+    HoldReceipt, Limiter, Outcome, Quota, SecondChance, INCOMPLETE_LISTING_STANDS,
 };
 use crate::ledger::metrics::Operation;
 use crate::ledger::model::UserAccount;
@@ -712,7 +712,7 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         else {
             return;
         };
-        if whole_seconds_up(retry_after).max(1) <= retry_after_seconds {
+        if super::retry_after_seconds(retry_after) <= retry_after_seconds {
             return;
         }
         decision.outcome = super::refused(retry_after, DecisionSource::Ledger, false);
@@ -720,7 +720,9 @@ impl<S: Store, C: Clock> Limiter<S, C> {
         let status = &mut decision.limits[i].quota;
         *status = quota(&limit.account, spent);
         status.remaining = status.remaining.min(cost.saturating_sub(1));
-        status.reset_seconds = status.reset_seconds.max(whole_seconds_up(retry_after));
+        status.reset_seconds = status
+            .reset_seconds
+            .max(super::retry_after_seconds(retry_after));
     }
 
     /// Limit `refused` has too little credit: nothing was held. Retry-After from its holds, as
@@ -761,12 +763,12 @@ impl<S: Store, C: Clock> Limiter<S, C> {
             }
             None => status.remaining = 0,
         }
-        // No sooner than the Retry-After the outcome says (a second at least: with no listing
-        // to wait for, `t=0` beside `Retry-After: 1`).
+        // No sooner than the Retry-After the outcome says (with no listing to wait for, it said
+        // `t=0` beside `Retry-After: 1`).
         statuses[refused].quota.reset_seconds = statuses[refused]
             .quota
             .reset_seconds
-            .max(whole_seconds_up(retry_after).max(1));
+            .max(retry_after_seconds(retry_after));
         MultiDecision {
             outcome: super::refused(retry_after, DecisionSource::Ledger, blocked),
             refused_by: Some(refused),
