@@ -3,6 +3,7 @@
 mod common;
 
 use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -1429,13 +1430,22 @@ async fn only_a_caller_of_this_ledger_is_audited_as_a_caller() {
 /// instance out of service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ping_waits_for_a_place_under_a_full_bound() {
+    let pinged = under_a_full_bound(|ledger, deadline| async move { ledger.ping(deadline).await });
+    assert_eq!(pinged.await, Ok(()));
+}
+
+/// `call` on a ledger handle whose one place is taken, the ledger stopped, and resumed 300 ms
+/// later ([`full_bound`], [`resume_after`]): its answer, by a deadline 5 s away.
+async fn under_a_full_bound<F: std::future::Future>(
+    call: impl FnOnce(Arc<Ledger>, Instant) -> F,
+) -> F::Output {
     let process = TestLedger::start();
     let full = full_bound(&process).await;
     let deadline = Instant::now() + Duration::from_secs(5);
     let resume = resume_after(&process, Duration::from_millis(300));
-    let (pinged, ()) = tokio::join!(full.ledger.ping(deadline), resume);
-    assert_eq!(pinged, Ok(()));
+    let (answer, ()) = tokio::join!(call(full.ledger.clone(), deadline), resume);
     let _ = full.other.await;
+    answer
 }
 
 /// The operator epoch, which every instance reads each second to learn of an operator's act,
@@ -1443,13 +1453,9 @@ async fn a_ping_waits_for_a_place_under_a_full_bound() {
 /// instance (leases admitted the blocked caller until their L was over) until the flood ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_epoch_is_read_under_a_full_bound() {
-    let process = TestLedger::start();
-    let full = full_bound(&process).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let resume = resume_after(&process, Duration::from_millis(300));
-    let (epoch, ()) = tokio::join!(full.ledger.operator_epoch(deadline), resume);
+    let read = |ledger: Arc<Ledger>, deadline| async move { ledger.operator_epoch(deadline).await };
+    let epoch = under_a_full_bound(read).await;
     assert!(epoch.is_ok(), "{epoch:?}");
-    let _ = full.other.await;
 }
 
 /// A fresh caller's request of `cost`, admitted on `limiter`'s plan and a route limit of 10 a

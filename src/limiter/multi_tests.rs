@@ -244,16 +244,22 @@ async fn an_account_missing_after_provisioning_follows_the_failure_policy() {
     f.script(|s| assert_eq!(s.errors_recorded, 1));
 }
 
-#[tokio::test]
-async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
-    let f = Fixture::closed();
+/// Limits A (20 a minute) and B (`CAPACITY` per 30 s), B refused by the ledger, whose listing
+/// has it full (holds ending in 7 to 12 s): `f`'s decision, and the limits.
+async fn refused_by_b_listed_full(f: &Fixture) -> (MultiDecision, [Limit; 2]) {
     let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
     f.script(|s| {
         s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
         s.views.push_back(Ok(Some(full)));
     });
     let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    (f.limiter.check_all(&limits).await.unwrap(), limits)
+}
+
+#[tokio::test]
+async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
+    let f = Fixture::closed();
+    let (decision, limits) = refused_by_b_listed_full(&f).await;
     assert_eq!(
         limited_by_outcome(&decision.outcome),
         Some((7, DecisionSource::Ledger))
@@ -274,13 +280,7 @@ async fn a_refusal_by_the_ledger_names_the_limit_and_its_retry_after() {
 #[tokio::test]
 async fn a_refusal_with_no_instant_to_wait_for_resets_no_sooner_than_it_retries() {
     let f = Fixture::with_view(0);
-    let full = f.view(CAPACITY, &[7, 8, 9, 10, 12], true);
-    f.script(|s| {
-        s.chains.push_back(refused(1, LinkRefusal::ExceedsCredits));
-        s.views.push_back(Ok(Some(full)));
-    });
-    let limits = [limit(A, 20, 60, 1), limit(B, CAPACITY, 30, 1)];
-    let decision = f.limiter.check_all(&limits).await.unwrap();
+    let (decision, _) = refused_by_b_listed_full(&f).await;
     let (retry_after_seconds, _) = limited_by_outcome(&decision.outcome).expect("limited");
     assert_eq!(decision.refused_by, Some(1));
     assert!(retry_after_seconds >= 1);
